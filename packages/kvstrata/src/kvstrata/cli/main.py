@@ -1,0 +1,57 @@
+"""Entry point of the `kvstrata` command.
+
+Each subcommand lives in its own module and registers itself through `add_parser`; this module
+only assembles the parser and dispatches, so adding a command never touches the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from importlib import metadata
+
+#: Distributions of the workspace, in layer order (bottom first), as `kvstrata version` lists them.
+DISTRIBUTIONS: tuple[str, ...] = (
+    "kvstrata-pool",
+    "kvstrata-storage",
+    "kvstrata-allocator",
+    "kvstrata-pool-host",
+    "kvstrata-hybrid-cache",
+    "kvstrata-unified-radix-cache",
+    "kvstrata",
+)
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _version(_args: argparse.Namespace) -> int:
+    for dist in DISTRIBUTIONS:
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            version = "not installed"
+        print(f"{dist} {version}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstrata",
+        description="KV-cache memory system: replay request traces and run benchmarks.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    version = sub.add_parser("version", help="print the version of every kvstrata distribution")
+    version.set_defaults(handler=_version)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler = args.handler
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
