@@ -35,6 +35,17 @@ def _version(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from kvstrata import bench
+
+    try:
+        run = bench.load(args.name)
+    except KeyError as exc:
+        print(exc.args[0], file=sys.stderr)
+        return 2
+    return run(list(args.options))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstrata",
@@ -43,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     version = sub.add_parser("version", help="print the version of every kvstrata distribution")
     version.set_defaults(handler=_version)
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark; prints JSON lines with ratios against a same-run baseline",
+        description="Run `kvstrata bench NAME --help` for the options of one benchmark.",
+    )
+    bench.add_argument("name", help="benchmark name (alloc, radix, l2, l3, ...)")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark")
+    bench.set_defaults(handler=_bench)
     return parser
 
 
