@@ -1,0 +1,303 @@
+"""The `Storage` interface every L3 backend implements, and what it reports.
+
+A storage maps page keys (`bytes`) to page payloads (bytes of any length, in practice one
+`page_size_bytes` of a pool). The public batch methods live here and do what every backend shares:
+argument checks (raised before anything changes), buffer adaptation, timing and counters. A
+backend implements the underscored hooks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, TypeAlias
+
+from kvstrata.storage.errors import BatchLengthMismatch, InvalidBuffer, InvalidKey
+from kvstrata.storage.metrics import HistogramSnapshot, LatencyHistogram
+
+#: The batch operations that are timed, one latency histogram each.
+OPERATIONS: tuple[str, ...] = ("exists", "get", "set", "delete")
+
+
+class BufferLike(Protocol):
+    """Anything with the buffer protocol: bytes, bytearray, memoryview, numpy arrays, mmap."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+
+class DeviceLike(Protocol):
+    @property
+    def type(self) -> str: ...
+
+
+class TensorLike(Protocol):
+    """A torch tensor, seen without importing torch: torch tensors have no buffer protocol, so
+    a CPU tensor is read through its data pointer (and must stay alive for the call)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def device(self) -> DeviceLike: ...
+
+    def data_ptr(self) -> int: ...
+
+    def is_contiguous(self) -> bool: ...
+
+
+PageBuffer: TypeAlias = BufferLike | TensorLike
+
+
+def page_view(buffer: PageBuffer, *, writable: bool) -> memoryview:
+    """A flat byte view (format 'B', 1-D) sharing memory with `buffer`; no copy.
+
+    The view is valid only while `buffer` is alive and unresized. Raises InvalidBuffer for a
+    non-contiguous buffer, a tensor that is not on the CPU, or a read-only buffer when
+    `writable` is asked for.
+    """
+    try:
+        view = memoryview(buffer)  # pyright: ignore[reportArgumentType]
+    except TypeError:
+        view = None  # no buffer protocol: maybe a torch tensor
+    if view is not None:
+        if not view.c_contiguous:
+            raise InvalidBuffer(f"page buffers must be C-contiguous, got {type(buffer).__name__}")
+        if writable and view.readonly:
+            raise InvalidBuffer(
+                f"batch_get needs writable buffers, got a read-only {type(buffer).__name__}"
+            )
+        return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    if hasattr(buffer, "data_ptr") and hasattr(buffer, "is_contiguous"):
+        tensor: TensorLike = buffer  # pyright: ignore[reportAssignmentType]
+        if tensor.device.type != "cpu":
+            raise InvalidBuffer(f"page tensors must be on the CPU, got {tensor.device.type}")
+        if not tensor.is_contiguous():
+            raise InvalidBuffer("page tensors must be contiguous")
+        if tensor.nbytes == 0:
+            return memoryview(bytearray())
+        raw = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
+        return memoryview(raw).cast("B")
+    raise InvalidBuffer(f"{type(buffer).__name__} is neither a buffer nor a CPU tensor")
+
+
+def check_keys(keys: Sequence[bytes], *, max_key_bytes: int | None = None) -> None:
+    """Raise InvalidKey unless every key is non-empty bytes (and not longer than the limit)."""
+    for key in keys:
+        if type(key) is not bytes:
+            raise InvalidKey(f"page keys must be bytes, got {type(key).__name__}")
+        if not key:
+            raise InvalidKey("page keys must not be empty")
+        if max_key_bytes is not None and len(key) > max_key_bytes:
+            raise InvalidKey(f"key of {len(key)} bytes; this backend takes at most {max_key_bytes}")
+
+
+class WriteResult(enum.Enum):
+    """What a backend did with one page of `batch_set`."""
+
+    WRITTEN = "written"
+    PRESENT = "present"  # already stored: a key names its content, so the write is skipped
+    FAILED = "failed"  # refused (larger than capacity, no room) or an I/O error
+
+
+class Occupancy(NamedTuple):
+    num_pages: int
+    used_bytes: int
+    capacity_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageStats:
+    """Counters of one storage since it was constructed (occupancy: now).
+
+    `hits`/`misses` count pages of `batch_get`; `pages_read`/`bytes_read` the hits' payloads;
+    `pages_written`/`bytes_written` pages actually written (not those skipped as present);
+    `write_failures` pages `batch_set` returned False for; `corrupt_pages` pages that failed a
+    check on read and were dropped; `latency` one histogram per operation in OPERATIONS.
+    """
+
+    num_pages: int
+    used_bytes: int
+    capacity_bytes: int
+    pages_read: int
+    bytes_read: int
+    pages_written: int
+    bytes_written: int
+    hits: int
+    misses: int
+    corrupt_pages: int
+    evictions: int
+    write_failures: int
+    latency: dict[str, HistogramSnapshot]
+
+
+class Storage(ABC):
+    """A page store keyed by bytes. Thread-safe: any method may be called from any thread.
+
+    Buffers are anything with the buffer protocol or CPU torch tensors, C-contiguous; a page's
+    size is its buffer's `nbytes`. Keys are non-empty `bytes`; a key names its content, so a
+    `batch_set` of a key already stored keeps the stored page.
+    """
+
+    #: Longest key the backend accepts (None: no limit).
+    max_key_bytes: int | None = None
+
+    def __init__(self) -> None:
+        self._counters_lock = threading.Lock()
+        self._pages_read = self._bytes_read = self._hits = self._misses = 0
+        self._pages_written = self._bytes_written = self._write_failures = 0
+        self._corrupt_pages = self._evictions = 0
+        self._latency = {op: LatencyHistogram() for op in OPERATIONS}
+
+    # ------------------------------------------------------------------ public batch calls
+
+    def batch_exists(self, keys: Sequence[bytes]) -> int:
+        """How many keys, from the first, are stored consecutively: the count stops at the
+        first missing key. A page whose write has not completed is not visible. Mutates
+        nothing but counters (a backend may refresh its index of pages written by others)."""
+        check_keys(keys, max_key_bytes=self.max_key_bytes)
+        start = time.perf_counter()
+        found = self._exists_prefix(keys) if keys else 0
+        self._observe("exists", start)
+        return found
+
+    def batch_get(self, keys: Sequence[bytes], buffers: Sequence[PageBuffer]) -> list[bool]:
+        """Copy each stored page into the buffer at the same position; True where it was.
+
+        Each buffer must be writable and exactly the size of the stored page: a wrong size
+        raises BufferSizeMismatch before any buffer is written. A False page's buffer has
+        unspecified contents (a backend may have read it before its check failed). A page that
+        fails a check is removed and reported False, never returned. Marks hits as recently
+        used.
+        """
+        check_keys(keys, max_key_bytes=self.max_key_bytes)
+        views = self._views(keys, buffers, writable=True)
+        start = time.perf_counter()
+        found = self._get_into(keys, views)
+        elapsed = time.perf_counter() - start
+        num_hits = sum(found)
+        hit_bytes = sum(v.nbytes for v, ok in zip(views, found, strict=True) if ok)
+        with self._counters_lock:
+            self._hits += num_hits
+            self._misses += len(keys) - num_hits
+            self._pages_read += num_hits
+            self._bytes_read += hit_bytes
+            self._latency["get"].observe(elapsed)
+        return found
+
+    def batch_set(self, keys: Sequence[bytes], buffers: Sequence[PageBuffer]) -> list[bool]:
+        """Store each buffer under its key; True where the page is stored afterwards.
+        Same as `batch_set_results`, with each result reduced to "stored or not".
+        """
+        return [r is not WriteResult.FAILED for r in self.batch_set_results(keys, buffers)]
+
+    def batch_set_results(
+        self, keys: Sequence[bytes], buffers: Sequence[PageBuffer]
+    ) -> list[WriteResult]:
+        """Store each buffer under its key; per page WRITTEN, PRESENT (already stored, skipped)
+        or FAILED.
+
+        Copies the buffers (they may be reused when the call returns). A key already stored is
+        skipped (PRESENT). May evict least recently used pages to make room, never a page of this
+        batch. FAILED for a page that cannot be stored (larger than the capacity, an I/O error,
+        disk full); other pages of the batch are unaffected, and a failed page is never visible.
+        """
+        check_keys(keys, max_key_bytes=self.max_key_bytes)
+        views = self._views(keys, buffers, writable=False)
+        start = time.perf_counter()
+        results = self._set_from(keys, views)
+        elapsed = time.perf_counter() - start
+        written = [
+            v.nbytes for v, r in zip(views, results, strict=True) if r is WriteResult.WRITTEN
+        ]
+        with self._counters_lock:
+            self._pages_written += len(written)
+            self._bytes_written += sum(written)
+            self._write_failures += sum(r is WriteResult.FAILED for r in results)
+            self._latency["set"].observe(elapsed)
+        return results
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove the pages of these keys; returns how many were stored. Missing keys are
+        ignored."""
+        check_keys(keys, max_key_bytes=self.max_key_bytes)
+        start = time.perf_counter()
+        removed = self._delete(keys)
+        self._observe("delete", start)
+        return removed
+
+    def clear(self) -> None:
+        """Remove every page. Counters are kept (they count since construction)."""
+        self._clear()
+
+    def stats(self) -> StorageStats:
+        """A consistent snapshot of the counters and the current occupancy."""
+        occupancy = self._occupancy()
+        with self._counters_lock:
+            return StorageStats(
+                num_pages=occupancy.num_pages,
+                used_bytes=occupancy.used_bytes,
+                capacity_bytes=occupancy.capacity_bytes,
+                pages_read=self._pages_read,
+                bytes_read=self._bytes_read,
+                pages_written=self._pages_written,
+                bytes_written=self._bytes_written,
+                hits=self._hits,
+                misses=self._misses,
+                corrupt_pages=self._corrupt_pages,
+                evictions=self._evictions,
+                write_failures=self._write_failures,
+                latency={op: h.snapshot() for op, h in self._latency.items()},
+            )
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Assert the backend's invariants (bytes accounted == sum of page sizes <= capacity)."""
+
+    # ------------------------------------------------------------------ for backends
+
+    def _count_evictions(self, num_pages: int) -> None:
+        with self._counters_lock:
+            self._evictions += num_pages
+
+    def _count_corrupt(self, num_pages: int) -> None:
+        with self._counters_lock:
+            self._corrupt_pages += num_pages
+
+    @abstractmethod
+    def _exists_prefix(self, keys: Sequence[bytes]) -> int: ...
+
+    @abstractmethod
+    def _get_into(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
+        """Fill views; raise BufferSizeMismatch before writing any view if a stored page's
+        size differs from its view's."""
+
+    @abstractmethod
+    def _set_from(self, keys: Sequence[bytes], views: list[memoryview]) -> list[WriteResult]: ...
+
+    @abstractmethod
+    def _delete(self, keys: Sequence[bytes]) -> int: ...
+
+    @abstractmethod
+    def _clear(self) -> None: ...
+
+    @abstractmethod
+    def _occupancy(self) -> Occupancy: ...
+
+    # ------------------------------------------------------------------ internals
+
+    def _views(
+        self, keys: Sequence[bytes], buffers: Sequence[PageBuffer], *, writable: bool
+    ) -> list[memoryview]:
+        if len(keys) != len(buffers):
+            raise BatchLengthMismatch(f"{len(keys)} keys but {len(buffers)} buffers")
+        return [page_view(b, writable=writable) for b in buffers]
+
+    def _observe(self, operation: str, start: float) -> None:
+        elapsed = time.perf_counter() - start
+        with self._counters_lock:
+            self._latency[operation].observe(elapsed)

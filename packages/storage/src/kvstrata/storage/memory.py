@@ -1,0 +1,178 @@
+"""MemoryStorage: pages held as `bytes` in this process, byte-capacity LRU."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvstrata.storage.base import Occupancy, Storage, WriteResult
+from kvstrata.storage.errors import BufferSizeMismatch, InvalidParameter
+
+
+class MemoryStorage(Storage):
+    """Pages in a dict ordered from least to most recently used; evicts from the front.
+
+    The buffers of evicted and deleted pages are kept as spares (within the capacity not used
+    by pages) and reused for new pages of the same size: in the steady state of a full store,
+    a write then costs one memcpy instead of a fresh allocation that the kernel must fault in.
+    Because a buffer can be reused, `batch_get` copies under the lock (the copy holds the GIL
+    anyway, so this costs no parallelism).
+
+    Cost: exists O(keys); get one memcpy per hit; set one memcpy per page (outside the lock)
+    plus O(pages evicted). A page larger than the capacity is refused.
+    """
+
+    def __init__(self, *, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise InvalidParameter(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        super().__init__()
+        self.capacity_bytes = capacity_bytes
+        self._pages: OrderedDict[bytes, bytearray] = OrderedDict()
+        self._used_bytes = 0
+        self._spares: dict[int, list[bytearray]] = {}  # page size -> reusable buffers
+        self._spare_bytes = 0
+        self._lock = threading.Lock()
+
+    def _exists_prefix(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key not in self._pages:
+                    return i
+            return len(keys)
+
+    def _get_into(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
+        with self._lock:
+            found = [self._pages.get(key) for key in keys]
+            for key, page, view in zip(keys, found, views, strict=True):
+                if page is not None and len(page) != view.nbytes:
+                    raise BufferSizeMismatch(
+                        f"page {key.hex()[:16]} has {len(page)} bytes, its buffer {view.nbytes}"
+                    )
+            for key, page, view in zip(keys, found, views, strict=True):
+                if page is not None:
+                    view[:] = page
+                    self._pages.move_to_end(key)
+        return [page is not None for page in found]
+
+    def _set_from(self, keys: Sequence[bytes], views: list[memoryview]) -> list[WriteResult]:
+        batch = frozenset(keys)
+        results: list[WriteResult] = []
+        for key, view in zip(keys, views, strict=True):
+            size = view.nbytes
+            with self._lock:
+                if key in self._pages:
+                    self._pages.move_to_end(key)
+                    results.append(WriteResult.PRESENT)
+                    continue
+                if size > self.capacity_bytes:
+                    results.append(WriteResult.FAILED)
+                    continue
+                buffer = self._take_spare(size)
+            # The buffer is private until inserted, so the copy runs outside the lock and the
+            # page becomes visible only once it is whole.
+            if buffer is None:
+                buffer = bytearray(view)
+            else:
+                buffer[:] = view
+            with self._lock:
+                results.append(self._insert(key, buffer, protect=batch))
+        return results
+
+    def _insert(self, key: bytes, page: bytearray, *, protect: frozenset[bytes]) -> WriteResult:
+        """Under the lock: add the page, evicting least recently used pages not in `protect`.
+        Evicts nothing when even that would not make room (the buffer becomes a spare)."""
+        if key in self._pages:  # another thread stored it while we copied
+            self._pages.move_to_end(key)
+            self._keep_spare(page)
+            return WriteResult.PRESENT
+        need = self._used_bytes + len(page) - self.capacity_bytes
+        victims: list[bytes] = []
+        for candidate, stored in self._pages.items():
+            if need <= 0:
+                break
+            if candidate not in protect:
+                victims.append(candidate)
+                need -= len(stored)
+        if need > 0:
+            self._keep_spare(page)
+            return WriteResult.FAILED
+        for victim in victims:
+            evicted = self._pages.pop(victim)
+            self._used_bytes -= len(evicted)
+            self._keep_spare(evicted)
+        if victims:
+            self._count_evictions(len(victims))
+        self._pages[key] = page
+        self._used_bytes += len(page)
+        self._trim_spares()
+        return WriteResult.WRITTEN
+
+    def _take_spare(self, size: int) -> bytearray | None:
+        spares = self._spares.get(size)
+        if not spares:
+            return None
+        buffer = spares.pop()
+        if not spares:
+            del self._spares[size]
+        self._spare_bytes -= size
+        return buffer
+
+    def _keep_spare(self, page: bytearray) -> None:
+        self._spares.setdefault(len(page), []).append(page)
+        self._spare_bytes += len(page)
+        self._trim_spares()
+
+    def _trim_spares(self) -> None:
+        """Spares live only in the capacity that pages do not use: drop the excess."""
+        while self._spare_bytes > self.capacity_bytes - self._used_bytes:
+            size = max(self._spares)
+            self._spares[size].pop()
+            if not self._spares[size]:
+                del self._spares[size]
+            self._spare_bytes -= size
+
+    def _delete(self, keys: Sequence[bytes]) -> int:
+        removed = 0
+        with self._lock:
+            for key in keys:
+                page = self._pages.pop(key, None)
+                if page is not None:
+                    self._used_bytes -= len(page)
+                    self._keep_spare(page)
+                    removed += 1
+        return removed
+
+    def _clear(self) -> None:
+        """Drops pages and spares: the memory goes back to the allocator."""
+        with self._lock:
+            self._pages.clear()
+            self._spares.clear()
+            self._used_bytes = self._spare_bytes = 0
+
+    def _occupancy(self) -> Occupancy:
+        with self._lock:
+            return Occupancy(len(self._pages), self._used_bytes, self.capacity_bytes)
+
+    def lru_keys(self) -> list[bytes]:
+        """Stored keys from least to most recently used (a copy; for tests and debugging)."""
+        with self._lock:
+            return list(self._pages)
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            total = sum(len(page) for page in self._pages.values())
+            assert total == self._used_bytes, (
+                f"used_bytes {self._used_bytes} != sum of page sizes {total}: an insert or "
+                "eviction forgot to account a page"
+            )
+            spare = sum(size * len(buffers) for size, buffers in self._spares.items())
+            assert spare == self._spare_bytes, f"spare_bytes {self._spare_bytes} != {spare}"
+            assert all(len(b) == size for size, bs in self._spares.items() for b in bs), (
+                "a spare buffer is filed under the wrong size"
+            )
+            assert all(self._spares.values()), "_take_spare left an empty spare list behind"
+            assert self._used_bytes + self._spare_bytes <= self.capacity_bytes, (
+                f"pages {self._used_bytes} + spares {self._spare_bytes} > capacity "
+                f"{self.capacity_bytes}: _insert made too little room or _trim_spares kept too much"
+            )
