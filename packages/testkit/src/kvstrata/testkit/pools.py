@@ -1,0 +1,159 @@
+"""Factories for small device pools (kvstrata.pool), for any package's tests.
+
+Every factory builds a CPU pool by default, small enough for property tests, with keyword
+arguments for everything a test may want to vary. `fill_random_bytes` gives every byte of a
+pool a seeded random value, so a misplaced copy cannot go unnoticed; `flat_pages` computes the
+flat page format from its definition (each buffer cut into pages, buffers side by side), as the
+reference that page I/O is checked against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvstrata.pool import (
+    MambaPool,
+    MambaSpec,
+    MHAKVPool,
+    MHASpec,
+    MLAKVPool,
+    MLASpec,
+    ReqToTokenPool,
+    SWAKVPool,
+    SWASpec,
+)
+from kvstrata.pool.base import DevicePool
+
+#: Every dtype a pool can hold, for parametrised tests.
+POOL_DTYPES: tuple[torch.dtype, ...] = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+
+
+def make_mha_pool(
+    *,
+    num_layers: int = 3,
+    num_kv_heads: int = 2,
+    head_dim: int = 4,
+    v_head_dim: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    start_layer: int = 0,
+    size: int = 32,
+    page_size: int = 4,
+    device: torch.device | str = "cpu",
+) -> MHAKVPool:
+    spec = MHASpec(
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        dtype=dtype,
+        start_layer=start_layer,
+    )
+    return MHAKVPool(spec, size=size, page_size=page_size, device=device)
+
+
+def make_mla_pool(
+    *,
+    num_layers: int = 3,
+    kv_lora_rank: int = 8,
+    qk_rope_head_dim: int = 4,
+    dtype: torch.dtype = torch.bfloat16,
+    start_layer: int = 0,
+    size: int = 32,
+    page_size: int = 4,
+    device: torch.device | str = "cpu",
+) -> MLAKVPool:
+    spec = MLASpec(
+        num_layers=num_layers,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
+        dtype=dtype,
+        start_layer=start_layer,
+    )
+    return MLAKVPool(spec, size=size, page_size=page_size, device=device)
+
+
+def make_swa_pool(
+    *,
+    full_layer_ids: Sequence[int] = (0, 2),
+    swa_layer_ids: Sequence[int] = (1, 3),
+    num_kv_heads: int = 2,
+    head_dim: int = 4,
+    dtype: torch.dtype = torch.bfloat16,
+    sliding_window: int = 8,
+    size: int = 32,
+    swa_size: int = 16,
+    page_size: int = 4,
+    device: torch.device | str = "cpu",
+) -> SWAKVPool:
+    def sub(n: int) -> MHASpec:
+        return MHASpec(num_layers=n, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+
+    spec = SWASpec(
+        full=sub(len(full_layer_ids)),
+        swa=sub(len(swa_layer_ids)),
+        full_layer_ids=tuple(full_layer_ids),
+        swa_layer_ids=tuple(swa_layer_ids),
+        sliding_window=sliding_window,
+    )
+    return SWAKVPool(spec, size=size, swa_size=swa_size, page_size=page_size, device=device)
+
+
+def make_mamba_pool(
+    *,
+    num_layers: int = 2,
+    conv_dim: int = 6,
+    conv_kernel: int = 4,
+    num_heads: int = 2,
+    head_dim: int = 3,
+    state_size: int = 4,
+    conv_dtype: torch.dtype = torch.bfloat16,
+    ssm_dtype: torch.dtype = torch.float32,
+    size: int = 8,
+    device: torch.device | str = "cpu",
+) -> MambaPool:
+    spec = MambaSpec(
+        num_layers=num_layers,
+        conv_dim=conv_dim,
+        conv_kernel=conv_kernel,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        state_size=state_size,
+        conv_dtype=conv_dtype,
+        ssm_dtype=ssm_dtype,
+    )
+    return MambaPool(spec, size=size, device=device)
+
+
+def make_req_to_token_pool(
+    *, size: int = 8, max_context_len: int = 16, device: torch.device | str = "cpu"
+) -> ReqToTokenPool:
+    return ReqToTokenPool(size, max_context_len, device)
+
+
+def fill_random_bytes(pool: DevicePool, *, seed: int) -> None:
+    """Overwrite every byte of every buffer of `pool` (dummy page included) from a seeded
+    generator. Values may be NaN bit patterns: compare as bytes, not as floats."""
+    gen = torch.Generator().manual_seed(seed)
+    for buf in pool.layer_buffers():
+        raw = buf.view(torch.uint8)
+        noise = torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8)
+        raw.copy_(noise.to(raw.device))
+
+
+def flat_pages(pool: DevicePool, page_ids: Sequence[int]) -> torch.Tensor:
+    """The flat page format of `page_ids` straight from its definition (CPU uint8
+    `[len(page_ids), page_size_bytes]`): each buffer's bytes cut into pages, the buffers
+    concatenated in `layer_buffers()` order. The reference read_pages / write_pages are checked
+    against."""
+    per_buffer = [
+        buf.reshape(pool.num_pages, -1).view(torch.uint8).cpu() for buf in pool.layer_buffers()
+    ]
+    return torch.cat(per_buffer, dim=1)[list(page_ids)]
