@@ -2,4 +2,43 @@
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from kvstrata.pool_host.base import DevicePagePool, HostLayout, HostPool
+from kvstrata.pool_host.completion import LayerCompletion, LayerLoad, Transfer
+from kvstrata.pool_host.mamba import MambaHostPool
+from kvstrata.pool_host.memory import (
+    HostRegion,
+    HostTensorAllocator,
+    PinnedHostAllocator,
+    PlainHostAllocator,
+    SharedHostAllocator,
+    attach_shared,
+    host_memory,
+)
+from kvstrata.pool_host.metrics import HostPoolCollector, HostPoolStats
+from kvstrata.pool_host.mha import MHAHostPool
+from kvstrata.pool_host.mla import MLAHostPool
+from kvstrata.pool_host.slots import HostSlotAllocator
+from kvstrata.pool_host.transfer import CopyStrategy
+
+__all__: list[str] = [
+    "CopyStrategy",
+    "DevicePagePool",
+    "HostLayout",
+    "HostPool",
+    "HostPoolCollector",
+    "HostPoolStats",
+    "HostRegion",
+    "HostSlotAllocator",
+    "HostTensorAllocator",
+    "LayerCompletion",
+    "LayerLoad",
+    "MHAHostPool",
+    "MLAHostPool",
+    "MambaHostPool",
+    "PinnedHostAllocator",
+    "PlainHostAllocator",
+    "SharedHostAllocator",
+    "Transfer",
+    "attach_shared",
+    "host_memory",
+]

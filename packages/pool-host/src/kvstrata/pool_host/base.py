@@ -1,0 +1,602 @@
+"""HostPool: the host-memory mirror (L2) of one device pool, and its layouts.
+
+A host pool mirrors exactly the buffers of its device pool's `layer_buffers()` (same order,
+same per-token bytes) for `num_pages` host pages of `page_size` tokens. Host pages are numbered
+0 .. num_pages-1, all usable. Indices handed to backup/load are token indices of whole, aligned
+pages on both sides (what the device PagedAllocator and HostSlotAllocator return).
+
+Layouts (B buffers, P = page_size, "bytes(b)" = the bytes of P tokens of buffer b):
+
+    layer_first        per buffer a contiguous [host_tokens, ...]: a layer's pages are
+                       contiguous, so a layer load is one copy per run; a page is B pieces.
+    page_first         [host_pages, page_size_bytes]: page p = bytes(b0) | bytes(b1) | ...
+                       which IS the device pool's flat page format (read_pages/write_pages).
+                       A page is one contiguous range: L3 reads and writes it zero-copy.
+                       Backup copies each buffer's runs into the (strided) page rows.
+    page_first_direct  the same bytes (the flat page format is already (pages, L, P, ...)),
+                       but a backup moves whole pages through the device pool's read_pages:
+                       one call per host run writes complete flat pages into host memory.
+
+The family subclasses (mha, mla, mamba) say which buffers form one layer. SWA models build one
+host pool per sub-pool (`SWAKVPool.full_pool`, `.swa_pool`): the two have different sizes and
+slot spaces, so one mirror could not serve both.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from enum import StrEnum
+from typing import ClassVar, Generic, NamedTuple, Protocol, TypeVar
+
+import numpy as np
+import torch
+
+from kvstrata.pool_host.completion import Direction, LayerCompletion, LayerLoad, Transfer
+from kvstrata.pool_host.errors import (
+    BufferSizeMismatch,
+    HostPoolTooSmall,
+    IndexOutOfRange,
+    InvalidHostPoolSize,
+    PageNotContiguous,
+    PoolMismatch,
+)
+from kvstrata.pool_host.memory import (
+    HostRegion,
+    HostTensorAllocator,
+    PinnedHostAllocator,
+    PlainHostAllocator,
+)
+from kvstrata.pool_host.metrics import HostPoolStats, LatencyHistogram, TransferCounters
+from kvstrata.pool_host.slots import HostSlotAllocator
+from kvstrata.pool_host.transfer import (
+    CopyStrategy,
+    PagePlan,
+    as_page_rows,
+    check_page_range,
+    check_unique,
+    choose_strategy,
+    copy_rows,
+    find_runs,
+    indices_to_pages,
+    make_plan,
+)
+
+#: Buffer chunks of a layer_first region start on this boundary (cache line; lets typed views
+#: of every dtype sit on their natural alignment).
+_CHUNK_ALIGN = 64
+DEFAULT_RATIO = 2.0
+
+
+class HostLayout(StrEnum):
+    layer_first = "layer_first"
+    page_first = "page_first"
+    page_first_direct = "page_first_direct"
+
+
+class DevicePagePool(Protocol):
+    """What a host pool needs of a device pool (kvstrata.pool's KVPool and MambaPool)."""
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def num_rows(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    def layer_buffers(self) -> list[torch.Tensor]: ...
+    def read_pages(self, page_ids: torch.Tensor, out: torch.Tensor) -> None: ...
+
+
+PoolT = TypeVar("PoolT", bound=DevicePagePool)
+
+
+class BufferGeometry(NamedTuple):
+    """One mirrored buffer: per-token shape and dtype, bytes per token and per page, and the
+    buffer's byte offset inside a flat page."""
+
+    token_shape: tuple[int, ...]
+    dtype: torch.dtype
+    token_bytes: int
+    page_bytes: int
+    page_offset: int
+
+
+def buffer_geometry(buffers: Sequence[torch.Tensor], page_size: int) -> tuple[BufferGeometry, ...]:
+    out: list[BufferGeometry] = []
+    offset = 0
+    for b in buffers:
+        token_bytes = b[0].numel() * b.element_size()
+        out.append(
+            BufferGeometry(
+                tuple(b.shape[1:]), b.dtype, token_bytes, token_bytes * page_size, offset
+            )
+        )
+        offset += token_bytes * page_size
+    return tuple(out)
+
+
+class _Layout(NamedTuple):
+    region: HostRegion
+    rows: list[torch.Tensor]  # per buffer, bytes [num_pages, page bytes of that buffer]
+
+
+class _Executed(NamedTuple):
+    num_copies: int
+    event: torch.cuda.Event | None
+
+
+class HostPool(ABC, Generic[PoolT]):
+    """Host mirror of one device pool. Size: exactly one of `size` (tokens), `ratio` (of the
+    device pool's usable size) or `size_bytes`; ratio 2.0 when none is given. Rounded down to
+    whole pages; HostPoolTooSmall below one page, InsufficientHostMemory above what the host
+    holds (both before allocating). Memory comes from `allocator`: pinned for CUDA device
+    pools, plain otherwise, or e.g. SharedHostAllocator to share pages with another process.
+    """
+
+    family: ClassVar[str]
+
+    def __init__(
+        self,
+        device_pool: PoolT,
+        *,
+        layout: HostLayout = HostLayout.page_first,
+        size: int | None = None,
+        ratio: float | None = None,
+        size_bytes: int | None = None,
+        allocator: HostTensorAllocator | None = None,
+    ) -> None:
+        self.device_pool = device_pool
+        self.layout = HostLayout(layout)
+        self.page_size = device_pool.page_size
+        self.device = torch.device(device_pool.device)
+        buffers = device_pool.layer_buffers()
+        self.geometry = buffer_geometry(buffers, self.page_size)
+        # Device buffers live as long as their pool, so their byte views are made once.
+        self._device_page_rows = [as_page_rows(b, self.page_size) for b in buffers]
+        self.page_size_bytes = sum(g.page_bytes for g in self.geometry)
+        self.num_pages = self._size_in_pages(size, ratio, size_bytes)
+        if allocator is None:
+            cuda = self.device.type == "cuda"
+            allocator = PinnedHostAllocator() if cuda else PlainHostAllocator()
+        self.allocator = allocator
+        laid_out = self._lay_out(allocator)
+        self._region = laid_out.region
+        self._host_rows = laid_out.rows
+        self._host_rows_np = [rows.numpy() for rows in self._host_rows]
+        self._pages = (
+            self._region.tensor.view(self.num_pages, self.page_size_bytes)
+            if self.layout is not HostLayout.layer_first
+            else None
+        )
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._stats_lock = threading.Lock()
+        self._calls: dict[Direction, int] = {"d2h": 0, "h2d": 0}
+        self._pages_moved: dict[Direction, int] = {"d2h": 0, "h2d": 0}
+        self._bytes: dict[Direction, int] = {"d2h": 0, "h2d": 0}
+        self._latency: dict[Direction, LatencyHistogram] = {
+            "d2h": LatencyHistogram(),
+            "h2d": LatencyHistogram(),
+        }
+        # CUDA copies whose end event has not been seen firing yet: (direction, begin, end).
+        self._pending: list[tuple[Direction, torch.cuda.Event, torch.cuda.Event]] = []
+
+    # --- family hooks ----------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def layer_ids(self) -> range:
+        """Layer ids accepted by load (the device pool's convention)."""
+
+    @abstractmethod
+    def layer_buffer_ids(self, layer_id: int) -> tuple[int, ...]:
+        """Positions in layer_buffers() of the buffers of layer_id; LayerIdOutOfRange else."""
+
+    # --- sizes -----------------------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """Capacity in tokens."""
+        return self.num_pages * self.page_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.page_size_bytes // self.page_size
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of host memory the pool holds."""
+        return self._region.num_bytes
+
+    @property
+    def shared_name(self) -> str | None:
+        """Name of the shared-memory region (SharedHostAllocator), for `attach_shared`."""
+        return self._region.shared_name
+
+    def make_allocator(self) -> HostSlotAllocator:
+        """A fresh HostSlotAllocator over this pool's pages (all free)."""
+        return HostSlotAllocator(num_pages=self.num_pages, page_size=self.page_size)
+
+    # --- transfers -------------------------------------------------------------------------------
+
+    def backup(
+        self, device_pool: PoolT, device_indices: torch.Tensor, host_indices: torch.Tensor
+    ) -> Transfer:
+        """Copy all layers of the given device pages into the given host pages (D2H).
+
+        Mutates only the host pages named. Indices: whole aligned pages, same length; device
+        page 0 and repeated host pages are refused; every check runs before any byte moves.
+        On CUDA the copies run on the pool's copy stream after the work already queued on the
+        current stream; call `.wait()` on the result before reading the host pages on the host.
+        """
+        device_rows = self._device_rows(device_pool, range(len(self.geometry)))
+        plan = self._plan_d2h(device_indices, host_indices)
+        strategy = choose_strategy(
+            plan, self.page_size_bytes // len(self.geometry), cuda=self._cuda
+        )
+        if strategy is not CopyStrategy.empty and self.layout is HostLayout.page_first_direct:
+            strategy = CopyStrategy.direct
+
+        def body() -> int:
+            if strategy is CopyStrategy.direct:
+                return self._backup_direct(device_pool, plan)
+            cache: dict[str, torch.Tensor] = {}
+            return sum(
+                copy_rows(src, self._host_rows[i], plan, strategy, index_cache=cache)
+                for i, src in enumerate(device_rows)
+            )
+
+        done = self._execute("d2h", plan.num_pages, plan.num_pages * self.page_size_bytes, body)
+        return Transfer(
+            direction="d2h",
+            num_pages=plan.num_pages,
+            num_bytes=plan.num_pages * self.page_size_bytes,
+            num_copies=done.num_copies,
+            strategy=strategy,
+            event=done.event,
+        )
+
+    def load(
+        self,
+        device_pool: PoolT,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        layer_id: int,
+        *,
+        completion: LayerCompletion | None = None,
+    ) -> LayerLoad:
+        """Copy one layer of the given host pages into the given device pages (H2D), then mark
+        `completion` (if given) for that layer.
+
+        Mutates only layer `layer_id` of the device pages named. Repeated device pages and
+        device page 0 are refused; every check runs before any byte moves. On CUDA the copies
+        are enqueued on the copy stream; consumers wait through `completion.wait(layer_id)`.
+        """
+        buffer_ids = self.layer_buffer_ids(layer_id)
+        device_rows = self._device_rows(device_pool, buffer_ids)
+        plan = self._plan_h2d(host_indices, device_indices)
+        return self._load_planned(device_rows, buffer_ids, plan, layer_id, completion)
+
+    def load_layers(
+        self,
+        device_pool: PoolT,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        *,
+        completion: LayerCompletion | None = None,
+        layer_ids: Sequence[int] | None = None,
+    ) -> list[LayerLoad]:
+        """`load` every layer (default: all, in order), validating the indices once. If a
+        layer's copy raises, `completion.fail(error)` wakes its waiters before re-raising."""
+        order = list(self.layer_ids if layer_ids is None else layer_ids)
+        resolved = [(layer, self.layer_buffer_ids(layer)) for layer in order]
+        plan = self._plan_h2d(host_indices, device_indices)
+        loads: list[LayerLoad] = []
+        for layer_id, buffer_ids in resolved:
+            device_rows = self._device_rows(device_pool, buffer_ids)
+            try:
+                loads.append(
+                    self._load_planned(device_rows, buffer_ids, plan, layer_id, completion)
+                )
+            except BaseException as exc:
+                if completion is not None:
+                    completion.fail(exc)
+                raise
+        return loads
+
+    # --- page I/O (L3 side) ----------------------------------------------------------------------
+
+    def page_view(self, host_page: int) -> memoryview:
+        """Writable zero-copy view of host page `host_page`: page_size_bytes in the device
+        pool's flat page format. page_first layouts only (PageNotContiguous for layer_first,
+        whose pages are scattered: use read_page_into / write_page_from). Valid while the pool
+        lives; after a CUDA backup, wait for its Transfer before reading."""
+        pages = self._contiguous_pages("page_view")
+        self._check_host_page(host_page)
+        return pages[host_page].numpy().data
+
+    def page_views(self, host_pages: Sequence[int] | torch.Tensor) -> list[memoryview]:
+        """page_view of several pages (the buffers of one L3 batch_get / batch_set)."""
+        pages = host_pages.tolist() if isinstance(host_pages, torch.Tensor) else host_pages
+        return [self.page_view(int(p)) for p in pages]
+
+    def page_offset(self, host_page: int) -> int:
+        """Byte offset of a page in the pool's region (page_first layouts): with `shared_name`,
+        what another process needs to find the page in its own mapping."""
+        self._contiguous_pages("page_offset")
+        self._check_host_page(host_page)
+        return host_page * self.page_size_bytes
+
+    def read_page_into(self, host_page: int, buf: memoryview | bytearray) -> None:
+        """Copy host page `host_page` (flat page format) into a writable buffer of exactly
+        page_size_bytes. Works for every layout; mutates only `buf`."""
+        out = np.frombuffer(buf, dtype=np.uint8)
+        self._check_host_page(host_page)
+        self._check_buffer(out)
+        for g, rows in zip(self.geometry, self._host_rows_np, strict=True):
+            out[g.page_offset : g.page_offset + g.page_bytes] = rows[host_page]
+
+    def write_page_from(self, host_page: int, buf: memoryview | bytes | bytearray) -> None:
+        """Overwrite host page `host_page` with a flat-format page of exactly page_size_bytes
+        (e.g. one read from L3). Works for every layout; mutates only that host page."""
+        src = np.frombuffer(buf, dtype=np.uint8)
+        self._check_host_page(host_page)
+        self._check_buffer(src)
+        for g, rows in zip(self.geometry, self._host_rows_np, strict=True):
+            rows[host_page] = src[g.page_offset : g.page_offset + g.page_bytes]
+
+    # --- bookkeeping -----------------------------------------------------------------------------
+
+    def stats(self) -> HostPoolStats:
+        """Counters since construction (CUDA latencies are counted once their copies finish)."""
+        self._harvest_timings()
+        with self._stats_lock:
+            counters = {
+                d: TransferCounters(
+                    calls=self._calls[d],
+                    pages=self._pages_moved[d],
+                    bytes=self._bytes[d],
+                    latency=self._latency[d].snapshot(),
+                )
+                for d in ("d2h", "h2d")
+            }
+        return HostPoolStats(
+            family=self.family,
+            layout=str(self.layout),
+            page_size=self.page_size,
+            capacity_tokens=self.size,
+            capacity_bytes=self.size_bytes,
+            d2h=counters["d2h"],
+            h2d=counters["h2d"],
+        )
+
+    def check_integrity(self) -> None:
+        """Assert the layout invariants: one row per host page per buffer, page offsets tiling
+        the flat page exactly, every view inside the region."""
+        assert sum(g.page_bytes for g in self.geometry) == self.page_size_bytes, "page tiling"
+        base = self._region.tensor.data_ptr()
+        end = base + self._region.num_bytes
+        assert buffer_geometry(self.device_pool.layer_buffers(), self.page_size) == self.geometry, (
+            "the device pool's buffers changed shape or dtype since the mirror was built"
+        )
+        for g, rows in zip(self.geometry, self._host_rows, strict=True):
+            assert rows.shape == (self.num_pages, g.page_bytes), "host rows shape drifted"
+            last = rows.data_ptr() + (self.num_pages - 1) * rows.stride(0) + g.page_bytes
+            assert base <= rows.data_ptr() and last <= end, "a host view escapes its region"
+
+    def close(self) -> None:
+        """Release the allocator's hold on the memory (a shared region loses its name).
+        Views already handed out stay readable until dropped; do not transfer afterwards."""
+        self._region.close()
+
+    # --- internals -------------------------------------------------------------------------------
+
+    @property
+    def _cuda(self) -> bool:
+        return self._copy_stream is not None
+
+    def _size_in_pages(self, size: int | None, ratio: float | None, size_bytes: int | None) -> int:
+        given = [x for x in (size, ratio, size_bytes) if x is not None]
+        if len(given) > 1:
+            raise InvalidHostPoolSize("give at most one of size, ratio and size_bytes")
+        if any(x < 0 for x in given):
+            raise InvalidHostPoolSize(f"a host pool size must not be negative, got {given[0]}")
+        if size_bytes is not None:
+            num_pages = size_bytes // self.page_size_bytes
+        elif size is not None:
+            num_pages = size // self.page_size
+        else:
+            ratio = DEFAULT_RATIO if ratio is None else ratio
+            num_pages = int(self.device_pool.size * ratio) // self.page_size
+        if num_pages < 1:
+            raise HostPoolTooSmall(
+                f"the host pool would hold {num_pages} pages; one page of {self.page_size} "
+                f"tokens takes {self.page_size_bytes} bytes (size={size}, ratio={ratio}, "
+                f"size_bytes={size_bytes})"
+            )
+        return num_pages
+
+    def _lay_out(self, allocator: HostTensorAllocator) -> _Layout:
+        n = self.num_pages
+        if self.layout is HostLayout.layer_first:
+            starts: list[int] = []
+            total = 0
+            for g in self.geometry:
+                starts.append(total)
+                total += -(-n * g.page_bytes // _CHUNK_ALIGN) * _CHUNK_ALIGN
+            region = allocator.allocate(total)
+            rows = [
+                region.tensor[s : s + n * g.page_bytes].view(n, g.page_bytes)
+                for s, g in zip(starts, self.geometry, strict=True)
+            ]
+            return _Layout(region, rows)
+        region = allocator.allocate(n * self.page_size_bytes)
+        pages = region.tensor.view(n, self.page_size_bytes)
+        rows = [pages[:, g.page_offset : g.page_offset + g.page_bytes] for g in self.geometry]
+        return _Layout(region, rows)
+
+    def _device_rows(self, device_pool: PoolT, buffer_ids: Sequence[int]) -> list[torch.Tensor]:
+        # Identity, not geometry: the two sub-pools of an SWA pool can share a spec, and a
+        # page of one copied into the other's mirror would be silent corruption.
+        if device_pool is not self.device_pool:
+            raise PoolMismatch(
+                f"this {type(self).__name__} mirrors another device pool "
+                f"({type(self.device_pool).__name__} at {id(self.device_pool):#x}); build one "
+                "host pool per device pool (SWA: one per sub-pool)"
+            )
+        return [self._device_page_rows[i] for i in buffer_ids]
+
+    def _device_num_pages(self) -> int:
+        return self.device_pool.num_rows // self.page_size
+
+    def _plan_d2h(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> PagePlan:
+        src = indices_to_pages(device_indices, self.page_size, side="device")
+        dst = indices_to_pages(host_indices, self.page_size, side="host")
+        plan = make_plan(src, dst)
+        check_page_range(
+            src, num_pages=self._device_num_pages(), reserve_page_zero=True, side="device"
+        )
+        check_page_range(dst, num_pages=self.num_pages, reserve_page_zero=False, side="host")
+        check_unique(dst, side="host")
+        return plan
+
+    def _plan_h2d(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> PagePlan:
+        src = indices_to_pages(host_indices, self.page_size, side="host")
+        dst = indices_to_pages(device_indices, self.page_size, side="device")
+        plan = make_plan(src, dst)
+        check_page_range(src, num_pages=self.num_pages, reserve_page_zero=False, side="host")
+        check_page_range(
+            dst, num_pages=self._device_num_pages(), reserve_page_zero=True, side="device"
+        )
+        check_unique(dst, side="device")
+        return plan
+
+    def _load_planned(
+        self,
+        device_rows: list[torch.Tensor],
+        buffer_ids: tuple[int, ...],
+        plan: PagePlan,
+        layer_id: int,
+        completion: LayerCompletion | None,
+    ) -> LayerLoad:
+        layer_page_bytes = sum(self.geometry[i].page_bytes for i in buffer_ids)
+        strategy = choose_strategy(plan, layer_page_bytes // len(buffer_ids), cuda=self._cuda)
+
+        def body() -> int:
+            cache: dict[str, torch.Tensor] = {}
+            return sum(
+                copy_rows(self._host_rows[i], dst, plan, strategy, index_cache=cache)
+                for i, dst in zip(buffer_ids, device_rows, strict=True)
+            )
+
+        num_bytes = plan.num_pages * layer_page_bytes
+        done = self._execute("h2d", plan.num_pages, num_bytes, body)
+        if completion is not None:
+            completion.mark_loaded(layer_id, done.event)
+        return LayerLoad(
+            direction="h2d",
+            num_pages=plan.num_pages,
+            num_bytes=num_bytes,
+            num_copies=done.num_copies,
+            strategy=strategy,
+            event=done.event,
+            layer_id=layer_id,
+        )
+
+    def _backup_direct(self, device_pool: PoolT, plan: PagePlan) -> int:
+        # Whole flat pages come from the device pool's own read_pages, so the host bytes are
+        # the flat page format by construction; device pages may be scattered (read_pages
+        # gathers them), host pages are grouped into runs.
+        pages = self._pages
+        assert pages is not None, "direct backup needs a page_first region"
+        host_runs = find_runs(plan.dst_pages, plan.dst_pages)
+        long_runs = (
+            choose_strategy(
+                make_plan(plan.dst_pages, plan.dst_pages), self.page_size_bytes, cuda=self._cuda
+            )
+            is CopyStrategy.runs
+        )
+        src_ids = torch.from_numpy(plan.src_pages).to(self.device)
+        if long_runs and not self._cuda:
+            k = 0
+            for start, n in zip(host_runs.dst_starts, host_runs.lengths, strict=True):
+                device_pool.read_pages(src_ids[k : k + n], pages[start : start + n])
+                k += n
+            return len(host_runs.lengths)
+        # Gather on the device into one staging block, then move it to the host: on CUDA one
+        # async D2H per host run into pinned memory; with short host runs, one scatter.
+        staged = torch.empty(
+            (plan.num_pages, self.page_size_bytes), dtype=torch.uint8, device=self.device
+        )
+        device_pool.read_pages(src_ids, staged)
+        if long_runs:
+            k = 0
+            for start, n in zip(host_runs.dst_starts, host_runs.lengths, strict=True):
+                pages[start : start + n].copy_(staged[k : k + n], non_blocking=True)
+                k += n
+            return 1 + len(host_runs.lengths)
+        # NumPy's fancy assignment copies whole rows; torch's CPU index_copy_ walks bytes.
+        host_staged = staged.cpu() if self._cuda else staged
+        pages.numpy()[plan.dst_pages] = host_staged.numpy()
+        return 3 if self._cuda else 2
+
+    def _execute(
+        self, direction: Direction, num_pages: int, num_bytes: int, body: Callable[[], int]
+    ) -> _Executed:
+        self._harvest_timings()
+        if self._copy_stream is None:
+            start = time.perf_counter()
+            copies = body()
+            self._latency[direction].observe(time.perf_counter() - start)
+            event = None
+        else:
+            stream = self._copy_stream
+            # Copies must see everything the compute stream queued before (the KV a backup
+            # reads, the last readers of the slots a load overwrites).
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                begin = torch.cuda.Event(enable_timing=True)
+                event = torch.cuda.Event(enable_timing=True)
+                begin.record(stream)
+                copies = body()
+                event.record(stream)
+            with self._stats_lock:
+                self._pending.append((direction, begin, event))
+        with self._stats_lock:
+            self._calls[direction] += 1
+            self._pages_moved[direction] += num_pages
+            self._bytes[direction] += num_bytes
+        return _Executed(copies, event)
+
+    def _harvest_timings(self) -> None:
+        # CUDA latencies are known only once the end event has fired; collect those that have.
+        if not self._pending:
+            return
+        with self._stats_lock:
+            finished, pending = [], []
+            for entry in self._pending:
+                (finished if entry[2].query() else pending).append(entry)
+            self._pending = pending
+        for direction, begin, end in finished:
+            self._latency[direction].observe(begin.elapsed_time(end) / 1e3)
+
+    def _contiguous_pages(self, what: str) -> torch.Tensor:
+        if self._pages is None:
+            raise PageNotContiguous(
+                f"{what} needs a page_first layout; in layer_first a page is split across "
+                f"{len(self.geometry)} buffers: use read_page_into / write_page_from"
+            )
+        return self._pages
+
+    def _check_host_page(self, host_page: int) -> None:
+        if not 0 <= host_page < self.num_pages:
+            raise IndexOutOfRange(f"host page {host_page} not in [0, {self.num_pages})")
+
+    def _check_buffer(self, buf: np.ndarray) -> None:
+        if buf.size != self.page_size_bytes:
+            raise BufferSizeMismatch(
+                f"a page is {self.page_size_bytes} bytes, the buffer holds {buf.size}"
+            )

@@ -1,0 +1,104 @@
+"""Errors a caller of kvstrata.pool_host can see.
+
+Every one is raised before any state changes: a refused transfer has copied nothing, a refused
+allocation or free has left the allocator as it was, a refused pool size has allocated nothing.
+"""
+
+from __future__ import annotations
+
+
+class HostPoolError(Exception):
+    """Base of every error raised by kvstrata.pool_host."""
+
+
+# --- sizing and memory ---------------------------------------------------------------------------
+
+
+class InvalidHostPoolSize(HostPoolError):
+    """The size options of a host pool are missing, conflicting or negative."""
+
+
+class HostPoolTooSmall(InvalidHostPoolSize):
+    """The requested host pool holds less than one page."""
+
+
+class InsufficientHostMemory(HostPoolError):
+    """The requested host pool does not fit in this host's memory (or its /dev/shm)."""
+
+
+class PinnedMemoryUnavailable(HostPoolError):
+    """Pinned (page-locked) host memory was asked for, but CUDA is not available."""
+
+
+class SharedMemoryError(HostPoolError):
+    """A shared-memory region could not be created or attached."""
+
+
+# --- transfers -----------------------------------------------------------------------------------
+
+
+class InvalidIndices(HostPoolError):
+    """Base of the index errors of backup/load/page I/O."""
+
+
+class IndexLengthMismatch(InvalidIndices):
+    """Device and host index tensors differ in length, or a length is not whole pages."""
+
+
+class IndexOutOfRange(InvalidIndices):
+    """An index lies outside the pool it addresses."""
+
+
+class MisalignedIndex(InvalidIndices):
+    """Indices do not form whole, aligned pages (page p = slots p*P .. p*P+P-1, in order)."""
+
+
+class ReservedIndex(InvalidIndices):
+    """A device index falls in page 0, the dummy page for padded tokens."""
+
+
+class DuplicateIndex(InvalidIndices):
+    """A destination page appears twice in one transfer (the result would depend on order)."""
+
+
+class PoolMismatch(HostPoolError):
+    """The device pool passed to a transfer does not have the buffers this host pool mirrors."""
+
+
+class LayerIdOutOfRange(HostPoolError):
+    """A layer id that the mirrored device pool does not hold."""
+
+
+class PageNotContiguous(HostPoolError):
+    """A zero-copy page view was asked of a layout whose pages are not contiguous (layer_first)."""
+
+
+class BufferSizeMismatch(HostPoolError):
+    """A buffer handed to page I/O is not exactly one page of bytes."""
+
+
+class LayerLoadFailed(HostPoolError):
+    """The producer of a layer-wise load reported a failure; the waited layer never arrives."""
+
+
+class LayerWaitTimeout(HostPoolError):
+    """A layer did not arrive within the timeout given to LayerCompletion.wait."""
+
+
+# --- host slot allocator -------------------------------------------------------------------------
+
+
+class HostAllocatorError(HostPoolError):
+    """Base of the errors of HostSlotAllocator."""
+
+
+class DoubleFree(HostAllocatorError):
+    """A page being freed is already free (or appears twice in one free call)."""
+
+
+class DoubleAllocation(HostAllocatorError):
+    """A page about to be handed out is already allocated: the free list is corrupt."""
+
+
+class SizeNotPageAligned(HostAllocatorError):
+    """A token count or index set that is not whole pages was given to the page allocator."""

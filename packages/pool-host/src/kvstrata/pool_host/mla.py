@@ -1,0 +1,24 @@
+"""Host mirror of an MLA device pool: one buffer per layer (latent + rope), so layer l is
+buffer l - start_layer."""
+
+from __future__ import annotations
+
+from kvstrata.pool import MLAKVPool
+from kvstrata.pool_host.base import HostPool
+from kvstrata.pool_host.errors import LayerIdOutOfRange
+
+
+class MLAHostPool(HostPool[MLAKVPool]):
+    """Host mirror of an MLAKVPool. Constructor: see HostPool."""
+
+    family = "mla"
+
+    @property
+    def layer_ids(self) -> range:
+        return self.device_pool.layer_ids
+
+    def layer_buffer_ids(self, layer_id: int) -> tuple[int, ...]:
+        ids = self.layer_ids
+        if layer_id not in ids:
+            raise LayerIdOutOfRange(f"layer {layer_id} not in {ids}")
+        return (layer_id - ids.start,)

@@ -1,0 +1,109 @@
+"""Factories for tests of the host tier (kvstrata.pool_host): small device pools of each family
+filled with random bytes, token indices of pages, and byte-level comparisons.
+
+Bytes, not values: every comparison views buffers as uint8, so NaN payloads of random fp8 /
+bf16 bit patterns compare exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from kvstrata.pool import MambaPool, MambaSpec, MHAKVPool, MHASpec, MLAKVPool, MLASpec
+
+Family = Literal["mha", "mla", "mamba"]
+FAMILIES: tuple[Family, ...] = ("mha", "mla", "mamba")
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+
+DevicePool = MHAKVPool | MLAKVPool | MambaPool
+
+
+def make_device_pool(
+    family: Family,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    page_size: int = 4,
+    num_pages: int = 12,
+    num_layers: int = 3,
+    start_layer: int = 0,
+    device: str = "cpu",
+) -> DevicePool:
+    """A small device pool with `num_pages` usable pages (Mamba: slots, page size 1). MHA has
+    V narrower than K, so per-buffer offsets are exercised; Mamba keeps fp32 SSM state when
+    `dtype` is fp8 for the conv state."""
+    if family == "mha":
+        spec = MHASpec(
+            num_layers=num_layers,
+            num_kv_heads=2,
+            head_dim=8,
+            v_head_dim=4,
+            dtype=dtype,
+            start_layer=start_layer,
+        )
+        return MHAKVPool(spec, num_pages * page_size, page_size, device)
+    if family == "mla":
+        mla = MLASpec(
+            num_layers=num_layers,
+            kv_lora_rank=8,
+            qk_rope_head_dim=4,
+            dtype=dtype,
+            start_layer=start_layer,
+        )
+        return MLAKVPool(mla, num_pages * page_size, page_size, device)
+    mamba = MambaSpec(
+        num_layers=num_layers,
+        conv_dim=3,
+        conv_kernel=4,
+        num_heads=2,
+        head_dim=4,
+        state_size=3,
+        conv_dtype=dtype,
+        ssm_dtype=torch.float32 if dtype.itemsize == 1 else dtype,
+    )
+    return MambaPool(mamba, num_pages, device)
+
+
+def fill_random(pool: DevicePool, *, seed: int) -> None:
+    """Overwrite every buffer of `pool` (dummy page included) with random bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    for buf in pool.layer_buffers():
+        raw = buf.view(buf.shape[0], -1).view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def page_tokens(pages: list[int] | torch.Tensor, page_size: int) -> torch.Tensor:
+    """Token indices (int64) of whole pages, in page order."""
+    ids = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
+    return (ids[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+
+def buffer_pages(buf: torch.Tensor, page_size: int) -> torch.Tensor:
+    """A device buffer as uint8 rows, one per page (a view on CPU)."""
+    return buf.view(buf.shape[0], -1).view(torch.uint8).view(buf.shape[0] // page_size, -1)
+
+
+def snapshot(pool: DevicePool) -> list[torch.Tensor]:
+    """A CPU copy of every buffer's bytes, one row per page."""
+    return [buffer_pages(b, pool.page_size).cpu().clone() for b in pool.layer_buffers()]
+
+
+def read_flat(pool: DevicePool, pages: list[int] | torch.Tensor) -> torch.Tensor:
+    """Flat pages of `pool` as read_pages returns them, on the CPU."""
+    ids = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
+    out = torch.empty((ids.numel(), pool.page_size_bytes), dtype=torch.uint8)
+    pool.read_pages(ids.to(pool.device), out)
+    return out
+
+
+def zero_pool(pool: DevicePool) -> None:
+    """Zero every buffer of `pool`: bytes that appear afterwards were copied in."""
+    for buf in pool.layer_buffers():
+        buf.view(buf.shape[0], -1).view(torch.uint8).zero_()
