@@ -19,6 +19,7 @@ from kvstrata.testkit.host_pools import (
     DTYPES,
     FAMILIES,
     Family,
+    fill_random,
     make_device_pool,
     page_tokens,
     read_flat,
@@ -30,15 +31,6 @@ pytestmark = pytest.mark.cuda
 HOST_CLASSES = {"mha": MHAHostPool, "mla": MLAHostPool, "mamba": MambaHostPool}
 
 
-def _fill_on_device(pool: object, seed: int) -> None:
-    # fill_random writes through CPU tensors; for CUDA pools generate on the CPU and copy over.
-    for buf in pool.layer_buffers():  # type: ignore[attr-defined]
-        raw = buf.view(buf.shape[0], -1).view(torch.uint8)
-        gen = torch.Generator().manual_seed(seed)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
-        seed += 1
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(HostLayout), ids=str)
 @pytest.mark.parametrize("family", FAMILIES)
@@ -46,8 +38,8 @@ def test_cuda_round_trip_is_bit_identical(
     family: Family, layout: HostLayout, dtype: torch.dtype
 ) -> None:
     pool = make_device_pool(family, dtype=dtype, device="cuda")
-    _fill_on_device(pool, seed=1)
-    host = HOST_CLASSES[family](pool, layout=layout, size=10 * pool.page_size)  # type: ignore[arg-type]
+    fill_random(pool, seed=1)
+    host = HOST_CLASSES[family](pool, layout=layout, size=10 * pool.page_size)
     assert host.allocator.pinned
     P = pool.page_size
     device_pages = [3, 4, 5, 9, 1, 11]
@@ -78,7 +70,7 @@ def test_cuda_round_trip_is_bit_identical(
 def test_cuda_long_runs_and_scattered_pages(layout: HostLayout) -> None:
     spec = MHASpec(num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     pool = MHAKVPool(spec, 64 * 64, 64, "cuda")  # pages of 512 KiB: 128 KiB per buffer
-    _fill_on_device(pool, seed=2)
+    fill_random(pool, seed=2)
     host = MHAHostPool(pool, layout=layout, size=64 * 64)
     expected = read_flat(pool, list(range(1, 65)))
     long = host.backup(pool, page_tokens(list(range(1, 33)), 64), page_tokens(list(range(32)), 64))
@@ -100,7 +92,7 @@ def test_cuda_long_runs_and_scattered_pages(layout: HostLayout) -> None:
 
 def test_cuda_load_orders_after_compute_and_consumer_waits_on_event() -> None:
     pool = make_device_pool("mha", device="cuda", num_layers=2)
-    _fill_on_device(pool, seed=3)
+    fill_random(pool, seed=3)
     host = MHAHostPool(pool, size=16)
     host.backup(pool, page_tokens([1], 4).cuda(), page_tokens([0], 4)).wait()
     key_bytes = pool.spec.key_bytes_per_token * 4
@@ -121,7 +113,7 @@ def test_cuda_load_orders_after_compute_and_consumer_waits_on_event() -> None:
 
 def test_cuda_shared_pinned_pool() -> None:
     pool = make_device_pool("mla", device="cuda")
-    _fill_on_device(pool, seed=4)
+    fill_random(pool, seed=4)
     host = MLAHostPool(pool, size=16, allocator=SharedHostAllocator(pin=True))
     assert host.shared_name is not None
     host.backup(pool, page_tokens([2], 4).cuda(), page_tokens([1], 4)).wait()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvstrata.pool_host import HostLayout, HostPoolCollector, MHAHostPool
+from kvstrata.pool_host.errors import UnknownPoolName
 from kvstrata.pool_host.metrics import LatencyHistogram
 from kvstrata.testkit.host_pools import make_device_pool, page_tokens
 
@@ -44,6 +46,12 @@ def test_collector_reports_transfers_capacity_and_allocator_use() -> None:
     text = generate_latest(registry).decode()
     inf_bucket = 'kvstrata_host_d2h_seconds_bucket{family="mha",layout="page_first",le="+Inf"'
     assert inf_bucket + ',pool="l2"} 1.0' in text
+
+
+def test_allocator_of_an_unknown_pool_is_refused() -> None:
+    host = MHAHostPool(make_device_pool("mha"), size=8)
+    with pytest.raises(UnknownPoolName, match="l3"):
+        HostPoolCollector({"l2": host}, allocators={"l3": host.make_allocator()})
 
 
 def test_nothing_is_registered_globally() -> None:

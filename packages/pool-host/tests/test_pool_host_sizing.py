@@ -70,6 +70,9 @@ def test_conflicting_or_negative_sizes_are_refused() -> None:
         MHAHostPool(pool, size=8, ratio=1.0)
     with pytest.raises(InvalidHostPoolSize, match="negative"):
         MHAHostPool(pool, ratio=-1.0)
+    for ratio in (float("inf"), float("nan")):
+        with pytest.raises(InvalidHostPoolSize, match="finite"):
+            MHAHostPool(pool, ratio=ratio)
 
 
 @pytest.mark.parametrize("allocator", ["plain", "shared"])

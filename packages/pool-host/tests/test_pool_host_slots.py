@@ -21,6 +21,7 @@ from kvstrata.pool_host.errors import (
     DoubleAllocation,
     DoubleFree,
     IndexOutOfRange,
+    NonIntegerIndex,
     SizeNotPageAligned,
 )
 
@@ -50,6 +51,7 @@ def test_alloc_tokens_returns_whole_pages() -> None:
 def test_alloc_too_many_returns_none_and_changes_nothing() -> None:
     alloc = HostSlotAllocator(num_pages=4, page_size=2)
     assert alloc.alloc_pages(3) is not None
+    assert alloc.can_alloc_pages(1) and not alloc.can_alloc_pages(2)
     assert alloc.alloc_pages(2) is None
     assert alloc.num_free_pages() == 1
     alloc.check_integrity()
@@ -93,6 +95,34 @@ def test_out_of_range_and_misaligned_frees_are_refused() -> None:
         alloc.alloc(3)
     assert alloc.num_free_pages() == 0
     alloc.check_integrity()
+
+
+def test_non_integer_ids_are_refused_not_truncated() -> None:
+    alloc = HostSlotAllocator(num_pages=4, page_size=2)
+    assert alloc.alloc_pages(4) is not None
+    for bad in (torch.tensor([1.7]), torch.tensor([True]), torch.tensor([0.0, 1.0])):
+        with pytest.raises(NonIntegerIndex):
+            alloc.free_pages(bad)
+        with pytest.raises(NonIntegerIndex):
+            alloc.free(bad)
+    assert alloc.num_free_pages() == 0, "a refused free released a page"
+    # any integer dtype is a page id
+    alloc.free_pages(torch.tensor([1], dtype=torch.uint8))
+    alloc.free_pages(torch.tensor([3], dtype=torch.int32))
+    alloc.free(torch.tensor([4, 5], dtype=torch.int16))
+    assert alloc.num_free_pages() == 3
+    alloc.check_integrity()
+
+
+def test_free_does_not_alias_the_callers_tensor() -> None:
+    alloc = HostSlotAllocator(num_pages=4, page_size=1)
+    pages = alloc.alloc_pages(2)
+    assert pages is not None
+    alloc.free_pages(pages)
+    pages.fill_(3)  # the caller reuses its tensor: the allocator must have kept a copy
+    alloc.check_integrity()
+    again = alloc.alloc_pages(4)
+    assert again is not None and sorted(again.tolist()) == [0, 1, 2, 3]
 
 
 def test_corrupt_free_list_is_detected_as_double_allocation() -> None:
@@ -169,10 +199,13 @@ TestHostSlotMachine = HostSlotMachine.TestCase
 
 
 def test_threads_never_share_a_page() -> None:
+    """Four workers allocate and free while a fifth checks the invariants under the lock:
+    no page is ever held by two workers, and no check sees a half-applied call."""
     alloc = HostSlotAllocator(num_pages=64, page_size=2)
     owner: dict[int, int] = {}
     owner_lock = threading.Lock()
     errors: list[str] = []
+    done = threading.Event()
 
     def worker(tid: int) -> None:
         for step in range(300):
@@ -189,11 +222,23 @@ def test_threads_never_share_a_page() -> None:
                     del owner[p]
             alloc.free_pages(pages)
 
+    def checker() -> None:
+        while not done.is_set():
+            try:
+                alloc.check_integrity()
+            except AssertionError as exc:
+                errors.append(f"check_integrity during the run: {exc}")
+                return
+
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    watch = threading.Thread(target=checker)
+    watch.start()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    done.set()
+    watch.join()
     assert errors == []
     assert alloc.num_free_pages() == 64
     alloc.check_integrity()

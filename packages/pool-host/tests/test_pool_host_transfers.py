@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,16 +18,19 @@ from kvstrata.pool_host import (
     MambaHostPool,
     MHAHostPool,
     MLAHostPool,
+    base,
 )
 from kvstrata.pool_host.errors import (
     DuplicateIndex,
     IndexLengthMismatch,
     IndexOutOfRange,
     InvalidIndices,
+    LayerAlreadyLoaded,
     LayerIdOutOfRange,
     LayerLoadFailed,
     LayerWaitTimeout,
     MisalignedIndex,
+    NonIntegerIndex,
     PageNotContiguous,
     PoolMismatch,
     ReservedIndex,
@@ -75,6 +80,8 @@ def test_mla_and_mamba_layer_buffers() -> None:
         mla.layer_buffer_ids(5)
     with pytest.raises(LayerIdOutOfRange):
         mamba.layer_buffer_ids(-1)
+    with pytest.raises(LayerIdOutOfRange):
+        mla.layer_buffer_ids(3.0)  # type: ignore[arg-type]  # `3.0 in range(...)` is True
 
 
 def test_mamba_layer_load_moves_conv_and_ssm_of_one_layer() -> None:
@@ -200,6 +207,20 @@ def test_empty_transfers_are_no_ops() -> None:
     assert completion.num_loaded == len(host.layer_ids)
 
 
+def test_page_ids_must_be_integers() -> None:
+    host = MHAHostPool(make_device_pool("mha"), size=16)
+    assert len(host.page_views(torch.tensor([1, 3], dtype=torch.int32))) == 2
+    numpy_page = np.int64(2)  # NumPy integers index like ints
+    assert bytes(host.page_view(numpy_page)) == bytes(host.page_view(2))  # pyright: ignore[reportArgumentType]
+    with pytest.raises(NonIntegerIndex):
+        host.page_views(torch.tensor([1.5]))  # not rounded down to page 1
+    for bad in (1.5, "1", None):
+        with pytest.raises(IndexOutOfRange):
+            host.page_view(bad)  # type: ignore[arg-type]
+        with pytest.raises(IndexOutOfRange):
+            host.read_page_into(bad, bytearray(host.page_size_bytes))  # type: ignore[arg-type]
+
+
 def test_layer_first_has_no_page_view() -> None:
     host = MHAHostPool(make_device_pool("mha"), layout=HostLayout.layer_first, size=8)
     with pytest.raises(PageNotContiguous):
@@ -257,17 +278,57 @@ def test_failed_load_wakes_waiters_with_an_error() -> None:
         completion.wait(7)
 
 
-def test_load_layers_fails_the_completion_when_a_copy_raises() -> None:
-    src = make_device_pool("mha", num_layers=2)
+def test_load_layers_fails_the_completion_when_a_copy_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    src = make_device_pool("mha", num_layers=3)
     host = MHAHostPool(src, size=16)
     completion = LayerCompletion(host.layer_ids)
-    completion.mark_loaded(1)  # a second mark of layer 1 trips the producer's invariant
-    with pytest.raises(AssertionError):
+    calls = 0
+    real_copy_rows = base.copy_rows
+
+    def copy_rows_failing_on_layer_1(*args: Any, **kwargs: Any) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # an MHA layer is 2 buffers: call 3 is layer 1's K
+            raise RuntimeError("copy engine on fire")
+        return real_copy_rows(*args, **kwargs)
+
+    monkeypatch.setattr(base, "copy_rows", copy_rows_failing_on_layer_1)
+    with pytest.raises(RuntimeError, match="on fire"):
         host.load_layers(src, page_tokens([0], 4), page_tokens([1], 4), completion=completion)
-    completion.wait(0)
-    completion.wait(1)
-    assert completion.num_loaded == 2
-    other = LayerCompletion([0])
+    completion.wait(0, timeout=1)  # landed before the failure
+    for layer in (1, 2):  # the failed layer and the one never started both wake with the error
+        with pytest.raises(LayerLoadFailed, match=f"layer {layer}") as failed:
+            completion.wait(layer, timeout=1)
+        assert isinstance(failed.value.__cause__, RuntimeError)
+    assert completion.num_loaded == 1
+
+
+def test_a_completion_that_does_not_expect_the_layers_is_refused_before_any_copy() -> None:
+    src = make_device_pool("mha", num_layers=2)
+    fill_random(src, seed=9)
+    host = MHAHostPool(src, size=16)
+    host.backup(src, page_tokens([2], 4), page_tokens([0], 4))
+    fill_random(src, seed=10)
+    before = snapshot(src)
+    args = (src, page_tokens([0], 4), page_tokens([1], 4))
+
+    other = LayerCompletion([0])  # layer 1 is not part of it
     with pytest.raises(LayerIdOutOfRange):
-        host.load_layers(src, page_tokens([0], 4), page_tokens([1], 4), completion=other)
-    assert other.num_loaded == 1
+        host.load_layers(*args, completion=other)
+    with pytest.raises(LayerIdOutOfRange):
+        host.load(*args, 1, completion=other)
+    assert other.num_loaded == 0, "layer 0 was loaded and marked before the refusal"
+
+    marked = LayerCompletion(host.layer_ids)
+    marked.mark_loaded(1)
+    with pytest.raises(LayerAlreadyLoaded):
+        host.load_layers(*args, completion=marked)
+    with pytest.raises(LayerAlreadyLoaded):
+        host.load(*args, 1, completion=marked)
+    with pytest.raises(LayerAlreadyLoaded, match="twice"):
+        host.load_layers(*args, completion=LayerCompletion([0, 1]), layer_ids=[0, 0])
+
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(src), strict=True))
+    assert host.stats().h2d.calls == 0

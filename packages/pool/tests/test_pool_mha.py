@@ -142,6 +142,34 @@ def test_set_kv_casts_and_scales(dtype: torch.dtype) -> None:
     assert torch.equal(_bytes(pool.get_value_buffer(0)[loc]), _bytes(v.to(dtype)))
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_set_kv_scales_fp8_input(fp8: torch.dtype) -> None:
+    """Values already in fp8 with a scale: divided in fp32 (float8 has no division kernel)."""
+    pool = make_mha_pool(dtype=fp8)
+    loc = torch.tensor([3, 9])
+    k = (torch.randn(2, 2, 4) * 4).to(fp8)
+    v = (torch.randn(2, 2, 4) * 4).to(fp8)
+    pool.set_kv(0, loc, k, v, k_scale=2.0, v_scale=0.5)
+    assert torch.equal(_bytes(pool.get_key_buffer(0)[loc]), _bytes((k.float() / 2.0).to(fp8)))
+    assert torch.equal(_bytes(pool.get_value_buffer(0)[loc]), _bytes((v.float() / 0.5).to(fp8)))
+
+
+@pytest.mark.parametrize(
+    "index_dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64], ids=str
+)
+def test_set_kv_takes_any_integer_index_dtype_as_positions(index_dtype: torch.dtype) -> None:
+    """uint8 indices are positions, not a boolean mask (what torch would make of them)."""
+    pool = make_mha_pool(dtype=torch.float32, size=8, page_size=4)  # 12 rows
+    loc = torch.tensor([1, 3, 11], dtype=index_dtype)
+    k = torch.arange(3 * 8, dtype=torch.float32).view(3, 2, 4) + 1
+    pool.set_kv(0, loc, k, k)
+    written = pool.get_key_buffer(0).reshape(pool.num_rows, -1).any(1)
+    assert written.nonzero().flatten().tolist() == [1, 3, 11]
+    assert torch.equal(pool.get_value_buffer(0)[[1, 3, 11]], k)
+    with pytest.raises(IndexOutOfRange):
+        pool.set_kv(0, torch.tensor([12], dtype=index_dtype), k[:1], k[:1])
+
+
 def test_padding_slot_zero_is_writable() -> None:
     pool = make_mha_pool(dtype=torch.float32)
     k = torch.ones(2, 2, 4)

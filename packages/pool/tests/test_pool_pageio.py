@@ -89,29 +89,71 @@ def test_round_trip_random_pages(family: str, page_size: int, dtype: torch.dtype
     pool.check_integrity()
 
 
+# The flat-format tests below build the expected page from the public per-layer accessors
+# (conv_state / ssm_state, get_key_buffer / get_value_buffer), not from layer_buffers(), so a
+# wrong buffer order in the pool cannot hide behind a reference computed the same wrong way.
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
 def test_flat_format_of_mamba_interleaves_conv_and_ssm() -> None:
-    pool = make_mamba_pool()
+    pool = make_mamba_pool(num_layers=3, conv_dtype=torch.float8_e5m2)
     fill_random_bytes(pool, seed=7)
     buffers = pool.layer_buffers()
-    assert buffers[0].data_ptr() == pool.conv_state[0].data_ptr()
-    assert buffers[1].data_ptr() == pool.ssm_state[0].data_ptr()
-    assert buffers[2].data_ptr() == pool.conv_state[1].data_ptr()
-    out = torch.empty((1, pool.page_size_bytes), dtype=torch.uint8)
-    pool.read_pages(torch.tensor([3]), out)
-    conv_bytes = buffers[0][3].numel() * 2
-    assert torch.equal(out[0, :conv_bytes], buffers[0][3].reshape(-1).view(torch.uint8))
+    for layer in range(3):
+        assert buffers[2 * layer].data_ptr() == pool.conv_state[layer].data_ptr()
+        assert buffers[2 * layer + 1].data_ptr() == pool.ssm_state[layer].data_ptr()
+    out = torch.empty((2, pool.page_size_bytes), dtype=torch.uint8)
+    pool.read_pages(torch.tensor([3, 6]), out)
+    for row, slot in enumerate((3, 6)):
+        expected = torch.cat(
+            [
+                part
+                for layer in range(3)
+                for part in (_raw(pool.conv_state[layer, slot]), _raw(pool.ssm_state[layer, slot]))
+            ]
+        )
+        assert torch.equal(out[row], expected)
 
 
-def test_flat_format_of_mha_is_all_keys_then_all_values() -> None:
-    pool = make_mha_pool(dtype=torch.float16, v_head_dim=3, size=16, page_size=2)
+@pytest.mark.parametrize("v_head_dim", [None, 3], ids=["one-stack", "two-stacks"])
+def test_flat_format_of_mha_is_all_keys_then_all_values(v_head_dim: int | None) -> None:
+    pool = make_mha_pool(
+        dtype=torch.float16, v_head_dim=v_head_dim, start_layer=4, size=16, page_size=2
+    )
     fill_random_bytes(pool, seed=7)
     out = torch.empty((1, pool.page_size_bytes), dtype=torch.uint8)
     pool.read_pages(torch.tensor([2]), out)
-    key_page = pool.get_key_buffer(0)[4:6].reshape(-1).view(torch.uint8)
-    value_page = pool.get_value_buffer(0)[4:6].reshape(-1).view(torch.uint8)
-    assert torch.equal(out[0, : key_page.numel()], key_page)
-    start = pool.spec.num_layers * key_page.numel()
-    assert torch.equal(out[0, start : start + value_page.numel()], value_page)
+    layers = pool.layer_ids
+    expected = torch.cat(
+        [_raw(pool.get_key_buffer(layer)[4:6]) for layer in layers]
+        + [_raw(pool.get_value_buffer(layer)[4:6]) for layer in layers]
+    )
+    assert torch.equal(out[0], expected)
+
+
+def test_flat_format_of_mla_is_the_layers_in_order() -> None:
+    pool = make_mla_pool(dtype=torch.bfloat16, start_layer=1, size=16, page_size=4)
+    fill_random_bytes(pool, seed=7)
+    out = torch.empty((1, pool.page_size_bytes), dtype=torch.uint8)
+    pool.read_pages(torch.tensor([3]), out)
+    expected = torch.cat([_raw(pool.get_key_buffer(layer)[12:16]) for layer in pool.layer_ids])
+    assert torch.equal(out[0], expected)
+
+
+@pytest.mark.parametrize(
+    "index_dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32], ids=str
+)
+def test_page_ids_of_any_integer_dtype(index_dtype: torch.dtype) -> None:
+    pool = _pool("mha", torch.bfloat16, 4)
+    out = torch.empty((2, pool.page_size_bytes), dtype=torch.uint8)
+    pool.read_pages(torch.tensor([6, 2], dtype=index_dtype), out)
+    assert torch.equal(out, flat_pages(pool, [6, 2]))
+    src = torch.randint(0, 256, out.shape, dtype=torch.uint8)
+    pool.write_pages(torch.tensor([5, 1], dtype=index_dtype), src)
+    assert torch.equal(flat_pages(pool, [5, 1]), src)
 
 
 def test_repeated_ids_read_the_same_page_twice() -> None:

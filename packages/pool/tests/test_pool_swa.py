@@ -105,6 +105,8 @@ def test_translate_follows_the_allocator_map_in_place() -> None:
     loc = torch.tensor([8, 11, 20, 23, 4, 0])
     assert pool.translate(loc).tolist() == [4, 7, 12, 15, 0, 0]
     assert pool.translate(loc.view(2, 3)).shape == (2, 3)
+    for index_dtype in (torch.uint8, torch.int16, torch.int32):  # positions, never a mask
+        assert pool.translate(loc.to(index_dtype)).tolist() == [4, 7, 12, 15, 0, 0]
     # The allocator frees page 2's SWA slots in place: the pool sees it without a new hand-over.
     mapping[8:12] = 0
     assert pool.translate(torch.tensor([8, 20])).tolist() == [0, 12]

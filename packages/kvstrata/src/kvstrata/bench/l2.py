@@ -16,15 +16,12 @@ and the lines say `"device": "cpu"`: the figures then compare memory-to-memory c
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
-from kvstrata.bench.report import emit, environment, pin_threads, ratio
+from kvstrata.bench.report import PairedTimes, emit, environment, paired_medians, pin_threads, ratio
 from kvstrata.pool import MHAKVPool, MHASpec
 from kvstrata.pool_host import HostLayout, HostPool, MHAHostPool
 
@@ -66,33 +63,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class _Paired(NamedTuple):
-    ours_seconds: float  # median
-    baseline_seconds: float  # median
-    ratio: float  # median over pairs of baseline_time / ours_time (= ours GB/s / baseline GB/s)
-
-
-def _paired_medians(
-    ours: Callable[[], None], baseline: Callable[[], None], *, repeats: int
-) -> _Paired:
-    """Times of `ours` and `baseline` run alternately (after one warm-up each). On a shared
-    box the load drifts between moments, so the ratio is the median of per-pair ratios, each
-    pair measured back to back, rather than a ratio of medians taken at different moments."""
-    ours()
-    baseline()
-    ours_s: list[float] = []
-    base_s: list[float] = []
-    for _ in range(repeats):
-        for fn, samples in ((ours, ours_s), (baseline, base_s)):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-    pair_ratios = [b / o for o, b in zip(ours_s, base_s, strict=True)]
-    return _Paired(
-        statistics.median(ours_s), statistics.median(base_s), statistics.median(pair_ratios)
-    )
 
 
 def _plain_copy(
@@ -159,7 +129,7 @@ def _measure(
 
     first = host.backup(dev_pool, dev_tokens, host_tokens)
     first.wait()
-    timed = _paired_medians(
+    timed = paired_medians(
         backup,
         _plain_copy(first.num_bytes, device, d2h=True, pinned=pinned),
         repeats=args.repeats,
@@ -175,7 +145,7 @@ def _measure(
     loads = host.load_layers(dev_pool, host_tokens, dev_tokens)
     _sync(device)
     load_bytes = sum(load.num_bytes for load in loads)
-    timed = _paired_medians(
+    timed = paired_medians(
         load,
         _plain_copy(load_bytes, device, d2h=False, pinned=pinned, num_chunks=len(loads)),
         repeats=args.repeats,
@@ -184,7 +154,7 @@ def _measure(
 
 
 def _emit(
-    op: str, common: dict[str, object], num_bytes: int, timed: _Paired, strategy: str
+    op: str, common: dict[str, object], num_bytes: int, timed: PairedTimes, strategy: str
 ) -> None:
     ours_gbps = num_bytes / timed.ours_seconds / 1e9
     base_gbps = num_bytes / timed.baseline_seconds / 1e9

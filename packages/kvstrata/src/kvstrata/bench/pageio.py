@@ -18,39 +18,15 @@ Target ratio >= 0.8. One torch thread by default (`--threads`), as every kvstrat
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from kvstrata.bench.report import emit, environment, pin_threads, ratio
+from kvstrata.bench.report import emit, environment, paired_medians, pin_threads, ratio
 from kvstrata.pool import MHAKVPool, MHASpec
 
 DEFAULT_PAGE_SIZES = (1, 16, 64)
-
-
-def _paired_medians(
-    op: Callable[[], None],
-    baseline: Callable[[], None],
-    *,
-    repeats: int,
-    sync: Callable[[], None],
-) -> tuple[float, float]:
-    """Median seconds of `op` and of `baseline`, timed alternately after one warm-up each."""
-    op()
-    baseline()
-    sync()
-    op_times: list[float] = []
-    base_times: list[float] = []
-    for _ in range(repeats):
-        for fn, times in ((op, op_times), (baseline, base_times)):
-            start = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - start)
-    return statistics.median(op_times), statistics.median(base_times)
 
 
 def run_page_io(
@@ -98,7 +74,8 @@ def run_page_io(
             "write_pages": lambda p=pool, i=ids, f=flat: p.write_pages(i, f),
         }
         for name, op in ops.items():
-            seconds, base_seconds = _paired_medians(op, plain_copy, repeats=reps, sync=sync)
+            timed = paired_medians(op, plain_copy, repeats=reps, sync=sync)
+            seconds, base_seconds = timed.ours_seconds, timed.baseline_seconds
             gbps = nbytes / seconds / 1e9
             baseline_gbps = nbytes / base_seconds / 1e9
             records.append(

@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,6 +30,44 @@ def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -
         fn()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+class PairedTimes(NamedTuple):
+    """Timings of an operation and its baseline measured alternately (see paired_medians)."""
+
+    ours_seconds: float  # median
+    baseline_seconds: float  # median
+    ratio: float  # median over pairs of baseline / ours time (= ours rate / baseline rate)
+
+
+def paired_medians(
+    ours: Callable[[], object],
+    baseline: Callable[[], object],
+    *,
+    repeats: int,
+    sync: Callable[[], object] | None = None,
+) -> PairedTimes:
+    """Time `ours` and `baseline` alternately, `repeats` pairs after one untimed warm-up each;
+    `sync` (e.g. a CUDA synchronise) runs inside every timed call. On a shared box the load
+    drifts between moments, so besides the two medians this gives the median of the per-pair
+    ratios, each pair measured back to back."""
+    ours()
+    baseline()
+    if sync is not None:
+        sync()
+    ours_s: list[float] = []
+    base_s: list[float] = []
+    for _ in range(repeats):
+        for fn, samples in ((ours, ours_s), (baseline, base_s)):
+            start = time.perf_counter()
+            fn()
+            if sync is not None:
+                sync()
+            samples.append(time.perf_counter() - start)
+    pair_ratios = [b / o for o, b in zip(ours_s, base_s, strict=True)]
+    return PairedTimes(
+        statistics.median(ours_s), statistics.median(base_s), statistics.median(pair_ratios)
+    )
 
 
 def ratio(ours: float, baseline: float) -> float | None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kvstrata.pool_host.base import DevicePagePool, HostLayout, HostPool
+from kvstrata.pool_host.base import DevicePagePool, HostPool
 from kvstrata.pool_host.completion import LayerCompletion, LayerLoad, Transfer
+from kvstrata.pool_host.layout import HostLayout
 from kvstrata.pool_host.mamba import MambaHostPool
 from kvstrata.pool_host.memory import (
     HostRegion,

@@ -5,17 +5,17 @@ same per-token bytes) for `num_pages` host pages of `page_size` tokens. Host pag
 0 .. num_pages-1, all usable. Indices handed to backup/load are token indices of whole, aligned
 pages on both sides (what the device PagedAllocator and HostSlotAllocator return).
 
-Layouts (B buffers, P = page_size, "bytes(b)" = the bytes of P tokens of buffer b):
+Layouts (bytes in `kvstrata.pool_host.layout`; B buffers, P = page_size):
 
     layer_first        per buffer a contiguous [host_tokens, ...]: a layer's pages are
                        contiguous, so a layer load is one copy per run; a page is B pieces.
-    page_first         [host_pages, page_size_bytes]: page p = bytes(b0) | bytes(b1) | ...
-                       which IS the device pool's flat page format (read_pages/write_pages).
-                       A page is one contiguous range: L3 reads and writes it zero-copy.
-                       Backup copies each buffer's runs into the (strided) page rows.
+    page_first         [host_pages, page_size_bytes] in the device pool's flat page format
+                       (read_pages/write_pages): a page is one contiguous range, which L3
+                       reads and writes zero-copy. Backup copies each buffer's runs into the
+                       (strided) page rows.
     page_first_direct  the same bytes (the flat page format is already (pages, L, P, ...)),
-                       but a backup moves whole pages through the device pool's read_pages:
-                       one call per host run writes complete flat pages into host memory.
+                       but a backup moves whole flat pages through the device pool's
+                       read_pages (see _backup_direct).
 
 The family subclasses (mha, mla, mamba) say which buffers form one layer. SWA models build one
 host pool per sub-pool (`SWAKVPool.full_pool`, `.swa_pool`): the two have different sizes and
@@ -24,11 +24,12 @@ slot spaces, so one mirror could not serve both.
 
 from __future__ import annotations
 
+import math
+import operator
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from enum import StrEnum
 from typing import ClassVar, Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
@@ -40,15 +41,12 @@ from kvstrata.pool_host.errors import (
     HostPoolTooSmall,
     IndexOutOfRange,
     InvalidHostPoolSize,
+    LayerIdOutOfRange,
     PageNotContiguous,
     PoolMismatch,
 )
-from kvstrata.pool_host.memory import (
-    HostRegion,
-    HostTensorAllocator,
-    PinnedHostAllocator,
-    PlainHostAllocator,
-)
+from kvstrata.pool_host.layout import HostLayout, buffer_geometry, lay_out
+from kvstrata.pool_host.memory import HostTensorAllocator, PinnedHostAllocator, PlainHostAllocator
 from kvstrata.pool_host.metrics import HostPoolStats, LatencyHistogram, TransferCounters
 from kvstrata.pool_host.slots import HostSlotAllocator
 from kvstrata.pool_host.transfer import (
@@ -61,19 +59,13 @@ from kvstrata.pool_host.transfer import (
     copy_rows,
     find_runs,
     indices_to_pages,
+    integer_array,
     make_plan,
 )
 
-#: Buffer chunks of a layer_first region start on this boundary (cache line; lets typed views
-#: of every dtype sit on their natural alignment).
-_CHUNK_ALIGN = 64
+__all__ = ["DEFAULT_RATIO", "DevicePagePool", "HostLayout", "HostPool"]
+
 DEFAULT_RATIO = 2.0
-
-
-class HostLayout(StrEnum):
-    layer_first = "layer_first"
-    page_first = "page_first"
-    page_first_direct = "page_first_direct"
 
 
 class DevicePagePool(Protocol):
@@ -94,34 +86,11 @@ class DevicePagePool(Protocol):
 PoolT = TypeVar("PoolT", bound=DevicePagePool)
 
 
-class BufferGeometry(NamedTuple):
-    """One mirrored buffer: per-token shape and dtype, bytes per token and per page, and the
-    buffer's byte offset inside a flat page."""
-
-    token_shape: tuple[int, ...]
-    dtype: torch.dtype
-    token_bytes: int
-    page_bytes: int
-    page_offset: int
-
-
-def buffer_geometry(buffers: Sequence[torch.Tensor], page_size: int) -> tuple[BufferGeometry, ...]:
-    out: list[BufferGeometry] = []
-    offset = 0
-    for b in buffers:
-        token_bytes = b[0].numel() * b.element_size()
-        out.append(
-            BufferGeometry(
-                tuple(b.shape[1:]), b.dtype, token_bytes, token_bytes * page_size, offset
-            )
-        )
-        offset += token_bytes * page_size
-    return tuple(out)
-
-
-class _Layout(NamedTuple):
-    region: HostRegion
-    rows: list[torch.Tensor]  # per buffer, bytes [num_pages, page bytes of that buffer]
+def _check_pending(completion: LayerCompletion | None, layer_ids: Sequence[int]) -> None:
+    # Only a real LayerCompletion can be asked before the copy; an object that merely has
+    # mark_loaded / fail (a forwarding test double) is trusted, as it always was.
+    if isinstance(completion, LayerCompletion):
+        completion.check_pending(layer_ids)
 
 
 class _Executed(NamedTuple):
@@ -130,10 +99,11 @@ class _Executed(NamedTuple):
 
 
 class HostPool(ABC, Generic[PoolT]):
-    """Host mirror of one device pool. Size: exactly one of `size` (tokens), `ratio` (of the
-    device pool's usable size) or `size_bytes`; ratio 2.0 when none is given. Rounded down to
-    whole pages; HostPoolTooSmall below one page, InsufficientHostMemory above what the host
-    holds (both before allocating). Memory comes from `allocator`: pinned for CUDA device
+    """Host mirror of one device pool. Size: at most one of `size` (tokens), `ratio` (of the
+    device pool's usable size) or `size_bytes` (InvalidHostPoolSize for several, a negative or
+    a non-finite one); ratio 2.0 when none is given. Rounded down to whole pages;
+    HostPoolTooSmall below one page, InsufficientHostMemory above what the host holds (all
+    before allocating). Memory comes from `allocator`: pinned for CUDA device
     pools, plain otherwise, or e.g. SharedHostAllocator to share pages with another process.
     """
 
@@ -163,15 +133,11 @@ class HostPool(ABC, Generic[PoolT]):
             cuda = self.device.type == "cuda"
             allocator = PinnedHostAllocator() if cuda else PlainHostAllocator()
         self.allocator = allocator
-        laid_out = self._lay_out(allocator)
+        laid_out = lay_out(self.layout, self.geometry, self.num_pages, allocator)
         self._region = laid_out.region
-        self._host_rows = laid_out.rows
+        self._host_rows = laid_out.rows  # per buffer, bytes [num_pages, page bytes of it]
         self._host_rows_np = [rows.numpy() for rows in self._host_rows]
-        self._pages = (
-            self._region.tensor.view(self.num_pages, self.page_size_bytes)
-            if self.layout is not HostLayout.layer_first
-            else None
-        )
+        self._pages = laid_out.pages  # [num_pages, page_size_bytes]; None for layer_first
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._stats_lock = threading.Lock()
         self._calls: dict[Direction, int] = {"d2h": 0, "h2d": 0}
@@ -194,6 +160,14 @@ class HostPool(ABC, Generic[PoolT]):
     @abstractmethod
     def layer_buffer_ids(self, layer_id: int) -> tuple[int, ...]:
         """Positions in layer_buffers() of the buffers of layer_id; LayerIdOutOfRange else."""
+
+    def _local_layer(self, layer_id: int) -> int:
+        """Position of `layer_id` in `layer_ids` (0 for the first held layer, whatever the
+        pipeline stage's start_layer); LayerIdOutOfRange for a layer not held."""
+        ids = self.layer_ids
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int) or layer_id not in ids:
+            raise LayerIdOutOfRange(f"layer {layer_id!r} not in {ids}")
+        return layer_id - ids.start
 
     # --- sizes -----------------------------------------------------------------------------------
 
@@ -272,12 +246,15 @@ class HostPool(ABC, Generic[PoolT]):
         `completion` (if given) for that layer.
 
         Mutates only layer `layer_id` of the device pages named. Repeated device pages and
-        device page 0 are refused; every check runs before any byte moves. On CUDA the copies
-        are enqueued on the copy stream; consumers wait through `completion.wait(layer_id)`.
+        device page 0 are refused, and so is a `completion` that does not expect this layer
+        (LayerIdOutOfRange, LayerAlreadyLoaded); every check runs before any byte moves. On
+        CUDA the copies are enqueued on the copy stream; consumers wait through
+        `completion.wait(layer_id)`.
         """
         buffer_ids = self.layer_buffer_ids(layer_id)
         device_rows = self._device_rows(device_pool, buffer_ids)
         plan = self._plan_h2d(host_indices, device_indices)
+        _check_pending(completion, (layer_id,))
         return self._load_planned(device_rows, buffer_ids, plan, layer_id, completion)
 
     def load_layers(
@@ -289,14 +266,18 @@ class HostPool(ABC, Generic[PoolT]):
         completion: LayerCompletion | None = None,
         layer_ids: Sequence[int] | None = None,
     ) -> list[LayerLoad]:
-        """`load` every layer (default: all, in order), validating the indices once. If a
-        layer's copy raises, `completion.fail(error)` wakes its waiters before re-raising."""
+        """`load` every layer (default: all, in order), validating the indices, the layers
+        and `completion` once, before the first copy. If a layer's copy raises,
+        `completion.fail(error)` wakes its waiters before re-raising."""
         order = list(self.layer_ids if layer_ids is None else layer_ids)
-        resolved = [(layer, self.layer_buffer_ids(layer)) for layer in order]
+        resolved: list[tuple[int, tuple[int, ...], list[torch.Tensor]]] = []
+        for layer in order:
+            buffer_ids = self.layer_buffer_ids(layer)
+            resolved.append((layer, buffer_ids, self._device_rows(device_pool, buffer_ids)))
         plan = self._plan_h2d(host_indices, device_indices)
+        _check_pending(completion, order)
         loads: list[LayerLoad] = []
-        for layer_id, buffer_ids in resolved:
-            device_rows = self._device_rows(device_pool, buffer_ids)
+        for layer_id, buffer_ids, device_rows in resolved:
             try:
                 loads.append(
                     self._load_planned(device_rows, buffer_ids, plan, layer_id, completion)
@@ -315,38 +296,41 @@ class HostPool(ABC, Generic[PoolT]):
         whose pages are scattered: use read_page_into / write_page_from). Valid while the pool
         lives; after a CUDA backup, wait for its Transfer before reading."""
         pages = self._contiguous_pages("page_view")
-        self._check_host_page(host_page)
-        return pages[host_page].numpy().data
+        return pages[self._check_host_page(host_page)].numpy().data
 
     def page_views(self, host_pages: Sequence[int] | torch.Tensor) -> list[memoryview]:
-        """page_view of several pages (the buffers of one L3 batch_get / batch_set)."""
-        pages = host_pages.tolist() if isinstance(host_pages, torch.Tensor) else host_pages
-        return [self.page_view(int(p)) for p in pages]
+        """page_view of several pages (the buffers of one L3 batch_get / batch_set). A tensor
+        must hold integers (NonIntegerIndex): a float page id is never rounded to a page."""
+        pages: Sequence[int] = (
+            integer_array(host_pages, what="host pages").tolist()
+            if isinstance(host_pages, torch.Tensor)
+            else host_pages
+        )
+        return [self.page_view(p) for p in pages]
 
     def page_offset(self, host_page: int) -> int:
         """Byte offset of a page in the pool's region (page_first layouts): with `shared_name`,
         what another process needs to find the page in its own mapping."""
         self._contiguous_pages("page_offset")
-        self._check_host_page(host_page)
-        return host_page * self.page_size_bytes
+        return self._check_host_page(host_page) * self.page_size_bytes
 
     def read_page_into(self, host_page: int, buf: memoryview | bytearray) -> None:
         """Copy host page `host_page` (flat page format) into a writable buffer of exactly
         page_size_bytes. Works for every layout; mutates only `buf`."""
         out = np.frombuffer(buf, dtype=np.uint8)
-        self._check_host_page(host_page)
+        page = self._check_host_page(host_page)
         self._check_buffer(out)
         for g, rows in zip(self.geometry, self._host_rows_np, strict=True):
-            out[g.page_offset : g.page_offset + g.page_bytes] = rows[host_page]
+            out[g.page_offset : g.page_offset + g.page_bytes] = rows[page]
 
     def write_page_from(self, host_page: int, buf: memoryview | bytes | bytearray) -> None:
         """Overwrite host page `host_page` with a flat-format page of exactly page_size_bytes
         (e.g. one read from L3). Works for every layout; mutates only that host page."""
         src = np.frombuffer(buf, dtype=np.uint8)
-        self._check_host_page(host_page)
+        page = self._check_host_page(host_page)
         self._check_buffer(src)
         for g, rows in zip(self.geometry, self._host_rows_np, strict=True):
-            rows[host_page] = src[g.page_offset : g.page_offset + g.page_bytes]
+            rows[page] = src[g.page_offset : g.page_offset + g.page_bytes]
 
     # --- bookkeeping -----------------------------------------------------------------------------
 
@@ -402,8 +386,10 @@ class HostPool(ABC, Generic[PoolT]):
         given = [x for x in (size, ratio, size_bytes) if x is not None]
         if len(given) > 1:
             raise InvalidHostPoolSize("give at most one of size, ratio and size_bytes")
-        if any(x < 0 for x in given):
-            raise InvalidHostPoolSize(f"a host pool size must not be negative, got {given[0]}")
+        if any(not math.isfinite(x) or x < 0 for x in given):
+            raise InvalidHostPoolSize(
+                f"a host pool size must be finite and not negative, got {given[0]}"
+            )
         if size_bytes is not None:
             num_pages = size_bytes // self.page_size_bytes
         elif size is not None:
@@ -418,25 +404,6 @@ class HostPool(ABC, Generic[PoolT]):
                 f"size_bytes={size_bytes})"
             )
         return num_pages
-
-    def _lay_out(self, allocator: HostTensorAllocator) -> _Layout:
-        n = self.num_pages
-        if self.layout is HostLayout.layer_first:
-            starts: list[int] = []
-            total = 0
-            for g in self.geometry:
-                starts.append(total)
-                total += -(-n * g.page_bytes // _CHUNK_ALIGN) * _CHUNK_ALIGN
-            region = allocator.allocate(total)
-            rows = [
-                region.tensor[s : s + n * g.page_bytes].view(n, g.page_bytes)
-                for s, g in zip(starts, self.geometry, strict=True)
-            ]
-            return _Layout(region, rows)
-        region = allocator.allocate(n * self.page_size_bytes)
-        pages = region.tensor.view(n, self.page_size_bytes)
-        rows = [pages[:, g.page_offset : g.page_offset + g.page_bytes] for g in self.geometry]
-        return _Layout(region, rows)
 
     def _device_rows(self, device_pool: PoolT, buffer_ids: Sequence[int]) -> list[torch.Tensor]:
         # Identity, not geometry: the two sub-pools of an SWA pool can share a spec, and a
@@ -591,9 +558,16 @@ class HostPool(ABC, Generic[PoolT]):
             )
         return self._pages
 
-    def _check_host_page(self, host_page: int) -> None:
-        if not 0 <= host_page < self.num_pages:
-            raise IndexOutOfRange(f"host page {host_page} not in [0, {self.num_pages})")
+    def _check_host_page(self, host_page: int) -> int:
+        """`host_page` as a Python int in [0, num_pages); IndexOutOfRange otherwise (a float
+        is refused, never truncated; NumPy and 0-d tensor integers are accepted)."""
+        try:
+            page = operator.index(host_page)
+        except TypeError:
+            raise IndexOutOfRange(f"a host page is an integer, got {host_page!r}") from None
+        if not 0 <= page < self.num_pages:
+            raise IndexOutOfRange(f"host page {page} not in [0, {self.num_pages})")
+        return page
 
     def _check_buffer(self, buf: np.ndarray) -> None:
         if buf.size != self.page_size_bytes:

@@ -17,13 +17,18 @@ stream wait on that event, so the host thread does not block on the GPU.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from kvstrata.pool_host.errors import LayerIdOutOfRange, LayerLoadFailed, LayerWaitTimeout
+from kvstrata.pool_host.errors import (
+    LayerAlreadyLoaded,
+    LayerIdOutOfRange,
+    LayerLoadFailed,
+    LayerWaitTimeout,
+)
 from kvstrata.pool_host.transfer import CopyStrategy
 
 #: "d2h": a backup (device -> host); "h2d": a layer load (host -> device).
@@ -90,8 +95,22 @@ class LayerCompletion:
         with self._lock:
             return layer_id in self._loaded
 
+    def check_pending(self, layer_ids: Sequence[int]) -> None:
+        """Producer side, before copying: LayerIdOutOfRange unless every id is part of this
+        load, LayerAlreadyLoaded if one is marked already or listed twice. Mutates nothing.
+        HostPool.load / load_layers call it, so a refused load has copied nothing."""
+        for layer_id in layer_ids:
+            self._event_of(layer_id)
+        if len(set(layer_ids)) != len(layer_ids):
+            raise LayerAlreadyLoaded(f"layers {list(layer_ids)} list a layer twice")
+        with self._lock:
+            done = sorted(set(layer_ids) & self._loaded)
+        if done:
+            raise LayerAlreadyLoaded(f"layers {done} were already marked loaded")
+
     def mark_loaded(self, layer_id: int, event: torch.cuda.Event | None = None) -> None:
-        """Producer side: layer_id has landed (CPU) or its copies are enqueued before `event`."""
+        """Producer side: layer_id has landed (CPU) or its copies are enqueued before `event`.
+        Each layer exactly once (an assertion: `check_pending` refuses a repeat up front)."""
         arrived = self._event_of(layer_id)
         with self._lock:
             assert layer_id not in self._loaded, f"layer {layer_id} was marked loaded twice"

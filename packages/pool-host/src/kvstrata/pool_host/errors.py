@@ -53,6 +53,11 @@ class MisalignedIndex(InvalidIndices):
     """Indices do not form whole, aligned pages (page p = slots p*P .. p*P+P-1, in order)."""
 
 
+class NonIntegerIndex(MisalignedIndex):
+    """An index tensor of a float, complex or bool dtype (a float would be truncated to some
+    other page). A MisalignedIndex, which transfers raised for such tensors before."""
+
+
 class ReservedIndex(InvalidIndices):
     """A device index falls in page 0, the dummy page for padded tokens."""
 
@@ -83,6 +88,15 @@ class LayerLoadFailed(HostPoolError):
 
 class LayerWaitTimeout(HostPoolError):
     """A layer did not arrive within the timeout given to LayerCompletion.wait."""
+
+
+class LayerAlreadyLoaded(HostPoolError):
+    """A load would mark a layer its LayerCompletion already holds as loaded (or the same layer
+    twice in one load_layers): refused before the copy, so waiters never see the layer twice."""
+
+
+class UnknownPoolName(HostPoolError):
+    """HostPoolCollector got an allocator under a name that no host pool was given."""
 
 
 # --- host slot allocator -------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from kvstrata.pool import MambaPool
 from kvstrata.pool_host.base import HostPool
-from kvstrata.pool_host.errors import LayerIdOutOfRange
 
 
 class MambaHostPool(HostPool[MambaPool]):
@@ -23,7 +22,5 @@ class MambaHostPool(HostPool[MambaPool]):
         return range(self.device_pool.spec.num_layers)
 
     def layer_buffer_ids(self, layer_id: int) -> tuple[int, ...]:
-        ids = self.layer_ids
-        if layer_id not in ids:
-            raise LayerIdOutOfRange(f"layer {layer_id} not in {ids}")
-        return (2 * layer_id, 2 * layer_id + 1)
+        local = self._local_layer(layer_id)
+        return (2 * local, 2 * local + 1)

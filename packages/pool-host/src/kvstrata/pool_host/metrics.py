@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from kvstrata.pool_host.errors import UnknownPoolName
+
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
@@ -129,7 +131,8 @@ class HostPoolCollector(Collector):
         self._pools = dict(pools)
         self._allocators = dict(allocators or {})
         unknown = set(self._allocators) - set(self._pools)
-        assert not unknown, f"allocators given for pools that were not: {sorted(unknown)}"
+        if unknown:
+            raise UnknownPoolName(f"allocators given for pools that were not: {sorted(unknown)}")
 
     def collect(self) -> Iterator[Metric]:
         labels = ["pool", "family", "layout"]

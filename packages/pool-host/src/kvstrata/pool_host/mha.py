@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from kvstrata.pool import MHAKVPool
 from kvstrata.pool_host.base import HostPool
-from kvstrata.pool_host.errors import LayerIdOutOfRange
 
 
 class MHAHostPool(HostPool[MHAKVPool]):
@@ -25,8 +24,5 @@ class MHAHostPool(HostPool[MHAKVPool]):
         return self.device_pool.layer_ids
 
     def layer_buffer_ids(self, layer_id: int) -> tuple[int, ...]:
-        ids = self.layer_ids
-        if layer_id not in ids:
-            raise LayerIdOutOfRange(f"layer {layer_id} not in {ids}")
-        local = layer_id - ids.start
-        return (local, len(ids) + local)
+        local = self._local_layer(layer_id)
+        return (local, len(self.layer_ids) + local)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from kvstrata.pool import MLAKVPool
 from kvstrata.pool_host.base import HostPool
-from kvstrata.pool_host.errors import LayerIdOutOfRange
 
 
 class MLAHostPool(HostPool[MLAKVPool]):
@@ -18,7 +17,4 @@ class MLAHostPool(HostPool[MLAKVPool]):
         return self.device_pool.layer_ids
 
     def layer_buffer_ids(self, layer_id: int) -> tuple[int, ...]:
-        ids = self.layer_ids
-        if layer_id not in ids:
-            raise LayerIdOutOfRange(f"layer {layer_id} not in {ids}")
-        return (layer_id - ids.start,)
+        return (self._local_layer(layer_id),)

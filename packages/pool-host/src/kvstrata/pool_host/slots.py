@@ -31,6 +31,7 @@ from kvstrata.pool_host.errors import (
     IndexOutOfRange,
     SizeNotPageAligned,
 )
+from kvstrata.pool_host.transfer import first_misaligned_page, integer_array
 
 PageArray = npt.NDArray[np.int64]
 
@@ -111,9 +112,10 @@ class HostSlotAllocator:
     # --- release ---------------------------------------------------------------------------------
 
     def free_pages(self, page_ids: torch.Tensor) -> None:
-        """Return pages to the free pool. Raises (changing nothing) when a page is out of range,
-        already free, or listed twice. An empty tensor is a no-op."""
-        pages = page_ids.detach().to("cpu", torch.int64).numpy().reshape(-1)
+        """Return pages to the free pool. Raises (changing nothing) NonIntegerIndex for a
+        float / bool tensor, IndexOutOfRange, DoubleFree when a page is already free or listed
+        twice. Any integer dtype and device. An empty tensor is a no-op."""
+        pages = integer_array(page_ids, what="host page ids")
         if pages.size == 0:
             return
         lo, hi = int(pages.min()), int(pages.max())
@@ -180,15 +182,11 @@ def pages_to_tokens(page_ids: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def tokens_to_pages(indices: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Page ids of token indices that form whole aligned pages; SizeNotPageAligned otherwise."""
-    flat = indices.detach().to("cpu", torch.int64).reshape(-1)
-    if flat.numel() % page_size:
-        raise SizeNotPageAligned(f"{flat.numel()} indices are not whole pages of {page_size}")
-    rows = flat.view(-1, page_size)
-    firsts = rows[:, 0]
-    offsets = torch.arange(page_size, dtype=torch.int64)
-    if bool((firsts % page_size != 0).any()) or not torch.equal(
-        rows - firsts[:, None], offsets.expand_as(rows)
-    ):
+    """Page ids of token indices that form whole aligned pages; SizeNotPageAligned otherwise
+    (NonIntegerIndex for a float / bool tensor)."""
+    flat = integer_array(indices, what="host token indices")
+    if flat.size % page_size:
+        raise SizeNotPageAligned(f"{flat.size} indices are not whole pages of {page_size}")
+    if first_misaligned_page(flat, page_size) is not None:
         raise SizeNotPageAligned(f"indices are not whole aligned pages of {page_size}")
-    return firsts // page_size
+    return torch.from_numpy(flat[::page_size] // page_size)

@@ -40,6 +40,7 @@ from kvstrata.pool_host.errors import (
     IndexLengthMismatch,
     IndexOutOfRange,
     MisalignedIndex,
+    NonIntegerIndex,
     ReservedIndex,
 )
 
@@ -83,29 +84,45 @@ class PagePlan(NamedTuple):
         return int(self.src_pages.size)
 
 
+def integer_array(indices: object, *, what: str) -> PageArray:
+    """`indices` (an integer tensor of any dtype and shape, on any device) flattened into a
+    host int64 array: a copy to the host when it lives on a device, else possibly a view of the
+    caller's memory (never mutate it). NonIntegerIndex for a float, complex or bool tensor."""
+    if not isinstance(indices, torch.Tensor):
+        raise NonIntegerIndex(f"{what} must be a torch.Tensor, got {type(indices).__name__}")
+    dtype = indices.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise NonIntegerIndex(f"{what} must have an integer dtype, got {dtype}")
+    return indices.detach().reshape(-1).to("cpu", torch.int64).numpy()
+
+
+def first_misaligned_page(flat: PageArray, page_size: int) -> int | None:
+    """Position of the first group of `page_size` indices that is not one whole page in order
+    (p*P, p*P+1, ..., p*P+P-1), or None when every group is. `flat.size` must be a multiple
+    of `page_size`."""
+    rows = flat.reshape(-1, page_size)
+    firsts = rows[:, 0]
+    bad = (firsts % page_size != 0) | (rows - firsts[:, None] != np.arange(page_size)).any(1)
+    return int(np.flatnonzero(bad)[0]) if bad.any() else None
+
+
 def indices_to_pages(indices: torch.Tensor, page_size: int, *, side: str) -> PageArray:
-    """Page ids of token indices forming whole, aligned pages in order; MisalignedIndex or
-    IndexLengthMismatch otherwise. Accepts any integer dtype, on any device (copied to host)."""
-    if indices.dtype.is_floating_point or indices.dtype == torch.bool or indices.is_complex():
-        raise MisalignedIndex(f"{side} indices must be integers, got {indices.dtype}")
-    flat = indices.detach().reshape(-1).to("cpu", torch.int64).numpy()
+    """Page ids of token indices forming whole, aligned pages in order; NonIntegerIndex,
+    MisalignedIndex or IndexLengthMismatch otherwise. Any integer dtype, on any device (copied
+    to the host)."""
+    flat = integer_array(indices, what=f"{side} indices")
     if flat.size % page_size:
         raise IndexLengthMismatch(
             f"{flat.size} {side} indices are not a whole number of pages of {page_size}"
         )
-    rows = flat.reshape(-1, page_size)
-    firsts = rows[:, 0]
-    if (firsts % page_size).any() or (rows - firsts[:, None] != np.arange(page_size)).any():
-        bad = int(
-            np.flatnonzero(
-                (firsts % page_size != 0) | (rows - firsts[:, None] != np.arange(page_size)).any(1)
-            )[0]
-        )
+    bad = first_misaligned_page(flat, page_size)
+    if bad is not None:
         raise MisalignedIndex(
-            f"{side} indices {rows[bad].tolist()[:8]} do not form one aligned page of "
-            f"{page_size} slots (page p must be p*{page_size} .. p*{page_size}+{page_size - 1})"
+            f"{side} indices {flat[bad * page_size : (bad + 1) * page_size].tolist()[:8]} do not "
+            f"form one aligned page of {page_size} slots (page p must be p*{page_size} .. "
+            f"p*{page_size}+{page_size - 1})"
         )
-    return firsts // page_size
+    return flat[::page_size] // page_size
 
 
 def check_page_range(

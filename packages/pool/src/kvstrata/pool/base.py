@@ -64,15 +64,23 @@ def resolve_device(device: torch.device | str) -> torch.device:
     return dev
 
 
+#: Index dtypes torch's indexing takes as positions. Any other integer dtype is widened to int64:
+#: torch reads a uint8 index tensor as a boolean *mask* (a silent wrong write) and refuses
+#: int8 / int16 / unsigned ones, whose min/max it cannot even compute on every backend.
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
 def check_index_tensor(ids: object, *, what: str, dims: int | None = 1) -> torch.Tensor:
-    """`ids` if it is an integer tensor of rank `dims` (any rank when None); InvalidArgument."""
+    """`ids` as an index tensor of rank `dims` (any rank when None): returned unchanged when it
+    is int64 or int32, else widened to int64 (same device). InvalidArgument for anything that
+    is not an integer tensor of that rank."""
     if not isinstance(ids, torch.Tensor):
         raise InvalidArgument(f"{what} must be a torch.Tensor, got {type(ids).__name__}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise InvalidArgument(f"{what} must have an integer dtype, got {ids.dtype}")
     if dims is not None and ids.dim() != dims:
         raise InvalidArgument(f"{what} must be {dims}-D, got shape {tuple(ids.shape)}")
-    return ids
+    return ids if ids.dtype in _INDEX_DTYPES else ids.to(torch.int64)
 
 
 def check_index_range(ids: torch.Tensor, *, limit: int, what: str, allow_zero: bool) -> None:

@@ -55,7 +55,8 @@ def to_store(values: torch.Tensor, dtype: torch.dtype, scale: float | None = Non
     store dtype, ready to be scattered into a buffer. Returns `values` itself when nothing
     changes; never mutates it."""
     if scale is not None:
-        values = values / scale
+        # float8 has no division kernel; scale fp8 input in fp32 (exact for every fp8 value).
+        values = (values.float() if is_fp8(values.dtype) else values) / scale
     if values.dtype != dtype:
         values = values.to(dtype)
     return values.view(torch.uint8) if is_fp8(dtype) else values

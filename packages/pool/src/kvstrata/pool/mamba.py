@@ -104,16 +104,17 @@ class MambaPool(DevicePool):
         layer = self._layer(layer_id)
         ids = self._slots(slots, "slots")
         n = ids.numel()
-        checked = [
-            (stack, self._state_values(x, n, shape, what), dtype)
+        # Every value checked and cast before the first write: a refused call changes nothing.
+        cast = [
+            (stack, to_store(self._state_values(x, n, shape, what), dtype))
             for stack, x, shape, what, dtype in (
                 (self._conv, conv, self._spec.conv_shape, "conv", self.conv_dtype),
                 (self._ssm, ssm, self._spec.ssm_shape, "ssm", self.dtype),
             )
             if x is not None
         ]
-        for stack, values, dtype in checked:
-            stack[layer][ids] = to_store(values, dtype)
+        for stack, values in cast:
+            stack[layer][ids] = values
 
     def copy(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy every layer's conv and SSM state of `src_slots[i]` into `dst_slots[i]`.

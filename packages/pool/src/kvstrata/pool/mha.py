@@ -107,5 +107,8 @@ class MHAKVPool(KVPool):
         n = loc.numel()
         k = self._token_values(k, n, self._key_shape, "k")
         v = self._token_values(v, n, self._value_shape, "v")
-        self._k[local][loc] = to_store(k, self.dtype, k_scale)
-        self._v[local][loc] = to_store(v, self.dtype, v_scale)
+        # Both casts before either write: a cast that fails must not leave K written alone.
+        k_store = to_store(k, self.dtype, k_scale)
+        v_store = to_store(v, self.dtype, v_scale)
+        self._k[local][loc] = k_store
+        self._v[local][loc] = v_store

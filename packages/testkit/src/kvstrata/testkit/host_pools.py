@@ -2,30 +2,71 @@
 filled with random bytes, token indices of pages, and byte-level comparisons.
 
 Bytes, not values: every comparison views buffers as uint8, so NaN payloads of random fp8 /
-bf16 bit patterns compare exactly.
+bf16 bit patterns compare exactly. `DTYPES` and `fill_random` are the device-pool helpers of
+`kvstrata.testkit.pools` under the names the host tests use.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Literal, overload
 
 import torch
 
 from kvstrata.pool import MambaPool, MambaSpec, MHAKVPool, MHASpec, MLAKVPool, MLASpec
+from kvstrata.testkit.pools import POOL_DTYPES, fill_random_bytes
 
 Family = Literal["mha", "mla", "mamba"]
 FAMILIES: tuple[Family, ...] = ("mha", "mla", "mamba")
-DTYPES: tuple[torch.dtype, ...] = (
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-)
+DTYPES: tuple[torch.dtype, ...] = POOL_DTYPES
 
 DevicePool = MHAKVPool | MLAKVPool | MambaPool
 
 
+@overload
+def make_device_pool(
+    family: Literal["mha"],
+    *,
+    dtype: torch.dtype = ...,
+    page_size: int = ...,
+    num_pages: int = ...,
+    num_layers: int = ...,
+    start_layer: int = ...,
+    device: str = ...,
+) -> MHAKVPool: ...
+@overload
+def make_device_pool(
+    family: Literal["mla"],
+    *,
+    dtype: torch.dtype = ...,
+    page_size: int = ...,
+    num_pages: int = ...,
+    num_layers: int = ...,
+    start_layer: int = ...,
+    device: str = ...,
+) -> MLAKVPool: ...
+@overload
+def make_device_pool(
+    family: Literal["mamba"],
+    *,
+    dtype: torch.dtype = ...,
+    page_size: int = ...,
+    num_pages: int = ...,
+    num_layers: int = ...,
+    start_layer: int = ...,
+    device: str = ...,
+) -> MambaPool: ...
+@overload
+def make_device_pool(
+    family: Family,
+    *,
+    dtype: torch.dtype = ...,
+    page_size: int = ...,
+    num_pages: int = ...,
+    num_layers: int = ...,
+    start_layer: int = ...,
+    device: str = ...,
+) -> DevicePool: ...
 def make_device_pool(
     family: Family,
     *,
@@ -72,14 +113,12 @@ def make_device_pool(
 
 
 def fill_random(pool: DevicePool, *, seed: int) -> None:
-    """Overwrite every buffer of `pool` (dummy page included) with random bytes."""
-    gen = torch.Generator().manual_seed(seed)
-    for buf in pool.layer_buffers():
-        raw = buf.view(buf.shape[0], -1).view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    """Overwrite every buffer of `pool` (dummy page included, CPU or CUDA) with seeded random
+    bytes."""
+    fill_random_bytes(pool, seed=seed)
 
 
-def page_tokens(pages: list[int] | torch.Tensor, page_size: int) -> torch.Tensor:
+def page_tokens(pages: Sequence[int] | torch.Tensor, page_size: int) -> torch.Tensor:
     """Token indices (int64) of whole pages, in page order."""
     ids = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
     return (ids[:, None] * page_size + torch.arange(page_size)).reshape(-1)
@@ -95,7 +134,7 @@ def snapshot(pool: DevicePool) -> list[torch.Tensor]:
     return [buffer_pages(b, pool.page_size).cpu().clone() for b in pool.layer_buffers()]
 
 
-def read_flat(pool: DevicePool, pages: list[int] | torch.Tensor) -> torch.Tensor:
+def read_flat(pool: DevicePool, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """Flat pages of `pool` as read_pages returns them, on the CPU."""
     ids = torch.as_tensor(pages, dtype=torch.int64).reshape(-1)
     out = torch.empty((ids.numel(), pool.page_size_bytes), dtype=torch.uint8)
