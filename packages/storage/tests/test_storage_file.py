@@ -10,13 +10,25 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
 import pytest
+import xxhash
 
 from kvstrata.storage import FileStorage
+from kvstrata.storage import file as file_module
 from kvstrata.storage.errors import InvalidKey, InvalidParameter, StorageDirectoryError
-from kvstrata.storage.file import MAX_KEY_BYTES
+from kvstrata.storage.file import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    MAX_KEY_BYTES,
+    encode_header,
+    key_id,
+    namespace_fingerprint,
+)
 from kvstrata.testkit.storage import page_payload
 
 SIZE = 256
@@ -101,6 +113,88 @@ def test_page_file_holds_a_msgpack_header_then_the_payload(tmp_path: Path) -> No
     assert temp_files(tmp_path) == []
 
 
+def test_header_is_fixed_width_msgpack_with_an_xxh3_checksum(tmp_path: Path) -> None:
+    storage = FileStorage(tmp_path, capacity_bytes=1 << 20, namespace="ns")
+    for key, size in ((b"\x01small", 3), (b"\x02big", 70_000)):
+        store(storage, key, size=size)
+        raw = page_file(tmp_path, key).read_bytes()
+        payload = page_payload(key, size)
+        assert raw[HEADER_BYTES:] == payload
+        assert msgpack.unpackb(raw[:HEADER_BYTES]) == [
+            b"KVSP",
+            FORMAT_VERSION,
+            namespace_fingerprint("ns"),
+            xxhash.xxh3_128_digest(key),
+            size.to_bytes(8, "little"),
+            xxhash.xxh3_64_intdigest(payload).to_bytes(8, "little"),
+        ]
+    # Every field has a fixed width: one header length whatever the numbers in it.
+    fingerprint = namespace_fingerprint("ns")
+    assert len(encode_header(fingerprint, b"", 0, 0)) == HEADER_BYTES == 64
+    assert len(encode_header(fingerprint, b"k" * MAX_KEY_BYTES, 2**64 - 1, 2**64 - 1)) == 64
+    assert key_id(b"\x01small") == xxhash.xxh3_128_digest(b"\x01small")
+
+
+def test_empty_page_round_trips_and_its_damage_is_caught(tmp_path: Path) -> None:
+    storage = FileStorage(tmp_path, capacity_bytes=1 << 20)
+    assert storage.batch_set([b"e"], [b""]) == [True]
+    assert storage.batch_get([b"e"], [bytearray()]) == [True]
+    with page_file(tmp_path, b"e").open("ab") as f:
+        f.write(b"x")  # a byte after a zero-length payload
+    assert storage.batch_get([b"e"], [bytearray()]) == [False]
+    assert not page_file(tmp_path, b"e").exists()
+
+
+def _version_1_page(namespace: str, payload: bytes) -> bytes:
+    """A page file as format version 1 wrote it: variable-width header, crc32."""
+    header = msgpack.packb(
+        [
+            b"KVSP",
+            1,
+            namespace_fingerprint(namespace),
+            len(payload),
+            zlib.crc32(payload).to_bytes(4, "little"),
+        ]
+    )
+    return header + payload
+
+
+def _other_version_page(namespace: str, payload: bytes) -> bytes:
+    """Today's layout, checksum right, but a version number this reader does not know."""
+    raw = encode_header(
+        namespace_fingerprint(namespace), b"old", len(payload), xxhash.xxh3_64_intdigest(payload)
+    )
+    assert raw[7] == FORMAT_VERSION
+    return raw[:7] + bytes([FORMAT_VERSION + 1]) + raw[8:] + payload
+
+
+@pytest.mark.parametrize("make_page", [_version_1_page, _other_version_page])
+@pytest.mark.parametrize("op", ["get", "exists"])
+def test_page_of_another_format_version_is_a_miss_and_is_removed(
+    tmp_path: Path, make_page: Callable[[str, bytes], bytes], op: str
+) -> None:
+    storage = FileStorage(tmp_path, capacity_bytes=1 << 20, namespace="ns")
+    store(storage, b"good")
+    path = page_file(tmp_path, b"old")
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(make_page("ns", page_payload(b"old", SIZE)))
+    # A restart indexes it like any page file (it takes disk space until it is found out).
+    storage = FileStorage(tmp_path, capacity_bytes=1 << 20, namespace="ns")
+    assert sorted(storage.lru_keys()) == [b"good", b"old"]
+    if op == "get":
+        out = bytearray(SIZE)
+        assert storage.batch_get([b"good", b"old"], [bytearray(SIZE), out]) == [True, False]
+    else:
+        assert storage.batch_exists([b"good", b"old"]) == 1
+    assert not path.exists()
+    assert storage.lru_keys() == [b"good"]
+    assert storage.stats().corrupt_pages == 1
+    assert storage.stats().used_bytes == storage.page_file_bytes(SIZE)
+    storage.check_integrity()
+    assert store(storage, b"old") == [True]  # written again in today's format
+    assert read(storage, b"old") == page_payload(b"old", SIZE)
+
+
 @pytest.mark.parametrize("damage", ["flip_payload", "truncate", "garbage_header", "extend"])
 def test_damaged_page_is_a_miss_and_is_removed(tmp_path: Path, damage: str) -> None:
     storage = FileStorage(tmp_path, capacity_bytes=1 << 20)
@@ -124,6 +218,75 @@ def test_damaged_page_is_a_miss_and_is_removed(tmp_path: Path, damage: str) -> N
     storage.check_integrity()
     assert store(storage, b"bad") == [True]  # and it can be written again
     assert read(storage, b"bad") == page_payload(b"bad", SIZE)
+
+
+def test_a_page_file_of_another_key_is_a_miss_and_is_removed(tmp_path: Path) -> None:
+    storage = FileStorage(tmp_path, capacity_bytes=1 << 20)
+    store(storage, b"a")
+    # b's name holding a's whole, valid page: a misplaced file, or a recycled inode read late.
+    misplaced = page_file(tmp_path, b"b")
+    misplaced.parent.mkdir(exist_ok=True)
+    misplaced.write_bytes(page_file(tmp_path, b"a").read_bytes())
+    assert read(storage, b"b") is None
+    assert not misplaced.exists()
+    assert storage.stats().corrupt_pages == 1
+    assert read(storage, b"a") == page_payload(b"a", SIZE)
+
+
+# ---------------------------------------------------------------------- recycling
+
+
+def test_a_full_store_recycles_the_evicted_file_for_the_new_page(tmp_path: Path) -> None:
+    probe = FileStorage(tmp_path, capacity_bytes=0)
+    storage = FileStorage(tmp_path, capacity_bytes=2 * probe.page_file_bytes(SIZE))
+    store(storage, b"a", b"b")
+    inode_a = page_file(tmp_path, b"a").stat().st_ino
+    assert store(storage, b"c") == [True]  # evicts a, the least recently used
+    assert not page_file(tmp_path, b"a").exists()
+    assert page_file(tmp_path, b"c").stat().st_ino == inode_a
+    assert read(storage, b"c") == page_payload(b"c", SIZE)
+    assert read(storage, b"b") == page_payload(b"b", SIZE)
+    assert temp_files(tmp_path) == []
+    assert storage.stats().evictions == 1
+    storage.check_integrity()
+
+
+def test_a_recycled_file_takes_the_length_of_the_new_page(tmp_path: Path) -> None:
+    probe = FileStorage(tmp_path, capacity_bytes=0)
+    storage = FileStorage(tmp_path, capacity_bytes=probe.page_file_bytes(4096))
+    for key, size in ((b"big", 4096), (b"small", 100), (b"big-again", 4096)):
+        assert store(storage, key, size=size) == [True]  # each evicts the one before
+        assert page_file(tmp_path, key).stat().st_size == storage.page_file_bytes(size)
+        assert read(storage, key, size) == page_payload(key, size)
+        assert storage.lru_keys() == [key]
+    assert storage.stats().evictions == 2
+    storage.check_integrity()
+
+
+def test_a_reader_of_a_recycled_file_gets_a_miss_not_the_new_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probe = FileStorage(tmp_path, capacity_bytes=0)
+    writer = FileStorage(tmp_path, capacity_bytes=2 * probe.page_file_bytes(SIZE))
+    store(writer, b"a", b"b")
+    reader = FileStorage(tmp_path, capacity_bytes=1 << 20)
+    real_read_payload = file_module._read_payload
+
+    def recycle_first(*args: object) -> bool:
+        # The reader has opened a and checked its header; now a is evicted and its inode
+        # rewritten as c (same size, same offsets) before the reader reads the payload.
+        assert store(writer, b"c") == [True]
+        monkeypatch.setattr(file_module, "_read_payload", real_read_payload)
+        return real_read_payload(*args)  # pyright: ignore[reportArgumentType]
+
+    monkeypatch.setattr(file_module, "_read_payload", recycle_first)
+    out = bytearray(SIZE)
+    assert reader.batch_get([b"a"], [out]) == [False]
+    assert bytes(out) == page_payload(b"c", SIZE)  # it did read c's bytes, and refused them
+    assert read(reader, b"c") == page_payload(b"c", SIZE)  # c was not judged corrupt
+    assert page_file(tmp_path, b"c").exists()
+    reader.check_integrity()
+    writer.check_integrity()
 
 
 def test_exists_removes_a_page_with_a_bad_header(tmp_path: Path) -> None:
@@ -342,6 +505,28 @@ def test_disk_full_fails_only_the_pages_concerned(
     assert stats.write_failures == 2 and stats.pages_written == 3
     assert stats.used_bytes == 3 * storage.page_file_bytes(SIZE)
     storage.check_integrity()
+
+
+@pytest.mark.parametrize("at", ["open", "write"])
+def test_disk_full_while_recycling_fails_only_that_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str
+) -> None:
+    probe = FileStorage(tmp_path, capacity_bytes=0)
+    storage = FileStorage(tmp_path, capacity_bytes=2 * probe.page_file_bytes(SIZE))
+    store(storage, b"a", b"b")
+    _DiskFull(monkeypatch, {b"c"}, at=at)
+    # c evicts a, recycles its file and fails; the room it had reserved goes to d.
+    assert store(storage, b"c", b"d") == [False, True]
+    monkeypatch.undo()
+    assert [page_file(tmp_path, k).exists() for k in (b"a", b"b", b"c", b"d")] == [
+        False, True, False, True,
+    ]  # fmt: skip
+    assert read(storage, b"d") == page_payload(b"d", SIZE)
+    assert temp_files(tmp_path) == []
+    assert storage.stats().used_bytes == 2 * storage.page_file_bytes(SIZE)
+    assert storage.stats().evictions == 1
+    storage.check_integrity()
+    assert store(storage, b"c") == [True]
 
 
 @pytest.mark.parametrize(

@@ -20,20 +20,16 @@ from typing import Literal, Protocol, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from kvstrata.storage.errors import InvalidParameter
 
-HashName: TypeAlias = Literal["sha256", "blake2b", "nh128"]
+HashName: TypeAlias = Literal["sha256", "blake2b", "xxh3"]
 
 #: Key length in bytes per hash.
-KEY_BYTES: dict[str, int] = {"sha256": 32, "blake2b": 16, "nh128": 24}
+KEY_BYTES: dict[str, int] = {"sha256": 32, "blake2b": 16, "xxh3": 16}
 
 _DOMAIN = b"kvstrata.storage.page-key.v1"
-_U64 = np.dtype("<u8")
-_MIX1 = np.uint64(0xFF51AFD7ED558CCD)  # MurmurHash3 fmix64 constants
-_MIX2 = np.uint64(0xC4CEB9FE1A85EC53)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_LANE_SALT = (np.uint64(0x243F6A8885A308D3), np.uint64(0x13198A2E03707344))
 
 
 class _Hasher(Protocol):
@@ -51,15 +47,6 @@ def _field(value: bytes | str | None) -> bytes:
     return b"\x01" + struct.pack("<Q", len(value)) + bytes(value)
 
 
-def _fmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """MurmurHash3's 64-bit finaliser: a bijection that spreads every input bit over the word."""
-    x = x ^ (x >> np.uint64(33))
-    x = x * _MIX1
-    x = x ^ (x >> np.uint64(33))
-    x = x * _MIX2
-    return x ^ (x >> np.uint64(33))
-
-
 class PageKeyer:
     """Turns token ids into chained page keys, one key per whole page.
 
@@ -69,13 +56,11 @@ class PageKeyer:
       (with SHA-NI where the CPU has it).
     - "blake2b" (16-byte keys): also cryptographic; faster than sha256 on CPUs without SHA
       extensions, slower on those with them.
-    - "nh128" (24-byte keys): NOT cryptographic, for single-tenant deployments only. Each page
-      is hashed by NH (the UMAC hash, RFC 4418; tokens 2j and 2j+1 paired, over the low and the
-      high 32-bit words of the token ids) with two fixed key sets, vectorised across all pages
-      with numpy; pages are chained by a running 64-bit sum per lane of position-bound mixes.
-      Accidental collisions are ~2^-64 per prefix pair, but anyone who can choose token ids can
-      construct collisions, hence single tenant. Keys carry the page's position in the chain
-      (the last 8 bytes) so that `parent` can continue it.
+    - "xxh3" (16-byte keys): XXH3-128 (the `xxhash` package, seed 0, canonical big-endian
+      digest), chained exactly like the others. NOT cryptographic, for single-tenant
+      deployments only: accidental collisions are ~2^-128 per pair of prefixes, but anyone who
+      can choose token ids can construct collisions on purpose, so tenants sharing a tier could
+      read or poison each other's pages.
     """
 
     def __init__(
@@ -92,20 +77,10 @@ class PageKeyer:
         self._digest: Callable[[bytes], _Hasher]
         if hash == "blake2b":
             self._digest = lambda data: hashlib.blake2b(data, digest_size=16)
+        elif hash == "xxh3":
+            self._digest = xxhash.xxh3_128
         else:
             self._digest = hashlib.sha256
-        if hash == "nh128":
-            # NH keys: lane x (low, high word) x (even, odd token) x token pair of a page,
-            # derived by a XOF so they are identical everywhere.
-            half = (page_size + 1) // 2
-            raw = hashlib.shake_256(_DOMAIN + b"/nh128/" + struct.pack("<Q", page_size))
-            words = np.frombuffer(raw.digest(2 * 2 * 2 * half * 4), dtype="<u4")
-            keys = words.astype(np.uint64).reshape(2, 2, 2, half)
-            self._nh_lo_keys = keys[:, 0]  # [lane, even/odd, pair]
-            self._nh_hi_keys = keys[:, 1]
-            # The high-word sum of a page whose token ids all fit in 32 bits (every real
-            # vocabulary): a constant, so the common case hashes only the low words.
-            self._nh_hi_zero = (keys[:, 1, 0] * keys[:, 1, 1]).sum(axis=1, dtype=np.uint64)
 
     def seed(
         self, *, extra_key: bytes | str | None = None, cache_salt: bytes | str | None = None
@@ -119,9 +94,6 @@ class PageKeyer:
             + _field(extra_key)
             + _field(cache_salt)
         )
-        if self.hash == "nh128":
-            # Lanes from sha256, position -1 (so the first page is position 0).
-            return hashlib.sha256(material).digest()[:16] + struct.pack("<q", -1)
         return self._digest(material).digest()
 
     def page_keys(
@@ -148,17 +120,23 @@ class PageKeyer:
             return []
         if parent is None:
             parent = self.seed(extra_key=extra_key, cache_salt=cache_salt)
-        pages = tokens[: num_pages * self.page_size]
-        if self.hash == "nh128":
-            return self._nh128_chain(pages.reshape(num_pages, self.page_size), parent)
-        data = memoryview(pages.tobytes())
+        data = tokens[: num_pages * self.page_size].tobytes()
         step = self.page_size * 8
         keys: list[bytes] = []
         prev = parent
+        if self.hash == "xxh3":
+            # One call per page on `prev + page` (a short bytes concatenation) costs less than
+            # a hasher object and an update: the per-page call overhead dominates xxh3.
+            xxh3_128 = xxhash.xxh3_128_digest
+            for offset in range(0, len(data), step):
+                prev = xxh3_128(prev + data[offset : offset + step])
+                keys.append(prev)
+            return keys
+        view = memoryview(data)
         digest = self._digest
         for offset in range(0, len(data), step):
             h = digest(prev)
-            h.update(data[offset : offset + step])
+            h.update(view[offset : offset + step])
             prev = h.digest()
             keys.append(prev)
         return keys
@@ -177,38 +155,3 @@ class PageKeyer:
         if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) >= 2**63:
             raise InvalidParameter("token ids must fit in int64")
         return np.ascontiguousarray(arr, dtype="<i8")
-
-    def _nh128_chain(self, pages: npt.NDArray[np.int64], start: bytes) -> list[bytes]:
-        """NH per page over the low and the high 32-bit words of its tokens, token 2j paired
-        with token 2j+1 (an odd page size is padded with a zero token), both lanes at once;
-        then the running sum of position-bound mixes along the chain."""
-        num_pages = pages.shape[0]
-        words = pages.view("<u8")
-        if self.page_size % 2:
-            words = np.concatenate([words, np.zeros((num_pages, 1), dtype="<u8")], axis=1)
-        even, odd = words[np.newaxis, :, 0::2], words[np.newaxis, :, 1::2]
-        mask = np.uint64(0xFFFFFFFF)
-        lo_keys = self._nh_lo_keys[:, :, np.newaxis, :]  # [lane, even/odd, 1, pair]
-        # (w + k) & mask is NH's addition mod 2^32; the products wrap mod 2^64 as NH's do.
-        nh = (((even + lo_keys[:, 0]) & mask) * ((odd + lo_keys[:, 1]) & mask)).sum(
-            axis=2, dtype=np.uint64
-        )
-        if int(pages.min()) >= 0 and int(pages.max()) <= 0xFFFFFFFF:
-            nh += self._nh_hi_zero[:, np.newaxis]
-        else:
-            hi_keys = self._nh_hi_keys[:, :, np.newaxis, :]
-            shift = np.uint64(32)
-            hi_even = ((even >> shift) + hi_keys[:, 0]) & mask
-            hi_odd = ((odd >> shift) + hi_keys[:, 1]) & mask
-            nh += (hi_even * hi_odd).sum(axis=2, dtype=np.uint64)
-        first = np.frombuffer(start, dtype=_U64)
-        position0 = int(np.frombuffer(start[16:], dtype="<i8")[0]) + 1
-        positions = np.arange(position0, position0 + num_pages, dtype=np.uint64)
-        out = np.empty((num_pages, 3), dtype=_U64)
-        for lane in range(2):
-            bound = _fmix64(nh[lane] ^ _fmix64(positions * _GOLDEN + _LANE_SALT[lane]))
-            out[:, lane] = first[lane] + np.cumsum(bound, dtype=np.uint64)
-        out[:, 2] = positions
-        blob = out.tobytes()
-        kb = self.key_bytes
-        return [blob[i * kb : (i + 1) * kb] for i in range(num_pages)]
