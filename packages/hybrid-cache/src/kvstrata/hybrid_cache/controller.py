@@ -1,0 +1,524 @@
+"""TierController: runs the page moves between device, host and storage for one pool group.
+
+    caller (tree)                     controller                           workers (threads)
+    submit_write(WriteOp) -> id    -> validate, queue (bounded) -> write:    merged D2H backup
+    submit_load(LoadOp) -> handle  ->                            -> load:     merged, layer-wise
+    submit_prefetch(op) -> id|None -> + host share check         -> prefetch: exists, get batches
+    submit_backup(BackupOp) -> id  ->                            -> backup:   exists, merged set
+    poll_acks() / wait(id)         <- one Ack per op, kept until drained <- finish(op, status)
+
+The tree commits only what an Ack says moved. Queues are bounded: a submit to a full queue raises
+`QueueFull` and changes nothing; a prefetch that would take host pages in flight past
+`prefetch_host_share` of a member's host pool is refused by returning None (nothing changes
+either: the tree simply skips that prefetch). Validation errors raise before anything is queued.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Generic, TypeVar
+
+from kvstrata.hybrid_cache.errors import (
+    ControllerClosed,
+    InvalidOperation,
+    QueueFull,
+    StorageNotConfigured,
+    UnknownOperation,
+)
+from kvstrata.hybrid_cache.group import PoolGroup
+from kvstrata.hybrid_cache.metrics import ControllerReading, ControllerStats
+from kvstrata.hybrid_cache.ops import (
+    Ack,
+    AckStatus,
+    BackupOp,
+    LoadOp,
+    OpKind,
+    PrefetchOp,
+    PrefetchPolicy,
+    PrefetchProgress,
+    WriteOp,
+)
+from kvstrata.hybrid_cache.storage_io import BackupTask, PrefetchTask, StorageRunner
+from kvstrata.hybrid_cache.transfers import LoadHandle, LoadTask, TransferRunner, WriteTask
+from kvstrata.hybrid_cache.workers import OpQueue, Worker
+from kvstrata.storage import Storage
+
+TaskT = TypeVar("TaskT", WriteTask, LoadTask, PrefetchTask, BackupTask)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControllerParams:
+    """Tuning of a TierController. Defaults suit a scheduler that drains acks every step."""
+
+    queue_capacity: int = 256
+    """Operations that may wait per kind before a submit raises QueueFull."""
+    max_merge_ops: int = 64
+    """Consecutive writes (loads, backups) merged into one transfer, at most."""
+    storage_batch_pages: int = 128
+    """Pages per storage call: a prefetch checks its policy between calls."""
+    prefetch_host_share: float = 0.5
+    """Host pages held by prefetches in flight stay <= this share of each member's host pool."""
+    storage_call_timeout_s: float | None = None
+    """A storage call slower than this ends its prefetch at the last page before it (its pages
+    are not counted even if they arrive); None: no limit."""
+    verify_checksums: bool = True
+    """Store a CRC-32 beside each page on backup and check it on prefetch (storage_io.py)."""
+
+    def __post_init__(self) -> None:
+        if self.queue_capacity < 1 or self.max_merge_ops < 1 or self.storage_batch_pages < 1:
+            raise ValueError(
+                "queue_capacity, max_merge_ops and storage_batch_pages must be >= 1, got "
+                f"{self.queue_capacity}, {self.max_merge_ops}, {self.storage_batch_pages}"
+            )
+        if not 0.0 < self.prefetch_host_share <= 1.0:
+            raise ValueError(
+                f"prefetch_host_share must be in (0, 1], got {self.prefetch_host_share}"
+            )
+        if self.storage_call_timeout_s is not None and self.storage_call_timeout_s <= 0:
+            raise ValueError(
+                f"storage_call_timeout_s must be > 0, got {self.storage_call_timeout_s}"
+            )
+
+
+@dataclass(kw_only=True)
+class _Pending:
+    kind: OpKind
+    num_pages: int
+    inflight_pages: dict[str, int]
+    prefetch: PrefetchTask | None = None
+
+
+class _Lane(Generic[TaskT]):
+    """One kind's queue and worker."""
+
+    def __init__(
+        self,
+        *,
+        kind: OpKind,
+        params: ControllerParams,
+        run_batch: Callable[[list[TaskT]], None],
+        on_error: Callable[[list[TaskT], Exception], None],
+        merges: bool,
+    ) -> None:
+        self.queue: OpQueue[TaskT] = OpQueue(kind=kind.value, capacity=params.queue_capacity)
+        self.worker: Worker[TaskT] = Worker(
+            name=f"kvstrata-tier-{kind.value}",
+            queue=self.queue,
+            run_batch=run_batch,
+            on_error=on_error,
+            max_batch=params.max_merge_ops if merges else 1,
+            merges=lambda _first, _next: merges,
+        )
+
+
+class TierController:
+    """Moves pages of one pool group between device, host and (optionally) storage.
+
+    Thread-safe: submits, polls and waits may come from any thread. Start-up spawns one daemon
+    worker per kind (write, load; prefetch and backup only with a storage); `close()` joins them.
+    The workers hold the controller alive: close it (or use it as a context manager) when done.
+    """
+
+    def __init__(
+        self,
+        group: PoolGroup,
+        *,
+        storage: Storage | None = None,
+        params: ControllerParams | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.group = group
+        self.storage = storage
+        self.params = params or ControllerParams()
+        self.stats = ControllerStats()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._acked = threading.Condition(self._lock)
+        self._next_id = 1
+        self._closed = False
+        self._pending: dict[int, _Pending] = {}
+        self._acks: dict[int, Ack] = {}  # finished, not yet handed out; insertion = finish order
+        self._num_delivered: dict[OpKind, int] = dict.fromkeys(OpKind, 0)
+        self._inflight: dict[str, int] = dict.fromkeys(group.member_names, 0)
+        self._inflight_limit: dict[str, int] = {
+            name: int(self.params.prefetch_host_share * group.num_host_pages(name))
+            for name in group.member_names
+        }
+        transfers = TransferRunner(group=group, stats=self.stats, finish=self._finish)
+        self._write: _Lane[WriteTask] = _Lane(
+            kind=OpKind.WRITE,
+            params=self.params,
+            run_batch=transfers.run_writes,
+            on_error=self._fail_batch_of(OpKind.WRITE),
+            merges=True,
+        )
+        self._load: _Lane[LoadTask] = _Lane(
+            kind=OpKind.LOAD,
+            params=self.params,
+            run_batch=transfers.run_loads,
+            on_error=self._fail_loads,
+            merges=True,
+        )
+        self._prefetch: _Lane[PrefetchTask] | None = None
+        self._backup: _Lane[BackupTask] | None = None
+        if storage is not None:
+            runner = StorageRunner(
+                group=group,
+                storage=storage,
+                stats=self.stats,
+                finish=self._finish,
+                clock=clock,
+                batch_pages=self.params.storage_batch_pages,
+                call_timeout_s=self.params.storage_call_timeout_s,
+                verify_checksums=self.params.verify_checksums,
+            )
+            self._prefetch = _Lane(
+                kind=OpKind.PREFETCH,
+                params=self.params,
+                run_batch=runner.run_prefetches,
+                on_error=self._fail_batch_of(OpKind.PREFETCH),
+                merges=False,  # each prefetch has its own policy and deadline
+            )
+            self._backup = _Lane(
+                kind=OpKind.BACKUP,
+                params=self.params,
+                run_batch=runner.run_backups,
+                on_error=self._fail_batch_of(OpKind.BACKUP),
+                merges=True,
+            )
+        for lane in self._lanes():
+            lane.worker.start()
+
+    # --- submits ---------------------------------------------------------------------------------
+
+    def submit_write(self, op: WriteOp) -> int:
+        """Queue a device -> host backup of all layers of the pages in `op.moves`; its op id.
+
+        Raises InvalidOperation (bad indices), QueueFull or ControllerClosed before anything
+        changes. The device pages must stay untouched until the ack."""
+        moves, num_pages = self.group.check_moves(op.moves)
+        with self._lock:
+            op_id = self._admit(OpKind.WRITE, num_pages, self._write.queue)
+            self._write.queue.put(WriteTask(op_id=op_id, moves=moves, num_pages=num_pages))
+        return op_id
+
+    def submit_load(self, op: LoadOp) -> LoadHandle:
+        """Queue a host -> device load, layer by layer in layer order; the handle's
+        `wait_layer(layer_id)` returns once that layer is on the device. Raises as submit_write.
+        The destination device slots must not be read before their layer's wait returns."""
+        moves, num_pages = self.group.check_moves(op.moves)
+        with self._lock:
+            op_id = self._admit(OpKind.LOAD, num_pages, self._load.queue)
+            handle = LoadHandle(
+                op_id=op_id,
+                completion=self.group.completion(self.group.layers_of(moves)),
+                stats=self.stats,
+            )
+            self._load.queue.put(
+                LoadTask(op_id=op_id, moves=moves, num_pages=num_pages, handle=handle)
+            )
+        return handle
+
+    def submit_prefetch(self, op: PrefetchOp) -> int | None:
+        """Queue a storage -> host prefetch of `op.keys` into the caller's host pages.
+
+        Returns the op id, or None (nothing changed; counted as refused) when the host pages
+        it lists would take a member's pages in flight past `prefetch_host_share`. Raises
+        StorageNotConfigured, InvalidOperation, QueueFull or ControllerClosed before anything
+        changes. The listed host pages belong to the op until its ack."""
+        lane = self._storage_lane(self._prefetch)
+        pages = self.group.check_keyed_pages(op.keys, op.host_pages)
+        if op.num_tokens < 0:
+            raise InvalidOperation(f"num_tokens must be >= 0, got {op.num_tokens}")
+        wanted = {name: sum(p is not None for p in listed) for name, listed in pages.items()}
+        with self._lock:
+            if any(
+                self._inflight[name] + num > self._inflight_limit[name]
+                for name, num in wanted.items()
+            ):
+                self.stats.count_prefetch_refused()
+                return None
+            op_id = self._admit(OpKind.PREFETCH, len(op.keys), lane.queue)
+            deadline = None
+            if op.policy is PrefetchPolicy.TIMEOUT:
+                deadline = self._clock() + op.timeout.seconds(op.num_tokens)
+            task = PrefetchTask(
+                op_id=op_id, keys=tuple(op.keys), pages=pages, policy=op.policy, deadline=deadline
+            )
+            pending = self._pending[op_id]
+            pending.inflight_pages = wanted
+            pending.prefetch = task
+            for name, num in wanted.items():
+                self._inflight[name] += num
+            lane.queue.put(task)
+        return op_id
+
+    def submit_backup(self, op: BackupOp) -> int:
+        """Queue a host -> storage backup of `op.keys`; keys already stored are skipped. Raises
+        StorageNotConfigured, InvalidOperation, QueueFull or ControllerClosed before anything
+        changes. The listed host pages must stay unchanged until the ack."""
+        lane = self._storage_lane(self._backup)
+        pages = self.group.check_keyed_pages(op.keys, op.host_pages)
+        with self._lock:
+            op_id = self._admit(OpKind.BACKUP, len(op.keys), lane.queue)
+            lane.queue.put(BackupTask(op_id=op_id, keys=tuple(op.keys), pages=pages))
+        return op_id
+
+    # --- prefetch progress -----------------------------------------------------------------------
+
+    def prefetch_progress(self, op_id: int) -> PrefetchProgress:
+        """How much of a prefetch is usable now, and whether its policy lets the request take
+        it. Mutates nothing. UnknownOperation once its ack has been handed out."""
+        with self._lock:
+            return self._progress(op_id)
+
+    def stop_prefetch(self, op_id: int) -> PrefetchProgress:
+        """Tell a prefetch to issue no further storage calls, and return what is usable now.
+
+        Never blocks: a storage call already running finishes first, and the op's ack (which
+        may report more pages than `num_pages_ready`) follows; the host pages past
+        `num_pages_ready` stay the op's until then. Idempotent; UnknownOperation as above."""
+        with self._lock:
+            progress = self._progress(op_id)
+            pending = self._pending.get(op_id)
+            if pending is not None and pending.prefetch is not None:
+                pending.prefetch.stop.set()
+            return progress
+
+    # --- acknowledgements ------------------------------------------------------------------------
+
+    def poll_acks(self) -> list[Ack]:
+        """Every acknowledgement not handed out yet, in the order the ops finished. Each ack is
+        handed out exactly once (by this or by `wait`)."""
+        with self._lock:
+            acks = list(self._acks.values())
+            self._acks.clear()
+            for ack in acks:
+                self._num_delivered[ack.kind] += 1
+            return acks
+
+    def wait(self, op_id: int, timeout_s: float | None = None) -> Ack | None:
+        """Block until op `op_id` is acknowledged and hand its ack out (so `poll_acks` will not
+        return it). None when `timeout_s` passes first (the op stays pending). UnknownOperation
+        for an id never issued or already handed out."""
+        start = time.perf_counter()
+        with self._lock:
+            if op_id not in self._acks and op_id not in self._pending:
+                raise UnknownOperation(f"op {op_id} was never issued or its ack was handed out")
+            arrived = self._acked.wait_for(lambda: op_id in self._acks, timeout_s)
+            ack = self._acks.pop(op_id) if arrived else None
+            if ack is not None:
+                self._num_delivered[ack.kind] += 1
+        self.stats.count_wait(time.perf_counter() - start)
+        return ack
+
+    def num_pending(self) -> int:
+        """Operations submitted and not yet acknowledged."""
+        with self._lock:
+            return len(self._pending)
+
+    def queue_depth(self, kind: OpKind) -> int:
+        """Operations of `kind` waiting for their worker (not counting the one running)."""
+        lane = self._lane(kind)
+        return 0 if lane is None else len(lane.queue)
+
+    def prefetch_inflight_pages(self) -> dict[str, int]:
+        """Host pages per member held by prefetches not yet acknowledged."""
+        with self._lock:
+            return dict(self._inflight)
+
+    # --- life cycle ------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` has begun: every submit raises ControllerClosed."""
+        with self._lock:
+            return self._closed
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Refuse new submits, stop every prefetch (queued ones are acked partial with 0 pages),
+        let writes, loads and backups already queued finish, and join the workers. Acks stay
+        available to `poll_acks`. True when every worker exited within `timeout_s` (a worker
+        blocked in a stalled storage call may outlive it). Idempotent."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                for pending in self._pending.values():
+                    if pending.prefetch is not None:
+                        pending.prefetch.stop.set()
+        for lane in self._lanes():
+            lane.queue.close()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        joined = True
+        for lane in self._lanes():
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            joined = lane.worker.join(remaining) and joined
+        return joined
+
+    def __enter__(self) -> TierController:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- integrity and metrics -------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Assert the bookkeeping invariants:
+        - an op is pending or has an undelivered ack, never both; ids are below the next id;
+        - per kind: submitted == pending + acked, acked == delivered + undelivered;
+        - in-flight host pages per member == the sum over pending prefetches, <= its limit;
+        - queues hold at most their capacity; workers are alive until close."""
+        with self._lock:
+            snap = self.stats.snapshot()
+            assert not (self._pending.keys() & self._acks.keys()), (
+                f"ops both pending and acked: {sorted(self._pending.keys() & self._acks.keys())}"
+            )
+            assert all(0 < i < self._next_id for i in (*self._pending, *self._acks)), (
+                "an op id outside the issued range"
+            )
+            for kind in OpKind:
+                pending = sum(p.kind is kind for p in self._pending.values())
+                undelivered = sum(a.kind is kind for a in self._acks.values())
+                finished = sum(snap.finished[kind, s] for s in AckStatus)
+                assert snap.submitted[kind] == pending + finished, (
+                    f"{kind}: {snap.submitted[kind]} submitted != {pending} pending + "
+                    f"{finished} acked (an op lost or acked twice)"
+                )
+                assert finished == self._num_delivered[kind] + undelivered, (
+                    f"{kind}: {finished} acked != {self._num_delivered[kind]} delivered + "
+                    f"{undelivered} waiting"
+                )
+            for name in self.group.member_names:
+                held = sum(p.inflight_pages.get(name, 0) for p in self._pending.values())
+                assert held == self._inflight[name], (
+                    f"member {name}: in-flight count {self._inflight[name]} != {held} held"
+                )
+                assert held <= self._inflight_limit[name], (
+                    f"member {name}: {held} prefetch pages in flight > limit "
+                    f"{self._inflight_limit[name]}"
+                )
+            closed = self._closed
+        for lane in self._lanes():
+            assert len(lane.queue) <= lane.queue.capacity, f"{lane.queue.kind} queue over capacity"
+            assert closed or lane.worker.alive, f"{lane.queue.kind} worker died"
+
+    def metrics_reading(self) -> ControllerReading:
+        """Counters, queue depths and in-flight pages, for TierControllerCollector."""
+        return ControllerReading(
+            stats=self.stats.snapshot(),
+            queue_depth={kind: self.queue_depth(kind) for kind in OpKind},
+            prefetch_inflight_pages=self.prefetch_inflight_pages(),
+        )
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _admit(self, kind: OpKind, num_pages: int, queue: OpQueue[TaskT]) -> int:
+        # Caller holds the lock: the room check and the put below happen atomically, and only
+        # the worker removes items, so the put cannot fail after this returns.
+        if self._closed:
+            raise ControllerClosed(f"{kind} submitted after close()")
+        if not queue.has_room():
+            raise QueueFull(kind.value, queue.capacity)
+        op_id = self._next_id
+        self._next_id += 1
+        self._pending[op_id] = _Pending(kind=kind, num_pages=num_pages, inflight_pages={})
+        # Counted under the lock, so check_integrity sees pending + acked == submitted.
+        self.stats.count_submitted(kind)
+        return op_id
+
+    def _finish(
+        self, op_id: int, status: AckStatus, num_pages_done: int, error: BaseException | None
+    ) -> None:
+        """Acknowledge op `op_id` (worker threads). Exactly once per op."""
+        with self._lock:
+            pending = self._pending.pop(op_id, None)
+            assert pending is not None, f"op {op_id} acknowledged twice or never submitted"
+            for name, num in pending.inflight_pages.items():
+                self._inflight[name] -= num
+            ack = Ack(
+                op_id=op_id,
+                kind=pending.kind,
+                status=status,
+                num_pages=pending.num_pages,
+                num_pages_done=num_pages_done,
+                error=error,
+            )
+            self._acks[op_id] = ack
+            self.stats.count_finished(ack.kind, status)
+            self._acked.notify_all()
+
+    def _is_pending(self, op_id: int) -> bool:
+        with self._lock:
+            return op_id in self._pending
+
+    def _fail_batch_of(self, kind: OpKind) -> Callable[[list[TaskT], Exception], None]:
+        def fail(batch: list[TaskT], exc: Exception) -> None:
+            self.stats.count_worker_error(kind)
+            for task in batch:
+                if self._is_pending(task.op_id):
+                    self._finish(task.op_id, AckStatus.FAILED, 0, exc)
+
+        return fail
+
+    def _fail_loads(self, batch: list[LoadTask], exc: Exception) -> None:
+        for task in batch:
+            if self._is_pending(task.op_id):  # wake its waiters before the failed ack
+                task.handle.fail(exc)
+        self._fail_batch_of(OpKind.LOAD)(batch, exc)
+
+    def _progress(self, op_id: int) -> PrefetchProgress:
+        # Caller holds the lock.
+        pending = self._pending.get(op_id)
+        ack = self._acks.get(op_id)
+        if pending is not None and pending.prefetch is not None:
+            task = pending.prefetch
+            ready = task.policy is PrefetchPolicy.BEST_EFFORT or (
+                task.deadline is not None and self._clock() >= task.deadline
+            )
+            return PrefetchProgress(
+                op_id=op_id,
+                num_pages=pending.num_pages,
+                num_pages_ready=task.ready_pages,
+                finished=False,
+                ready_to_take=ready,
+            )
+        if ack is not None and ack.kind is OpKind.PREFETCH:
+            return PrefetchProgress(
+                op_id=op_id,
+                num_pages=ack.num_pages,
+                num_pages_ready=ack.num_pages_done,
+                finished=True,
+                ready_to_take=True,
+            )
+        raise UnknownOperation(f"op {op_id} is not a prefetch in flight or awaiting delivery")
+
+    def _storage_lane(self, lane: _Lane[TaskT] | None) -> _Lane[TaskT]:
+        if lane is None:
+            raise StorageNotConfigured("this TierController was built without a storage backend")
+        return lane
+
+    def _lane(
+        self, kind: OpKind
+    ) -> _Lane[WriteTask] | _Lane[LoadTask] | _Lane[PrefetchTask] | _Lane[BackupTask] | None:
+        return {
+            OpKind.WRITE: self._write,
+            OpKind.LOAD: self._load,
+            OpKind.PREFETCH: self._prefetch,
+            OpKind.BACKUP: self._backup,
+        }[kind]
+
+    def _lanes(
+        self,
+    ) -> list[_Lane[WriteTask] | _Lane[LoadTask] | _Lane[PrefetchTask] | _Lane[BackupTask]]:
+        lanes = [self._write, self._load, self._prefetch, self._backup]
+        return [lane for lane in lanes if lane is not None]

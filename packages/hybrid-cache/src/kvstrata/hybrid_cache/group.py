@@ -1,0 +1,287 @@
+"""PoolGroup: a model's device pools and their host mirrors, moved together.
+
+The tier controller works on members (`"full"`, `"swa"`, `"mamba"`): each is one device pool of
+the `HybridPool` with the `HostPool` mirroring it. This module is the one place that speaks the
+pool-host API (backup, per-layer load, page views), checks operation arguments against the
+members, and names member pages in storage:
+
+    member     storage key of page i          why
+    primary    key_i                          the first PREFIX member (full KV): its keys are the
+                                              chained page keys, as every other engine and the
+                                              cluster index know them
+    others     key_i + b"|" + member name     same prefix, other state: one entry per member
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, cast
+
+import torch
+
+from kvstrata.hybrid_cache.errors import InvalidOperation, InvalidPoolLayout
+from kvstrata.hybrid_cache.ops import PageMove
+from kvstrata.hybrid_cache.restore import RestoreKind, RestoreRule
+from kvstrata.hybrid_cache.router import HybridPool
+from kvstrata.pool import MambaPool, MHAKVPool, MLAKVPool
+from kvstrata.pool.base import DevicePool
+from kvstrata.pool_host import HostLayout, HostPool, LayerCompletion, LayerLoad, Transfer
+
+MEMBER_KEY_SEPARATOR = b"|"
+
+#: A host mirror of any device family (what PoolGroup accepts).
+AnyHostPool = HostPool[MHAKVPool] | HostPool[MLAKVPool] | HostPool[MambaPool]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class GroupMember:
+    """One device pool, its host mirror, and what it needs to restore a prefix."""
+
+    name: str
+    device: DevicePool
+    host: HostPool[DevicePool]
+    rule: RestoreRule
+
+
+class MemberLayer(NamedTuple):
+    """Where a global layer lives: the member, and the layer id its pools take."""
+
+    member: str
+    local_layer_id: int
+
+
+class GetTargets:
+    """Where one batch_get lands: `buffers[k]` receives page `pages[k]`. Zero-copy host page
+    views for page_first layouts; staging buffers (copied in by `commit`) for layer_first."""
+
+    def __init__(self, host: HostPool[DevicePool], pages: Sequence[int]) -> None:
+        self._host = host
+        self._pages = list(pages)
+        self.staged = host.layout is HostLayout.layer_first
+        if self.staged:
+            self.buffers = [memoryview(bytearray(host.page_size_bytes)) for _ in self._pages]
+        else:
+            self.buffers = [host.page_view(p) for p in self._pages]
+
+    def commit(self, ok: Sequence[bool]) -> None:
+        """Copy the staged pages that arrived intact into the host pool (no-op when zero-copy)."""
+        if not self.staged:
+            return
+        for page, buf, good in zip(self._pages, self.buffers, ok, strict=True):
+            if good:
+                self._host.write_page_from(page, buf)
+
+
+class PoolGroup:
+    """The members of one model: a HybridPool's device pools with one HostPool mirror each.
+
+    Holds references only. The host pools' own slot allocators stay with the caller (the tree
+    allocates host pages; the controller only moves bytes into and out of them).
+    """
+
+    def __init__(self, pools: HybridPool, hosts: Mapping[str, AnyHostPool]) -> None:
+        names = set(pools.member_names)
+        if set(hosts) != names:
+            raise InvalidPoolLayout(
+                f"host mirrors given for {sorted(hosts)}, but the model's pools are {sorted(names)}"
+            )
+        members: dict[str, GroupMember] = {}
+        for m in pools.members:
+            given = hosts[m.name]
+            if given.device_pool is not m.pool:
+                raise InvalidPoolLayout(
+                    f"the host pool given for {m.name!r} mirrors another device pool"
+                )
+            # Sound: the mirror was just checked to be built over exactly this device pool.
+            host = cast(HostPool[DevicePool], given)
+            members[m.name] = GroupMember(name=m.name, device=m.pool, host=host, rule=m.rule)
+        self.pools = pools
+        self._members = members
+        self._rules = {name: m.rule for name, m in members.items()}
+        self._primary = next(
+            (n for n, m in members.items() if m.rule.kind is RestoreKind.PREFIX), None
+        )
+        self._routes: dict[int, MemberLayer] = {}
+        for layer in pools.layer_ids:
+            route = pools.route(layer)
+            self._routes[layer] = MemberLayer(route.member, route.local_layer_id)
+
+    # --- queries ---------------------------------------------------------------------------------
+
+    @property
+    def member_names(self) -> tuple[str, ...]:
+        return tuple(self._members)
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.pools.layer_ids
+
+    @property
+    def rules(self) -> dict[str, RestoreRule]:
+        return dict(self._rules)
+
+    def member(self, name: str) -> GroupMember:
+        try:
+            return self._members[name]
+        except KeyError:
+            raise InvalidOperation(
+                f"no member {name!r}; this group has {', '.join(self._members)}"
+            ) from None
+
+    def layer_route(self, layer_id: int) -> MemberLayer:
+        return self._routes[layer_id]
+
+    def num_host_pages(self, name: str) -> int:
+        return self.member(name).host.num_pages
+
+    def page_bytes(self, name: str) -> int:
+        """Bytes of one page of `name`, all layers (one state slot for Mamba)."""
+        return self.member(name).host.page_size_bytes
+
+    def storage_key(self, name: str, key: bytes) -> bytes:
+        """The storage key of member `name`'s page of prefix page key `key`."""
+        if name == self._primary:
+            return key
+        return key + MEMBER_KEY_SEPARATOR + name.encode()
+
+    def layers_of(self, moves: Mapping[str, PageMove]) -> frozenset[int]:
+        """Global layer ids whose member appears in `moves`."""
+        return frozenset(layer for layer, r in self._routes.items() if r.member in moves)
+
+    def volume(self, moves: Mapping[str, PageMove]) -> tuple[int, int]:
+        """(pages, bytes) of all layers of `moves`."""
+        pages = 0
+        num_bytes = 0
+        for name, move in moves.items():
+            host = self.member(name).host
+            n = move.device.numel() // host.page_size
+            pages += n
+            num_bytes += n * host.page_size_bytes
+        return pages, num_bytes
+
+    # --- argument checks (raise before anything is queued) ---------------------------------------
+
+    def check_moves(self, moves: Mapping[str, PageMove]) -> tuple[dict[str, PageMove], int]:
+        """Validate a write or load: known members, 1-D integer index tensors of equal length,
+        whole pages, in range (device page 0 excluded). Returns copies of the moves and their
+        page count. Alignment and repeated destinations are checked by the host pool on the
+        worker, before any byte moves (a failed ack)."""
+        checked: dict[str, PageMove] = {}
+        num_pages = 0
+        for name, move in moves.items():
+            host = self.member(name).host
+            for side, t in (("device", move.device), ("host", move.host)):
+                if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                    raise InvalidOperation(f"{name}: {side} indices must be a 1-D tensor")
+                if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+                    raise InvalidOperation(
+                        f"{name}: {side} indices must be integers, got {t.dtype}"
+                    )
+            if move.device.numel() != move.host.numel():
+                raise InvalidOperation(
+                    f"{name}: {move.device.numel()} device indices but {move.host.numel()} host"
+                )
+            if move.device.numel() % host.page_size:
+                raise InvalidOperation(
+                    f"{name}: {move.device.numel()} indices are not whole pages of {host.page_size}"
+                )
+            device = self.member(name).device
+            # Page 0 of a device pool is the padding target: it never holds data to move.
+            _check_range(
+                move.device, lo=device.page_size, hi=device.num_rows, what=f"{name} device"
+            )
+            _check_range(move.host, lo=0, hi=host.size, what=f"{name} host")
+            # Copies: the caller may reuse its index tensors as soon as the submit returns.
+            checked[name] = PageMove(
+                device=move.device.to(torch.int64, copy=True),
+                host=move.host.to(torch.int64, copy=True),
+            )
+            num_pages += move.device.numel() // host.page_size
+        return checked, num_pages
+
+    def check_keyed_pages(
+        self, keys: Sequence[bytes], host_pages: Mapping[str, Sequence[int | None]]
+    ) -> dict[str, tuple[int | None, ...]]:
+        """Validate a prefetch or backup: non-empty bytes keys, one list of `len(keys)` entries
+        for every member, host pages in range and not repeated within a member."""
+        for key in keys:
+            if type(key) is not bytes or not key:
+                raise InvalidOperation("page keys must be non-empty bytes")
+        missing = set(self._members) - set(host_pages)
+        if missing:
+            raise InvalidOperation(
+                f"no host pages listed for {sorted(missing)}; list every member (None where a "
+                "member needs no page)"
+            )
+        checked: dict[str, tuple[int | None, ...]] = {}
+        for name, listed in host_pages.items():
+            num_host = self.num_host_pages(name)
+            pages = tuple(None if p is None else int(p) for p in listed)
+            if len(pages) != len(keys):
+                raise InvalidOperation(f"{name}: {len(pages)} host pages for {len(keys)} keys")
+            present = [p for p in pages if p is not None]
+            if any(not 0 <= p < num_host for p in present):
+                raise InvalidOperation(f"{name}: host pages must lie in [0, {num_host})")
+            if len(set(present)) != len(present):
+                raise InvalidOperation(f"{name}: a host page is listed twice")
+            checked[name] = pages
+        return checked
+
+    # --- moves -----------------------------------------------------------------------------------
+
+    def backup(self, name: str, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
+        """D2H of all layers of `name`'s pages; returns once the host bytes are complete."""
+        m = self.member(name)
+        transfer: Transfer = m.host.backup(m.device, device_indices, host_indices)
+        transfer.wait()
+
+    def load_layers(
+        self,
+        name: str,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        completion: LayerCompletion,
+    ) -> list[LayerLoad]:
+        """H2D of `name`'s pages, one layer at a time, for the member-local layers
+        `completion.layer_ids` in that order; each layer is marked on `completion` as it lands
+        (on CUDA: as its copy is enqueued, with its event). Indices are checked once."""
+        m = self.member(name)
+        return m.host.load_layers(
+            m.device,
+            host_indices,
+            device_indices,
+            completion=completion,
+            layer_ids=completion.layer_ids,
+        )
+
+    def completion(self, loaded_layers: frozenset[int]) -> LayerCompletion:
+        """A per-layer completion over every global layer, the ones outside `loaded_layers`
+        (members a load does not move) already marked."""
+        completion = LayerCompletion(self.layer_ids)
+        for layer in self.layer_ids:
+            if layer not in loaded_layers:
+                completion.mark_loaded(layer)
+        return completion
+
+    def get_targets(self, name: str, pages: Sequence[int]) -> GetTargets:
+        return GetTargets(self.member(name).host, pages)
+
+    def set_source(self, name: str, page: int) -> memoryview:
+        """The bytes of host page `page` of `name` for a batch_set: zero-copy for page_first
+        layouts, a copy for layer_first. Read on the caller's thread, so the page must not be
+        rewritten until the op using it is acknowledged."""
+        host = self.member(name).host
+        if host.layout is HostLayout.layer_first:
+            buf = bytearray(host.page_size_bytes)
+            host.read_page_into(page, buf)
+            return memoryview(buf)
+        return host.page_view(page)
+
+
+def _check_range(indices: torch.Tensor, *, lo: int, hi: int, what: str) -> None:
+    if indices.numel() == 0:
+        return
+    low, high = (int(x) for x in torch.aminmax(indices))
+    if low < lo or high >= hi:
+        raise InvalidOperation(f"{what} indices must lie in [{lo}, {hi}); got [{low}, {high}]")

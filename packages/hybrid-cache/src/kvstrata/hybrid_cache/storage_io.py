@@ -1,0 +1,308 @@
+"""Host <-> storage moves: prefetch (storage -> host) and backup (host -> storage).
+
+Prefetch of one op, with keys k0..k(n-1) of a prefix and per member the host page of each key:
+
+    1. batch_exists per member over the keys it lists -> which pages could arrive;
+       restorable_pages over that -> bound b: nothing past b can ever be a hit, so it is not read
+    2. for key ranges [a, a + batch) below b, while the op is not stopped and (timeout policy)
+       before its deadline: one batch_get per member straight into its host pages
+    3. after each range: ready = restorable_pages(landed) -> what the request may take now
+    4. a storage call that raises, returns False, or outlasts storage_call_timeout_s ends the op
+       at the last good page (status partial), counted in storage_faults
+
+A page read by a call that failed or timed out is never counted as landed, so the host pages
+past `num_pages_done` may hold anything and the tree must not use them: nothing wrong is ever
+loaded. The ack comes only after the worker's last storage call returned, because until then
+that call may still be writing into the op's host pages.
+
+Checksums (`verify_checksums`, on by default): backup stores beside each page a 4-byte CRC-32 of
+its bytes under `<page key>#crc32`, and prefetch reads both and counts a page as landed only when
+they agree. So a backend that returns a flipped byte (a memory or network fault, a buggy remote
+tier) costs a shorter hit, never wrong KV. A page stored without its checksum (by a writer with
+checks off) is then a miss. CRC-32 because the threat is corruption, not an adversary: the page
+key already names the content, and zlib's CRC runs at memory speed.
+
+Backup merges consecutive ops: one batch_exists per op and member (leading keys already stored
+are skipped), then the remaining pages of all merged ops in shared batch_set calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstrata.hybrid_cache.group import PoolGroup
+from kvstrata.hybrid_cache.metrics import ControllerStats, Direction, FaultReason
+from kvstrata.hybrid_cache.ops import AckStatus, OpKind, PrefetchPolicy
+from kvstrata.hybrid_cache.restore import restorable_pages
+from kvstrata.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+Finish = Callable[[int, AckStatus, int, BaseException | None], None]
+
+CHECKSUM_SUFFIX = b"#crc32"
+_CRC_BYTES = 4
+
+
+def checksum_key(page_key: bytes) -> bytes:
+    """The storage key of the CRC-32 stored beside the page of `page_key`."""
+    return page_key + CHECKSUM_SUFFIX
+
+
+def page_checksum(view: memoryview) -> bytes:
+    return zlib.crc32(view).to_bytes(_CRC_BYTES, "little")
+
+
+@dataclass(kw_only=True, eq=False)
+class PrefetchTask:
+    op_id: int
+    keys: tuple[bytes, ...]
+    pages: dict[str, tuple[int | None, ...]]
+    policy: PrefetchPolicy
+    deadline: float | None
+    stop: threading.Event = field(default_factory=threading.Event)
+    ready_pages: int = 0
+    """Leading key pages restorable now; only grows; written by the prefetch worker."""
+
+
+@dataclass(kw_only=True, eq=False)
+class BackupTask:
+    op_id: int
+    keys: tuple[bytes, ...]
+    pages: dict[str, tuple[int | None, ...]]
+
+
+@dataclass(kw_only=True)
+class _Slot:
+    """One member page of one key, in one storage call."""
+
+    member: str
+    index: int
+    page: int
+    key: bytes
+
+
+class StorageRunner:
+    """Runs prefetch and backup tasks on their workers."""
+
+    def __init__(
+        self,
+        *,
+        group: PoolGroup,
+        storage: Storage,
+        stats: ControllerStats,
+        finish: Finish,
+        clock: Callable[[], float],
+        batch_pages: int,
+        call_timeout_s: float | None,
+        verify_checksums: bool,
+    ) -> None:
+        self._group = group
+        self._storage = storage
+        self._stats = stats
+        self._finish = finish
+        self._clock = clock
+        self._batch_pages = batch_pages
+        self._call_timeout_s = call_timeout_s
+        self._verify = verify_checksums
+
+    # --- prefetch --------------------------------------------------------------------------------
+
+    def run_prefetches(self, tasks: list[PrefetchTask]) -> None:
+        for task in tasks:
+            self._prefetch(task)
+
+    def _prefetch(self, task: PrefetchTask) -> None:
+        n = len(task.keys)
+        rules = self._group.rules
+        if n == 0:
+            self._finish(task.op_id, AckStatus.DONE, 0, None)
+            return
+        if self._should_stop(task):
+            self._finish(task.op_id, AckStatus.PARTIAL, 0, None)
+            return
+        listed = {name: self._listed(task, name) for name in rules}
+        possible = {name: [False] * n for name in rules}
+        error: BaseException | None = None
+        for name, slots in listed.items():
+            try:
+                found = self._exists(slots)
+            except Exception as exc:  # a backend error ends this prefetch; the worker goes on
+                logger.warning("prefetch: batch_exists raised", exc_info=True)
+                self._stats.count_fault(FaultReason.ERROR)
+                error, found = exc, 0
+            for s in slots[:found]:
+                possible[name][s.index] = True
+        bound = restorable_pages(rules, possible, n).num_pages
+
+        landed = {name: [False] * n for name in rules}
+        for lo in range(0, bound, self._batch_pages):
+            if self._should_stop(task):
+                break
+            hi = min(lo + self._batch_pages, bound)
+            ended = False
+            for name, slots in listed.items():
+                batch = [s for s in slots if lo <= s.index < hi and possible[name][s.index]]
+                ok, call_error = self._get(name, batch)
+                for s, good in zip(batch, ok, strict=True):
+                    landed[name][s.index] = good
+                if call_error is not None:
+                    error = call_error
+                ended = ended or not all(ok)
+            task.ready_pages = restorable_pages(rules, landed, n).num_pages
+            if ended:
+                break
+        done = restorable_pages(rules, landed, n).num_pages
+        task.ready_pages = done
+        status = AckStatus.DONE if done == n else AckStatus.PARTIAL
+        self._finish(task.op_id, status, done, error)
+
+    def _should_stop(self, task: PrefetchTask) -> bool:
+        if task.stop.is_set():
+            return True
+        return task.deadline is not None and self._clock() >= task.deadline
+
+    def _listed(self, task: PrefetchTask | BackupTask, name: str) -> list[_Slot]:
+        return [
+            _Slot(member=name, index=i, page=page, key=self._group.storage_key(name, task.keys[i]))
+            for i, page in enumerate(task.pages[name])
+            if page is not None
+        ]
+
+    def _exists(self, slots: list[_Slot]) -> int:
+        """How many of `slots`, from the first, are stored (with their checksums)."""
+        if not slots:
+            return 0
+        if not self._verify:
+            return self._storage.batch_exists([s.key for s in slots])
+        keys = [k for s in slots for k in (s.key, checksum_key(s.key))]
+        return self._storage.batch_exists(keys) // 2
+
+    def _get(self, name: str, batch: list[_Slot]) -> tuple[list[bool], BaseException | None]:
+        """Read `batch` into its host pages: per page whether it landed intact, as a run of
+        True then only False (the prefetch ends at the first bad page)."""
+        if not batch:
+            return [], None
+        target = self._group.get_targets(name, [s.page for s in batch])
+        keys = [s.key for s in batch]
+        buffers: list[memoryview | bytearray] = list(target.buffers)
+        sums = [bytearray(_CRC_BYTES) for _ in batch] if self._verify else []
+        if self._verify:
+            keys += [checksum_key(s.key) for s in batch]
+            buffers += sums
+        start = time.perf_counter()
+        try:
+            found = self._storage.batch_get(keys, buffers)
+        except Exception as exc:  # a backend error ends this prefetch; the worker goes on
+            logger.warning("prefetch: batch_get of %d pages raised", len(batch), exc_info=True)
+            self._stats.count_fault(FaultReason.ERROR)
+            return [False] * len(batch), exc
+        elapsed = time.perf_counter() - start
+        if self._call_timeout_s is not None and elapsed > self._call_timeout_s:
+            self._stats.count_fault(FaultReason.TIMEOUT)
+            return [False] * len(batch), None
+        ok = found[: len(batch)]
+        if self._verify:
+            # A page without its checksum is a miss; one whose bytes disagree with it is corrupt.
+            ok = [p and c for p, c in zip(ok, found[len(batch) :], strict=True)]
+            intact = [
+                good and page_checksum(view) == bytes(expected)
+                for good, view, expected in zip(ok, target.buffers, sums, strict=True)
+            ]
+            corrupt = sum(ok) - sum(intact)
+            if corrupt:
+                self._stats.count_fault(FaultReason.CORRUPT, corrupt)
+            misses = len(batch) - sum(ok)
+            ok = intact
+        else:
+            misses = len(batch) - sum(ok)
+        if misses:
+            self._stats.count_fault(FaultReason.MISS, misses)
+        good = 0
+        while good < len(ok) and ok[good]:
+            good += 1
+        ok = [True] * good + [False] * (len(ok) - good)
+        target.commit(ok)
+        self._stats.count_transfer(
+            Direction.STORAGE_GET,
+            num_pages=good,
+            num_bytes=good * self._group.page_bytes(name),
+            seconds=elapsed,
+        )
+        return ok, None
+
+    # --- backup ----------------------------------------------------------------------------------
+
+    def run_backups(self, tasks: list[BackupTask]) -> None:
+        self._stats.count_merged(OpKind.BACKUP, len(tasks) - 1)
+        rules = self._group.rules
+        stored = {t.op_id: {name: [False] * len(t.keys) for name in rules} for t in tasks}
+        errors: dict[int, BaseException] = {}
+        to_set: list[tuple[BackupTask, _Slot]] = []
+        for task in tasks:
+            for name in rules:
+                slots = self._listed(task, name)
+                try:
+                    found = self._exists(slots)
+                except Exception as exc:  # this op fails alone; the batch goes on
+                    logger.warning("backup: batch_exists raised", exc_info=True)
+                    self._stats.count_fault(FaultReason.ERROR)
+                    errors[task.op_id] = exc
+                    continue
+                self._stats.count_backup_skipped(found)
+                for s in slots[:found]:
+                    stored[task.op_id][name][s.index] = True
+                to_set.extend((task, s) for s in slots[found:])
+        for lo in range(0, len(to_set), self._batch_pages):
+            chunk = to_set[lo : lo + self._batch_pages]
+            ok, error = self._set([s for _, s in chunk])
+            for (task, s), good in zip(chunk, ok, strict=True):
+                stored[task.op_id][s.member][s.index] = good
+                if error is not None:
+                    errors[task.op_id] = error
+        for task in tasks:
+            done = restorable_pages(rules, stored[task.op_id], len(task.keys)).num_pages
+            error = errors.get(task.op_id)
+            if done == len(task.keys):
+                self._finish(task.op_id, AckStatus.DONE, done, None)
+            elif error is not None and done == 0:
+                self._finish(task.op_id, AckStatus.FAILED, 0, error)
+            else:
+                self._finish(task.op_id, AckStatus.PARTIAL, done, error)
+
+    def _set(self, slots: Sequence[_Slot]) -> tuple[list[bool], BaseException | None]:
+        views = [self._group.set_source(s.member, s.page) for s in slots]
+        keys = [s.key for s in slots]
+        buffers: list[memoryview | bytes] = list(views)
+        if self._verify:
+            # Pages first, then their checksums: a reader trusts a page only with its checksum,
+            # and a page whose checksum write failed is reported not stored.
+            keys += [checksum_key(s.key) for s in slots]
+            buffers += [page_checksum(v) for v in views]
+        start = time.perf_counter()
+        try:
+            results = self._storage.batch_set(keys, buffers)
+        except Exception as exc:  # these pages fail; other chunks and ops go on
+            logger.warning("backup: batch_set of %d pages raised", len(slots), exc_info=True)
+            self._stats.count_fault(FaultReason.ERROR)
+            return [False] * len(slots), exc
+        ok = results[: len(slots)]
+        if self._verify:
+            ok = [p and c for p, c in zip(ok, results[len(slots) :], strict=True)]
+        failed = len(ok) - sum(ok)
+        if failed:
+            self._stats.count_fault(FaultReason.WRITE_FAILED, failed)
+        self._stats.count_transfer(
+            Direction.STORAGE_SET,
+            num_pages=sum(ok),
+            num_bytes=sum(
+                self._group.page_bytes(s.member) for s, good in zip(slots, ok, strict=True) if good
+            ),
+            seconds=time.perf_counter() - start,
+        )
+        return ok, None
