@@ -1,0 +1,70 @@
+"""MambaSlotAllocator: one state slot per request, copy-on-write forks."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.allocator import (
+    DoubleFree,
+    IndexOutOfRange,
+    NotAllocated,
+    ReservedIndex,
+    SlotCopy,
+)
+from kvstrata.allocator.engine import Backend
+from kvstrata.testkit.allocators import BACKENDS, idx, make_mamba
+
+pytestmark = pytest.mark.parametrize("backend", BACKENDS)
+
+
+def test_one_slot_per_request(backend: Backend) -> None:
+    m = make_mamba(backend=backend, size=4)
+    slots = m.alloc(3)
+    assert slots is not None and slots.tolist() == [1, 2, 3]
+    assert m.alloc(2) is None and m.available_size() == 1
+    m.free(idx([2]))
+    again = m.alloc(1)
+    assert again is not None and again.tolist() == [2]
+    with pytest.raises(DoubleFree):
+        m.free(idx([4]))
+    assert (m.page_size, m.size, m.usage()[0].pool) == (1, 4, "state")
+    m.check_integrity()
+
+
+def test_fork_pairs_new_slots_with_their_sources(backend: Backend) -> None:
+    m = make_mamba(backend=backend, size=6)
+    assert m.alloc(2) is not None
+    copy = m.fork(idx([2, 2, 1]))
+    assert isinstance(copy, SlotCopy)
+    assert copy.src.tolist() == [2, 2, 1] and copy.dst.tolist() == [3, 4, 5]
+    assert m.available_size() == 1
+    assert m.fork(idx([1, 2])) is None  # all or nothing
+    assert m.available_size() == 1 and m.counters.failed_allocs == 1
+    m.check_integrity()
+
+
+def test_fork_rejects_bad_sources_before_allocating(backend: Backend) -> None:
+    m = make_mamba(backend=backend, size=6)
+    assert m.alloc(2) is not None
+    cases = ((idx([3]), NotAllocated), (idx([0]), ReservedIndex), (idx([7]), IndexOutOfRange))
+    for bad, error in cases:
+        with pytest.raises(error):
+            m.fork(bad)
+        assert m.available_size() == 4
+
+
+def test_groups_state_and_clear(backend: Backend) -> None:
+    m = make_mamba(backend=backend, size=4)
+    slots = m.alloc(4)
+    assert slots is not None
+    state = m.backup_state()
+    m.free_group_begin()
+    m.free(slots[:2])
+    assert m.available_size() == 0
+    m.free_group_end()
+    assert m.available_size() == 2
+    m.restore_state(state)
+    assert m.available_size() == 0
+    m.clear()
+    assert m.available_size() == 4
+    m.check_integrity()
