@@ -160,6 +160,26 @@ def test_invalid_requests(backend: Backend) -> None:
         assert_raises_unchanged(a, InvalidRequest, case)
 
 
+@pytest.mark.parametrize("checked", [True, False])
+@pytest.mark.parametrize("page_size", [4, 3])
+def test_decode_rejects_seq_len_below_one_next_to_valid_requests(
+    backend: Backend, checked: bool, page_size: int
+) -> None:
+    # Slots 4 .. 15 (3 pages of 4) or 3 .. 11 (3 pages of 3) are held. Each bad seq_len
+    # is paired with a last_loc whose next slot would pass the page and alignment checks
+    # under Python's modulo (seq 0: offset -1 % P; seq -3 at P = 4: offset 0, "opens").
+    a = make_paged(backend=backend, checked=checked, page_size=page_size)
+    assert a.alloc(3 * page_size) is not None
+    ok_seq, ok_loc = 2, page_size  # token 1 of page 1 follows slot P
+    for seq, loc in ((0, 2 * page_size - 2), (-3, 2 * page_size), (-page_size + 1, 8)):
+        assert_raises_unchanged(
+            a,
+            InvalidRequest,
+            lambda s=seq, lc=loc: a.alloc_decode(idx([ok_seq, s]), idx([ok_loc, lc])),
+        )
+    assert_raises_unchanged(a, InvalidRequest, lambda: a.alloc_decode(idx([-3]), None))
+
+
 def test_constructor_arguments(backend: Backend) -> None:
     with pytest.raises(InvalidRequest):
         PagedAllocator(size=10, page_size=4, backend=backend)

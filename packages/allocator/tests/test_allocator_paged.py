@@ -145,6 +145,41 @@ def test_decode_failure_changes_nothing(backend: Backend) -> None:
     assert out is not None and out.tolist() == [5, 8]
 
 
+@pytest.mark.parametrize("checked", [True, False])
+def test_decode_and_free_at_a_page_size_not_a_power_of_two(backend: Backend, checked: bool) -> None:
+    # Page size 3 takes the divide/remainder paths instead of shifts and masks.
+    a = make_paged(backend=backend, page_size=3, checked=checked)
+    r0 = a.alloc(6)  # pages 1, 2: request 0 holds 4 tokens, last at slot 6 (page 2, offset 0)
+    assert r0 is not None
+    out = a.alloc_decode(idx([5, 1, 4]), idx([6, -1, 6]))
+    # Request 2 (seq_len 4) opens page 3 at offset 0 although last_loc says slot 6.
+    assert got(out) == [7, 9, 12]
+    a.free(torch.cat((r0, idx([9, 12]))))
+    assert a.available_size() == a.size
+    a.check_integrity()
+
+
+def test_decode_batch_free_and_reuse(backend: Backend) -> None:
+    # A decode round as the scheduler runs it, for a batch larger than the scratch buffers'
+    # first size, twice (second round: same scratch, reused pages).
+    a = make_paged(backend=backend, num_pages=1200)
+    held = a.alloc(4 * 300)
+    assert held is not None
+    for _ in range(2):
+        seq = torch.arange(300, dtype=torch.int64) % 2 * 2 + 1  # 1, 3, 1, 3, ...: half open
+        last = held.view(300, 4)[:, 1]  # token 1 of each request's page
+        out = a.alloc_decode(seq, last)
+        assert out is not None
+        opens = got(out)[0::2]
+        assert got(out)[1::2] == (last[1::2] + 1).tolist()
+        assert all(s % 4 == 0 for s in opens) and len(set(opens)) == 150
+        assert a.available_size() == (1200 - 300 - 150) * 4
+        a.free(out[0::2])  # the new pages only
+        a.check_integrity()
+    a.free(held)
+    assert a.available_size() == a.size
+
+
 def test_decode_on_token_allocator(backend: Backend) -> None:
     a = make_token(backend=backend, size=4)
     out = a.alloc_decode(idx([9, 1, 3]), idx([1, -1, 2]))

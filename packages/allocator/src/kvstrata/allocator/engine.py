@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvstrata.allocator.base import AllocatorCounters
 from kvstrata.allocator.errors import (
     DoubleFree,
     DuplicateIndex,
@@ -296,6 +297,31 @@ class PageEngine(ABC, Generic[A]):
             (indices.min() < self.page_size) | (indices.max() >= self.num_rows)
         ):
             self._raise_if_outside(indices.tolist(), name)
+
+    # ---- fused hot paths: plan + commit in one call (backends may override) ---------------
+
+    def alloc_decode(
+        self, seq_lens: torch.Tensor, last_loc: torch.Tensor | None, counters: AllocatorCounters
+    ) -> torch.Tensor | None:
+        """`PagedAllocator.alloc_decode`: validate, then take the pages or return None (and
+        count the call in `counters` either way). Same result as `plan_decode` +
+        `commit_decode`; a backend overrides it with a fused version."""
+        plan = self.plan_decode(seq_lens, last_loc)
+        counters.alloc_calls += 1
+        if not self.can_take(plan.num_new_pages):
+            counters.failed_allocs += 1
+            return None
+        counters.allocated_slots += plan.num_requests
+        return self.commit_decode(plan)
+
+    def free_tokens(self, indices: torch.Tensor, counters: AllocatorCounters) -> None:
+        """`PagedAllocator.free`: validate, then return the pages the slots touch (now, or at
+        the end of the open group) and count the call. Same effect as `plan_free_tokens` +
+        `give`; a backend overrides it with a fused version."""
+        plan = self.plan_free_tokens(indices)
+        self.give(plan)
+        counters.free_calls += 1
+        counters.freed_slots += plan.num_pages * self.page_size
 
     # ---- error reports: called on the failure path only, so plain Python is fine ----------
 

@@ -4,7 +4,10 @@ Why numpy on CPU: with one torch thread on the 2-core benchmark machine a small 
 costs ~1-2 us against ~3-5 us for torch, and numpy's gathers and scatters of 16k int64 run
 2-5x faster than torch's CPU advanced indexing. Tensors cross the boundary without copies
 (`Tensor.numpy()` in, `torch.from_numpy` out). Each call below is written to spend as few
-numpy calls as possible: they, not the bytes, are the cost at these sizes.
+numpy calls as possible: they, not the bytes, are the cost at these sizes. The decode round
+(`alloc_decode`, and `free_tokens` of a decode batch's output) goes further: straight-line
+code with every temporary in a preallocated `Scratch`, because there each call typically runs
+with cold caches (3-10 us a call, tens of us for the first `malloc`).
 
 One int32 array, `_marks`, does two jobs:
 
@@ -25,10 +28,13 @@ Unchecked engines keep no FREE marks and use `_marks` only as stamps.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvstrata.allocator.base import AllocatorCounters
 from kvstrata.allocator.engine import (
     DecodePlan,
     ExtendPlan,
@@ -43,6 +49,7 @@ from kvstrata.allocator.errors import IntegrityError, InvalidRequest
 __all__ = ["NumpyPageEngine"]
 
 Ints = npt.NDArray[np.int64]
+Bools = npt.NDArray[np.bool_]
 
 FREE, RESERVED, BEYOND = -1, -2, -3
 
@@ -51,16 +58,64 @@ FREE, RESERVED, BEYOND = -1, -2, -3
 RUN_COLLAPSE_MIN = 1024
 
 
+_INT64 = np.dtype(np.int64)
+
+
 def _native(value: torch.Tensor, name: str) -> Ints:
-    """A flat int64 numpy view of the caller's tensor (a copy only if it must convert)."""
-    if (
-        type(value) is torch.Tensor
-        and value.dtype is torch.int64
-        and value.ndim == 1
-        and value.is_cpu
-    ):
-        return value.numpy()  # the common case: one check per attribute, then zero-copy
+    """A flat int64 numpy view of the caller's tensor (a copy only if it must convert).
+
+    The common case (a 1-D int64 CPU tensor) costs one torch call: `numpy()` itself, whose
+    result is checked with numpy's cheap attribute reads. It raises for a CUDA tensor, one that
+    requires grad or one with a lazy conjugate/negation bit; those take the converting path.
+    """
+    if type(value) is torch.Tensor:
+        try:
+            view = value.numpy()
+        except (TypeError, RuntimeError):
+            pass
+        else:
+            if view.dtype is _INT64 and view.ndim == 1:
+                return view
     return as_index_tensor(value, name).to(device="cpu", dtype=torch.int64).numpy()
+
+
+class Scratch:
+    """Preallocated work arrays for the hot paths, so that a decode round allocates nothing but
+    its output: after the caller has freed large arrays, the first `malloc` of a round can cost
+    tens of microseconds, and numpy's temporaries would each pay part of that.
+
+    `fit(n)` makes `a`, `b` (int64), `m32` (int32), `opens`, `bad`, `mis` (bool) views of `n`
+    entries into buffers that only grow. Their contents are garbage between calls, and nothing
+    handed to a caller may alias them.
+    """
+
+    __slots__ = ("_buffers", "a", "b", "bad", "m32", "mis", "n", "opens")
+
+    def __init__(self) -> None:
+        self.n = -1
+        self._buffers: tuple[Ints, Ints, npt.NDArray[np.int32], Bools, Bools, Bools] = self._make(0)
+        self.a, self.b, self.m32, self.opens, self.bad, self.mis = self._buffers
+
+    @staticmethod
+    def _make(cap: int) -> tuple[Ints, Ints, npt.NDArray[np.int32], Bools, Bools, Bools]:
+        return (
+            np.empty(cap, dtype=np.int64),
+            np.empty(cap, dtype=np.int64),
+            np.empty(cap, dtype=np.int32),
+            np.empty(cap, dtype=np.bool_),
+            np.empty(cap, dtype=np.bool_),
+            np.empty(cap, dtype=np.bool_),
+        )
+
+    def fit(self, n: int) -> Scratch:
+        if n != self.n:  # batch sizes repeat, so this is usually skipped
+            if n > len(self._buffers[0]):
+                self._buffers = self._make(max(n, 2 * len(self._buffers[0])))
+            a, b, m32, opens, bad, mis = self._buffers
+            self.a, self.b, self.m32 = a[:n], b[:n], m32[:n]
+            self.opens, self.bad, self.mis = opens[:n], bad[:n], mis[:n]
+            self.n = n
+        return self
 
 
 class NumpyPageEngine(PageEngine[Ints]):
@@ -90,6 +145,9 @@ class NumpyPageEngine(PageEngine[Ints]):
         self._offsets: Ints = np.arange(page_size, dtype=np.int64)
         self._i32 = np.arange(4096, dtype=np.int32)
         self._i64: Ints = np.arange(4096, dtype=np.int64)
+        self._scratch = Scratch()
+        # page_size - 1 plus the sign bit (power-of-two pages only; see alloc_decode).
+        self._signed_mask = np.int64((page_size - 1) - (1 << 63))
 
     def _reset_marks(self) -> None:
         marks = self._marks
@@ -254,6 +312,88 @@ class NumpyPageEngine(PageEngine[Ints]):
         out[plan.opens_page] = pages * self.page_size
         return torch.from_numpy(out)
 
+    def alloc_decode(
+        self, seq_lens: torch.Tensor, last_loc: torch.Tensor | None, counters: AllocatorCounters
+    ) -> torch.Tensor | None:
+        """`plan_decode` + `commit_decode` fused for power-of-two pages (other sizes take the
+        plan): straight-line code, every temporary in `Scratch`, about 17 numpy calls, two
+        `numpy()` views and one `from_numpy` per round, one array allocated (the output).
+
+        Why so spare: in a serving loop (and in `kvstrata bench alloc`) this call follows
+        work that evicts the caches, and each numpy call, Python call and `malloc` then costs
+        3-10 us instead of ~1. Same results and errors as the plan path (a failing check
+        re-runs the full checks for the message) and, as there, nothing changes before a
+        check passes.
+        """
+        shift = self._shift
+        if not shift:  # page size 1 (shift 0) or not a power of two
+            return super().alloc_decode(seq_lens, last_loc, counters)
+        s = _native(seq_lens, "seq_lens")
+        n = len(s)
+        sc = self._scratch
+        if sc.n != n:
+            sc.fit(n)
+        a, off, opens = sc.a, sc.b, sc.opens
+        np.subtract(s, 1, out=a)  # position of each new token
+        # Its offset in its page with the sign bit kept: a negative position (seq_len < 1)
+        # gets a negative "offset", so it never opens a page and always fails the alignment
+        # test below (unchecked: the sign test here). No reduction needed for that check.
+        np.bitwise_and(a, self._signed_mask, out=off)
+        np.equal(off, 0, out=opens)
+        num_new = int(np.count_nonzero(opens))
+        out: Ints | None = None
+        if num_new < n:
+            if last_loc is None:
+                raise InvalidRequest("alloc_decode: last_loc is None but requests continue a page")
+            loc = _native(last_loc, "last_loc")
+            if len(loc) != n:
+                raise InvalidRequest(f"alloc_decode: {n} requests but {len(loc)} last_loc")
+            out = np.add(loc, 1)  # the caller's array; openers' entries are overwritten below
+            marks = self._marks
+            if self.checked:
+                # A continuing request's new slot last_loc + 1 must sit at the new token's
+                # offset in an allocated page: one test for range, page 0, allocation and
+                # alignment of last_loc. Openers' entries are garbage and masked out.
+                np.right_shift(out, shift, out=a)
+                bad = np.less(marks.take(a, mode="clip", out=sc.m32), 0, out=sc.bad)
+                np.bitwise_and(out, self.page_size - 1, out=a)
+                np.logical_or(bad, np.not_equal(a, off, out=sc.mis), out=bad)
+                np.greater(bad, opens, out=bad)  # bad and not an opener
+                if np.count_nonzero(bad):
+                    self._raise_decode(s, loc, opens)
+            elif np.count_nonzero(np.less(off, 0, out=sc.bad)):
+                self._raise_seq_lens()
+        counters.alloc_calls += 1
+        head = self._head
+        if num_new > self.capacity - head:  # short on the stack: maybe released pages help
+            if num_new > self.num_free_pages:
+                counters.failed_allocs += 1
+                return None
+            pages = self.take_pages(num_new)
+        else:  # take_pages(), inlined
+            pages = self._stack[head : head + num_new]
+            self._head = head + num_new
+            if self.checked:
+                self._marks[pages] = 0
+        counters.allocated_slots += n
+        if out is None:
+            return torch.from_numpy(np.left_shift(pages, shift))
+        if num_new:
+            out[opens] = np.left_shift(pages, shift, out=a[:num_new])
+        return torch.from_numpy(out)
+
+    def _raise_decode(self, s: Ints, loc: Ints, opens: Bools) -> NoReturn:
+        """The fused decode check failed: raise what the plan path raises."""
+        if np.count_nonzero(s < 1):
+            self._raise_seq_lens()
+        cont = ~opens
+        self._check_last_loc(loc[cont], s[cont] - 2, "alloc_decode last_loc")
+        raise AssertionError("decode check and _check_last_loc disagree")
+
+    @staticmethod
+    def _raise_seq_lens() -> NoReturn:
+        raise InvalidRequest("alloc_decode: every seq_len counts the new token, so is >= 1")
+
     def _check_last_loc(self, loc: Ints, last_pos: Ints, name: str) -> None:
         """`loc[i]` must be the slot of token `last_pos[i]`: in range, in an allocated page,
         at the same offset in its page."""
@@ -265,8 +405,55 @@ class NumpyPageEngine(PageEngine[Ints]):
 
     # ---- free -----------------------------------------------------------------------------
 
-    def plan_free_tokens(self, indices: torch.Tensor) -> FreePlan[Ints]:
+    def free_tokens(self, indices: torch.Tensor, counters: AllocatorCounters) -> None:
+        """`plan_free_tokens` + `give` fused for small frees at power-of-two pages (a decode
+        batch's output: one slot per page): straight-line code, every temporary in `Scratch`,
+        about 9 numpy calls and one `numpy()`. Same checks, errors and effect, all checks
+        before any change; other frees take the plan (with run collapsing when large)."""
         x = _native(indices, "indices")
+        m = len(x)
+        shift = self._shift
+        if not shift or m < 2 or m >= RUN_COLLAPSE_MIN:
+            plan = self._plan_free_slots(x)
+            self.give(plan)
+            counters.free_calls += 1
+            counters.freed_slots += plan.num_pages * self.page_size
+            return
+        sc = self._scratch
+        if sc.n != m:
+            sc.fit(m)
+        pages = np.right_shift(x, shift, out=sc.a)
+        marks, checked = self._marks, self.checked
+        if checked and np.count_nonzero(
+            np.less(marks.take(pages, mode="clip", out=sc.m32), 0, out=sc.bad)
+        ):
+            self._raise_bad_slots(x.tolist(), "free", freeing=True)
+        # Stamps (see the module docstring): marks[pages[i]] = i, read back.
+        iota = self._iota32(m)
+        marks[pages] = iota
+        lost = np.not_equal(marks.take(pages, mode="clip", out=sc.m32), iota, out=sc.bad)
+        if np.count_nonzero(lost):  # a page twice: keep one of each; slots may repeat
+            pages = pages[~lost]
+            if checked:
+                self._check_distinct_slots(x)
+        num_pages = len(pages)
+        if self._pending is None and not self.sorted_reuse:
+            # give(), inlined.
+            if checked:
+                marks[pages] = FREE
+            head = self._head - num_pages
+            assert head >= 0, "free stack overflow: a page was freed twice unseen"
+            self._stack[head : self._head] = pages
+            self._head = head
+        else:
+            self.give(FreePlan(pages=pages, num_pages=num_pages))  # copies what it keeps
+        counters.free_calls += 1
+        counters.freed_slots += num_pages * self.page_size
+
+    def plan_free_tokens(self, indices: torch.Tensor) -> FreePlan[Ints]:
+        return self._plan_free_slots(_native(indices, "indices"))
+
+    def _plan_free_slots(self, x: Ints) -> FreePlan[Ints]:
         m = len(x)
         if m == 0:
             return FreePlan(pages=x, num_pages=0)

@@ -212,10 +212,7 @@ class PagedAllocator(SlotAllocator):
         those (and may be None when there are none). Mutates: the free list. Raises as
         `alloc_extend`.
         """
-        plan = self._engine.plan_decode(seq_lens, last_loc)
-        if not self._engine.can_take(plan.num_new_pages):
-            return self._fail()
-        return self._commit_decode(plan)
+        return self._engine.alloc_decode(seq_lens, last_loc, self._counters)
 
     def _fail(self) -> None:
         self._counters.alloc_calls += 1
@@ -252,7 +249,7 @@ class PagedAllocator(SlotAllocator):
         """Free every page that a slot in `indices` lies in (a page is freed once however
         many of its slots are listed, and whether or not all of them are). See
         `SlotAllocator.free`. Cost: O(len(indices)) array ops (no sort)."""
-        self._commit_free(self._engine.plan_free_tokens(indices))
+        self._engine.free_tokens(indices, self._counters)
 
     def free_pages(self, page_ids: torch.Tensor) -> None:
         """Free whole pages by page id (distinct, 1 .. num_pages-1, allocated). Raises as
