@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
+from kvstrata.cli import replay_command
+
 #: Distributions of the workspace, in layer order (bottom first), as `kvstrata version` lists them.
 DISTRIBUTIONS: tuple[str, ...] = (
     "kvstrata-pool",
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", help="benchmark name (alloc, radix, l2, l3, ...)")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark")
     bench.set_defaults(handler=_bench)
+    replay_command.add_parser(sub)
     return parser
 
 

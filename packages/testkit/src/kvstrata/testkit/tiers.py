@@ -16,12 +16,17 @@ from typing import Literal
 
 import torch
 
-from kvstrata.hybrid_cache import HybridPool, PoolGroup
+from kvstrata.allocator import PagedAllocator
+from kvstrata.hybrid_cache import ControllerParams, HybridPool, PoolGroup, TierController
 from kvstrata.hybrid_cache.group import AnyHostPool
 from kvstrata.pool import MambaPool, MambaSpec, MHAKVPool, MHASpec, SWAKVPool, SWASpec
 from kvstrata.pool_host import HostLayout, MambaHostPool, MHAHostPool
+from kvstrata.storage import PageKeyer, Storage
 from kvstrata.testkit.host_pools import page_tokens
 from kvstrata.testkit.pools import fill_random_bytes
+from kvstrata.unified_radix_cache import FullComponent, UnifiedRadixCache
+from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
+from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 Shape = Literal["full", "swa", "mamba"]
 SHAPES: tuple[Shape, ...] = ("full", "swa", "mamba")
@@ -150,3 +155,94 @@ def scramble(pool: MHAKVPool | MambaPool, slots: torch.Tensor, *, seed: int) -> 
 def device_pools(tiers: Tiers) -> Mapping[str, MHAKVPool | MambaPool]:
     """Each member's device pool."""
     return {m.name: m.pool for m in tiers.pools.members}  # pyright: ignore[reportReturnType]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Hierarchy:
+    """A full-only model on both tiers: device tree, host tree (inside `cache`), controller."""
+
+    tiers: Tiers
+    device_pool: MHAKVPool
+    allocator: PagedAllocator
+    cache: HierarchicalCache
+
+    @property
+    def tree(self) -> UnifiedRadixCache:
+        return self.cache.device_tree
+
+
+def make_hierarchy(
+    *,
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+    page_size: int = 4,
+    device_pages: int = 16,
+    host_pages: int = 32,
+    storage: Storage | None = None,
+    params: TierParams | None = None,
+    controller_params: ControllerParams | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+) -> Hierarchy:
+    """A `HierarchicalCache` over `make_tiers("full")`: a paged device allocator of
+    `device_pages` pages (page 0 reserved), a host allocator of `host_pages` pages, and a
+    controller (with `storage` when given). Close `h.cache.controller` when done."""
+    tiers = make_tiers(
+        "full",
+        page_size=page_size,
+        device_pages=device_pages,
+        host_pages=host_pages,
+        seed=seed,
+        device=device,
+    )
+    pool = tiers.pools.members[0].pool
+    assert isinstance(pool, MHAKVPool), "make_tiers('full') has one MHA pool"
+    allocator = PagedAllocator(size=pool.size, page_size=page_size, device=device)
+    tree = UnifiedRadixCache([FullComponent(allocator)], page_size=page_size)
+    host = tiers.hosts["full"]
+    controller = TierController(tiers.group, storage=storage, params=controller_params)
+    cache = HierarchicalCache(
+        tree,
+        controller=controller,
+        host_allocator=host.make_allocator(),
+        params=params or TierParams(write_policy=write_policy, prefetch_threshold=page_size),
+    )
+    return Hierarchy(tiers=tiers, device_pool=pool, allocator=allocator, cache=cache)
+
+
+def _page_noise(key: bytes, buf: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The bytes of one page of `buf` for the page named `key` (a chained page key)."""
+    gen = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & ((1 << 63) - 1))
+    rows = buf[:page_size]
+    noise = torch.randint(0, 256, rows.view(torch.uint8).shape, generator=gen, dtype=torch.uint8)
+    return noise.view(rows.dtype).view(rows.shape)
+
+
+def write_prefix_kv(
+    pool: MHAKVPool, keyer: PageKeyer, tokens: torch.Tensor, slots: torch.Tensor, start: int
+) -> None:
+    """The stand-in forward: write KV for `tokens[start:]` into `slots[start:]` (whole pages),
+    every page's bytes a function of its chained page key, so each token's KV is distinct and
+    depends on the whole prefix before it, and equal prefixes always carry equal KV."""
+    page = keyer.page_size
+    keys = keyer.page_keys(tokens)
+    for i in range(start // page, len(tokens) // page):
+        rows = slots[i * page : (i + 1) * page]
+        for buf in pool.layer_buffers():
+            buf[rows] = _page_noise(keys[i], buf, page)
+
+
+def assert_prefix_kv(
+    pool: MHAKVPool, keyer: PageKeyer, tokens: torch.Tensor, slots: torch.Tensor, *, what: str
+) -> None:
+    """The KV at `slots` (one per token of a whole-page prefix of `tokens`) is exactly what
+    `write_prefix_kv` wrote for that prefix, bit for bit."""
+    page = keyer.page_size
+    keys = keyer.page_keys(tokens[: len(slots)])
+    for i in range(len(slots) // page):
+        rows = slots[i * page : (i + 1) * page]
+        for b, buf in enumerate(pool.layer_buffers()):
+            got, want = (
+                buf[rows].view(torch.uint8),
+                _page_noise(keys[i], buf, page).view(torch.uint8),
+            )
+            assert torch.equal(got, want), f"{what}: page {i} buffer {b} holds other KV"

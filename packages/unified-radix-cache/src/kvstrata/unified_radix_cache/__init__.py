@@ -2,4 +2,59 @@
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from kvstrata.unified_radix_cache.components.base import ComponentInsert, SlotSink, TreeComponent
+from kvstrata.unified_radix_cache.components.full import FullComponent
+from kvstrata.unified_radix_cache.components.mamba import MambaComponent, MambaInsert
+from kvstrata.unified_radix_cache.components.swa import SWAComponent, SWAInsert
+from kvstrata.unified_radix_cache.events import (
+    EVENT_FORMAT_VERSION,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    decode_events,
+    encode_events,
+)
+from kvstrata.unified_radix_cache.key import Namespace, RadixKey
+from kvstrata.unified_radix_cache.metrics import RadixCacheCollector
+from kvstrata.unified_radix_cache.node import TreeNode
+from kvstrata.unified_radix_cache.policies import POLICIES
+from kvstrata.unified_radix_cache.request import CacheRequest
+from kvstrata.unified_radix_cache.results import (
+    EvictRequest,
+    EvictResult,
+    InsertResult,
+    LockReceipt,
+    MatchResult,
+)
+from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+
+__all__ = [
+    "EVENT_FORMAT_VERSION",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheRequest",
+    "ComponentInsert",
+    "EvictRequest",
+    "EvictResult",
+    "FullComponent",
+    "InsertResult",
+    "KVEvent",
+    "LockReceipt",
+    "MambaComponent",
+    "MambaInsert",
+    "MatchResult",
+    "Namespace",
+    "POLICIES",
+    "RadixCacheCollector",
+    "RadixKey",
+    "SWAComponent",
+    "SWAInsert",
+    "SlotSink",
+    "TreeComponent",
+    "TreeNode",
+    "UnifiedRadixCache",
+    "decode_events",
+    "encode_events",
+]

@@ -1,0 +1,31 @@
+"""Errors of `kvstrata.build`: a memory system that cannot be built as asked.
+
+Every one is raised before any pool or allocator is created.
+"""
+
+from __future__ import annotations
+
+
+class BuildError(Exception):
+    """Base of every error of `kvstrata.build`."""
+
+
+class UnknownFamily(BuildError, ValueError):
+    """A model family this module cannot build (choices: `kvstrata.build.FAMILIES`)."""
+
+
+class UnknownPolicy(BuildError, ValueError):
+    """An eviction policy the tree does not have (choices: `kvstrata.build.POLICIES`)."""
+
+
+class InvalidCapacity(BuildError, ValueError):
+    """A capacity, page size or slot count out of range (non-positive, or too small to hold
+    one page)."""
+
+
+class InvalidModel(BuildError, ValueError):
+    """A model config of another family, or one the pools refuse (layer layout, sizes, dtype)."""
+
+
+class DeviceUnavailable(BuildError, ValueError):
+    """A device string torch does not parse, or a CUDA device on a machine without one."""

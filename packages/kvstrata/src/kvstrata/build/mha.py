@@ -1,0 +1,71 @@
+"""Full-attention (MHA / GQA) models: one paged KV pool, a Full-only tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.allocator import PagedAllocator
+from kvstrata.build.errors import InvalidModel
+from kvstrata.build.system import BuildParams, MemorySystem
+from kvstrata.hybrid_cache import HybridPool
+from kvstrata.pool import MHAKVPool, MHASpec, PoolError
+from kvstrata.unified_radix_cache import FullComponent, UnifiedRadixCache
+
+
+@dataclass(frozen=True, kw_only=True)
+class MHAModel:
+    """A full-attention model: every layer keeps K and V of every token.
+
+    The default is deliberately tiny (2 layers, 1 KV head of 4 float32 values: 64 bytes a
+    token) so that a replay of millions of tokens fits in memory and spends its time in the
+    cache, not in copying KV. float32 holds integers up to 2**24 exactly, which the replay's
+    `--verify` relies on to read back token ids.
+    """
+
+    num_layers: int = 2
+    num_kv_heads: int = 1
+    head_dim: int = 4
+    dtype: torch.dtype = torch.float32
+
+    def kv_spec(self) -> MHASpec:
+        return MHASpec(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+        )
+
+
+def build_mha_system(model: object | None, params: BuildParams) -> MemorySystem:
+    """Paged allocator + MHA pool + Full-only tree. InvalidModel for a non-`MHAModel`."""
+    config = MHAModel() if model is None else model
+    if not isinstance(config, MHAModel):
+        raise InvalidModel(f"family 'mha' needs an MHAModel, got {type(config).__name__}")
+    try:
+        spec = config.kv_spec()  # validates the config before anything is allocated
+    except PoolError as exc:
+        raise InvalidModel(f"MHAModel refused by the pool: {exc}") from exc
+    size, page_size, device = params.capacity_tokens, params.page_size, params.device
+    allocator = PagedAllocator(size=size, page_size=page_size, device=device)
+    pool = MHAKVPool(spec, size, page_size, device)
+    tree = UnifiedRadixCache(
+        [FullComponent(allocator)],
+        page_size,
+        params.policy,
+        enable_events=params.enable_events,
+    )
+    return MemorySystem(
+        family="mha",
+        model=config,
+        page_size=page_size,
+        capacity_tokens=size,
+        device=device,
+        kv_allocator=allocator,
+        kv_pool=pool,
+        mamba_allocator=None,
+        mamba_pool=None,
+        layers=HybridPool.full(pool),
+        tree=tree,
+    )

@@ -1,0 +1,105 @@
+"""`MemorySystem`: everything an engine needs to keep KV and state for one model, built as one.
+
+The construction layer. `build_memory_system(family=..., capacity_tokens=...)` turns a model
+config and a capacity into allocators, device pools, the layer router, tree components and the
+tree, wired so that the tree frees into the same allocators the engine allocates from:
+
+    model config ──> pool specs ──> pools ──> HybridPool (layer_id -> pool)
+    capacity     ──> allocators ─┬─> tree components ──> UnifiedRadixCache
+                                 └─> engine: alloc / free
+
+Each family lives in its own module (`mha`, `swa`, `mamba`) with its model config and its
+builder; `factory.build_memory_system` dispatches on the family name through one table. This
+module holds what they share: the parameters of a build and the system they return.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.allocator import MambaSlotAllocator, PagedAllocator, SWAAllocator
+from kvstrata.hybrid_cache import HybridPool, LayerKind
+from kvstrata.pool import MambaPool, MHAKVPool, SWAKVPool
+from kvstrata.unified_radix_cache import UnifiedRadixCache
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildParams:
+    """The budget and the knobs of one build, validated by `build_memory_system`.
+
+    `capacity_tokens`: usable device KV slots of the full-attention pool (rounded down to whole
+    pages). `swa_ratio`: SWA slots per full slot (SGLang's `swa_full_tokens_ratio`).
+    `mamba_slots`: Mamba state slots (None: `capacity_tokens // 64`, at least 4).
+    """
+
+    capacity_tokens: int
+    page_size: int
+    policy: str
+    device: torch.device
+    swa_ratio: float
+    mamba_slots: int | None
+    enable_events: bool
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class MemorySystem:
+    """One model's device memory: allocators, pools, layer router and radix tree.
+
+    The allocators are the only source of slots: the engine allocates from them, and the tree's
+    components free into them (eviction, duplicates). `layers` routes every global layer id to
+    its pool (attention: `set_kv`, `get_key_buffer`; Mamba: `mamba_state`). `kv_allocator` hands
+    out full-pool slots (an `SWAAllocator` hands out SWA slots in step with them).
+    """
+
+    family: str
+    model: object
+    page_size: int
+    capacity_tokens: int
+    device: torch.device
+    kv_allocator: PagedAllocator | SWAAllocator
+    kv_pool: MHAKVPool | SWAKVPool
+    mamba_allocator: MambaSlotAllocator | None
+    mamba_pool: MambaPool | None
+    layers: HybridPool
+    tree: UnifiedRadixCache
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        """Global ids of the attention layers, ascending."""
+        return tuple(i for i in self.layers.layer_ids if self.layers.kind(i) is LayerKind.ATTENTION)
+
+    @property
+    def mamba_layer_ids(self) -> tuple[int, ...]:
+        """Global ids of the Mamba layers, ascending (empty unless the family is mamba)."""
+        return tuple(i for i in self.layers.layer_ids if self.layers.kind(i) is LayerKind.MAMBA)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """Tokens a sliding-window layer attends to, or None for a model without SWA layers."""
+        pool = self.kv_pool
+        return pool.sliding_window if isinstance(pool, SWAKVPool) else None
+
+    @property
+    def swa_allocator(self) -> SWAAllocator | None:
+        allocator = self.kv_allocator
+        return allocator if isinstance(allocator, SWAAllocator) else None
+
+    def check_integrity(self) -> None:
+        """Verify the allocators, the pools' geometry and the tree (free + evictable +
+        protected == capacity per pool). Costs O(tree nodes + free-list length); for tests and
+        the end of a replay. Raises the failing layer's IntegrityError."""
+        self.kv_allocator.check_integrity()
+        if self.mamba_allocator is not None:
+            self.mamba_allocator.check_integrity()
+        self.kv_pool.check_integrity()
+        if self.mamba_pool is not None:
+            self.mamba_pool.check_integrity()
+        self.tree.check_integrity()
+
+    def reset(self) -> None:
+        """Empty the tree, returning every slot it holds to the allocators. Refused by the tree
+        (TreeLocked) while a request holds a lock. Pool contents are left as they are: a slot's
+        bytes mean nothing until the next writer fills it."""
+        self.tree.reset()

@@ -1,0 +1,185 @@
+"""`FullComponent`: full-attention KV slots, one per token, on every node.
+
+Full data never becomes a tombstone: only whole leaves (or the tail pages of one) go, taken from
+the `LeafHeap` in policy order. A lock protects the whole path to the root. Component 0 of every
+tree; the tree's hot loops read `node.value` / `node.lock_ref` directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvstrata.allocator import SWAAllocator
+from kvstrata.unified_radix_cache.components.base import SlotSink, TreeComponent
+from kvstrata.unified_radix_cache.errors import IntegrityError
+from kvstrata.unified_radix_cache.policies import LeafHeap
+
+if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.node import TreeNode
+    from kvstrata.unified_radix_cache.results import LockReceipt
+    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+
+
+class FullComponent(TreeComponent):
+    """Full KV slots. `allocator` is the Full pool's slot allocator (or an SWA allocator, whose
+    `free` releases a token's full and SWA slots together)."""
+
+    name = "full"
+    priority = 2
+
+    def __init__(self, allocator: SlotSink) -> None:
+        super().__init__()
+        self.allocator = allocator
+        self.device = torch.device(allocator.device)
+        self._on_cpu = self.device.type == "cpu"
+        # An SWA allocator manages two pools; Full accounts against its full pool only (its
+        # available_size() is the smaller of the two).
+        if isinstance(allocator, SWAAllocator):
+            self._free_size: Callable[[], int] = allocator.full_available_size
+            self._capacity = allocator.full_size
+        else:
+            self._free_size = allocator.available_size
+            self._capacity = int(allocator.size)
+        self.heap: LeafHeap | None = None
+
+    def bind(self, tree: UnifiedRadixCache, index: int) -> None:
+        super().bind(tree, index)
+        self.heap = LeafHeap(tree.policy)
+
+    def capacity(self) -> int:
+        return self._capacity
+
+    def free_size(self) -> int:
+        return int(self._free_size())
+
+    def node_size(self, node: TreeNode) -> int:
+        return len(node.value)
+
+    def node_lock(self, node: TreeNode) -> int:
+        return node.lock_ref
+
+    def to_device(self, slots: npt.NDArray[np.int64]) -> torch.Tensor:
+        """Slots as an int64 tensor on the allocator's device (shares memory on CPU)."""
+        out = torch.from_numpy(slots)
+        return out if self._on_cpu else out.to(self.device)
+
+    # -- structure --------------------------------------------------------------------------
+    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        # Both halves keep their slices (the tree cut them); the new parent inherits the locks,
+        # so sizes do not move: the same tokens stay evictable or protected.
+        upper.lock_ref = lower.lock_ref
+
+    # -- eviction -------------------------------------------------------------------------
+    def evict(self, amount: int) -> int:
+        """Take whole leaves in policy order; from the last one only the tail pages needed, so
+        at most `page_size - 1` tokens more than asked go."""
+        tree = self.tree
+        heap = self.heap
+        assert heap is not None
+        page = tree.page_size
+        freed = 0
+        while freed < amount:
+            node = heap.peek()
+            if node is None:
+                break
+            # Page-granular: the leaf keeps its head (and its heap entry: the policy key does
+            # not change) and gives up just enough tail pages.
+            keep = len(node.value) - -(-(amount - freed) // page) * page
+            if keep > 0:
+                freed += tree.truncate_leaf(node, keep)
+                break
+            heap.pop_peeked(node)
+            freed += tree.remove_leaf(node, evicted=True)
+        return freed
+
+    def release(self, node: TreeNode, node_goes: bool) -> int:
+        assert node.lock_ref == 0, f"FullComponent: releasing locked node {node.id}"
+        assert node_goes, "FullComponent data never becomes a tombstone; only leaves go"
+        size = len(node.value)
+        self.evictable_size -= size
+        self._pending.append(node.value)
+        return size
+
+    def flush(self) -> None:
+        slots = self.take_pending()
+        if slots is not None and len(slots):
+            self.allocator.free(self.to_device(slots))
+
+    def give_back(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    # -- locking ----------------------------------------------------------------------------
+    def lock(self, anchor: TreeNode) -> int | None:
+        """Protect the path from `anchor` to the root. Boundary: None (always the root)."""
+        heap = self.heap
+        assert heap is not None
+        moved = 0
+        node = anchor
+        parent = node.parent
+        while parent is not None:
+            if node.lock_ref == 0:
+                moved += len(node.value)
+                if node.heap_entry is not None:
+                    heap.discard(node)
+            node.lock_ref += 1
+            node = parent
+            parent = node.parent
+        self.evictable_size -= moved
+        self.protected_size += moved
+        return None
+
+    def unlock(self, anchor: TreeNode, boundary: int | None) -> None:
+        heap = self.heap
+        assert heap is not None
+        moved = 0
+        node = anchor
+        parent = node.parent
+        while parent is not None:
+            assert node.lock_ref > 0, f"FullComponent: unlock below zero at node {node.id}"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                moved += len(node.value)
+                if not node.children:
+                    heap.push(node)
+            node = parent
+            parent = node.parent
+        self.evictable_size += moved
+        self.protected_size -= moved
+
+    # -- integrity ------------------------------------------------------------------------
+    def check_node(self, node: TreeNode) -> None:
+        assert self.heap is not None
+        in_heap = node in self.heap
+        should = not node.children and node.lock_ref == 0
+        if in_heap != should:
+            raise IntegrityError(
+                f"node {node.id}: in evictable-leaf heap={in_heap}, but leaf and unlocked={should}"
+            )
+        if node.value.dtype != np.int64 or len(node.value) != node.num_tokens:
+            raise IntegrityError(
+                f"node {node.id}: {len(node.value)} Full slots for {node.num_tokens} tokens"
+            )
+
+    def check_locks(self, receipts: Iterable[LockReceipt]) -> None:
+        assert self.heap is not None
+        self.heap.check_integrity()
+        expected: dict[int, int] = {}
+        for receipt in receipts:
+            for node in receipt.anchor.path_to_root():
+                expected[node.id] = expected.get(node.id, 0) + 1
+        for node in self.tree.iter_nodes():
+            if node.lock_ref != expected.get(node.id, 0):
+                raise IntegrityError(
+                    f"node {node.id}: Full lock_ref {node.lock_ref}, "
+                    f"receipts say {expected.get(node.id, 0)}"
+                )
+
+    def reset(self) -> None:
+        super().reset()
+        if self.heap is not None:
+            self.heap.clear()

@@ -1,0 +1,259 @@
+"""`MambaComponent`: the recurrent state of SSM (Mamba) layers, one state slot per node at most.
+
+A state summarises the whole prefix up to the end of its node, so it cannot be sliced: a split
+leaves it on the lower half (which still ends where the state does) and the new parent gets
+none. A match may end only at a node with a state; with `copy_state` the match copies that
+state into a fresh slot the request owns (copy-on-write through `MambaPool.copy`), so the
+cached state is never advanced in place. A lock protects the anchor's state only. Eviction runs
+its own LRU list over unlocked states: an internal node becomes a tombstone, a leaf goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from kvstrata.unified_radix_cache.components.base import ComponentInsert, TreeComponent
+from kvstrata.unified_radix_cache.errors import (
+    IntegrityError,
+    InvalidInsert,
+    StateSlotsExhausted,
+)
+from kvstrata.unified_radix_cache.policies import LRUList
+
+if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.node import TreeNode
+    from kvstrata.unified_radix_cache.results import LockReceipt
+
+
+class StateSlotSource(Protocol):
+    """What MambaComponent needs of `kvstrata.allocator.MambaSlotAllocator`."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def alloc(self, need_size: int) -> torch.Tensor | None: ...
+
+    def free(self, indices: torch.Tensor) -> None: ...
+
+    def available_size(self) -> int: ...
+
+
+class StateCopier(Protocol):
+    """What MambaComponent needs of `kvstrata.pool.MambaPool`."""
+
+    def copy(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaInsert(ComponentInsert):
+    """The state slot holding the state after the inserted key's last token. The tree adopts it
+    (InsertResult.adopted_states names "mamba") unless the node already has a state."""
+
+    slot: int
+
+
+class MambaComponent(TreeComponent):
+    """Mamba state slots from `allocator`, copied within `pool` on copy-on-write."""
+
+    name = "mamba"
+    priority = 0
+    unit = "states"
+
+    def __init__(self, allocator: StateSlotSource, pool: StateCopier) -> None:
+        super().__init__()
+        self.allocator = allocator
+        self.pool = pool
+        self.device = torch.device(allocator.device)
+        self.lru = LRUList()
+        #: Copy-on-write copies made by matches (a counter for metrics).
+        self.copies_total = 0
+
+    def capacity(self) -> int:
+        return int(self.allocator.size)
+
+    def free_size(self) -> int:
+        return int(self.allocator.available_size())
+
+    def node_size(self, node: TreeNode) -> int:
+        assert node.comp_values is not None
+        return 0 if node.comp_values[self.index] is None else 1
+
+    def slot(self, node: TreeNode) -> int | None:
+        """The state slot on `node`, or None."""
+        assert node.comp_values is not None
+        value = node.comp_values[self.index]
+        assert value is None or isinstance(value, int)
+        return value
+
+    # -- match ------------------------------------------------------------------------------
+    def match_end(self, path: list[TreeNode]) -> int:
+        i = self.index
+        for k in range(len(path), 0, -1):
+            values = path[k - 1].comp_values
+            assert values is not None
+            if values[i] is not None:
+                return k
+        return 0
+
+    def finalize_match(self, node: TreeNode, copy_state: bool) -> torch.Tensor | None:
+        """Copy the matched state into a new slot (evicting another unlocked state when the
+        allocator is out). Raises StateSlotsExhausted before copying or allocating anything
+        when no slot can be had."""
+        if not copy_state or node.parent is None:
+            return None
+        src = self.slot(node)
+        if src is None:
+            return None
+        assert node.comp_locks is not None
+        own_unlocked = 1 if node.comp_locks[self.index] == 0 else 0
+        if self.allocator.available_size() < 1 and self.evictable_size - own_unlocked < 1:
+            raise StateSlotsExhausted(
+                "no free Mamba state slot and no unlocked state to evict besides the matched one"
+            )
+        dst = self.allocator.alloc(1)
+        if dst is None:
+            # Keep the matched state out of reach while making room for its copy.
+            self._lock_node(node)
+            try:
+                self.evict(1)
+                self.tree.flush_pending()
+            finally:
+                self._unlock_node(node)
+            dst = self.allocator.alloc(1)
+            assert dst is not None, "MambaComponent: eviction freed a slot but alloc failed"
+        self.pool.copy(torch.tensor([src], dtype=torch.int64, device=self.device), dst)
+        self.copies_total += 1
+        return dst
+
+    def on_access(self, node: TreeNode) -> None:
+        if node in self.lru:
+            self.lru.touch(node)
+
+    # -- structure ------------------------------------------------------------------------
+    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        # The state belongs to the end of the run, which `lower` keeps; `upper` starts empty.
+        pass
+
+    def check_insert_input(self, inp: ComponentInsert, num_tokens: int) -> None:
+        if not isinstance(inp, MambaInsert):
+            raise InvalidInsert(f"the mamba input must be a MambaInsert, got {type(inp).__name__}")
+        if num_tokens == 0 or num_tokens % self.tree.page_size:
+            raise InvalidInsert(
+                f"a Mamba state needs a key of whole pages (state after its last token); "
+                f"got {num_tokens} tokens with page size {self.tree.page_size}"
+            )
+        if not 0 < inp.slot <= self.capacity():
+            raise InvalidInsert(f"Mamba slot {inp.slot} outside 1..{self.capacity()}")
+
+    def on_insert_commit(self, node: TreeNode, inp: ComponentInsert | None) -> bool:
+        if not isinstance(inp, MambaInsert) or node.parent is None:
+            return False
+        assert node.comp_values is not None
+        if node.comp_values[self.index] is not None:
+            return False  # already has the state for this prefix: the caller frees its copy
+        node.comp_values[self.index] = int(inp.slot)
+        self.evictable_size += 1
+        self.lru.touch(node)
+        return True
+
+    # -- eviction -------------------------------------------------------------------------
+    def evict(self, amount: int) -> int:
+        tree = self.tree
+        freed = 0
+        while freed < amount:
+            node = self.lru.pop_lru()
+            if node is None:
+                break
+            freed += tree.evict_component(node, self)
+        return freed
+
+    def release(self, node: TreeNode, node_goes: bool) -> int:
+        i = self.index
+        assert node.comp_values is not None and node.comp_locks is not None
+        assert node.comp_locks[i] == 0, f"MambaComponent: releasing locked state on node {node.id}"
+        slot = node.comp_values[i]
+        assert isinstance(slot, int), f"MambaComponent: no state on node {node.id}"
+        node.comp_values[i] = None
+        self.evictable_size -= 1
+        self.lru.discard(node)
+        self._pending.append(np.array([slot], dtype=np.int64))
+        return 1
+
+    def flush(self) -> None:
+        slots = self.take_pending()
+        if slots is not None and len(slots):
+            tensor = torch.from_numpy(slots)
+            self.allocator.free(tensor if self.device.type == "cpu" else tensor.to(self.device))
+
+    def give_back(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    # -- locking ----------------------------------------------------------------------------
+    def _lock_node(self, node: TreeNode) -> None:
+        assert node.comp_locks is not None
+        if node.comp_locks[self.index] == 0:
+            self.evictable_size -= 1
+            self.protected_size += 1
+            self.lru.discard(node)
+        node.comp_locks[self.index] += 1
+
+    def _unlock_node(self, node: TreeNode) -> None:
+        assert node.comp_locks is not None and node.comp_locks[self.index] > 0, (
+            f"MambaComponent: unlock below zero at node {node.id}"
+        )
+        node.comp_locks[self.index] -= 1
+        if node.comp_locks[self.index] == 0:
+            self.evictable_size += 1
+            self.protected_size -= 1
+            self.lru.touch(node)
+
+    def lock(self, anchor: TreeNode) -> int | None:
+        """Lock the anchor's state only. Boundary: 1, or None when the anchor has no state."""
+        if anchor.parent is None or self.slot(anchor) is None:
+            return None
+        self._lock_node(anchor)
+        return 1
+
+    def unlock(self, anchor: TreeNode, boundary: int | None) -> None:
+        if boundary is not None:
+            self._unlock_node(anchor)
+
+    # -- integrity ------------------------------------------------------------------------
+    def check_node(self, node: TreeNode) -> None:
+        i = self.index
+        assert node.comp_values is not None and node.comp_locks is not None
+        slot = node.comp_values[i]
+        if slot is None and node.comp_locks[i]:
+            raise IntegrityError(f"node {node.id}: Mamba lock {node.comp_locks[i]} without a state")
+        listed = node in self.lru
+        if listed != (slot is not None and node.comp_locks[i] == 0):
+            raise IntegrityError(f"node {node.id}: Mamba LRU membership {listed} is wrong")
+
+    def check_locks(self, receipts: Iterable[LockReceipt]) -> None:
+        i = self.index
+        expected: dict[int, int] = {}
+        for receipt in receipts:
+            if receipt.boundaries[i] is not None:
+                expected[receipt.anchor.id] = expected.get(receipt.anchor.id, 0) + 1
+        for node in self.tree.iter_nodes():
+            assert node.comp_locks is not None
+            if node.comp_locks[i] != expected.get(node.id, 0):
+                raise IntegrityError(
+                    f"node {node.id}: Mamba lock {node.comp_locks[i]}, "
+                    f"receipts say {expected.get(node.id, 0)}"
+                )
+        slots = [self.slot(n) for n in self.tree.iter_nodes() if self.slot(n) is not None]
+        if len(slots) != len(set(slots)):
+            raise IntegrityError("two nodes share one Mamba state slot")
+
+    def reset(self) -> None:
+        super().reset()
+        self.lru.clear()

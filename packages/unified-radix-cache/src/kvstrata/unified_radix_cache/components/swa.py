@@ -1,0 +1,294 @@
+"""`SWAComponent`: sliding-window KV, the second pool of models that interleave full and
+sliding-window attention layers.
+
+A token's SWA slot is addressed through its full slot (the SWA allocator's full-to-SWA map),
+so the component's data on a node is the node's full slot array while its SWA slots are live,
+and None once they are freed (a tombstone: the full KV stays, the node keeps its place).
+
+    prefix:  [ tombstone | tombstone |  live  |  live  ]   a match may end here only if the
+                                      <---- >= window ---->  live run behind it covers a window
+
+- match: a node may end the match when the live tokens since the last tombstone reach
+  `sliding_window` (or there is no tombstone on the path at all);
+- lock: from the anchor upward until one window is covered; the receipt records how many
+  tokens that is, so unlock releases exactly that span even if nodes in it split meanwhile;
+- eviction: own LRU list over unlocked live nodes; an internal node becomes a tombstone, an
+  unlocked leaf leaves the tree (its full slots with it);
+- insert: a tombstone the key runs over is revived from the caller's slots when the caller still
+  holds live SWA slots there; the new leaf is split at `evicted_len` (rounded up to a page):
+  the part whose SWA slots the request already dropped is stored as a tombstone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvstrata.unified_radix_cache.components.base import ComponentInsert, TreeComponent
+from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig, InvalidInsert
+from kvstrata.unified_radix_cache.policies import LRUList
+
+if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.node import TreeNode
+    from kvstrata.unified_radix_cache.results import LockReceipt
+    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+
+
+class SWASlotSink(Protocol):
+    """What SWAComponent needs of `kvstrata.allocator.SWAAllocator`."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def swa_size(self) -> int: ...
+
+    def free_swa(self, full_indices: torch.Tensor) -> None: ...
+
+    def swa_available_size(self) -> int: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class SWAInsert(ComponentInsert):
+    """The caller already freed the SWA slots of key positions `[0, evicted_len)` (tokens that
+    slid out of the window during decode or chunked prefill)."""
+
+    evicted_len: int = 0
+
+
+class SWAComponent(TreeComponent):
+    """Sliding-window KV slots over an SWA allocator (the same one FullComponent frees into)."""
+
+    name = "swa"
+    priority = 1
+
+    def __init__(self, allocator: SWASlotSink, *, sliding_window: int) -> None:
+        super().__init__()
+        if sliding_window < 1:
+            raise InvalidConfig(f"sliding_window must be >= 1, got {sliding_window}")
+        self.allocator = allocator
+        self.sliding_window = sliding_window
+        self.device = torch.device(allocator.device)
+        self.lru = LRUList()
+
+    def bind(self, tree: UnifiedRadixCache, index: int) -> None:
+        super().bind(tree, index)
+
+    def capacity(self) -> int:
+        return int(self.allocator.swa_size)
+
+    def free_size(self) -> int:
+        return int(self.allocator.swa_available_size())
+
+    def node_size(self, node: TreeNode) -> int:
+        assert node.comp_values is not None
+        return len(node.value) if node.comp_values[self.index] is not None else 0
+
+    def is_live(self, node: TreeNode) -> bool:
+        assert node.comp_values is not None
+        return node.comp_values[self.index] is not None
+
+    # -- match ------------------------------------------------------------------------------
+    def match_end(self, path: list[TreeNode]) -> int:
+        i = self.index
+        window = self.sliding_window
+        best = 0
+        live_run: float = float("inf")  # no tombstone yet: every prefix has its window
+        for k, node in enumerate(path, 1):
+            assert node.comp_values is not None
+            if node.comp_values[i] is None:
+                live_run = 0
+            else:
+                live_run += len(node.value)
+            if live_run >= window:
+                best = k
+        return best
+
+    def on_access(self, node: TreeNode) -> None:
+        if node in self.lru:
+            self.lru.touch(node)
+
+    # -- structure ------------------------------------------------------------------------
+    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        i = self.index
+        assert upper.comp_values is not None and lower.comp_values is not None
+        assert upper.comp_locks is not None and lower.comp_locks is not None
+        upper.comp_locks[i] = lower.comp_locks[i]
+        if lower.comp_values[i] is not None:
+            upper.comp_values[i] = upper.value
+            lower.comp_values[i] = lower.value
+            if lower in self.lru:
+                self.lru.insert_before(upper, lower)
+
+    def check_insert_input(self, inp: ComponentInsert, num_tokens: int) -> None:
+        if not isinstance(inp, SWAInsert):
+            raise InvalidInsert(f"the swa input must be an SWAInsert, got {type(inp).__name__}")
+        if not 0 <= inp.evicted_len <= num_tokens:
+            raise InvalidInsert(f"SWAInsert.evicted_len {inp.evicted_len} outside 0..{num_tokens}")
+
+    def on_insert_overlap(
+        self,
+        node: TreeNode,
+        start: int,
+        value: npt.NDArray[np.int64],
+        inp: ComponentInsert | None,
+        cached_len: int,
+    ) -> bool:
+        i = self.index
+        assert node.comp_values is not None
+        if node.comp_values[i] is not None or node.lock_ref:
+            # Live already (the caller's slots are duplicates), or a running request reads the
+            # node's full slots: never swap them under it.
+            return False
+        evicted_len = inp.evicted_len if isinstance(inp, SWAInsert) else 0
+        if start < max(cached_len, evicted_len):
+            return False  # the caller has no live SWA slots there (or they are the tree's own)
+        size = len(node.value)
+        tree = self.tree
+        tree.component("full").queue_free(node.value)  # old full slots; their SWA ones are gone
+        node.value = value[start : start + size].copy()
+        node.comp_values[i] = node.value
+        self.evictable_size += size
+        self.lru.touch(node)
+        return True
+
+    def on_insert_new(self, node: TreeNode, start: int, inp: ComponentInsert | None) -> None:
+        i = self.index
+        assert node.comp_values is not None
+        evicted_len = inp.evicted_len if isinstance(inp, SWAInsert) else 0
+        size = len(node.value)
+        if evicted_len > start:
+            page = self.tree.page_size
+            boundary = -(-evicted_len // page) * page - start  # tokens of the node to tombstone
+            if boundary >= size:
+                self._pending.append(node.value)  # free_swa skips slots already without one
+                return
+            upper = self.tree.split_node(node, boundary)
+            self._pending.append(upper.value)
+            size = len(node.value)
+        node.comp_values[i] = node.value
+        self.evictable_size += size
+        self.lru.touch(node)
+
+    # -- eviction -------------------------------------------------------------------------
+    def evict(self, amount: int) -> int:
+        """Oldest unlocked live nodes first: internal ones become tombstones, leaves go."""
+        tree = self.tree
+        freed = 0
+        while freed < amount:
+            node = self.lru.pop_lru()
+            if node is None:
+                break
+            freed += tree.evict_component(node, self)
+        return freed
+
+    def release(self, node: TreeNode, node_goes: bool) -> int:
+        i = self.index
+        assert node.comp_values is not None and node.comp_locks is not None
+        assert node.comp_locks[i] == 0, f"SWAComponent: releasing locked node {node.id}"
+        size = len(node.value)
+        self.evictable_size -= size
+        self.lru.discard(node)
+        node.comp_values[i] = None
+        if not node_goes:
+            self._pending.append(node.value)
+        return size
+
+    def flush(self) -> None:
+        slots = self.take_pending()
+        if slots is not None and len(slots):
+            tensor = torch.from_numpy(slots)
+            self.allocator.free_swa(tensor if self.device.type == "cpu" else tensor.to(self.device))
+
+    def give_back(self, slots: torch.Tensor) -> None:
+        self.allocator.free_swa(slots)
+
+    # -- locking ----------------------------------------------------------------------------
+    def lock(self, anchor: TreeNode) -> int | None:
+        """Lock live nodes upward from `anchor` until one window is covered (stopping at a
+        tombstone). Boundary: the number of tokens locked, or None if none."""
+        i = self.index
+        window = self.sliding_window
+        locked = 0
+        node = anchor
+        while node.parent is not None and locked < window:
+            assert node.comp_values is not None and node.comp_locks is not None
+            if node.comp_values[i] is None:
+                break
+            size = len(node.value)
+            if node.comp_locks[i] == 0:
+                self.evictable_size -= size
+                self.protected_size += size
+                self.lru.discard(node)
+            node.comp_locks[i] += 1
+            locked += size
+            node = node.parent
+        return locked or None
+
+    def unlock(self, anchor: TreeNode, boundary: int | None) -> None:
+        if boundary is None:
+            return
+        i = self.index
+        released = 0
+        node = anchor
+        while released < boundary:
+            assert node.parent is not None, "SWAComponent: unlock ran past the root"
+            assert node.comp_locks is not None and node.comp_locks[i] > 0, (
+                f"SWAComponent: unlock below zero at node {node.id}"
+            )
+            size = len(node.value)
+            node.comp_locks[i] -= 1
+            if node.comp_locks[i] == 0:
+                self.evictable_size += size
+                self.protected_size -= size
+                self.lru.touch(node)
+            released += size
+            node = node.parent
+        assert released == boundary, "SWAComponent: receipt boundary is not a node boundary"
+
+    # -- integrity ------------------------------------------------------------------------
+    def check_node(self, node: TreeNode) -> None:
+        i = self.index
+        assert node.comp_values is not None and node.comp_locks is not None
+        data = node.comp_values[i]
+        if data is not None and data is not node.value:
+            raise IntegrityError(f"node {node.id}: SWA data is not the node's full slots")
+        if data is None and node.comp_locks[i]:
+            raise IntegrityError(f"node {node.id}: SWA tombstone with lock {node.comp_locks[i]}")
+        listed = node in self.lru
+        if listed != (data is not None and node.comp_locks[i] == 0):
+            raise IntegrityError(f"node {node.id}: SWA LRU membership {listed} is wrong")
+
+    def check_locks(self, receipts: Iterable[LockReceipt]) -> None:
+        i = self.index
+        expected: dict[int, int] = {}
+        for receipt in receipts:
+            boundary = receipt.boundaries[i]
+            if boundary is None:
+                continue
+            covered = 0
+            node = receipt.anchor
+            while covered < boundary and node.parent is not None:
+                expected[node.id] = expected.get(node.id, 0) + 1
+                covered += len(node.value)
+                node = node.parent
+            if covered != boundary:
+                raise IntegrityError(
+                    f"receipt {receipt.receipt_id}: SWA span {covered} != {boundary}"
+                )
+        for node in self.tree.iter_nodes():
+            assert node.comp_locks is not None
+            if node.comp_locks[i] != expected.get(node.id, 0):
+                raise IntegrityError(
+                    f"node {node.id}: SWA lock {node.comp_locks[i]}, "
+                    f"receipts say {expected.get(node.id, 0)}"
+                )
+
+    def reset(self) -> None:
+        super().reset()
+        self.lru.clear()

@@ -1,0 +1,84 @@
+"""Read-only walks over a `UnifiedRadixCache` for the hierarchical mode: the key of a node,
+how much of a key a tree holds, the node ending exactly at a key, a prefix's page keys.
+
+Unlike `match_prefix` they change nothing: no access time, hit count, counter or split, so the
+cache can ask one tier about another's prefix without disturbing its eviction order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvstrata.unified_radix_cache.errors import ForeignNode
+from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
+from kvstrata.unified_radix_cache.node import TreeNode
+from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+
+
+def key_of(tree: UnifiedRadixCache, node: TreeNode) -> RadixKey:
+    """The key (tokens and namespace) of the prefix ending at `node`. O(depth + K).
+    Raises ForeignNode when `node` is not in `tree` (e.g. evicted since it was returned)."""
+    parts: list[bytes] = []
+    probe = node
+    while probe.parent is not None:
+        parts.append(probe.key)
+        probe = probe.parent
+    if probe is not tree.root:
+        raise ForeignNode(f"node {node.id} is not in this tree")
+    tokens = np.frombuffer(b"".join(reversed(parts)), dtype=np.int64)
+    ns = node.namespace
+    if ns is None:
+        return RadixKey(tokens)
+    return RadixKey(tokens, ns.extra_key, ns.cache_salt)
+
+
+def held_len(tree: UnifiedRadixCache, key: RadixKey) -> int:
+    """How many leading tokens of `key` `tree` holds, in whole pages. O(K)."""
+    data = key.token_bytes()
+    page_bytes = tree.page_size * TOKEN_BYTES
+    pos = 0
+    child = tree.root.children.get((key.namespace, data[:page_bytes]))
+    while child is not None:
+        ck = child.key
+        if data.startswith(ck, pos):
+            pos += len(ck)
+            child = child.children.get(data[pos : pos + page_bytes])
+            continue
+        # The first page is equal (the child was found by its bytes, always a whole page);
+        # past it, count whole equal pages (startswith is False beyond the end of `data`).
+        same = page_bytes
+        while same + page_bytes <= len(ck) and data.startswith(
+            ck[same : same + page_bytes], pos + same
+        ):
+            same += page_bytes
+        pos += same
+        break
+    return pos // TOKEN_BYTES
+
+
+def node_at(tree: UnifiedRadixCache, key: RadixKey) -> TreeNode | None:
+    """The node of `tree` ending exactly at the end of `key` (None when none ends there, or
+    for an empty key). O(K)."""
+    data = key.token_bytes()
+    page_bytes = tree.page_size * TOKEN_BYTES
+    node = tree.root
+    pos = 0
+    child = node.children.get((key.namespace, data[:page_bytes]))
+    while child is not None and data.startswith(child.key, pos):
+        node = child
+        pos += len(child.key)
+        if pos >= len(data):
+            break
+        child = node.children.get(data[pos : pos + page_bytes])
+    return node if pos == len(data) and node is not tree.root else None
+
+
+def prefix_page_keys(tree: UnifiedRadixCache, node: TreeNode) -> list[bytes]:
+    """Chained page keys of the whole prefix ending at `node`, root first (computed and cached
+    on the nodes by the tree's keyer: the tree must have events on). O(depth + pages)."""
+    parts: list[list[bytes]] = []
+    probe = node
+    while probe.parent is not None:
+        parts.append(tree.page_keys(probe))
+        probe = probe.parent
+    return [k for part in reversed(parts) for k in part]

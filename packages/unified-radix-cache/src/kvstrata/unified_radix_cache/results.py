@@ -1,0 +1,116 @@
+"""What the tree's operations return. The per-request results are NamedTuples (built on every
+match and insert, so they must be cheap); the eviction request and result are frozen dataclasses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NamedTuple
+
+import torch
+
+from kvstrata.unified_radix_cache.errors import InvalidEvictRequest
+from kvstrata.unified_radix_cache.node import TreeNode
+
+_NO_STATES: Mapping[str, torch.Tensor] = MappingProxyType({})
+
+
+class MatchResult(NamedTuple):
+    """A prefix match.
+
+    `device_indices` (int64, on the Full allocator's device) are the slots of the first
+    `prefix_len` tokens. They stay valid while the caller holds a lock on `last_node` (take it
+    with `lock(last_node)` before anything can evict); without a lock, the next `evict` or `reset`
+    may hand them to someone else. `states` maps a component name to slots the match copied
+    state into for this request (Mamba copy-on-write); the caller owns those slots.
+    `host_hit_len` and `last_host_node` are reserved for the hierarchical mode (always 0 / None).
+    """
+
+    prefix_len: int
+    device_indices: torch.Tensor
+    last_node: TreeNode
+    host_hit_len: int = 0
+    last_host_node: TreeNode | None = None
+    states: Mapping[str, torch.Tensor] = _NO_STATES
+
+
+class InsertResult(NamedTuple):
+    """An insert: `prefix_len` tokens of the key were already in the tree (the caller's slots
+    for them are duplicates, except the ranges listed in `adopted`, which the tree took in place
+    of tombstoned data), `inserted_len` new tokens now belong to the tree, and tokens past
+    `prefix_len + inserted_len` (an unaligned tail, or everything when the cache is disabled) stay
+    the caller's. `adopted_states` names the components that kept the state input the caller
+    passed (a Mamba slot); the caller frees the inputs of the others.
+    """
+
+    prefix_len: int
+    inserted_len: int
+    last_node: TreeNode
+    adopted: tuple[tuple[int, int], ...] = ()
+    adopted_states: tuple[str, ...] = ()
+    cached_len: int = 0
+
+    def duplicates(self, value: torch.Tensor) -> torch.Tensor:
+        """The caller's slots in `value[cached_len:prefix_len]` that the tree did not take: the
+        ones the caller must free (slots before `cached_len` were the tree's own to begin with:
+        the request's locked prefix). Pure; returns a view when nothing was adopted."""
+        start, end = self.cached_len, self.prefix_len
+        if start >= end:
+            return value[:0]
+        if not self.adopted:
+            return value[start:end]
+        keep = torch.ones(end - start, dtype=torch.bool, device=value.device)
+        for lo, hi in self.adopted:
+            lo, hi = max(lo, start), min(hi, end)
+            if lo < hi:
+                keep[lo - start : hi - start] = False
+        return value[start:end][keep]
+
+
+class LockReceipt(NamedTuple):
+    """Proof of one `lock(node)`: hand it back to `unlock` exactly once.
+
+    `boundaries[i]` is what component i locked, in its own terms, or None when it locked
+    nothing: Full None (it always locks up to the root), SWA the number of tokens locked
+    upward from the anchor's end (so nodes splitting inside that span change nothing), Mamba 1.
+    `skipped` names components that had nothing to lock at the anchor (a tombstone, no state).
+    `tree_id` names the tree that issued it.
+    """
+
+    receipt_id: int
+    anchor: TreeNode
+    boundaries: tuple[int | None, ...]
+    skipped: tuple[str, ...] = ()
+    tree_id: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvictRequest:
+    """How much to free per component, in that component's unit (tokens for KV components,
+    states for Mamba). `EvictRequest.full(n)` is the common case; a target of 0 is a no-op."""
+
+    targets: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, amount in self.targets.items():
+            if amount < 0:
+                raise InvalidEvictRequest(f"evict target for {name!r} is negative: {amount}")
+
+    @classmethod
+    def full(cls, num_tokens: int) -> EvictRequest:
+        return cls(targets={"full": num_tokens})
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvictResult:
+    """What an `evict` freed per component (cascades included, so SWA and Mamba may show frees
+    under a Full-only request), how many nodes left the tree, and the time it took."""
+
+    evicted: Mapping[str, int]
+    nodes_removed: int
+    seconds: float
+
+    def num_evicted(self, component: str = "full") -> int:
+        return self.evicted.get(component, 0)

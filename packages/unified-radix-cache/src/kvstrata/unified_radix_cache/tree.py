@@ -1,0 +1,871 @@
+"""`UnifiedRadixCache`: one radix tree over token prefixes for every model family.
+
+The tree works on keys; the state for a prefix (full KV, sliding-window KV, Mamba state) is held
+by components through hooks (components/base.py). FullComponent is always component 0 and its
+data sits in plain node attributes, so a Full-only tree runs match and insert without a single
+hook call: per node one dict lookup on the first page's bytes and one memcmp of the whole run.
+
+Positions inside the walk are byte offsets into the key's int64 token bytes:
+
+    key bytes:  | page 0 | page 1 | page 2 | ... |      (page = page_size * 8 bytes)
+    node.key:            |<-- child run -->|           pos advances by len(node.key)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from typing import cast
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvstrata.storage.keys import PageKeyer
+from kvstrata.unified_radix_cache import request as request_ops
+from kvstrata.unified_radix_cache.components.base import ComponentInsert, TreeComponent
+from kvstrata.unified_radix_cache.components.full import FullComponent
+from kvstrata.unified_radix_cache.errors import (
+    ForeignNode,
+    InvalidConfig,
+    InvalidEvictRequest,
+    InvalidInsert,
+    ReceiptAlreadyReleased,
+    ReceiptMismatch,
+    TreeLocked,
+    UnknownReceipt,
+)
+from kvstrata.unified_radix_cache.events import EventLog, KVEvent
+from kvstrata.unified_radix_cache.integrity import check_tree
+from kvstrata.unified_radix_cache.key import TOKEN_BYTES, Namespace, RadixKey
+from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
+from kvstrata.unified_radix_cache.policies import EvictionPolicy, make_policy
+from kvstrata.unified_radix_cache.render import render_tree
+from kvstrata.unified_radix_cache.request import CacheRequest
+from kvstrata.unified_radix_cache.results import (
+    EvictRequest,
+    EvictResult,
+    InsertResult,
+    LockReceipt,
+    MatchResult,
+)
+
+# Shared by every empty match result: a tensor over it has no element to write and its storage
+# (numpy's) cannot be resized, so no caller can change it.
+_EMPTY_SLOTS = np.empty(0, dtype=np.int64)
+_INT64 = np.dtype(np.int64)
+_tree_ids = itertools.count(1)
+
+
+class UnifiedRadixCache:
+    """A prefix cache of whole pages shared by every namespace.
+
+    `components`: FullComponent first, then any of SWAComponent / MambaComponent (one each).
+    `page_size`: tokens per page; only whole pages are stored and matched.
+    `eviction_policy`: lru, lfu, fifo, mru, filo or priority (orders Full's evictable leaves).
+    `disable`: a disabled cache never hits and stores nothing (insert adopts no slot).
+    `enable_events`: queue KV events for `take_events()`; page keys come from `keyer` (a
+    `kvstrata.storage.PageKeyer`; one is built for `page_size` when none is given).
+    """
+
+    def __init__(
+        self,
+        components: Sequence[TreeComponent],
+        page_size: int = 1,
+        eviction_policy: str = "lru",
+        *,
+        disable: bool = False,
+        enable_events: bool = False,
+        keyer: PageKeyer | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise InvalidConfig(f"page_size must be >= 1, got {page_size}")
+        if not components or not isinstance(components[0], FullComponent):
+            raise InvalidConfig("the first component must be a FullComponent")
+        names = [c.name for c in components]
+        if len(set(names)) != len(names):
+            raise InvalidConfig(f"component names must be unique, got {names}")
+        if any(isinstance(c, FullComponent) for c in components[1:]):
+            raise InvalidConfig("only one FullComponent per tree")
+        if any(c.index >= 0 for c in components):
+            raise InvalidConfig("a component is already bound to another tree")
+        if enable_events and not disable:
+            if keyer is None:
+                keyer = PageKeyer(page_size=page_size)
+            if keyer.page_size != page_size:
+                raise InvalidConfig(
+                    f"keyer page size {keyer.page_size} != tree page size {page_size}"
+                )
+        self.page_size = page_size
+        self.policy: EvictionPolicy = make_policy(eviction_policy)
+        self.disabled = disable
+        self._uid = next(_tree_ids)
+        self._page_bytes = page_size * TOKEN_BYTES
+        self._full: FullComponent = components[0]
+        self._components: tuple[TreeComponent, ...] = tuple(components)
+        self._extras: tuple[TreeComponent, ...] = tuple(components[1:])
+        self._by_name = {c.name: c for c in components}
+        self._num_components = len(components)
+        self._tick = 0
+        self._ids = itertools.count(1)
+        self._receipts: dict[int, LockReceipt] = {}
+        self._receipt_ids = itertools.count(1)
+        self._root = self._new_root()
+        # Bound last: every check above ran first, so a refused tree leaves its components free.
+        for index, component in enumerate(components):
+            component.bind(self, index)
+        heap = self._full.heap
+        assert heap is not None
+        self._heap = heap
+        self._on_cpu = self._full.device.type == "cpu"
+        self._events: EventLog | None = None
+        if keyer is not None and enable_events and not disable:
+            self._events = EventLog(keyer)
+        # Counters read by RadixCacheCollector (tokens unless said otherwise).
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.host_hit_tokens = 0
+        self.inserted_tokens = 0
+        self.evict_calls = 0
+        self.evict_seconds = 0.0
+        self.num_nodes = 0
+
+    # ------------------------------------------------------------------------------------------
+    # Introspection
+    # ------------------------------------------------------------------------------------------
+    @property
+    def root(self) -> TreeNode:
+        return self._root
+
+    @property
+    def components(self) -> tuple[TreeComponent, ...]:
+        return self._components
+
+    def component(self, name: str) -> TreeComponent:
+        """The component called `name`; KeyError if the tree has none."""
+        return self._by_name[name]
+
+    def evictable_size(self, component: str = "full") -> int:
+        """Data of `component` no lock protects (tokens; states for Mamba). O(1)."""
+        return self._by_name[component].evictable_size
+
+    def protected_size(self, component: str = "full") -> int:
+        """Data of `component` held by at least one lock. O(1)."""
+        return self._by_name[component].protected_size
+
+    def total_size(self, component: str = "full") -> int:
+        c = self._by_name[component]
+        return c.evictable_size + c.protected_size
+
+    @property
+    def full_device(self) -> torch.device:
+        """Device of the Full slot tensors this tree returns."""
+        return self._full.device
+
+    def iter_nodes(self) -> list[TreeNode]:
+        """Every node but the root, parents before children. O(n); for checks and tools."""
+        out: list[TreeNode] = []
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def prefix_slots(self, node: TreeNode) -> torch.Tensor:
+        """Full slots of the whole prefix ending at `node` (root first). Valid while `node` is
+        locked. O(depth)."""
+        parts: list[npt.NDArray[np.int64]] = []
+        probe = node
+        while probe.parent is not None:
+            parts.append(probe.value)
+            probe = probe.parent
+        slots = np.concatenate(parts[::-1]) if parts else _EMPTY_SLOTS.copy()
+        return self._full.to_device(slots)
+
+    def free_slots(self, component: str, slots: torch.Tensor) -> None:
+        """Free slots a request holds outside the tree into `component`'s pool (the request
+        life cycle uses it for duplicates and tails)."""
+        self._by_name[component].give_back(slots)
+
+    def flush_pending(self) -> None:
+        """Hand every component's queued frees to its allocator now (component API: for a hook
+        that evicts outside `evict`, e.g. Mamba making room for a copy-on-write slot)."""
+        for component in self._components:
+            component.flush()
+
+    @property
+    def num_locked(self) -> int:
+        """Outstanding lock receipts."""
+        return len(self._receipts)
+
+    # ------------------------------------------------------------------------------------------
+    # Match
+    # ------------------------------------------------------------------------------------------
+    def match_prefix(
+        self, key: RadixKey, *, max_len: int | None = None, copy_state: bool = False
+    ) -> MatchResult:
+        """The longest cached prefix of `key` (at most `max_len` tokens), in whole pages, that
+        every component can restore.
+
+        Mutates: access time and hit count along the matched path (eviction order), the query
+        and hit counters, and may split the node where the match ends so that `last_node` ends
+        exactly at `prefix_len` (invisible to callers: sizes and locks are unchanged). With
+        `copy_state`, a MambaComponent copies the matched state into a fresh slot the caller
+        owns (`result.states["mamba"]`). Cost: O(K) bytes compared plus O(depth) dict lookups.
+        Returned indices stay valid until the next evict/reset unless `last_node` is locked.
+        """
+        data = key.cached_bytes or key.token_bytes()
+        total = len(data)
+        self.queried_tokens += total // TOKEN_BYTES
+        end = total if max_len is None else min(total, max(max_len, 0) * TOKEN_BYTES)
+        end -= end % self._page_bytes
+        root = self._root
+        if end == 0 or self.disabled:
+            return MatchResult(0, self._full.to_device(_EMPTY_SLOTS), root)
+        if self._extras:
+            return self._match_hybrid(key, data, end, copy_state)
+        page_bytes = self._page_bytes
+        self._tick += 1
+        tick = self._tick
+        node = root
+        pos = 0
+        values: list[npt.NDArray[np.int64]] = []
+        child = root.children.get((key.namespace, data[:page_bytes]))
+        while child is not None:
+            ck = child.key
+            step = len(ck)
+            if pos + step <= end and data.startswith(ck, pos):
+                node = child
+            else:
+                step = self._common_bytes(ck, data, pos, end)
+                node = self.split_node(child, step // TOKEN_BYTES)
+            values.append(node.value)
+            node.last_access = tick
+            node.hit_count += 1
+            pos += step
+            if pos >= end or node is not child:
+                break
+            child = node.children.get(data[pos : pos + page_bytes])
+        if node.heap_entry is not None:
+            self._heap.push(node)  # re-key the leaf for its new access time
+        prefix_len = pos // TOKEN_BYTES
+        self.hit_tokens += prefix_len
+        if not values:
+            return MatchResult(0, self._full.to_device(_EMPTY_SLOTS), root)
+        # A copy (concatenate copies too): the caller may write into the tensor it gets.
+        slots = np.concatenate(values) if len(values) > 1 else values[0].copy()
+        if self._on_cpu:
+            return MatchResult(prefix_len, torch.from_numpy(slots), node)
+        return MatchResult(prefix_len, self._full.to_device(slots), node)
+
+    def _match_hybrid(self, key: RadixKey, data: bytes, end: int, copy_state: bool) -> MatchResult:
+        page_bytes = self._page_bytes
+        path: list[TreeNode] = []
+        pos = 0
+        node = self._root
+        child = node.children.get((key.namespace, data[:page_bytes]))
+        while child is not None:
+            ck = child.key
+            step = len(ck)
+            if pos + step <= end and data.startswith(ck, pos):
+                node = child
+            else:
+                step = self._common_bytes(ck, data, pos, end)
+                node = self.split_node(child, step // TOKEN_BYTES)
+            path.append(node)
+            pos += step
+            if pos >= end or node is not child:
+                break
+            child = node.children.get(data[pos : pos + page_bytes])
+        keep = len(path)
+        for component in self._extras:
+            keep = min(keep, component.match_end(path))
+        del path[keep:]
+        last = path[-1] if path else self._root
+        states: dict[str, torch.Tensor] = {}
+        for component in self._extras:
+            copied = component.finalize_match(last, copy_state)
+            if copied is not None:
+                states[component.name] = copied
+        self._touch_path(path)
+        prefix_len = sum(len(n.value) for n in path)
+        self.hit_tokens += prefix_len
+        slots = np.concatenate([n.value for n in path]) if path else _EMPTY_SLOTS
+        if states:
+            return MatchResult(prefix_len, self._full.to_device(slots), last, states=states)
+        return MatchResult(prefix_len, self._full.to_device(slots), last)
+
+    def _touch_path(self, path: list[TreeNode]) -> None:
+        self._tick += 1
+        tick = self._tick
+        for node in path:
+            node.last_access = tick
+            node.hit_count += 1
+            for component in self._extras:
+                component.on_access(node)
+        if path and path[-1].heap_entry is not None:
+            self._heap.push(path[-1])
+
+    def _common_bytes(self, ck: bytes, data: bytes, pos: int, end: int) -> int:
+        """Bytes (whole pages, >= 1 page) of node key `ck` equal to `data[pos:end]`, knowing
+        the first page is equal and not all of `ck` is. Binary search over pages."""
+        page_bytes = self._page_bytes
+        limit = min(len(ck), end - pos)
+        if data.startswith(ck[:limit], pos):
+            return limit
+        lo, hi = 1, limit // page_bytes  # lo pages equal, hi pages not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if data.startswith(ck[: mid * page_bytes], pos):
+                lo = mid
+            else:
+                hi = mid
+        return lo * page_bytes
+
+    # ------------------------------------------------------------------------------------------
+    # Insert
+    # ------------------------------------------------------------------------------------------
+    def insert(
+        self,
+        key: RadixKey,
+        value: torch.Tensor | npt.NDArray[np.integer],
+        *,
+        cached_len: int = 0,
+        priority: int = 0,
+        inputs: Mapping[str, ComponentInsert] | None = None,
+    ) -> InsertResult:
+        """Store the whole pages of `key` with `value[i]` the Full slot of token i.
+
+        `value` must have one slot per token of `key` (an unaligned tail is not stored and stays
+        the caller's). `cached_len`: `value[:cached_len]` are slots the caller got from this tree
+        (its locked prefix); components never adopt or free those. `priority` raises the priority
+        of every node on the path (priority policy). `inputs`: per component name, e.g.
+        `{"mamba": MambaInsert(slot=...)}`, `{"swa": SWAInsert(evicted_len=...)}`.
+
+        Returns the length already present (the caller frees `result.duplicates(value)`), the
+        length adopted, and the node ending at the key. The tree copies the slots it adopts, so
+        the caller may reuse `value`'s memory. Mutates: nodes (new leaf, split), sizes, access
+        times, event queue. Raises InvalidInsert before changing anything.
+        """
+        data = key.cached_bytes or key.token_bytes()
+        num_tokens = len(data) // TOKEN_BYTES
+        slots = self._slots_of(value, num_tokens)
+        if not 0 <= cached_len <= num_tokens:
+            raise InvalidInsert(f"cached_len {cached_len} outside the key's 0..{num_tokens}")
+        comp_inputs = self._check_inputs(inputs, num_tokens) if inputs else None
+        end = len(data) - len(data) % self._page_bytes
+        root = self._root
+        if end == 0 or self.disabled:
+            return InsertResult(0, 0, root, cached_len=cached_len)
+        if self._extras:
+            return self._insert_hybrid(key, data, end, slots, cached_len, priority, comp_inputs)
+        # Full-only fast path: the same walk as match_prefix, no hook calls.
+        page_bytes = self._page_bytes
+        self._tick += 1
+        tick = self._tick
+        namespace = key.namespace
+        node = root
+        pos = 0
+        child = root.children.get((namespace, data[:page_bytes]))
+        while child is not None:
+            ck = child.key
+            step = len(ck)
+            if pos + step <= end and data.startswith(ck, pos):
+                node = child
+            else:
+                step = self._common_bytes(ck, data, pos, end)
+                node = self.split_node(child, step // TOKEN_BYTES)
+            node.last_access = tick
+            if priority > node.priority:
+                node.priority = priority
+            pos += step
+            if pos >= end or node is not child:
+                break
+            child = node.children.get(data[pos : pos + page_bytes])
+        prefix_len = pos // TOKEN_BYTES
+        if pos < end:
+            leaf = self._add_leaf(node, data, pos, end, slots, namespace, tick, priority)
+            return InsertResult(prefix_len, len(leaf.value), leaf, (), (), cached_len)
+        if node.heap_entry is not None:
+            self._heap.push(node)  # re-key the leaf for its new access time
+        return InsertResult(prefix_len, 0, node, (), (), cached_len)
+
+    def _add_leaf(
+        self,
+        parent: TreeNode,
+        data: bytes,
+        pos: int,
+        end: int,
+        slots: npt.NDArray[np.int64],
+        namespace: Namespace | None,
+        tick: int,
+        priority: int,
+    ) -> TreeNode:
+        """A new leaf under `parent` for key bytes `data[pos:end]` with a copy of its slots."""
+        heap = self._heap
+        if parent.heap_entry is not None:
+            heap.discard(parent)  # no longer a leaf
+        self.num_nodes += 1
+        leaf = TreeNode(
+            next(self._ids),
+            data[pos:end],
+            slots[pos // TOKEN_BYTES : end // TOKEN_BYTES].copy(),
+            parent,
+            namespace,
+            tick,
+            self._num_components,
+        )
+        leaf.priority = priority
+        first = data[pos : pos + self._page_bytes]
+        children = parent.children
+        if children is NO_CHILDREN:
+            parent.children = children = {}
+        children[(namespace, first) if parent is self._root else first] = leaf
+        size = (end - pos) // TOKEN_BYTES
+        self._full.evictable_size += size
+        self.inserted_tokens += size
+        heap.push(leaf)
+        if self._events is not None:
+            self._events.stored(self, leaf)
+        return leaf
+
+    def _insert_hybrid(
+        self,
+        key: RadixKey,
+        data: bytes,
+        end: int,
+        slots: npt.NDArray[np.int64],
+        cached_len: int,
+        priority: int,
+        comp_inputs: Mapping[str, ComponentInsert] | None,
+    ) -> InsertResult:
+        """`insert` with the component hooks: overlap on each existing node, new leaf, commit."""
+        page_bytes = self._page_bytes
+        extras = self._extras
+        self._tick += 1
+        tick = self._tick
+        node = self._root
+        pos = 0
+        adopted: list[tuple[int, int]] = []
+        child = node.children.get((key.namespace, data[:page_bytes]))
+        while child is not None:
+            ck = child.key
+            step = len(ck)
+            if pos + step <= end and data.startswith(ck, pos):
+                node = child
+            else:
+                step = self._common_bytes(ck, data, pos, end)
+                node = self.split_node(child, step // TOKEN_BYTES)
+            node.last_access = tick
+            if priority > node.priority:
+                node.priority = priority
+            start = pos // TOKEN_BYTES
+            for component in extras:
+                component.on_access(node)
+                inp = comp_inputs.get(component.name) if comp_inputs else None
+                if component.on_insert_overlap(node, start, slots, inp, cached_len):
+                    adopted.append((start, start + len(node.value)))
+            pos += step
+            if pos >= end or node is not child:
+                break
+            child = node.children.get(data[pos : pos + page_bytes])
+        prefix_len = pos // TOKEN_BYTES
+        last = node
+        if pos < end:
+            last = self._add_leaf(node, data, pos, end, slots, key.namespace, tick, priority)
+            # A component may split the new leaf (SWA window boundary); `last` keeps the tail,
+            # so it still ends at the key's end.
+            for component in extras:
+                inp = comp_inputs.get(component.name) if comp_inputs else None
+                component.on_insert_new(last, prefix_len, inp)
+        elif node.heap_entry is not None:
+            self._heap.push(node)
+        adopted_states: tuple[str, ...] = ()
+        if comp_inputs:
+            adopted_states = tuple(
+                c.name for c in extras if c.on_insert_commit(last, comp_inputs.get(c.name))
+            )
+        self.flush_pending()
+        return InsertResult(
+            prefix_len,
+            (end // TOKEN_BYTES) - prefix_len,
+            last,
+            tuple(adopted),
+            adopted_states,
+            cached_len,
+        )
+
+    def _slots_of(
+        self, value: torch.Tensor | npt.NDArray[np.integer], num_tokens: int
+    ) -> npt.NDArray[np.int64]:
+        """The caller's slots as an int64 numpy array (a view of a CPU tensor's memory)."""
+        if isinstance(value, torch.Tensor):
+            try:
+                slots = value.numpy()
+            except (RuntimeError, TypeError):  # on an accelerator, requires grad, or bfloat16
+                if value.is_floating_point() or value.is_complex():
+                    raise InvalidInsert(f"value must be integer slots, got {value.dtype}") from None
+                slots = value.detach().cpu().numpy()
+        else:
+            slots = np.asarray(value)
+        # One identity test on the common path; anything else (float slots included) is
+        # normalised or refused here.
+        if slots.dtype is not _INT64 or slots.ndim != 1:
+            if slots.ndim != 1 or (slots.size and slots.dtype.kind not in "iu"):
+                raise InvalidInsert(
+                    f"value must be 1-D integer slots, got {slots.dtype} {slots.shape}"
+                )
+            slots = slots.astype(np.int64)
+        if len(slots) != num_tokens:
+            raise InvalidInsert(f"value has {len(slots)} slots for a key of {num_tokens} tokens")
+        return cast("npt.NDArray[np.int64]", slots)
+
+    def _check_inputs(
+        self, inputs: Mapping[str, ComponentInsert] | None, num_tokens: int
+    ) -> Mapping[str, ComponentInsert] | None:
+        if not inputs:
+            return None
+        for name, inp in inputs.items():
+            component = self._by_name.get(name)
+            if component is None or component is self._full:
+                raise InvalidInsert(
+                    f"insert input for {name!r}, which is not a state component here"
+                )
+            component.check_insert_input(inp, num_tokens)
+        return inputs
+
+    # ------------------------------------------------------------------------------------------
+    # Structure (component API: components call these from their hooks)
+    # ------------------------------------------------------------------------------------------
+    def split_node(self, node: TreeNode, num_tokens: int) -> TreeNode:
+        """Split `node` after its first `num_tokens` tokens (a whole number of pages, less than
+        the node): a new node takes that head and `node`'s place under its parent; `node` keeps
+        the tail, its children and its identity. Returns the new upper node. Sizes and locks are
+        unchanged (the upper node copies the lock counts)."""
+        cut = num_tokens * TOKEN_BYTES
+        assert 0 < cut < len(node.key) and cut % self._page_bytes == 0, (
+            f"split of node {node.id} at {num_tokens} tokens: not a page boundary inside it"
+        )
+        parent = node.parent
+        assert parent is not None, "the root never splits"
+        key = node.key
+        upper = self._new_node(
+            key=key[:cut],
+            value=node.value[:num_tokens],
+            parent=parent,
+            namespace=node.namespace,
+            tick=node.last_access,
+        )
+        upper.created = node.created
+        upper.hit_count = node.hit_count
+        upper.priority = node.priority
+        upper.in_storage = node.in_storage
+        parent.children[
+            (node.namespace, key[: self._page_bytes])
+            if parent is self._root
+            else key[: self._page_bytes]
+        ] = upper
+        node.key = key[cut:]
+        node.value = node.value[num_tokens:]
+        node.parent = upper
+        upper.children = {node.key[: self._page_bytes]: node}
+        if node.page_keys is not None:
+            pages = num_tokens // self.page_size
+            upper.page_keys = node.page_keys[:pages]
+            node.page_keys = node.page_keys[pages:]
+        self._full.on_split(upper, node)
+        for component in self._extras:
+            component.on_split(upper, node)
+        return upper
+
+    def remove_leaf(self, node: TreeNode, *, evicted: bool) -> int:
+        """Take leaf `node` (unlocked, childless) out of the tree, releasing every component's
+        data on it; its parent joins the evictable leaves if it is now an unlocked leaf. Slots
+        are queued and reach the allocators at the end of the calling operation. Returns the
+        Full tokens removed."""
+        assert not node.children and node.lock_ref == 0 and node.parent is not None, (
+            f"remove_leaf({node.id}): not an unlocked leaf"
+        )
+        if self._events is not None:
+            self._events.removed(self, node)
+        for component in self._extras:
+            if component.node_size(node):
+                freed = component.release(node, node_goes=True)
+                if evicted:
+                    component.evicted_total += freed
+        full = self._full
+        if node.heap_entry is not None:
+            self._heap.discard(node)
+        size = full.release(node, node_goes=True)
+        if evicted:
+            full.evicted_total += size
+        parent = node.parent
+        first = node.key[: self._page_bytes]
+        children = parent.children
+        del children[(node.namespace, first) if parent is self._root else first]
+        node.parent = None
+        self.num_nodes -= 1
+        if not children and parent.parent is not None:
+            parent.children = NO_CHILDREN
+            if parent.lock_ref == 0:
+                self._heap.push(parent)
+        return size
+
+    def truncate_leaf(self, node: TreeNode, keep: int) -> int:
+        """Evict the tail of unlocked leaf `node`, keeping its first `keep` tokens (whole pages,
+        0 < keep < size). Every component releases the tail with it: on a Full-only tree the
+        node is cut in place; otherwise it is split and the tail node removed, so the split and
+        release hooks see it. Returns the Full tokens freed."""
+        size = len(node.value)
+        assert 0 < keep < size and keep % self.page_size == 0, (
+            f"truncate_leaf({node.id}, {keep}): not a page boundary inside the leaf"
+        )
+        assert not node.children and node.lock_ref == 0, (
+            f"truncate_leaf({node.id}): not an unlocked leaf"
+        )
+        if self._extras:
+            self.split_node(node, keep)
+            if node.heap_entry is not None:
+                self._heap.discard(node)
+            return self.remove_leaf(node, evicted=True)
+        cut = keep * TOKEN_BYTES
+        if self._events is not None:
+            keys = self._events.page_keys(self, node)
+            pages = keep // self.page_size
+            self._events.removed_keys(keys[pages:])
+            node.page_keys = keys[:pages]
+        full = self._full
+        full.queue_free(node.value[keep:])
+        node.value = node.value[:keep]
+        node.key = node.key[:cut]
+        freed = size - keep
+        full.evictable_size -= freed
+        full.evicted_total += freed
+        return freed
+
+    def evict_component(self, node: TreeNode, component: TreeComponent) -> int:
+        """`component` gives up its data on `node` (its own eviction, e.g. SWA or Mamba LRU):
+        an unlocked leaf leaves the tree whole; otherwise the node keeps its Full data and
+        becomes a tombstone for `component` and every component of lower or equal priority.
+        Returns what `component` freed."""
+        if not node.children and node.lock_ref == 0:
+            before = component.evicted_total
+            self.remove_leaf(node, evicted=True)
+            return component.evicted_total - before
+        freed = 0
+        for other in self._extras:
+            if (
+                other.priority <= component.priority
+                and other.node_size(node)
+                and other.node_lock(node) == 0
+            ):
+                amount = other.release(node, node_goes=False)
+                other.evicted_total += amount
+                if other is component:
+                    freed = amount
+        return freed
+
+    def _new_root(self) -> TreeNode:
+        root = TreeNode(0, b"", _EMPTY_SLOTS, None, None, 0, self._num_components)
+        root.lock_ref = 1  # the root is shared by every namespace and never evicted
+        root.children = {}
+        return root
+
+    def _new_node(
+        self,
+        *,
+        key: bytes,
+        value: npt.NDArray[np.int64],
+        parent: TreeNode,
+        namespace: Namespace | None,
+        tick: int,
+    ) -> TreeNode:
+        self.num_nodes += 1
+        return TreeNode(next(self._ids), key, value, parent, namespace, tick, self._num_components)
+
+    # ------------------------------------------------------------------------------------------
+    # Eviction
+    # ------------------------------------------------------------------------------------------
+    def evict(self, request: EvictRequest) -> EvictResult:
+        """Free at least each component's target (or all it can): Full from the evictable
+        leaves in policy order, page-granular at the last leaf; SWA and Mamba from their own
+        LRU lists (internal nodes become tombstones). Locked data is never touched. The slots
+        reach the allocators in one `free` call per component before this returns.
+        Cost: O(k log n) for k nodes evicted. `evict` with all targets 0 is a no-op."""
+        targets = request.targets
+        by_name = self._by_name
+        for name in targets:
+            if name not in by_name:
+                raise InvalidEvictRequest(
+                    f"no component {name!r} in this tree (have {sorted(by_name)})"
+                )
+        start = time.perf_counter()
+        if not self._extras:
+            full = self._full
+            freed_before, nodes_before = full.evicted_total, self.num_nodes
+            amount = targets.get("full", 0)
+            if amount > 0:
+                full.evict(amount)
+                full.flush()
+            seconds = time.perf_counter() - start
+            self.evict_calls += 1
+            self.evict_seconds += seconds
+            return EvictResult(
+                evicted={"full": full.evicted_total - freed_before},
+                nodes_removed=nodes_before - self.num_nodes,
+                seconds=seconds,
+            )
+        components = self._components
+        before = [c.evicted_total for c in components]
+        nodes_before = self.num_nodes
+        for component in components:
+            target = targets.get(component.name, 0)
+            if target > 0:
+                component.evict(target)
+        for component in components:
+            component.flush()
+        seconds = time.perf_counter() - start
+        self.evict_calls += 1
+        self.evict_seconds += seconds
+        evicted = {c.name: c.evicted_total - b for c, b in zip(components, before, strict=True)}
+        return EvictResult(
+            evicted=evicted, nodes_removed=nodes_before - self.num_nodes, seconds=seconds
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Locks
+    # ------------------------------------------------------------------------------------------
+    def lock(self, node: TreeNode) -> LockReceipt:
+        """Protect what a request ending at `node` needs, per component (Full: the path to the
+        root; SWA: one window upward; Mamba: this node's state). Moves that data from evictable
+        to protected. Locking the root is allowed and protects nothing. O(depth).
+        Raises ForeignNode for a node not in this tree (e.g. one evicted since the match)."""
+        probe = node
+        while probe.parent is not None:
+            probe = probe.parent
+        if probe is not self._root:
+            raise ForeignNode(f"node {node.id} is not in this tree")
+        if self._extras:
+            boundaries = tuple(c.lock(node) for c in self._components)
+            skipped = tuple(
+                c.name for c, b in zip(self._extras, boundaries[1:], strict=True) if b is None
+            )
+        else:
+            boundaries = (self._full.lock(node),)
+            skipped = ()
+        receipt = LockReceipt(next(self._receipt_ids), node, boundaries, skipped, self._uid)
+        self._receipts[receipt.receipt_id] = receipt
+        return receipt
+
+    def unlock(self, receipt: LockReceipt) -> None:
+        """Release exactly the lock `receipt` proves. Raises ReceiptAlreadyReleased for a second
+        unlock, UnknownReceipt for a receipt this tree never issued, ReceiptMismatch for an
+        altered one, all before changing anything."""
+        stored = self._receipts.get(receipt.receipt_id)
+        if receipt.tree_id != self._uid:
+            raise UnknownReceipt(f"receipt {receipt.receipt_id} was issued by another tree")
+        if stored is None:
+            raise ReceiptAlreadyReleased(f"receipt {receipt.receipt_id} was already released")
+        if stored is not receipt and stored != receipt:
+            raise ReceiptMismatch(
+                f"receipt {receipt.receipt_id} does not match the lock it names (anchor "
+                f"{stored.anchor.id} {stored.boundaries} vs "
+                f"{receipt.anchor.id} {receipt.boundaries})"
+            )
+        del self._receipts[receipt.receipt_id]
+        anchor = stored.anchor
+        if not self._extras:
+            self._full.unlock(anchor, None)
+            return
+        for component, boundary in zip(
+            reversed(self._components), reversed(stored.boundaries), strict=True
+        ):
+            component.unlock(anchor, boundary)
+
+    def outstanding_receipts(self) -> list[LockReceipt]:
+        return list(self._receipts.values())
+
+    # ------------------------------------------------------------------------------------------
+    # Request life cycle (request.py)
+    # ------------------------------------------------------------------------------------------
+    def begin_request(
+        self, key: RadixKey, *, priority: int = 0, copy_state: bool = True
+    ) -> CacheRequest:
+        """Start a request: match at most `len(key) - 1` tokens (an engine always computes at
+        least the last one), lock the match, and return the request's hold: its
+        `kv_indices` start as the matched slots (`cached_len` of them); with Mamba,
+        `state_slot` is the request's own copy of the matched state. The caller allocates
+        slots for `key[cached_len:]` and appends them with `req.extend(slots)`."""
+        return request_ops.begin_request(self, key, priority=priority, copy_state=copy_state)
+
+    def cache_unfinished_request(self, req: CacheRequest) -> None:
+        """Chunked prefill: insert the whole pages that have KV so far, free the request's
+        duplicate slots, move its lock to the new prefix and replace `req.kv_indices[:cached_len]`
+        by the tree's slots (write them into your req-to-token table). With Mamba and an aligned
+        length, the tree keeps a copy of the request's state. The request keeps running."""
+        request_ops.cache_unfinished_request(self, req)
+
+    def cache_finished_request(self, req: CacheRequest) -> None:
+        """The request is done: insert its whole pages (and its Mamba state when its length is
+        aligned), free its duplicate slots and unaligned tail (and its state if not adopted),
+        unlock. `req` is finished afterwards (RequestFinished on reuse)."""
+        request_ops.cache_finished_request(self, req)
+
+    def abort_request(self, req: CacheRequest) -> None:
+        """Drop the request without inserting: free its own slots and state, unlock."""
+        request_ops.abort_request(self, req)
+
+    # ------------------------------------------------------------------------------------------
+    # Reset, events, integrity, display
+    # ------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Empty the tree and give every slot back to its allocator. Refused (TreeLocked) while
+        any lock receipt is outstanding. Queues AllBlocksCleared. O(n)."""
+        if self._receipts:
+            raise TreeLocked(
+                f"{len(self._receipts)} lock receipt(s) outstanding; unlock them first"
+            )
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            for component in self._extras:
+                if component.node_size(node):
+                    component.release(node, node_goes=True)
+            node.heap_entry = None
+            self._full.queue_free(node.value)
+            node.parent = None
+        self._root.children.clear()
+        self.flush_pending()
+        for component in self._components:
+            component.reset()
+        self.num_nodes = 0
+        if self._events is not None:
+            self._events.cleared()
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the queued KV events (oldest first). Always empty when events are disabled."""
+        return self._events.drain() if self._events is not None else []
+
+    def page_keys(self, node: TreeNode) -> list[bytes]:
+        """Chained page keys of `node`'s pages (computed on first use, cached on the node)."""
+        if self._events is None:
+            raise InvalidConfig("page keys need a keyer: build the tree with enable_events=True")
+        return self._events.page_keys(self, node)
+
+    def check_integrity(self, held: Mapping[str, int] | None = None) -> None:
+        """Verify structure, sizes, locks and pools; raise IntegrityError on the first fault.
+
+        Per pool: free (allocator) + evictable + protected + held == capacity, where `held`
+        maps a component name to slots running requests hold outside the tree (e.g.
+        `req.held()`). Also: child keys match first pages, no empty non-root node, namespaces
+        kept below the root, lock counts equal the outstanding receipts, the evictable-leaf heap
+        and the component LRU lists hold exactly what they should. O(n)."""
+        check_tree(self, held or {})
+
+    def pretty_print(self, *, max_tokens: int = 8) -> str:
+        """A text picture of the tree: per node its first tokens, size, locks and per-component
+        state (tombstones shown as `-`). Returns the text (print it yourself)."""
+        return render_tree(self, max_tokens=max_tokens)

@@ -1,0 +1,408 @@
+"""Hierarchical mode: write policies, load-back, host eviction, prefetch, backups, events, faults.
+
+Every device slot of the test pools holds distinct seeded bytes, so a reload checked against a
+snapshot taken at insert proves the KV came back bit-identical, page for page.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from kvstrata.hybrid_cache import ControllerParams, PrefetchPolicy
+from kvstrata.pool_host import HostSlotAllocator
+from kvstrata.storage import FaultInjectingStorage, FaultRules, MemoryStorage
+from kvstrata.testkit.tiers import Hierarchy, assert_pages_equal, make_hierarchy, scramble, snapshot
+from kvstrata.testkit.trees import make_tree
+from kvstrata.unified_radix_cache import BlockStored, RadixKey
+from kvstrata.unified_radix_cache.errors import ForeignNode, InvalidConfig
+from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
+from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
+
+P = 4
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Hierarchy]]:
+    made: list[Hierarchy] = []
+    yield made
+    for h in made:
+        h.cache.controller.close()
+
+
+def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:
+    h = make_hierarchy(page_size=P, **kw)  # type: ignore[arg-type]
+    closing.append(h)
+    return h
+
+
+def _run(h: Hierarchy, tokens: list[int]) -> tuple[RadixKey, torch.Tensor, list[torch.Tensor]]:
+    """Insert `tokens` with fresh device slots (evicting as needed); returns the key, its slots
+    and a snapshot of their KV bytes."""
+    key = RadixKey(tokens)
+    short = len(tokens) - h.allocator.available_size()
+    if short > 0:
+        h.cache.evict_device(short)
+    slots = h.allocator.alloc(len(tokens))
+    assert slots is not None
+    result = h.cache.insert(key, slots)
+    h.allocator.free(result.duplicates(slots))
+    return key, slots, snapshot(h.device_pool, slots)
+
+
+def _fill_other(h: Hierarchy, base: int, pages: int) -> None:
+    """Insert unrelated prompts until `pages` device pages went through (forces eviction)."""
+    for i in range(pages):
+        _run(h, [base + 100 * i + j for j in range(P)])
+
+
+def _reload(h: Hierarchy, key: RadixKey, expected: list[torch.Tensor]) -> None:
+    m = h.cache.match_prefix(key)
+    assert m.prefix_len == len(key), f"only {m.prefix_len} of {len(key)} found on both tiers"
+    if m.host_hit_len:
+        back = h.cache.load_back(m.host_node)
+        assert back.loaded_len == m.host_hit_len
+        match = back.match
+    else:
+        match = m.device
+    assert match.prefix_len == len(key)
+    assert_pages_equal(h.device_pool, match.device_indices, expected, what="reload")
+    h.cache.check_integrity()
+
+
+@pytest.mark.parametrize("policy", list(WritePolicy))
+def test_cycles_keep_kv_bit_identical(closing: list[Hierarchy], policy: WritePolicy) -> None:
+    h = _build(closing, write_policy=policy, device_pages=9, host_pages=24)
+    key, _, expected = _run(h, list(range(1, 3 * P + 1)))
+    if policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+        h.cache.match_prefix(key)
+        h.cache.match_prefix(key)  # the second hit queues the host write
+    for cycle in range(3):
+        h.cache.drain()
+        _fill_other(h, 10_000 * (cycle + 1), 8)
+        h.cache.drain()
+        free = h.allocator.alloc(h.allocator.available_size())
+        assert free is not None
+        scramble(h.device_pool, free, seed=cycle)  # freed slots get other bytes
+        h.allocator.free(free)
+        assert h.cache.device_tree.match_prefix(key).prefix_len < len(key), "not evicted"
+        _reload(h, key, expected)
+
+
+def test_write_policies_back_up_when_they_say(closing: list[Hierarchy]) -> None:
+    """BEHAVIOURS 21: write-through on the first hit, selective on the second, write-back only
+    on device eviction."""
+    tokens = list(range(1, 2 * P + 1))
+    for policy, after_insert, after_two_hits in (
+        (WritePolicy.WRITE_THROUGH, 2 * P, 2 * P),
+        (WritePolicy.WRITE_THROUGH_SELECTIVE, 0, 2 * P),
+        (WritePolicy.WRITE_BACK, 0, 0),
+    ):
+        h = _build(closing, write_policy=policy)
+        key, _, _ = _run(h, tokens)
+        h.cache.drain()
+        assert h.cache.host_tree.total_size() == after_insert, policy
+        h.cache.match_prefix(key)
+        h.cache.match_prefix(key)
+        h.cache.drain()
+        assert h.cache.host_tree.total_size() == after_two_hits, policy
+        h.cache.evict_device(2 * P)
+        h.cache.drain()
+        assert h.cache.host_tree.total_size() == 2 * P, policy
+        assert h.cache.device_tree.total_size() == 0
+        h.cache.check_integrity()
+
+
+def test_match_reports_host_hit_and_load_back_commits(closing: list[Hierarchy]) -> None:
+    h = _build(closing)
+    key, _, expected = _run(h, list(range(1, 3 * P + 1)))
+    h.cache.drain()
+    h.cache.evict_device(P)  # the last page leaves the device, stays on the host
+    m = h.cache.match_prefix(key)
+    assert (m.device.prefix_len, m.host_hit_len, m.prefix_len) == (2 * P, P, 3 * P)
+    assert len(m.host_indices) == P
+    back = h.cache.load_back(m.host_node)
+    assert back.loaded_len == P and back.match.prefix_len == 3 * P
+    assert_pages_equal(h.device_pool, back.match.device_indices, expected, what="load_back")
+    assert h.cache.counters.loaded_tokens == P and h.cache.counters.bytes_h2d > 0
+    h.cache.check_integrity()
+    with pytest.raises(ForeignNode):
+        h.cache.load_back(m.device.last_node)  # a device-tree node, not a host one
+
+
+def test_load_back_without_device_room_keeps_the_shorter_hit(closing: list[Hierarchy]) -> None:
+    h = _build(closing, device_pages=5)
+    key, _, _ = _run(h, list(range(1, 4 * P + 1)))
+    h.cache.drain()
+    h.cache.evict_device(4 * P)
+    hold = h.allocator.alloc(h.allocator.available_size())  # a running request took it all
+    m = h.cache.match_prefix(key)
+    assert m.host_hit_len == 4 * P
+    back = h.cache.load_back(m.host_node)
+    assert back.loaded_len == 0 and back.match.prefix_len == 0
+    assert h.cache.counters.load_backs_refused == 1
+    h.cache.check_integrity(held={"full": 0 if hold is None else len(hold)})
+
+
+def test_host_eviction_spares_locked_host_pages(closing: list[Hierarchy]) -> None:
+    h = _build(closing, host_pages=4)
+    key, _, _ = _run(h, list(range(1, 2 * P + 1)))
+    h.cache.drain()
+    h.cache.evict_device(2 * P)  # only copies of what left the device may go
+    m = h.cache.host_tree.match_prefix(key)
+    receipt = h.cache.host_tree.lock(m.last_node)
+    assert h.cache.evict_host(4 * P) == 0
+    h.cache.host_tree.unlock(receipt)
+    assert h.cache.evict_host(4 * P) == 2 * P
+    assert h.cache.counters.host_evicted_tokens == 2 * P
+    h.cache.check_integrity()
+
+
+def test_events_carry_the_tier(closing: list[Hierarchy]) -> None:
+    h = _build(closing, storage=MemoryStorage(capacity_bytes=1 << 24))
+    _run(h, list(range(1, 2 * P + 1)))
+    h.cache.drain()
+    events = h.cache.take_events()
+    tiers = {e.tier for e in events if isinstance(e, BlockStored)}
+    assert tiers == {"host", "storage"}
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert stored[0].page_keys == stored[1].page_keys, "host and storage name pages alike"
+    assert h.cache.take_events() == []
+    h.cache.evict_device(2 * P)
+    h.cache.evict_host(2 * P)
+    removed = h.cache.take_events()
+    assert removed and all(e.tier == "host" for e in removed)
+
+
+def _prefetch_setup(
+    closing: list[Hierarchy], storage: MemoryStorage | FaultInjectingStorage, **kw: object
+) -> tuple[Hierarchy, RadixKey, list[torch.Tensor]]:
+    """Back a prompt up to storage, then drop it from device and host."""
+    params = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+    h = _build(closing, storage=storage, params=params, **kw)
+    key, _, expected = _run(h, list(range(1, 4 * P + 1)))
+    h.cache.drain()
+    h.cache.evict_device(4 * P)
+    h.cache.evict_host(4 * P)
+    assert h.cache.host_tree.total_size() == 0
+    return h, key, expected
+
+
+def test_prefetch_from_storage_then_load_back(closing: list[Hierarchy]) -> None:
+    h, key, expected = _prefetch_setup(closing, MemoryStorage(capacity_bytes=1 << 24))
+    m = h.cache.match_prefix(key)
+    assert m.prefix_len == 0 and m.prefetch_id is not None
+    assert h.cache.finish_prefetch(m.prefetch_id) == 4 * P
+    assert h.cache.counters.storage_hit_tokens == 4 * P
+    h.cache.check_integrity()
+    _reload(h, key, expected)
+
+
+@pytest.mark.parametrize("fault", ["fail", "corrupt", "stall"])
+def test_storage_faults_give_a_shorter_hit_never_wrong_kv(
+    closing: list[Hierarchy], fault: str
+) -> None:
+    inner = MemoryStorage(capacity_bytes=1 << 24)
+    storage = FaultInjectingStorage(inner)
+    kw: dict[str, object] = {}
+    if fault == "stall":
+        kw["controller_params"] = ControllerParams(storage_call_timeout_s=0.05)
+    h, key, expected = _prefetch_setup(closing, storage, **kw)
+    keys = h.cache.keyer.page_keys(key.tokens())
+    if fault == "fail":
+        storage.set_rules(FaultRules(fail_keys=frozenset({keys[2]})))
+    elif fault == "corrupt":
+        storage.set_rules(FaultRules(corrupt_keys=frozenset({keys[2]})))
+    else:
+        storage.set_rules(FaultRules(delay_s=0.2))
+    m = h.cache.match_prefix(key)
+    assert m.prefetch_id is not None
+    got = h.cache.finish_prefetch(m.prefetch_id)
+    assert got < 4 * P
+    assert h.cache.counters.short_prefetches == 1
+    if fault == "fail":
+        # A failing key reads as absent to batch_exists: the chain ends there, no get is tried.
+        assert storage.injected_failures >= 1
+    else:
+        faults = h.cache.controller.metrics_reading().stats.storage_faults
+        reason = {"corrupt": "corrupt", "stall": "timeout"}[fault]
+        assert {r.value: n for r, n in faults.items()}[reason] >= 1, faults
+    h.cache.check_integrity()
+    m = h.cache.match_prefix(key)
+    if m.host_hit_len:
+        back = h.cache.load_back(m.host_node)
+        n = back.match.prefix_len
+        assert_pages_equal(
+            h.device_pool, back.match.device_indices, [e[:n] for e in expected], what=fault
+        )
+
+
+def test_rejects_hybrid_trees_and_mismatched_pages(closing: list[Hierarchy]) -> None:
+    h = _build(closing)
+    with pytest.raises(InvalidConfig):
+        TierParams(host_eviction_policy="nope")
+    with pytest.raises(InvalidConfig):
+        TierParams(prefetch_threshold=0)
+    host = HostSlotAllocator(num_pages=4, page_size=P)
+    swa = make_tree("swa", size=64, page_size=P).tree
+    with pytest.raises(InvalidConfig, match="Full-only"):
+        HierarchicalCache(swa, controller=h.cache.controller, host_allocator=host)
+    with pytest.raises(InvalidConfig, match="page size"):
+        HierarchicalCache(
+            h.tree,
+            controller=h.cache.controller,
+            host_allocator=HostSlotAllocator(num_pages=4, page_size=2 * P),
+        )
+
+
+def test_collector_reads_tier_counters(closing: list[Hierarchy]) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvstrata.unified_radix_cache.tier_metrics import TierCacheCollector
+
+    h, key, _ = _prefetch_setup(closing, MemoryStorage(capacity_bytes=1 << 24))
+    m = h.cache.match_prefix(key)
+    assert m.prefetch_id is not None
+    h.cache.finish_prefetch(m.prefetch_id)
+    registry = CollectorRegistry()
+    registry.register(TierCacheCollector(h.cache, labels={"instance": "a"}))
+    get = registry.get_sample_value
+    labels = {"instance": "a"}
+    assert get("kvstrata_tiered_cache_hit_tokens_total", {**labels, "tier": "storage"}) == 4 * P
+    assert get("kvstrata_tiered_cache_written_tokens_total", labels) == 4 * P
+    assert get("kvstrata_tiered_cache_backed_up_tokens_total", labels) == 4 * P
+    assert (
+        get("kvstrata_tiered_cache_transfer_bytes_total", {**labels, "direction": "storage_get"})
+        == h.cache.counters.bytes_storage_get
+        > 0
+    )
+    assert get("kvstrata_tiered_cache_host_tokens", {**labels, "state": "evictable"}) == 4 * P
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", list(WritePolicy))
+def test_cycles_on_cuda(closing: list[Hierarchy], policy: WritePolicy) -> None:
+    """The same write / evict / load-back cycle with the device pool on CUDA (pinned host
+    memory, copy streams): KV comes back bit-identical."""
+    h = make_hierarchy(
+        page_size=P, write_policy=policy, device_pages=9, host_pages=24, device="cuda"
+    )
+    closing.append(h)
+    key, _, expected = _run(h, list(range(1, 3 * P + 1)))
+    if policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+        h.cache.match_prefix(key)
+        h.cache.match_prefix(key)
+    h.cache.drain()
+    _fill_other(h, 10_000, 8)
+    h.cache.drain()
+    assert h.cache.device_tree.match_prefix(key).prefix_len < len(key)
+    _reload(h, key, expected)
+
+
+def test_backup_flags_stored_nodes_and_reset_empties_both_tiers(
+    closing: list[Hierarchy],
+) -> None:
+    h = _build(closing, storage=MemoryStorage(capacity_bytes=1 << 24))
+    key, _, _ = _run(h, list(range(1, 2 * P + 1)))
+    h.cache.drain()
+    node = h.cache.host_tree.match_prefix(key).last_node
+    assert node.in_storage and h.cache.counters.backed_up_tokens == 2 * P
+    h.cache.reset()
+    assert h.cache.device_tree.total_size() == 0 and h.cache.host_tree.total_size() == 0
+    assert h.cache.host_allocator.available_size() == h.cache.host_allocator.size
+    h.cache.check_integrity()
+
+
+def test_prefetch_needs_the_threshold_and_stops_at_the_first_missing_page(
+    closing: list[Hierarchy],
+) -> None:
+    storage = MemoryStorage(capacity_bytes=1 << 24)
+    params = TierParams(prefetch_threshold=3 * P, prefetch_policy=PrefetchPolicy.TIMEOUT)
+    h = _build(closing, storage=storage, params=params)
+    key, _, expected = _run(h, list(range(1, 2 * P + 1)))
+    h.cache.drain()
+    h.cache.evict_device(2 * P)
+    h.cache.evict_host(2 * P)
+    assert h.cache.match_prefix(key).prefetch_id is None, "2 pages < the 3-page threshold"
+    longer = RadixKey(list(range(1, 4 * P + 1)))  # pages 3 and 4 were never stored
+    m = h.cache.match_prefix(longer)
+    assert m.prefetch_id is not None
+    assert h.cache.finish_prefetch(m.prefetch_id) == 2 * P
+    assert h.cache.counters.short_prefetches == 1
+    h.cache.check_integrity()
+    _reload(h, key, expected)
+
+
+def test_host_eviction_takes_only_copies_off_the_device(closing: list[Hierarchy]) -> None:
+    h = _build(closing)
+    on_device, _, _ = _run(h, list(range(1, 2 * P + 1)))
+    h.cache.drain()
+    off, _, _ = _run(h, list(range(50, 50 + 2 * P)))
+    h.cache.drain()
+    h.cache.device_tree.match_prefix(on_device)  # `off` is now the device's LRU leaf
+    h.cache.evict_device(2 * P)
+    assert h.cache.device_tree.match_prefix(off).prefix_len == 0
+    assert h.cache.evict_host(8 * P) == 2 * P, "only the copy of what left the device goes"
+    assert h.cache.host_tree.match_prefix(on_device).prefix_len == 2 * P
+    assert h.cache.host_tree.match_prefix(off).prefix_len == 0
+    h.cache.check_integrity()
+
+
+def test_read_only_walks_change_nothing(closing: list[Hierarchy]) -> None:
+    from kvstrata.unified_radix_cache.paths import held_len, key_of, node_at
+
+    h = _build(closing)
+    key, _, _ = _run(h, list(range(1, 3 * P + 1)))
+    tree = h.cache.device_tree
+    leaf = tree.match_prefix(key).last_node
+    access, hits, nodes = leaf.last_access, leaf.hit_count, tree.num_nodes
+    assert held_len(tree, RadixKey([*range(1, 2 * P + 1), 99, 98, 97, 96])) == 2 * P
+    assert held_len(tree, RadixKey(list(range(1, 4 * P + 1)))) == 3 * P
+    assert held_len(tree, RadixKey([5, 5, 5, 5])) == 0
+    assert node_at(tree, key) is leaf and node_at(tree, key[: 2 * P]) is None
+    assert key_of(tree, leaf).token_bytes() == key.token_bytes()
+    assert (leaf.last_access, leaf.hit_count, tree.num_nodes) == (access, hits, nodes)
+    with pytest.raises(ForeignNode):
+        key_of(h.cache.host_tree, leaf)
+
+
+class _GatedStorage(FaultInjectingStorage):
+    """Storage whose batch_get signals that it started and waits for the test to release it,
+    so a prefetch can be stopped while a storage call is in flight."""
+
+    def __init__(self, inner: MemoryStorage) -> None:
+        super().__init__(inner)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.gated = False
+
+    def _get_into(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
+        if self.gated:
+            self.entered.set()
+            assert self.release.wait(10), "the test never released the gated get"
+        return super()._get_into(keys, views)
+
+
+def test_best_effort_prefetch_commits_late_pages_on_its_ack(closing: list[Hierarchy]) -> None:
+    storage = _GatedStorage(MemoryStorage(capacity_bytes=1 << 24))
+    params = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.BEST_EFFORT)
+    h = _build(closing, storage=storage, params=params)
+    key, _, expected = _run(h, list(range(1, 4 * P + 1)))
+    h.cache.drain()
+    h.cache.evict_device(4 * P)
+    h.cache.evict_host(4 * P)
+    storage.gated = True
+    m = h.cache.match_prefix(key)
+    assert m.prefetch_id is not None
+    assert storage.entered.wait(10)
+    assert h.cache.finish_prefetch(m.prefetch_id) == 0, "nothing had landed yet"
+    assert h.cache.host_tree.match_prefix(key).prefix_len == 0
+    h.cache.check_integrity()  # the op still owns its host pages
+    storage.release.set()
+    h.cache.drain()  # the ack reports the pages that landed after the stop: poll commits them
+    assert h.cache.counters.storage_hit_tokens == 4 * P
+    h.cache.check_integrity()
+    _reload(h, key, expected)
