@@ -44,7 +44,13 @@ import numpy.typing as npt
 import torch
 
 from kvstrata.bench.report import emit, environment, pin_threads, ratio
-from kvstrata.unified_radix_cache import EvictRequest, FullComponent, RadixKey, UnifiedRadixCache
+from kvstrata.unified_radix_cache import (
+    POLICIES,
+    EvictRequest,
+    FullComponent,
+    RadixKey,
+    UnifiedRadixCache,
+)
 
 _PEER_SCRIPT_PARTS = ("shared", "bench", "peer", "radix_replay.py")
 
@@ -223,7 +229,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens-per-block", type=int, default=16)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--capacity-blocks", type=int, default=0, help="0 = unbounded")
-    parser.add_argument("--policy", default="lru", help="eviction policy (lru, lfu, fifo, ...)")
+    parser.add_argument(
+        "--policy",
+        default="lru",
+        choices=sorted(POLICIES),
+        help="eviction policy of our tree (the peers always run LRU)",
+    )
     parser.add_argument("--limit", type=int, default=0, help="first N requests only (0 = all)")
     parser.add_argument("--repeats", type=int, default=3, help="passes per implementation")
     parser.add_argument(
@@ -255,7 +266,9 @@ def main(argv: list[str]) -> int:
     keys = read_keys(args.trace, args.tokens_per_block, args.limit)
     peer_script = find_peer_script()
     with_peer = not args.no_peer
-    if with_peer and (args.peer_python is None or peer_script is None):
+    if with_peer and (
+        args.peer_python is None or not Path(args.peer_python).exists() or peer_script is None
+    ):
         print(
             "kvstrata bench radix: no peer venv or peer script found; run "
             "`bash shared/bench/peer/setup.sh` or pass --no-peer",
@@ -300,11 +313,14 @@ def main(argv: list[str]) -> int:
                     "impl",
                     "hit_rate",
                     "seconds",
+                    "seconds_min",
                     "seconds_all",
                     "requests_per_s",
                     "tokens_per_s",
                     "evicted_tokens",
+                    "evict_calls",
                     "tree_core_backend",
+                    "torch",
                 )
                 if k in peer
             }
