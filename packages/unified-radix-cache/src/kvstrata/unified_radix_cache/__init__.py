@@ -15,6 +15,7 @@ from kvstrata.unified_radix_cache.events import (
     decode_events,
     encode_events,
 )
+from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache, HostSlots
 from kvstrata.unified_radix_cache.key import Namespace, RadixKey
 from kvstrata.unified_radix_cache.metrics import RadixCacheCollector
 from kvstrata.unified_radix_cache.node import TreeNode
@@ -27,9 +28,27 @@ from kvstrata.unified_radix_cache.results import (
     LockReceipt,
     MatchResult,
 )
+from kvstrata.unified_radix_cache.tier_metrics import TierCacheCollector
+from kvstrata.unified_radix_cache.tiers import (
+    LoadBack,
+    TierCounters,
+    TieredMatch,
+    TieredRequest,
+    TierParams,
+    WritePolicy,
+)
 from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 __all__ = [
+    "WritePolicy",
+    "TieredRequest",
+    "TieredMatch",
+    "TierParams",
+    "TierCounters",
+    "TierCacheCollector",
+    "LoadBack",
+    "HostSlots",
+    "HierarchicalCache",
     "EVENT_FORMAT_VERSION",
     "AllBlocksCleared",
     "BlockRemoved",
