@@ -462,6 +462,11 @@ class FileStorage(Storage):
                 if touch:
                     self._index.move_to_end(key)
                 return
+            # A reader adopts after its read; a writer of this process may have evicted (unlinked
+            # or recycled) the page since. Evictions run under this lock, so one stat here keeps
+            # the index from naming a file that is gone. Only on this uncommon path.
+            if not os.path.exists(self._page_path(key)):
+                return
             self._index[key] = size
             self._indexed_bytes += size
             self._unlink_locked(self._make_room_locked(0, protect=frozenset((key,))).victims)
