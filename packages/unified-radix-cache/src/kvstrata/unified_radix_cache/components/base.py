@@ -31,6 +31,7 @@ import numpy.typing as npt
 import torch
 
 from kvstrata.unified_radix_cache.errors import InvalidConfig, InvalidInsert
+from kvstrata.unified_radix_cache.policies import LRUList
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -211,3 +212,23 @@ class TreeComponent(ABC):
         """Forget every node (the tree is clearing itself; slots were queued already)."""
         self.evictable_size = 0
         self.protected_size = 0
+
+
+class LRUListComponent(TreeComponent):
+    """A component whose data is evicted from its own LRU list threaded through the nodes
+    (SWA and Mamba), so internal nodes can lose their data without touching the leaves."""
+
+    lru: LRUList
+
+    def evict(self, amount: int) -> int:
+        """Release the least recently used unlocked data until `amount` is freed or the list is
+        empty; cascades follow `tree.evict_component`. Returns what was freed."""
+        tree = self.tree
+        freed = 0
+        while freed < amount:
+            node = self.lru.pop_lru()
+            if node is None:
+                break
+            freed += tree.evict_component(node, self)
+        return freed
+

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from kvstrata.unified_radix_cache.components.base import ComponentInsert, TreeComponent
+from kvstrata.unified_radix_cache.components.base import ComponentInsert, LRUListComponent
 from kvstrata.unified_radix_cache.errors import (
     IntegrityError,
     InvalidInsert,
@@ -60,7 +60,7 @@ class MambaInsert(ComponentInsert):
     slot: int
 
 
-class MambaComponent(TreeComponent):
+class MambaComponent(LRUListComponent):
     """Mamba state slots from `allocator`, copied within `pool` on copy-on-write."""
 
     name = "mamba"
@@ -165,16 +165,6 @@ class MambaComponent(TreeComponent):
         return True
 
     # -- eviction -------------------------------------------------------------------------
-    def evict(self, amount: int) -> int:
-        tree = self.tree
-        freed = 0
-        while freed < amount:
-            node = self.lru.pop_lru()
-            if node is None:
-                break
-            freed += tree.evict_component(node, self)
-        return freed
-
     def release(self, node: TreeNode, node_goes: bool) -> int:
         i = self.index
         assert node.comp_values is not None and node.comp_locks is not None

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstrata.unified_radix_cache.components.base import ComponentInsert, TreeComponent
+from kvstrata.unified_radix_cache.components.base import ComponentInsert, LRUListComponent
 from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig, InvalidInsert
 from kvstrata.unified_radix_cache.policies import LRUList
 
@@ -61,7 +61,7 @@ class SWAInsert(ComponentInsert):
     evicted_len: int = 0
 
 
-class SWAComponent(TreeComponent):
+class SWAComponent(LRUListComponent):
     """Sliding-window KV slots over an SWA allocator (the same one FullComponent frees into)."""
 
     name = "swa"
@@ -176,17 +176,6 @@ class SWAComponent(TreeComponent):
         self.lru.touch(node)
 
     # -- eviction -------------------------------------------------------------------------
-    def evict(self, amount: int) -> int:
-        """Oldest unlocked live nodes first: internal ones become tombstones, leaves go."""
-        tree = self.tree
-        freed = 0
-        while freed < amount:
-            node = self.lru.pop_lru()
-            if node is None:
-                break
-            freed += tree.evict_component(node, self)
-        return freed
-
     def release(self, node: TreeNode, node_goes: bool) -> int:
         i = self.index
         assert node.comp_values is not None and node.comp_locks is not None
