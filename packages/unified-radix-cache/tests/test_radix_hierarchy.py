@@ -53,6 +53,10 @@ def _run(h: Hierarchy, tokens: list[int]) -> tuple[RadixKey, torch.Tensor, list[
     return key, slots, snapshot(h.device_pool, slots)
 
 
+def _host_total(h: Hierarchy) -> int:
+    return h.cache.tier.evictable_size + h.cache.tier.protected_size
+
+
 def _fill_other(h: Hierarchy, base: int, pages: int) -> None:
     """Insert unrelated prompts until `pages` device pages went through (forces eviction)."""
     for i in range(pages):
@@ -104,14 +108,14 @@ def test_write_policies_back_up_when_they_say(closing: list[Hierarchy]) -> None:
         h = _build(closing, write_policy=policy)
         key, _, _ = _run(h, tokens)
         h.cache.drain()
-        assert h.cache.host_tree.total_size() == after_insert, policy
+        assert _host_total(h) == after_insert, policy
         h.cache.match_prefix(key)
         h.cache.match_prefix(key)
         h.cache.drain()
-        assert h.cache.host_tree.total_size() == after_two_hits, policy
+        assert _host_total(h) == after_two_hits, policy
         h.cache.evict_device(2 * P)
         h.cache.drain()
-        assert h.cache.host_tree.total_size() == 2 * P, policy
+        assert _host_total(h) == 2 * P, policy
         assert h.cache.device_tree.total_size() == 0
         h.cache.check_integrity()
 
@@ -129,8 +133,10 @@ def test_match_reports_host_hit_and_load_back_commits(closing: list[Hierarchy]) 
     assert_pages_equal(h.device_pool, back.match.device_indices, expected, what="load_back")
     assert h.cache.counters.loaded_tokens == P and h.cache.counters.bytes_h2d > 0
     h.cache.check_integrity()
+    again = h.cache.load_back(m.device.last_node)  # already on the device: nothing to load
+    assert again.loaded_len == 0 and again.match.prefix_len == 2 * P
     with pytest.raises(ForeignNode):
-        h.cache.load_back(m.device.last_node)  # a device-tree node, not a host one
+        h.cache.load_back(_build(closing).cache.match_prefix(key).host_node)  # another tree
 
 
 def test_load_back_without_device_room_keeps_the_shorter_hit(closing: list[Hierarchy]) -> None:
@@ -152,10 +158,11 @@ def test_host_eviction_spares_locked_host_pages(closing: list[Hierarchy]) -> Non
     key, _, _ = _run(h, list(range(1, 2 * P + 1)))
     h.cache.drain()
     h.cache.evict_device(2 * P)  # only copies of what left the device may go
-    m = h.cache.host_tree.match_prefix(key)
-    receipt = h.cache.host_tree.lock(m.last_node)
+    m = h.cache.match_prefix(key)
+    assert m.host_hit_len == 2 * P
+    receipt = h.cache.tier.lock(m.host_node)
     assert h.cache.evict_host(4 * P) == 0
-    h.cache.host_tree.unlock(receipt)
+    h.cache.tier.unlock(receipt)
     assert h.cache.evict_host(4 * P) == 2 * P
     assert h.cache.counters.host_evicted_tokens == 2 * P
     h.cache.check_integrity()
@@ -187,7 +194,7 @@ def _prefetch_setup(
     h.cache.drain()
     h.cache.evict_device(4 * P)
     h.cache.evict_host(4 * P)
-    assert h.cache.host_tree.total_size() == 0
+    assert _host_total(h) == 0 and h.tree.num_nodes == 0
     return h, key, expected
 
 
@@ -308,10 +315,14 @@ def test_backup_flags_stored_nodes_and_reset_empties_both_tiers(
     h = _build(closing, storage=MemoryStorage(capacity_bytes=1 << 24))
     key, _, _ = _run(h, list(range(1, 2 * P + 1)))
     h.cache.drain()
-    node = h.cache.host_tree.match_prefix(key).last_node
-    assert node.in_storage and h.cache.counters.backed_up_tokens == 2 * P
+    node = h.cache.match_prefix(key).device.last_node
+    assert (
+        node.in_storage
+        and node.host_value is not None
+        and h.cache.counters.backed_up_tokens == 2 * P
+    )
     h.cache.reset()
-    assert h.cache.device_tree.total_size() == 0 and h.cache.host_tree.total_size() == 0
+    assert h.cache.device_tree.total_size() == 0 and _host_total(h) == 0
     assert h.cache.host_allocator.available_size() == h.cache.host_allocator.size
     h.cache.check_integrity()
 
@@ -337,6 +348,8 @@ def test_prefetch_needs_the_threshold_and_stops_at_the_first_missing_page(
 
 
 def test_host_eviction_takes_only_copies_off_the_device(closing: list[Hierarchy]) -> None:
+    from kvstrata.unified_radix_cache.paths import node_at
+
     h = _build(closing)
     on_device, _, _ = _run(h, list(range(1, 2 * P + 1)))
     h.cache.drain()
@@ -346,8 +359,10 @@ def test_host_eviction_takes_only_copies_off_the_device(closing: list[Hierarchy]
     h.cache.evict_device(2 * P)
     assert h.cache.device_tree.match_prefix(off).prefix_len == 0
     assert h.cache.evict_host(8 * P) == 2 * P, "only the copy of what left the device goes"
-    assert h.cache.host_tree.match_prefix(on_device).prefix_len == 2 * P
-    assert h.cache.host_tree.match_prefix(off).prefix_len == 0
+    kept = node_at(h.tree, on_device)
+    assert kept is not None and kept.on_device and kept.host_value is not None
+    assert node_at(h.tree, off) is None, "the off-device node left the tree with its host copy"
+
     h.cache.check_integrity()
 
 
@@ -366,7 +381,7 @@ def test_read_only_walks_change_nothing(closing: list[Hierarchy]) -> None:
     assert key_of(tree, leaf).token_bytes() == key.token_bytes()
     assert (leaf.last_access, leaf.hit_count, tree.num_nodes) == (access, hits, nodes)
     with pytest.raises(ForeignNode):
-        key_of(h.cache.host_tree, leaf)
+        key_of(_build(closing).tree, leaf)
 
 
 class _GatedStorage(FaultInjectingStorage):
@@ -399,7 +414,8 @@ def test_best_effort_prefetch_commits_late_pages_on_its_ack(closing: list[Hierar
     assert m.prefetch_id is not None
     assert storage.entered.wait(10)
     assert h.cache.finish_prefetch(m.prefetch_id) == 0, "nothing had landed yet"
-    assert h.cache.host_tree.match_prefix(key).prefix_len == 0
+    seen = h.cache.tier.match_key(key)
+    assert seen.prefix_len == 0 and seen.host_hit_len == 0
     h.cache.check_integrity()  # the op still owns its host pages
     storage.release.set()
     h.cache.drain()  # the ack reports the pages that landed after the stop: poll commits them

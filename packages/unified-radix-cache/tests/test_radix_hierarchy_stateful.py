@@ -1,7 +1,7 @@
 """Hypothesis state machine over both tiers and storage: requests (match on every tier, prefetch,
-load back, compute, insert under the write policy), device and host evictions, acks; after every
-step `check_integrity()` of both tiers, and every hit's KV is checked bit for bit against what
-the stand-in forward computes for that prefix."""
+load back, compute, insert under the write policy), layer-wise load-backs left in flight, device
+and host evictions, acks; after every step `check_integrity()` of both tiers, and every hit's KV
+is checked bit for bit against what the stand-in forward computes for that prefix."""
 
 from __future__ import annotations
 
@@ -69,6 +69,19 @@ class TwoTierMachine(RuleBasedStateMachine):
         req.extend(slots)
         cache.cache_finished_request(req)
         self.served += 1
+
+    @precondition(lambda self: self.h is not None)
+    @rule(prefix=st.sampled_from(PREFIXES[:3]), first_layer=st.booleans())
+    def start_load(self, prefix: list[int], first_layer: bool) -> None:
+        """A layer-wise load-back left in flight (committed by a later poll, drain or match)."""
+        h = self.h
+        assert h is not None
+        m = h.cache.match_prefix(RadixKey(torch.tensor(prefix, dtype=torch.int64)))
+        if not m.host_hit_len:
+            return
+        load = h.cache.start_load_back(m.host_node)
+        if first_layer and not load.done:
+            assert load.wait_layer(h.tiers.pools.layer_ids[0], 10.0)
 
     @precondition(lambda self: self.h is not None)
     @rule(amount=st.integers(1, 16))

@@ -88,13 +88,14 @@ def _tiered(
             key = RadixKey(tokens)
             m = cache.match_prefix(key)
             d, h = m.device.prefix_len, m.prefix_len
+            found = m.device
             if m.prefetch_id is not None:
                 cache.finish_prefetch(m.prefetch_id)
-            on_host = cache.host_tree.match_prefix(key)
-            if on_host.prefix_len > d:
-                got = cache.load_back(on_host.last_node).match
+                found = cache.tier.match_key(key)  # the prefetch added host values: re-walk
+            if found.last_host_node is not None:
+                got = cache.load_back(found.last_host_node).match
             else:
-                got = tree.match_prefix(key)
+                got = found
             hit = got.prefix_len
             device += min(hit, d)
             host_hit += max(min(hit, h) - d, 0)

@@ -159,7 +159,8 @@ def device_pools(tiers: Tiers) -> Mapping[str, MHAKVPool | MambaPool]:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Hierarchy:
-    """A full-only model on both tiers: device tree, host tree (inside `cache`), controller."""
+    """A full-only model on both tiers: one tree holding device and host values (`tree`,
+    `cache.tier`), the cache and its controller."""
 
     tiers: Tiers
     device_pool: MHAKVPool

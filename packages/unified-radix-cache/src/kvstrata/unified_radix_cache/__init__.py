@@ -16,6 +16,7 @@ from kvstrata.unified_radix_cache.events import (
     encode_events,
 )
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache, HostSlots
+from kvstrata.unified_radix_cache.host_tier import HostReceipt, HostTier
 from kvstrata.unified_radix_cache.key import Namespace, RadixKey
 from kvstrata.unified_radix_cache.metrics import RadixCacheCollector
 from kvstrata.unified_radix_cache.node import TreeNode
@@ -34,6 +35,7 @@ from kvstrata.unified_radix_cache.tiers import (
     TierCounters,
     TieredMatch,
     TieredRequest,
+    TierLoad,
     TierParams,
     WritePolicy,
 )
@@ -48,6 +50,9 @@ __all__ = [
     "TierCacheCollector",
     "LoadBack",
     "HostSlots",
+    "HostTier",
+    "HostReceipt",
+    "TierLoad",
     "HierarchicalCache",
     "EVENT_FORMAT_VERSION",
     "AllBlocksCleared",

@@ -33,6 +33,10 @@ class ForeignNode(RadixCacheError, ValueError):
     """A node that is not (or no longer) part of this tree was passed to `lock`."""
 
 
+class NoHostCopy(RadixCacheError, ValueError):
+    """A host lock asked for a node that holds no host value (hierarchical mode)."""
+
+
 class ReceiptError(RadixCacheError, RuntimeError):
     """Base of the lock-receipt errors: an unlock that does not replay an outstanding lock."""
 

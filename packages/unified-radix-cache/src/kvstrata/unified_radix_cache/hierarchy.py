@@ -1,32 +1,36 @@
 """`HierarchicalCache`: the unified radix cache over device (L1), host (L2) and storage (L3).
 
-Two radix trees over the same keys, one per tier, so that each tier keeps its own slots, locks,
-eviction policy and `free + evictable + protected == capacity` sum, and the device-only tree
-keeps its fast path untouched (no hierarchical work unless a host tier is configured):
+ONE radix tree holds both tiers on its nodes (host_tier.py): a node's `value` are its device
+slots (empty when the node is off the device), its `host_value` its host slots, `in_storage`
+whether storage acknowledged its pages. One tree, not one per tier, because a prefix is one
+thing: a single walk answers "how much is on the device, how much more on the host", a split
+splits both tiers at once, and the tiers cannot drift apart (the two-tree version needed a
+read-only walk of the other tree for every host-eviction candidate). The device-only fast path
+is untouched: the tree takes the hierarchical walks only when a host tier is attached.
 
-    device_tree  UnifiedRadixCache over the device allocator      what the GPU holds
-    host_tree    UnifiedRadixCache over the HostSlotAllocator     what host memory holds
-    storage      page keys (chained PageKeyer keys) in the controller's Storage
+    device   node.value         the device slots (Full pool)
+    host     node.host_value    the host slots (HostSlotAllocator)
+    storage  node.in_storage    pages under their chained PageKeyer keys in the controller's Storage
 
-A prefix's node in one tree and its node in the other cover the same tokens; a node "off the
-device" is a host-tree node whose tokens the device tree no longer holds. The tree decides, the
-TierController moves, and a tier commits only what an acknowledgement says moved:
+The tree decides, the TierController moves, and a tier commits only what an acknowledgement
+says moved:
 
     write    device -> host     write_through: on insert; selective: on the 2nd hit;
                                 write_back: when the device evicts (the eviction waits)
-    load     host -> device     load_back(host_node): device slots, LoadOp, commit on the ack
-    prefetch storage -> host    match found >= prefetch_threshold tokens beyond the host hit
+    load     host -> device     start_load_back(node): device slots, one LoadOp; the caller
+                                waits per layer; the nodes get their device slots on the ack
+    prefetch storage -> host    match found >= prefetch_threshold tokens beyond the hits
     backup   host -> storage    after each committed host write
 
-While an operation is in flight its source and destination are locked in their trees (device
-receipt for a write's source pages, host receipt on the prefix the new host pages extend), so
-eviction on either tier never frees a page a worker is reading or writing.
+While an operation is in flight its source and destination are locked (a device receipt on a
+write's source or a load's device prefix, a host receipt on the prefix the host pages extend or
+are read from), so eviction on either tier never frees a page a worker is reading or writing.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -48,9 +52,10 @@ from kvstrata.storage.keys import PageKeyer
 from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.errors import ForeignNode, IntegrityError, InvalidConfig
 from kvstrata.unified_radix_cache.events import BlockStored, KVEvent
+from kvstrata.unified_radix_cache.host_tier import HostReceipt, HostTier
 from kvstrata.unified_radix_cache.key import RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
-from kvstrata.unified_radix_cache.paths import held_len, key_of, node_at, prefix_page_keys
+from kvstrata.unified_radix_cache.paths import key_of, node_at
 from kvstrata.unified_radix_cache.request import CacheRequest
 from kvstrata.unified_radix_cache.results import (
     EvictRequest,
@@ -59,12 +64,12 @@ from kvstrata.unified_radix_cache.results import (
     MatchResult,
 )
 from kvstrata.unified_radix_cache.tiers import (
-    HOST_TIER,
     STORAGE_TIER,
     LoadBack,
     TierCounters,
     TieredMatch,
     TieredRequest,
+    TierLoad,
     TierParams,
     WritePolicy,
 )
@@ -74,7 +79,7 @@ _MEMBER = "full"
 
 
 class HostSlots:
-    """The host slot allocator seen as a tree component's slot sink (CPU token indices)."""
+    """The host slot allocator seen as a slot sink (CPU token indices)."""
 
     device = torch.device("cpu")
 
@@ -98,12 +103,12 @@ class _Write:
     start: int  # tokens already on the host when submitted
     host_slots: torch.Tensor  # host token slots of key[start:]
     device_receipt: LockReceipt
-    host_receipt: LockReceipt
+    host_receipt: HostReceipt
 
 
 @dataclass(kw_only=True, eq=False)
 class _Backup:
-    host_receipt: LockReceipt
+    host_receipt: HostReceipt
     keys: list[bytes]
     parent_key: bytes | None
     key: RadixKey
@@ -114,30 +119,44 @@ class _Prefetch:
     key: RadixKey
     start: int
     host_slots: torch.Tensor
-    host_receipt: LockReceipt
-    committed: int = 0  # tokens of host_slots already handed to the host tree
+    host_receipt: HostReceipt
+    committed: int = 0  # tokens of host_slots already handed to the tree
 
 
 @dataclass(kw_only=True, eq=False)
 class _Load:
-    """A load-back whose wait timed out: its device slots may still be written and its host
-    pages read, so both stay held until the late ack frees the slots and drops the lock."""
+    """A load-back in flight: its device slots are outside the tree until the ack commits them;
+    the device prefix it extends and the host pages it reads stay locked until then."""
 
+    key: RadixKey
+    start: int
     device_slots: torch.Tensor
-    host_receipt: LockReceipt
+    device_receipt: LockReceipt
+    host_receipt: HostReceipt
+    load: TierLoad
 
 
 _Pending = _Write | _Backup | _Prefetch | _Load
 
 
+def _prefix_len(node: TreeNode) -> int:
+    total = 0
+    probe = node
+    while probe.parent is not None:
+        total += probe.num_tokens
+        probe = probe.parent
+    return total
+
+
 class HierarchicalCache:
     """Device, host and storage tiers of one Full-attention model's prefix cache.
 
-    `device_tree`: a Full-only `UnifiedRadixCache` (the device tier; engines keep using it for
-    locks and the request life cycle). `controller`: a `TierController` whose pool group has the
-    single member "full" mirroring that tree's pool; with a storage it prefetches and backs up.
+    `device_tree`: an empty Full-only `UnifiedRadixCache` over the device allocator; the cache
+    attaches a `HostTier` to it (`cache.tier`), so the same tree holds the host copies (engines
+    keep using it for locks and the request life cycle). `controller`: a `TierController` whose
+    pool group has the single member "full"; with a storage it prefetches and backs up.
     `host_allocator`: the host pool's `HostSlotAllocator` (same page size as the tree).
-    `keyer`: the chained page keyer naming storage pages (one for the page size by default).
+    `keyer`: the chained page keyer naming storage pages (the tree's, or one for the page size).
 
     Not thread-safe: call it from the scheduler thread; the controller's workers never touch it.
     """
@@ -153,7 +172,7 @@ class HierarchicalCache:
     ) -> None:
         if len(device_tree.components) != 1:
             raise InvalidConfig(
-                "hierarchical mode supports Full-only trees (SWA / Mamba host mirroring is not "
+                "hierarchical mode supports Full-only trees (SWA / Mamba host values are not "
                 f"wired yet); got components {[c.name for c in device_tree.components]}"
             )
         if controller.group.member_names != (_MEMBER,):
@@ -166,28 +185,26 @@ class HierarchicalCache:
             raise InvalidConfig(
                 f"host page size {host_allocator.page_size} != tree page size {page}"
             )
-        keyer = keyer or PageKeyer(page_size=page)
+        keyer = keyer or device_tree.keyer or PageKeyer(page_size=page)
         if keyer.page_size != page:
             raise InvalidConfig(f"keyer page size {keyer.page_size} != tree page size {page}")
+        if device_tree.host_tier is not None or device_tree.num_nodes:
+            raise InvalidConfig("the device tree must be empty and have no host tier yet")
         self.params = params or TierParams()
         self.device_tree = device_tree
         self.controller = controller
         self.host_allocator = host_allocator
-        self.keyer = keyer
         self.page_size = page
         full = device_tree.components[0]
         assert isinstance(full, FullComponent), "component 0 of every tree is Full"
         self._device_full = full
-        self.host_tree = UnifiedRadixCache(
-            [FullComponent(HostSlots(host_allocator))],
-            page_size=page,
+        self.tier = HostTier(
+            device_tree,
+            HostSlots(host_allocator),
             eviction_policy=self.params.host_eviction_policy,
-            enable_events=True,
             keyer=keyer,
         )
-        host_full = self.host_tree.components[0]
-        assert isinstance(host_full, FullComponent), "component 0 of every tree is Full"
-        self._host_full = host_full
+        self.keyer = self.tier.keyer
         self._page_bytes = controller.group.page_bytes(_MEMBER)
         self._backups = self.params.backup_to_storage and controller.storage is not None
         self._pending: dict[int, _Pending] = {}
@@ -198,47 +215,50 @@ class HierarchicalCache:
     # Match, prefetch, load-back
     # ------------------------------------------------------------------------------------------
     def match_prefix(self, key: RadixKey, *, max_len: int | None = None) -> TieredMatch:
-        """Match `key` (at most `max_len` tokens) on the device and on the host.
+        """Match `key` (at most `max_len` tokens) over both tiers in one walk of the tree.
 
-        Mutates: access times and hit counts in both trees; commits finished transfers first
-        (`poll`). Under `write_through_selective` a device prefix matched for the second time
-        and not on the host is queued for a host write. When storage is configured and at least
+        Mutates: access times and hit counts on the path, the tree's and the cache's query and
+        hit counters (once per call); commits finished transfers first (`poll`). Under
+        `write_through_selective` a device prefix matched for the second time and not on the
+        host is queued for a host write. When storage is configured and at least
         `prefetch_threshold` tokens lie beyond both hits, a prefetch of the pages after the host
-        hit starts (`prefetch_id`; take it with `finish_prefetch`). Host indices stay valid while
-        `host_node` is locked on the host tree. Cost: two tree matches (+ page hashing when a
-        prefetch starts).
+        prefix starts (`prefetch_id`; take it with `finish_prefetch`). Host indices stay valid
+        while `host_node` is host-locked (`load_back` locks it itself). Cost: one tree walk
+        (+ page hashing when a prefetch starts).
         """
         self.poll()
         counters = self.counters
         device = self.device_tree.match_prefix(key, max_len=max_len)
-        host = self.host_tree.match_prefix(key, max_len=max_len)
-        extra = max(host.prefix_len - device.prefix_len, 0)
+        extra = device.host_hit_len
         counters.queried_tokens += len(key)
         counters.device_hit_tokens += device.prefix_len
         counters.host_hit_tokens += extra
-        # The device tree's own host-tier hit counter (RadixCacheCollector, tier="host").
-        self.device_tree.host_hit_tokens += extra
-        host_indices = host.device_indices[device.prefix_len : host.prefix_len]
-        # Prefetch before the selective write: each locks `host.last_node` before allocating
-        # host pages, so the host eviction either may run never takes the node the other uses.
+        last_host = device.last_host_node
+        host_node = last_host if last_host is not None else device.last_node
+        if last_host is not None:
+            host_indices = self.tier.host_slots(last_host)[device.prefix_len :]
+        else:
+            host_indices = torch.empty(0, dtype=torch.int64)
         prefetch_id = None
         if self.controller.storage is not None:
             end = len(key) if max_len is None else min(len(key), max(max_len, 0))
             end -= end % self.page_size
-            if end - max(device.prefix_len, host.prefix_len) >= self.params.prefetch_threshold:
-                prefetch_id = self._start_prefetch(key, host, end)
+            if end - device.prefix_len - extra >= self.params.prefetch_threshold:
+                prefetch_id = self._start_prefetch(key, self.tier.host_prefix(host_node), end)
+        node = device.last_node
         if (
             self.params.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
-            and device.prefix_len > host.prefix_len
-            and device.last_node.hit_count >= 2
+            and device.prefix_len
+            and node.host_value is None
+            and node.hit_count >= 2
         ):
-            self._write(key[: device.prefix_len], device.last_node, host)
-        return TieredMatch(device, extra, host_indices, host.last_node, prefetch_id)
+            self._write(key[: device.prefix_len], node)
+        return TieredMatch(device, extra, host_indices, host_node, prefetch_id)
 
     def finish_prefetch(self, op_id: int) -> int:
         """Wait for prefetch `op_id` as its policy says (wait_complete: its ack; timeout: up to
         the allowance; best_effort: not at all), stop it, and commit the pages that arrived to
-        the host tree. Returns the tokens committed now (more may be committed by a later
+        the host tier. Returns the tokens committed now (more may be committed by a later
         `poll` when the ack reports pages that were still landing). Re-match afterwards."""
         pending = self._pending.get(op_id)
         if not isinstance(pending, _Prefetch):
@@ -262,80 +282,131 @@ class HierarchicalCache:
             return self._commit_prefetch(pending, ready)
         return 0
 
-    def load_back(self, host_node: TreeNode) -> LoadBack:
-        """Bring the host pages of the prefix ending at `host_node` (a host-tree node, as
-        `TieredMatch.host_node`) that the device lacks back to the device.
-
-        Allocates device slots (evicting unlocked device data, never the prefix itself), loads
-        them layer by layer through the controller, waits for the ack and only then inserts
-        them into the device tree. On no room or a failed load nothing changes and the device
-        hit stays what it was (`loaded_len` 0). Returns the device match of the whole prefix;
-        lock `match.last_node` before anything else can evict it. Raises ForeignNode for a
-        node not in the host tree."""
-        key = key_of(self.host_tree, host_node)
-        device = self.device_tree.match_prefix(key)
+    def start_load_back(self, node: TreeNode) -> TierLoad:
+        """Start bringing the prefix ending at `node` (`TieredMatch.host_node`) back to the
+        device: allocate device slots for its off-device part (evicting unlocked device data,
+        never the prefix itself) and submit one layer-wise LoadOp. Returns at once; the caller
+        waits per layer (`wait_layer`) and the nodes get their device slots only on the ack
+        (`TierLoad.wait`, `poll`, `drain`). Nothing to load or no device room: a done handle
+        with `loaded_len` 0 and the tree unchanged. Raises ForeignNode for a node not in the
+        tree (e.g. host-evicted since the match)."""
+        tree = self.device_tree
+        key = key_of(tree, node)
+        device = self.tier.match_key(key)
         start, end = device.prefix_len, len(key)
         if start >= end:
-            return LoadBack(0, device)
-        dev_receipt = self.device_tree.lock(device.last_node)
-        host_receipt: LockReceipt | None = self.host_tree.lock(host_node)
-        try:
-            slots = self._alloc_device(end - start)
-            if slots is None:
-                self.counters.load_backs_refused += 1
-                return LoadBack(0, device)
-            host_slots = self.host_tree.prefix_slots(host_node)[start:end]
-            began = time.perf_counter()
-            handle = self.controller.submit_load(
-                LoadOp(moves={_MEMBER: PageMove(device=slots, host=host_slots)})
-            )
-            ack = self.controller.wait(handle.op_id, self.params.transfer_timeout_s)
-            self.counters.transfer_wait_seconds += time.perf_counter() - began
-            if ack is None:
-                # The worker may still be writing these slots and reading those host pages:
-                # both stay held until the late ack (poll) releases them.
-                self.counters.failed_ops += 1
-                self._pending[handle.op_id] = _Load(device_slots=slots, host_receipt=host_receipt)
-                host_receipt = None
-                return LoadBack(0, device)
-            if not ack.ok:
-                self.counters.failed_ops += 1
+            return self._done_load(LoadBack(0, device))
+        device_receipt = tree.lock(device.last_node)
+        host_receipt = self.tier.lock(node)
+        slots = self._alloc_device(end - start)
+        handle = None
+        if slots is not None:
+            host_slots = self.tier.host_slots(node)[start:end]
+            try:
+                handle = self.controller.submit_load(
+                    LoadOp(moves={_MEMBER: PageMove(device=slots, host=host_slots)})
+                )
+            except QueueFull:
                 self._device_full.give_back(slots)
-                return LoadBack(0, device)
-            value = torch.cat([device.device_indices, slots.to(device.device_indices.device)])
-            result = self.device_tree.insert(key, value, cached_len=start)
+        if slots is None or handle is None:
+            self.counters.load_backs_refused += 1
+            self.tier.unlock(host_receipt)
+            tree.unlock(device_receipt)
+            return self._done_load(LoadBack(0, device))
+        load = TierLoad(num_tokens=end - start, handle=handle, finish=self._finish_load)
+        self._pending[handle.op_id] = _Load(
+            key=key,
+            start=start,
+            device_slots=slots,
+            device_receipt=device_receipt,
+            host_receipt=host_receipt,
+            load=load,
+        )
+        return load
+
+    def load_back(self, node: TreeNode) -> LoadBack:
+        """Blocking `start_load_back(node)` (an engine without a layer-wise forward): waits for
+        the whole load and its commit. Returns the tokens loaded (0 when refused, failed or not
+        acknowledged within `transfer_timeout_s`: a late ack still commits at `poll`) and the
+        device match of the prefix (valid while `match.last_node` is locked)."""
+        load = self.start_load_back(node)
+        result = load.wait(self.params.transfer_timeout_s)
+        if result is not None:
+            return result
+        self.counters.failed_ops += 1
+        device = self.tier.match_key(key_of(self.device_tree, node))
+        return LoadBack(0, device)
+
+    def _done_load(self, result: LoadBack) -> TierLoad:
+        return TierLoad(num_tokens=0, handle=None, finish=self._finish_load, result=result)
+
+    def _finish_load(self, load: TierLoad, timeout_s: float | None) -> LoadBack | None:
+        op_id = load.op_id
+        if op_id is None or op_id not in self._pending:
+            return load.result  # committed by a poll already
+        began = time.perf_counter()
+        ack = self.controller.wait(op_id, timeout_s)
+        self.counters.transfer_wait_seconds += time.perf_counter() - began
+        if ack is not None:
+            self._on_ack(ack)
+        return load.result
+
+    def _load_acked(self, pending: _Load, ack: Ack) -> None:
+        tree = self.device_tree
+        anchor = pending.device_receipt.anchor
+        if ack.ok:
+            value = torch.cat(
+                [tree.prefix_slots(anchor), pending.device_slots.to(tree.full_device)]
+            )
+            result = tree.insert(pending.key, value, cached_len=pending.start)
             duplicates = result.duplicates(value)
             if len(duplicates):
                 self._device_full.give_back(duplicates)
-            self.counters.loaded_tokens += end - start
-            self.counters.bytes_h2d += (end - start) // self.page_size * self._page_bytes
+            num = len(pending.key) - pending.start
+            self.counters.loaded_tokens += num
+            self.counters.bytes_h2d += num // self.page_size * self._page_bytes
             node = result.last_node
-            return LoadBack(
-                end - start, MatchResult(end, self.device_tree.prefix_slots(node), node)
+            pending.load.result = LoadBack(
+                num, MatchResult(len(pending.key), tree.prefix_slots(node), node)
             )
-        finally:
-            if host_receipt is not None:
-                self.host_tree.unlock(host_receipt)
-            self.device_tree.unlock(dev_receipt)
+        else:
+            self.counters.failed_ops += 1
+            self._device_full.give_back(pending.device_slots)
+            pending.load.result = LoadBack(
+                0, MatchResult(pending.start, tree.prefix_slots(anchor), anchor)
+            )
+        self.tier.unlock(pending.host_receipt)
+        tree.unlock(pending.device_receipt)
 
     # ------------------------------------------------------------------------------------------
     # Request life cycle (an engine's view: one call per phase)
     # ------------------------------------------------------------------------------------------
     def begin_request(self, key: RadixKey, *, priority: int = 0) -> TieredRequest:
-        """Start a request the way an engine does, over every tier: match at most
-        `len(key) - 1` tokens on device and host, take a prefetch from storage when one
-        started (by the prefetch policy), load the host part back to the device, then
-        `device_tree.begin_request` (match + lock). Returns the request and where its hit
-        came from. A failed or refused load leaves the shorter device hit."""
+        """Start a request the way an engine without a layer-wise forward does: match at most
+        `len(key) - 1` tokens on both tiers (counted once), take a prefetch from storage when
+        one started (by the prefetch policy), load the host part back to the device and wait
+        for all of it, then lock the device prefix. Returns the request and where its hit came
+        from. A failed or refused load leaves the shorter device hit."""
         usable = len(key) - 1
+        tree = self.device_tree
         match = self.match_prefix(key, max_len=usable)
         device_len, host_len = match.device.prefix_len, match.prefix_len
+        host_node = match.device.last_host_node
         if match.prefetch_id is not None:
             self.finish_prefetch(match.prefetch_id)
-        host = self.host_tree.match_prefix(key, max_len=usable)
-        if host.prefix_len > device_len:
-            self.load_back(host.last_node)
-        req = self.device_tree.begin_request(key, priority=priority, copy_state=False)
+            host_node = self.tier.match_key(key, usable).last_host_node
+        if host_node is not None:
+            self.load_back(host_node)
+        final = self.tier.match_key(key, usable)
+        req = CacheRequest(
+            key=key,
+            kv_indices=final.device_indices,
+            cached_len=final.prefix_len,
+            hit_len=final.prefix_len,
+            receipt=tree.lock(final.last_node),
+            priority=priority,
+            page_size=self.page_size,
+        )
         hit = req.cached_len
         from_device = min(hit, device_len)
         from_host = max(min(hit, host_len) - from_device, 0)
@@ -355,15 +426,16 @@ class HierarchicalCache:
         if self.params.write_policy is WritePolicy.WRITE_THROUGH and len(key):
             node = node_at(self.device_tree, key)
             if node is not None:
-                self._write(key, node, None)
+                self._write(key, node)
 
     # ------------------------------------------------------------------------------------------
     # Insert and eviction
     # ------------------------------------------------------------------------------------------
     def insert(self, key: RadixKey, value: torch.Tensor, *, cached_len: int = 0) -> InsertResult:
-        """`device_tree.insert`, then the write policy: under write_through the new device
-        pages are queued for a host write. Same contract as `UnifiedRadixCache.insert` (the
-        caller frees `result.duplicates(value)`)."""
+        """`device_tree.insert` (off-device nodes on the key take `value`'s slots again), then
+        the write policy: under write_through the new device pages are queued for a host
+        write. Same contract as `UnifiedRadixCache.insert` (the caller frees
+        `result.duplicates(value)`)."""
         result = self.device_tree.insert(key, value, cached_len=cached_len)
         self.inserted(key[: result.prefix_len + result.inserted_len], result.last_node)
         return result
@@ -373,13 +445,14 @@ class HierarchicalCache:
         callers that insert through the device tree's request life cycle). Under write_through
         the part not on the host is queued for a host write; otherwise nothing happens."""
         if self.params.write_policy is WritePolicy.WRITE_THROUGH and len(key):
-            self._write(key, node, None)
+            self._write(key, node)
 
     def evict_device(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` device tokens (or all that is evictable), in the device
-        tree's policy order. Under write_back each leaf is first written to the host (the
-        eviction waits for the copy). Writes still in flight hold device locks, so when short
-        this waits for them and tries again. Returns the tokens freed."""
+        """Free at least `num_tokens` device tokens (or all that is evictable), from the device
+        leaves in the tree's policy order: a leaf with a host copy goes off the device and stays
+        in the tree, one without leaves it. Under write_back each leaf is first written to the
+        host (the eviction waits for the copy). Writes still in flight hold device locks, so
+        when short this waits for them and tries again. Returns the tokens freed."""
         self.poll()
         freed = self._evict_device_once(num_tokens)
         if freed < num_tokens and any(isinstance(p, _Write) for p in self._pending.values()):
@@ -398,8 +471,7 @@ class HierarchicalCache:
             node = heap.peek()
             if node is None:
                 break
-            key = key_of(tree, node)
-            op_id = self._write(key, node, None)
+            op_id = self._write(key_of(tree, node), node)
             if op_id is not None:
                 began = time.perf_counter()
                 ack = self.controller.wait(op_id, self.params.transfer_timeout_s)
@@ -415,31 +487,11 @@ class HierarchicalCache:
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least `num_tokens` host tokens (or all that may go), in the host policy's
-        order, taking only host copies of data that is off the device (a copy of a prefix the
-        device still holds is what makes a later device eviction free under write-through)
-        and never pages locked by a transfer in flight. Returns the tokens freed. Cost: one
-        read-only device walk per candidate leaf skipped or taken, O(k log n) evictions."""
-        heap = self._host_full.heap
-        assert heap is not None, "a bound FullComponent has its heap"
-        tree = self.host_tree
-        skipped: list[LockReceipt] = []
-        freed = 0
-        try:
-            while freed < num_tokens:
-                node = heap.peek()
-                if node is None:
-                    break
-                key = key_of(tree, node)
-                if held_len(self.device_tree, key) >= len(key):
-                    skipped.append(tree.lock(node))  # out of the heap until we are done
-                    continue
-                got = tree.evict(EvictRequest.full(min(num_tokens - freed, len(node.value))))
-                if not got.num_evicted():
-                    break
-                freed += got.num_evicted()
-        finally:
-            for receipt in skipped:
-                tree.unlock(receipt)
+        order: host copies of nodes off the device, childless and not locked by a transfer;
+        each such node leaves the tree (storage keeps its pages). A copy of a prefix the device
+        still holds never goes (it is what makes a later device eviction free). Returns the
+        tokens freed. Cost: O(k log n)."""
+        freed = self.tier.evict(num_tokens)
         self.counters.host_evicted_tokens += freed
         return freed
 
@@ -447,9 +499,10 @@ class HierarchicalCache:
     # Acknowledgements
     # ------------------------------------------------------------------------------------------
     def poll(self) -> None:
-        """Commit every finished transfer: writes join the host tree (and start their storage
-        backup), prefetches join the host tree as far as they arrived, backups emit storage
-        events; failed ones release what they held. Never blocks."""
+        """Commit every finished transfer: writes give their nodes host values (and start
+        their storage backup), prefetches add host values as far as they arrived, loads give
+        their nodes device slots again, backups flag stored nodes; failed ones release what
+        they held. Never blocks."""
         if not self._pending:
             return
         for ack in self.controller.poll_acks():
@@ -481,10 +534,9 @@ class HierarchicalCache:
     def _on_ack(self, ack: Ack) -> None:
         pending = self._pending.pop(ack.op_id, None)
         if pending is None:
-            return  # not ours to commit (a load that load_back waited for itself)
+            return
         if isinstance(pending, _Load):
-            self._device_full.give_back(pending.device_slots)
-            self.host_tree.unlock(pending.host_receipt)
+            self._load_acked(pending, ack)
             return
         if ack.status is AckStatus.FAILED:
             self.counters.failed_ops += 1
@@ -498,19 +550,18 @@ class HierarchicalCache:
     # ------------------------------------------------------------------------------------------
     # Writes and backups
     # ------------------------------------------------------------------------------------------
-    def _write(self, key: RadixKey, node: TreeNode, host: MatchResult | None) -> int | None:
+    def _write(self, key: RadixKey, node: TreeNode) -> int | None:
         """Queue a host write of the part of `key` (ending at device node `node`) the host
         lacks. Returns the op id, or None when nothing is queued (already there, host full,
         queue full)."""
-        if host is None:
-            host = self.host_tree.match_prefix(key)
-        start, end = host.prefix_len, len(key)
+        anchor = self.tier.host_prefix(node)
+        start, end = _prefix_len(anchor), len(key)
         if start >= end:
             return None
-        host_receipt = self.host_tree.lock(host.last_node)
+        host_receipt = self.tier.lock(anchor)
         slots = self._alloc_host(end - start)
         if slots is None:
-            self.host_tree.unlock(host_receipt)
+            self.tier.unlock(host_receipt)
             return None
         device_receipt = self.device_tree.lock(node)
         device_slots = self.device_tree.prefix_slots(node)[start:end]
@@ -520,7 +571,7 @@ class HierarchicalCache:
             )
         except QueueFull:
             self.device_tree.unlock(device_receipt)
-            self.host_tree.unlock(host_receipt)
+            self.tier.unlock(host_receipt)
             self.host_allocator.free(slots)
             return None
         self._pending[op_id] = _Write(
@@ -535,31 +586,31 @@ class HierarchicalCache:
     def _write_acked(self, pending: _Write, ack: Ack) -> None:
         self.device_tree.unlock(pending.device_receipt)
         if not ack.ok:
-            self.host_tree.unlock(pending.host_receipt)
+            self.tier.unlock(pending.host_receipt)
             self.host_allocator.free(pending.host_slots)
             return
         num = len(pending.host_slots)
-        receipt = self._commit_host(pending.host_receipt, pending.key, pending.host_slots, num)
+        receipt = self.tier.commit(pending.host_receipt, pending.key, pending.host_slots)
         self.counters.written_tokens += num
         self.counters.bytes_d2h += num // self.page_size * self._page_bytes
         if self._backups:
             self._backup(receipt, pending.key, pending.start)
         else:
-            self.host_tree.unlock(receipt)
+            self.tier.unlock(receipt)
 
-    def _backup(self, receipt: LockReceipt, key: RadixKey, start: int) -> None:
+    def _backup(self, receipt: HostReceipt, key: RadixKey, start: int) -> None:
         """Queue host -> storage of the pages of `key` from `start` on (the prefix ending at the
-        locked host node); the lock passes to the backup until its ack."""
+        host-locked node); the lock passes to the backup until its ack."""
         node = receipt.anchor
-        keys = prefix_page_keys(self.host_tree, node)
+        keys = self.tier.page_keys(node)
         first = start // self.page_size
-        pages = self.host_tree.prefix_slots(node)[start :: self.page_size] // self.page_size
+        pages = self.tier.host_slots(node)[start :: self.page_size] // self.page_size
         try:
             op_id = self.controller.submit_backup(
                 BackupOp(keys=keys[first:], host_pages={_MEMBER: pages.tolist()})
             )
         except QueueFull:
-            self.host_tree.unlock(receipt)
+            self.tier.unlock(receipt)
             return
         parent = keys[first - 1] if first else None
         self._pending[op_id] = _Backup(
@@ -567,9 +618,9 @@ class HierarchicalCache:
         )
 
     def _backup_acked(self, pending: _Backup, ack: Ack) -> None:
-        self.host_tree.unlock(pending.host_receipt)
         done = ack.num_pages_done if ack.status is not AckStatus.FAILED else 0
         self._mark_stored(pending, done * self.page_size)
+        self.tier.unlock(pending.host_receipt)
         if done:
             self.counters.backed_up_tokens += done * self.page_size
             self.counters.bytes_storage_set += done * self._page_bytes
@@ -584,10 +635,10 @@ class HierarchicalCache:
             )
 
     def _mark_stored(self, pending: _Backup, num_tokens: int) -> None:
-        """Flag the host nodes whose whole run lies in the stored range (`TreeNode.in_storage`:
-        what the tier knows of storage; the storage may still evict those pages later)."""
+        """Flag the nodes whose whole run lies in the stored range (`TreeNode.in_storage`: what
+        the tier knows of storage; the storage may still evict those pages later)."""
         node = pending.host_receipt.anchor
-        end = len(pending.key)
+        end = _prefix_len(node)
         lo = end - len(pending.keys) * self.page_size  # the backup covered key[lo:end]
         hi = lo + num_tokens  # and storage acknowledged key[lo:hi]
         while node.parent is not None and end > lo:
@@ -599,9 +650,11 @@ class HierarchicalCache:
     # ------------------------------------------------------------------------------------------
     # Prefetch
     # ------------------------------------------------------------------------------------------
-    def _start_prefetch(self, key: RadixKey, host: MatchResult, end: int) -> int | None:
+    def _start_prefetch(self, key: RadixKey, anchor: TreeNode, end: int) -> int | None:
+        """Prefetch `key[start:end]` from storage into new host pages, `start` the end of the
+        host prefix ending at `anchor` (host values stay prefix-closed)."""
         page = self.page_size
-        start = host.prefix_len
+        start = _prefix_len(anchor)
         share = self.controller.params.prefetch_host_share
         limit = (
             int(share * self.host_allocator.num_pages)
@@ -611,13 +664,13 @@ class HierarchicalCache:
         if num_pages <= 0:
             self.counters.prefetches_skipped += 1
             return None
-        receipt = self.host_tree.lock(host.last_node)
+        receipt = self.tier.lock(anchor)
         slots = self._alloc_host(num_pages * page)
         if slots is None:
-            self.host_tree.unlock(receipt)
+            self.tier.unlock(receipt)
             self.counters.prefetches_skipped += 1
             return None
-        parent = prefix_page_keys(self.host_tree, host.last_node)[-1] if start else None
+        parent = self.tier.page_keys(anchor)[-1] if start else None
         keys = self.keyer.page_keys(
             key.tokens()[start : start + num_pages * page],
             extra_key=key.extra_key,
@@ -636,7 +689,7 @@ class HierarchicalCache:
         except QueueFull:
             op_id = None
         if op_id is None:
-            self.host_tree.unlock(receipt)
+            self.tier.unlock(receipt)
             self.host_allocator.free(slots)
             self.counters.prefetches_skipped += 1
             return None
@@ -650,14 +703,11 @@ class HierarchicalCache:
         return (ack.num_pages_done if ack.status is not AckStatus.FAILED else 0) * self.page_size
 
     def _commit_prefetch(self, pending: _Prefetch, upto: int) -> int:
-        """Hand host_slots[committed:upto] (arrived) to the host tree; returns tokens added."""
+        """Hand host_slots[committed:upto] (arrived) to the tree; returns tokens added."""
         got = upto - pending.committed
         key = pending.key[: pending.start + upto]
-        pending.host_receipt = self._commit_host(
-            pending.host_receipt,
-            key,
-            pending.host_slots[pending.committed : upto],
-            upto - pending.committed,
+        pending.host_receipt = self.tier.commit(
+            pending.host_receipt, key, pending.host_slots[pending.committed : upto]
         )
         pending.committed = upto
         self.counters.storage_hit_tokens += got
@@ -673,30 +723,11 @@ class HierarchicalCache:
         rest = pending.host_slots[max(done, pending.committed) :]
         if len(rest):
             self.host_allocator.free(rest)
-        self.host_tree.unlock(pending.host_receipt)
+        self.tier.unlock(pending.host_receipt)
 
     # ------------------------------------------------------------------------------------------
     # Shared steps
     # ------------------------------------------------------------------------------------------
-    def _commit_host(
-        self, receipt: LockReceipt, key: RadixKey, new_slots: torch.Tensor, num: int
-    ) -> LockReceipt:
-        """Insert `key` into the host tree: its head is the prefix ending at the locked
-        `receipt.anchor`, its last `num` tokens are `new_slots` (now the tree's; those already
-        present are freed). Moves the lock to the new last node and returns it."""
-        base = self.host_tree.prefix_slots(receipt.anchor)
-        assert len(base) + num == len(key), (
-            f"host commit: {len(base)} held + {num} new != key of {len(key)} tokens"
-        )
-        value = torch.cat([base, new_slots[:num]])
-        result = self.host_tree.insert(key, value, cached_len=len(base))
-        duplicates = result.duplicates(value)
-        if len(duplicates):
-            self.host_allocator.free(duplicates)
-        moved = self.host_tree.lock(result.last_node)
-        self.host_tree.unlock(receipt)
-        return moved
-
     def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
         slots = self.host_allocator.alloc(num_tokens)
         if slots is None:
@@ -719,47 +750,49 @@ class HierarchicalCache:
     # ------------------------------------------------------------------------------------------
     def take_events(self) -> list[KVEvent]:
         """Drain the events of every tier, each carrying its tier: the device tree's (when it
-        was built with events), the host tree's (re-tagged `host`), storage backups."""
+        was built with events), the host tier's (`host`), storage backups (`storage`)."""
         out = list(self.device_tree.take_events())
-        out.extend(replace(event, tier=HOST_TIER) for event in self.host_tree.take_events())
+        out.extend(self.tier.take_events())
         out.extend(self._events)
         self._events = []
         return out
 
     def reset(self) -> None:
-        """Wait for every transfer, then empty both trees (every device and host slot back to
+        """Wait for every transfer, then empty the tree (every device and host slot back to
         its allocator; AllBlocksCleared on both tiers). TreeLocked while a request holds a
         device lock. Storage keeps its pages."""
         self.drain()
+        self.tier.reset()
         self.device_tree.reset()
-        self.host_tree.reset()
 
     @property
     def num_pending(self) -> int:
-        """Transfers this cache has in flight (writes, backups, prefetches)."""
+        """Transfers this cache has in flight (writes, backups, prefetches, loads)."""
         return len(self._pending)
 
     def check_integrity(self, held: dict[str, int] | None = None) -> None:
-        """Both tiers: the device tree (free + evictable + protected + `held` == capacity), the
-        host tree (host free + host evictable + host protected == host capacity), the host
-        allocator, the controller's bookkeeping, and that every lock the cache holds belongs to
-        a transfer in flight. Raises IntegrityError. O(nodes)."""
+        """Both tiers of the one tree: device free + evictable + protected + `held` (+ the
+        slots of loads in flight) == device capacity; host free + evictable + protected + in
+        flight == host capacity; both tiers prefix-closed, off-device nodes carry a host value;
+        device and host lock counts equal their receipts, and every host lock belongs to a
+        transfer in flight; the host allocator and the controller's bookkeeping. Raises
+        IntegrityError. O(nodes)."""
         device_held = dict(held or {})
-        late = sum(len(p.device_slots) for p in self._pending.values() if isinstance(p, _Load))
-        device_held["full"] = device_held.get("full", 0) + late
+        loading = sum(len(p.device_slots) for p in self._pending.values() if isinstance(p, _Load))
+        device_held["full"] = device_held.get("full", 0) + loading
         self.device_tree.check_integrity(device_held)
-        # Host slots a transfer holds outside the host tree: a write's or prefetch's new pages
-        # until their ack commits them.
+        # Host slots a transfer holds outside the tree: a write's or prefetch's new pages until
+        # their ack commits them.
         in_flight = sum(
             len(p.host_slots) - (p.committed if isinstance(p, _Prefetch) else 0)
             for p in self._pending.values()
             if isinstance(p, (_Write, _Prefetch))
         )
-        self.host_tree.check_integrity({"full": in_flight})
+        self.tier.check_integrity(in_flight)
         self.host_allocator.check_integrity()
         self.controller.check_integrity()
-        if self.host_tree.num_locked != len(self._pending):
+        if self.tier.num_locked != len(self._pending):
             raise IntegrityError(
-                f"host tree has {self.host_tree.num_locked} locks, but {len(self._pending)} "
+                f"the host tier has {self.tier.num_locked} locks, but {len(self._pending)} "
                 "transfers are in flight (each holds exactly one)"
             )

@@ -4,12 +4,16 @@ Layout (component 0 is always `FullComponent`; its data lives in plain attribute
 hot loop reads it):
 
     key           bytes      int64 token ids of the run, a whole number of pages
-    value         ndarray    Full: device slot of each token (int64, owned by the tree)
+    value         ndarray    Full: device slot of each token (int64, owned by the tree); empty
+                             = off the device (hierarchical mode only: the host copy remains)
     lock_ref      int        Full: running requests protecting this node
     comp_values   list       per component index >= 1: its data or None (a tombstone)
     comp_locks    list[int]  per component index >= 1: its lock count
     children      dict       first page's bytes -> child (at the root: (namespace, bytes));
                              a leaf shares the read-only NO_CHILDREN instead of its own dict
+    host_value    ndarray    hierarchical mode: host token slot of each token, or None
+    host_lock_ref int        hierarchical mode: transfers protecting the host copy
+    in_storage    bool       hierarchical mode: storage acknowledged this node's pages
 
 A node's namespace is the one of the root child it descends from, so below the root a child is
 found by the bytes of its first page alone.
@@ -98,14 +102,21 @@ class TreeNode:
             self.comp_locks = None
         # Chained page keys of this run (kvstrata.storage.PageKeyer), computed lazily.
         self.page_keys: list[bytes] | None = None
-        # Hierarchical mode (host tier, L3); reserved, no logic yet.
-        self.host_value: list[ComponentValue] | None = None
+        # Hierarchical mode (host_tier.py): host slots of this run, their lock count, and
+        # whether storage holds the pages. Device-only trees never touch them.
+        self.host_value: npt.NDArray[np.int64] | None = None
         self.host_lock_ref = 0
         self.in_storage = False
 
     @property
     def num_tokens(self) -> int:
         return len(self.key) // TOKEN_BYTES
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the device holds this run (False only for a hierarchical node kept for its
+        host copy; every node of a device-only tree is on the device)."""
+        return len(self.value) > 0
 
     @property
     def is_root(self) -> bool:

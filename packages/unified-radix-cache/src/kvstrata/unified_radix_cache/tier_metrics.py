@@ -100,15 +100,15 @@ class TierCacheCollector(Collector):
         yield self._counter(
             "transfer_wait_seconds", "Time callers waited for transfers.", c.transfer_wait_seconds
         )
-        host = cache.host_tree
+        host = cache.tier
         yield self._by(
             "host_tokens",
             "Host tier tokens by state.",
             "state",
             {
                 "free": cache.host_allocator.available_size(),
-                "evictable": host.evictable_size(),
-                "protected": host.protected_size(),
+                "evictable": host.evictable_size,
+                "protected": host.protected_size,
             },
             gauge=True,
         )

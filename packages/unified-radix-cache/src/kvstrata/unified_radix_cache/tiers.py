@@ -1,19 +1,20 @@
-"""Types of the hierarchical mode: write policy, tier parameters, tiered match results, counters.
+"""Types of the hierarchical mode: write policy, tier parameters, tiered match results, the
+per-layer load-back handle, counters.
 
-The hierarchical cache (hierarchy.py) keeps the device tier in a `UnifiedRadixCache` over the
-device allocator and the host tier in a second one over the host slot allocator, so that each
-tier keeps its own locks, eviction policy and `free + evictable + protected == capacity` sum.
+The hierarchical cache (hierarchy.py) keeps both tiers on the nodes of one `UnifiedRadixCache`
+(device slots in `node.value`, host slots in `node.host_value`, see host_tier.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
 
 import torch
 
-from kvstrata.hybrid_cache import PrefetchPolicy, PrefetchTimeout
+from kvstrata.hybrid_cache import LoadHandle, PrefetchPolicy, PrefetchTimeout
 from kvstrata.unified_radix_cache.errors import InvalidConfig
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.policies import POLICIES
@@ -104,6 +105,56 @@ class LoadBack(NamedTuple):
 
     loaded_len: int
     match: MatchResult
+
+
+class TierLoad:
+    """A load-back in flight (`HierarchicalCache.start_load_back`).
+
+    `wait_layer(i)` returns once layer i's pages are on the device, so an engine's attention
+    for layer i waits only for layer i; the tree commits the load (the nodes get their device
+    slots back) only on the op's acknowledgement: at `wait()`, or at the cache's next `poll` /
+    `drain`. Until then the loaded slots are not in the tree and a request must not be built
+    on them. A load that was not started (nothing to load, no device room) is done at once
+    with `loaded_len` 0. `num_tokens`: tokens being loaded.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_tokens: int,
+        handle: LoadHandle | None,
+        finish: Callable[[TierLoad, float | None], LoadBack | None],
+        result: LoadBack | None = None,
+    ) -> None:
+        self.num_tokens = num_tokens
+        self.handle = handle
+        self._finish = finish
+        self.result = result
+
+    @property
+    def op_id(self) -> int | None:
+        """The controller's op id (None when no load was submitted)."""
+        return None if self.handle is None else self.handle.op_id
+
+    @property
+    def done(self) -> bool:
+        """Committed (or failed, or never started): `result` is set."""
+        return self.result is not None
+
+    def wait_layer(self, layer_id: int, timeout_s: float | None = None) -> bool:
+        """Block until layer `layer_id` has arrived (True) or `timeout_s` passed (False).
+        Commits nothing. LayerLoadFailed when the load failed before that layer arrived."""
+        if self.handle is None:
+            return True
+        return self.handle.wait_layer(layer_id, timeout_s)
+
+    def wait(self, timeout_s: float | None = None) -> LoadBack | None:
+        """Wait for the acknowledgement and commit: the result (loaded_len 0 when the load
+        failed: the slots were freed and the tree is unchanged), or None when `timeout_s`
+        passed first (the load stays in flight; a later poll commits it)."""
+        if self.result is not None:
+            return self.result
+        return self._finish(self, timeout_s)
 
 
 @dataclass(kw_only=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -50,6 +50,9 @@ from kvstrata.unified_radix_cache.results import (
     LockReceipt,
     MatchResult,
 )
+
+if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.host_tier import HostTier
 
 # Shared by every empty match result: a tensor over it has no element to write and its storage
 # (numpy's) cannot be resized, so no caller can change it.
@@ -122,6 +125,10 @@ class UnifiedRadixCache:
         self._events: EventLog | None = None
         if keyer is not None and enable_events and not disable:
             self._events = EventLog(keyer)
+        # Hierarchical mode (host_tier.py). `_slow` sends match and insert off the Full-only
+        # fast path, so a device-only tree pays one attribute test per call and nothing more.
+        self.host_tier: HostTier | None = None
+        self._slow = bool(self._extras)
         # Counters read by RadixCacheCollector (tokens unless said otherwise).
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -196,6 +203,24 @@ class UnifiedRadixCache:
             component.flush()
 
     @property
+    def keyer(self) -> PageKeyer | None:
+        """The page keyer of this tree's events (None when events are off)."""
+        return self._events.keyer if self._events is not None else None
+
+    def attach_host_tier(self, tier: HostTier) -> None:
+        """Hierarchical mode: from now on match, insert and Full eviction take `tier`'s walks
+        (host values on the nodes). Refused on a non-empty, hybrid or already tiered tree."""
+        if self.host_tier is not None:
+            raise InvalidConfig("this tree already has a host tier")
+        if self._extras:
+            raise InvalidConfig("hierarchical mode supports Full-only trees")
+        if self.num_nodes:
+            raise InvalidConfig("attach the host tier to an empty tree")
+        self.host_tier = tier
+        self._slow = True
+        self._full.tiered = True
+
+    @property
     def num_locked(self) -> int:
         """Outstanding lock receipts."""
         return len(self._receipts)
@@ -224,7 +249,9 @@ class UnifiedRadixCache:
         root = self._root
         if end == 0 or self.disabled:
             return MatchResult(0, self._full.to_device(_EMPTY_SLOTS), root)
-        if self._extras:
+        if self._slow:
+            if self.host_tier is not None:
+                return self.host_tier.match(key, data, end)
             return self._match_hybrid(key, data, end, copy_state)
         page_bytes = self._page_bytes
         self._tick += 1
@@ -359,7 +386,9 @@ class UnifiedRadixCache:
         root = self._root
         if end == 0 or self.disabled:
             return InsertResult(0, 0, root, cached_len=cached_len)
-        if self._extras:
+        if self._slow:
+            if self.host_tier is not None:
+                return self.host_tier.insert(key, data, end, slots, cached_len, priority)
             return self._insert_hybrid(key, data, end, slots, cached_len, priority, comp_inputs)
         # Full-only fast path: the same walk as match_prefix, no hook calls.
         page_bytes = self._page_bytes
@@ -562,6 +591,11 @@ class UnifiedRadixCache:
         upper.hit_count = node.hit_count
         upper.priority = node.priority
         upper.in_storage = node.in_storage
+        host_value = node.host_value
+        if host_value is not None:
+            upper.host_value = host_value[:num_tokens]
+            node.host_value = host_value[num_tokens:]
+            upper.host_lock_ref = node.host_lock_ref
         parent.children[
             (node.namespace, key[: self._page_bytes])
             if parent is self._root
@@ -588,7 +622,7 @@ class UnifiedRadixCache:
         assert not node.children and node.lock_ref == 0 and node.parent is not None, (
             f"remove_leaf({node.id}): not an unlocked leaf"
         )
-        if self._events is not None:
+        if self._events is not None and len(node.value):
             self._events.removed(self, node)
         for component in self._extras:
             if component.node_size(node):
@@ -609,8 +643,12 @@ class UnifiedRadixCache:
         self.num_nodes -= 1
         if not children and parent.parent is not None:
             parent.children = NO_CHILDREN
-            if parent.lock_ref == 0:
+            if self.host_tier is not None:
+                self.host_tier.on_child_gone(parent)
+            elif parent.lock_ref == 0:
                 self._heap.push(parent)
+        elif self.host_tier is not None and parent.parent is not None:
+            self.host_tier.on_child_gone(parent)
         return size
 
     def truncate_leaf(self, node: TreeNode, keep: int) -> int:
@@ -667,6 +705,60 @@ class UnifiedRadixCache:
                     freed = amount
         return freed
 
+    # -- hierarchical mode (host_tier.py walks the nodes with these) -----------------------
+    def next_tick(self) -> int:
+        """Advance and return the access clock (one tick per match or insert)."""
+        self._tick += 1
+        return self._tick
+
+    def common_bytes(self, ck: bytes, data: bytes, pos: int, end: int) -> int:
+        """Whole-page bytes of node key `ck` equal to `data[pos:end]` (first page equal)."""
+        return self._common_bytes(ck, data, pos, end)
+
+    def add_leaf(
+        self,
+        parent: TreeNode,
+        data: bytes,
+        pos: int,
+        end: int,
+        slots: npt.NDArray[np.int64],
+        namespace: Namespace | None,
+        tick: int,
+        priority: int,
+    ) -> TreeNode:
+        """A new on-device leaf under `parent` for `data[pos:end]` with a copy of its slots
+        (device sizes, heap and events updated). `parent` must be on the device (or the root)."""
+        return self._add_leaf(parent, data, pos, end, slots, namespace, tick, priority)
+
+    def add_off_device_child(
+        self,
+        parent: TreeNode,
+        key: bytes,
+        namespace: Namespace | None,
+        tick: int,
+    ) -> TreeNode:
+        """A new node under `parent` for `key` that holds no device slots (the caller gives it
+        a host value). Only the structure changes: no size, heap or event."""
+        node = self._new_node(
+            key=key, value=_EMPTY_SLOTS, parent=parent, namespace=namespace, tick=tick
+        )
+        children = parent.children
+        if children is NO_CHILDREN:
+            parent.children = children = {}
+        first = key[: self._page_bytes]
+        children[(namespace, first) if parent is self._root else first] = node
+        return node
+
+    def emit_stored(self, node: TreeNode) -> None:
+        """Queue a device-tier BlockStored for `node`'s pages (when events are on)."""
+        if self._events is not None:
+            self._events.stored(self, node)
+
+    def emit_removed(self, node: TreeNode) -> None:
+        """Queue a device-tier BlockRemoved for `node`'s pages (when events are on)."""
+        if self._events is not None:
+            self._events.removed(self, node)
+
     def _new_root(self) -> TreeNode:
         root = TreeNode(0, b"", _EMPTY_SLOTS, None, None, 0, self._num_components)
         root.lock_ref = 1  # the root is shared by every namespace and never evicted
@@ -707,7 +799,10 @@ class UnifiedRadixCache:
             freed_before, nodes_before = full.evicted_total, self.num_nodes
             amount = targets.get("full", 0)
             if amount > 0:
-                full.evict(amount)
+                if self.host_tier is not None:
+                    self.host_tier.evict_device(amount)
+                else:
+                    full.evict(amount)
                 full.flush()
             seconds = time.perf_counter() - start
             self.evict_calls += 1

@@ -231,4 +231,3 @@ class LRUListComponent(TreeComponent):
                 break
             freed += tree.evict_component(node, self)
         return freed
-

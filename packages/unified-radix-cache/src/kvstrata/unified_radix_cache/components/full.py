@@ -46,6 +46,8 @@ class FullComponent(TreeComponent):
             self._free_size = allocator.available_size
             self._capacity = int(allocator.size)
         self.heap: LeafHeap | None = None
+        #: Set when the tree gets a host tier: a device leaf may then have off-device children.
+        self.tiered = False
 
     def bind(self, tree: UnifiedRadixCache, index: int) -> None:
         super().bind(tree, index)
@@ -146,6 +148,8 @@ class FullComponent(TreeComponent):
                 moved += len(node.value)
                 if not node.children:
                     heap.push(node)
+                elif self.tiered and not any(len(c.value) for c in node.children.values()):
+                    heap.push(node)  # hierarchical: only off-device children below it
             node = parent
             parent = node.parent
         self.evictable_size += moved
@@ -155,12 +159,21 @@ class FullComponent(TreeComponent):
     def check_node(self, node: TreeNode) -> None:
         assert self.heap is not None
         in_heap = node in self.heap
-        should = not node.children and node.lock_ref == 0
+        if self.tree.host_tier is not None:
+            # Hierarchical: a device leaf is an on-device node without an on-device child.
+            should = (
+                node.on_device
+                and node.lock_ref == 0
+                and not any(c.on_device for c in node.children.values())
+            )
+        else:
+            should = not node.children and node.lock_ref == 0
         if in_heap != should:
             raise IntegrityError(
                 f"node {node.id}: in evictable-leaf heap={in_heap}, but leaf and unlocked={should}"
             )
-        if node.value.dtype != np.int64 or len(node.value) != node.num_tokens:
+        off_device = not node.on_device and node.host_value is not None
+        if node.value.dtype != np.int64 or (len(node.value) != node.num_tokens and not off_device):
             raise IntegrityError(
                 f"node {node.id}: {len(node.value)} Full slots for {node.num_tokens} tokens"
             )

@@ -1,0 +1,517 @@
+"""`HostTier`: the host copies of a hierarchical `UnifiedRadixCache`, kept on the tree's own nodes.
+
+One tree, two tiers per node (SGLang HiRadixCache style): `node.value` holds the device slots and
+`node.host_value` the host slots of the same run. Both are prefix-closed along every path (a node
+on the device, or on the host, implies its ancestors are), and a node off the device carries a
+host value (it is kept only for its host copy):
+
+    root - A (device + host) - B (device) - C (device)        device hit: A B C
+                             \\ D (host only) - E (host only)  host hit beyond A: D E
+
+The tier attaches itself to the tree (`tree.host_tier`), which then sends match, insert and Full
+eviction here instead of its Full-only fast path:
+- match: the device hit is the run of on-device nodes; the host hit continues over off-device
+  nodes (`MatchResult.host_hit_len`, `last_host_node`);
+- insert: an off-device node the key runs over takes the caller's slots again (revive; reported
+  as adopted, so the caller does not free them);
+- device eviction: device leaves are on-device nodes without an on-device child; one with a host
+  copy goes off the device (the node stays), one without leaves the tree (it has no children);
+- host eviction: off-device, childless, host-unlocked nodes in the host policy's order; the node
+  leaves the tree (storage keeps its pages).
+
+A host lock (`HostReceipt`) protects the host values on the path to the root, like Full's device
+lock: transfers in flight hold one. The device `LeafHeap` and the host one share `heap_entry`:
+a node is in at most one of them (device leaves are on the device, host candidates are not).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvstrata.storage.keys import PageKeyer
+from kvstrata.unified_radix_cache.components.full import FullComponent
+from kvstrata.unified_radix_cache.errors import (
+    ForeignNode,
+    IntegrityError,
+    InvalidConfig,
+    NoHostCopy,
+    ReceiptAlreadyReleased,
+    TreeLocked,
+)
+from kvstrata.unified_radix_cache.events import EventLog, KVEvent
+from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
+from kvstrata.unified_radix_cache.node import TreeNode
+from kvstrata.unified_radix_cache.policies import LeafHeap, make_policy
+from kvstrata.unified_radix_cache.results import InsertResult, MatchResult
+
+if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.components.base import SlotSink
+    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+
+HOST_TIER = "host"
+_NO_SLOTS = np.empty(0, dtype=np.int64)
+
+
+class HostReceipt(NamedTuple):
+    """Proof of one `HostTier.lock(anchor)`: hand it to `unlock` exactly once."""
+
+    receipt_id: int
+    anchor: TreeNode
+
+
+class HostTier:
+    """Host values, host locks, host sizes and host eviction of one Full-only tree.
+
+    `host`: the host slot allocator (as a `SlotSink`; its indices are CPU token slots).
+    `eviction_policy`: order of host eviction (lru, lfu, fifo, mru, filo, priority).
+    `keyer`: names pages for host events and storage (the tree's own when it has events).
+    Building one attaches it to `tree` (which must be empty and Full-only).
+    """
+
+    def __init__(
+        self,
+        tree: UnifiedRadixCache,
+        host: SlotSink,
+        *,
+        eviction_policy: str = "lru",
+        keyer: PageKeyer | None = None,
+    ) -> None:
+        full = tree.components[0]
+        assert isinstance(full, FullComponent) and full.heap is not None, "a bound Full tree"
+        keyer = tree.keyer or keyer or PageKeyer(page_size=tree.page_size)
+        if keyer.page_size != tree.page_size:
+            raise InvalidConfig(f"keyer page size {keyer.page_size} != {tree.page_size}")
+        self.tree = tree
+        self.host = host
+        self.keyer = keyer
+        self._full = full
+        self._device_heap = full.heap
+        self.heap = LeafHeap(make_policy(eviction_policy))
+        self._page_bytes = tree.page_size * TOKEN_BYTES
+        self._log = EventLog(keyer)
+        self._receipts: dict[int, HostReceipt] = {}
+        self._ids = itertools.count(1)
+        #: Host tokens not locked / locked by a transfer, and tokens host eviction freed.
+        self.evictable_size = 0
+        self.protected_size = 0
+        self.evicted_total = 0
+        tree.attach_host_tier(self)
+
+    # ------------------------------------------------------------------------------------------
+    # Match and insert (called by the tree in place of its fast path)
+    # ------------------------------------------------------------------------------------------
+    def match(self, key: RadixKey, data: bytes, end: int, *, count: bool = True) -> MatchResult:
+        """The device hit of `data[:end]` and the host hit beyond it. Splits the node where the
+        match ends; touches the matched nodes (both heaps re-keyed). With `count`, adds the hits
+        to the tree's hit counters (the tree counted the query). O(K + depth)."""
+        tree = self.tree
+        page_bytes = self._page_bytes
+        path: list[TreeNode] = []
+        pos = 0
+        node = tree.root
+        child = node.children.get((key.namespace, data[:page_bytes]))
+        while child is not None:
+            ck = child.key
+            step = len(ck)
+            if pos + step <= end and data.startswith(ck, pos):
+                node = child
+            else:
+                step = tree.common_bytes(ck, data, pos, end)
+                node = tree.split_node(child, step // TOKEN_BYTES)
+            path.append(node)
+            pos += step
+            if pos >= end or node is not child:
+                break
+            child = node.children.get(data[pos : pos + page_bytes])
+        on_device = 0
+        while on_device < len(path) and len(path[on_device].value):
+            on_device += 1
+        tick = tree.next_tick()
+        for item in path:
+            item.last_access = tick
+            item.hit_count += 1
+        device_nodes, host_nodes = path[:on_device], path[on_device:]
+        last = device_nodes[-1] if device_nodes else tree.root
+        last_host = host_nodes[-1] if host_nodes else None
+        if last in self._device_heap:
+            self._device_heap.push(last)  # re-key for the new access time
+        if last_host is not None and last_host in self.heap:
+            self.heap.push(last_host)
+        device_len = sum(len(n.value) for n in device_nodes)
+        host_len = sum(n.num_tokens for n in host_nodes)
+        if count:
+            tree.hit_tokens += device_len
+            tree.host_hit_tokens += host_len
+        slots = np.concatenate([n.value for n in device_nodes]) if device_nodes else _NO_SLOTS
+        return MatchResult(device_len, self._full.to_device(slots), last, host_len, last_host)
+
+    def match_key(self, key: RadixKey, max_len: int | None = None) -> MatchResult:
+        """`match` of at most `max_len` whole pages of `key` without touching any counter
+        (for a cache re-matching a key it already counted)."""
+        data = key.cached_bytes or key.token_bytes()
+        end = len(data) if max_len is None else min(len(data), max(max_len, 0) * TOKEN_BYTES)
+        end -= end % self._page_bytes
+        if end == 0 or self.tree.disabled:
+            return MatchResult(0, self._full.to_device(_NO_SLOTS), self.tree.root)
+        return self.match(key, data, end, count=False)
+
+    def insert(
+        self,
+        key: RadixKey,
+        data: bytes,
+        end: int,
+        slots: npt.NDArray[np.int64],
+        cached_len: int,
+        priority: int,
+    ) -> InsertResult:
+        """The tree's insert: off-device nodes the key runs over take the caller's slots again
+        (revive; listed in `adopted`), a new leaf takes the rest. O(K + depth)."""
+        tree = self.tree
+        page_bytes = self._page_bytes
+        tick = tree.next_tick()
+        namespace = key.namespace
+        node = tree.root
+        pos = 0
+        adopted: list[tuple[int, int]] = []
+        child = node.children.get((namespace, data[:page_bytes]))
+        while child is not None:
+            ck = child.key
+            step = len(ck)
+            if pos + step <= end and data.startswith(ck, pos):
+                node = child
+            else:
+                step = tree.common_bytes(ck, data, pos, end)
+                node = tree.split_node(child, step // TOKEN_BYTES)
+            node.last_access = tick
+            if priority > node.priority:
+                node.priority = priority
+            if not len(node.value):
+                start = pos // TOKEN_BYTES
+                assert start >= cached_len, (
+                    f"insert: node {node.id} is off the device inside the caller's cached prefix"
+                )
+                self._revive(node, slots[start : start + node.num_tokens].copy())
+                adopted.append((start, start + node.num_tokens))
+            pos += step
+            if pos >= end or node is not child:
+                break
+            child = node.children.get(data[pos : pos + page_bytes])
+        prefix_len = pos // TOKEN_BYTES
+        if pos < end:
+            leaf = tree.add_leaf(node, data, pos, end, slots, namespace, tick, priority)
+            return InsertResult(prefix_len, len(leaf.value), leaf, tuple(adopted), (), cached_len)
+        if node in self._device_heap:
+            self._device_heap.push(node)
+        return InsertResult(prefix_len, 0, node, tuple(adopted), (), cached_len)
+
+    def _revive(self, node: TreeNode, value: npt.NDArray[np.int64]) -> None:
+        """Off-device `node` takes device slots `value` (its parent is on the device now)."""
+        assert node.lock_ref == 0, f"off-device node {node.id} holds a device lock"
+        self.heap.discard(node)
+        node.value = value
+        self._full.evictable_size += len(value)
+        parent = node.parent
+        assert parent is not None, "the root is never off the device"
+        self._device_heap.discard(parent)
+        self._device_heap.push(node)  # its children are all off the device (closure)
+        self.tree.emit_stored(node)
+
+    # ------------------------------------------------------------------------------------------
+    # Device eviction
+    # ------------------------------------------------------------------------------------------
+    def evict_device(self, amount: int) -> int:
+        """Free at least `amount` device tokens from device leaves in policy order, the last one
+        page-granular (split; the tail goes). A leaf with a host copy goes off the device and
+        stays; one without leaves the tree. Slots are queued on Full (the tree flushes)."""
+        heap = self._device_heap
+        page = self.tree.page_size
+        freed = 0
+        while freed < amount:
+            node = heap.peek()
+            if node is None:
+                break
+            keep = len(node.value) - -(-(amount - freed) // page) * page
+            if keep > 0:
+                # The lower half keeps the node's identity and heap entry (still the top).
+                self.tree.split_node(node, keep)
+            heap.pop_peeked(node)
+            freed += self._drop_device(node)
+            if keep > 0:
+                break
+        return freed
+
+    def _drop_device(self, node: TreeNode) -> int:
+        size = len(node.value)
+        if node.host_value is None:
+            # No host copy: no host child either (closure), and no device child (a leaf).
+            assert not node.children, f"device leaf {node.id} without host copy has children"
+            self.tree.remove_leaf(node, evicted=True)
+            return size
+        self.tree.emit_removed(node)
+        full = self._full
+        full.queue_free(node.value)
+        full.evictable_size -= size
+        full.evicted_total += size
+        node.value = _NO_SLOTS
+        self._maybe_host_candidate(node)
+        parent = node.parent
+        assert parent is not None, "the root is never evicted"
+        if parent.parent is not None:
+            self._maybe_device_leaf(parent)
+        return size
+
+    def on_child_gone(self, parent: TreeNode) -> None:
+        """The tree removed a child of `parent` (not the root): it may be a leaf of a tier now."""
+        if len(parent.value):
+            self._maybe_device_leaf(parent)
+        else:
+            self._maybe_host_candidate(parent)
+
+    def _maybe_device_leaf(self, node: TreeNode) -> None:
+        if (
+            node.lock_ref == 0
+            and node not in self._device_heap
+            and not any(len(c.value) for c in node.children.values())
+        ):
+            self._device_heap.push(node)
+
+    def _maybe_host_candidate(self, node: TreeNode) -> None:
+        if not node.children and node.host_lock_ref == 0 and not len(node.value):
+            self.heap.push(node)
+
+    # ------------------------------------------------------------------------------------------
+    # Host values: commit, eviction, locks
+    # ------------------------------------------------------------------------------------------
+    def commit(self, receipt: HostReceipt, key: RadixKey, new_slots: torch.Tensor) -> HostReceipt:
+        """Host pages `new_slots` now hold `key[base:]`, where `key[:base]` is the prefix ending
+        at the locked `receipt.anchor`. Nodes on the key without a host value take theirs
+        (split where the key ends inside one); past the tree's end a node off the device is
+        added. Slots already covered by someone's host value are freed. The lock moves to the
+        node ending at the key; returns the new receipt (the old one is released)."""
+        tree = self.tree
+        data = key.token_bytes()
+        end = len(data)
+        new = new_slots.numpy()
+        base = end // TOKEN_BYTES - len(new)
+        used = np.zeros(len(new), dtype=bool)
+        page_bytes = self._page_bytes
+        tick = tree.next_tick()
+        pos = 0
+        node = tree.root
+        child = node.children.get((key.namespace, data[:page_bytes]))
+        while child is not None:
+            ck = child.key
+            step = len(ck)
+            if pos + step <= end and data.startswith(ck, pos):
+                node = child
+            else:
+                step = tree.common_bytes(ck, data, pos, end)
+                node = tree.split_node(child, step // TOKEN_BYTES)
+            if node.host_value is None:
+                lo = pos // TOKEN_BYTES - base
+                assert lo >= 0, f"host commit: node {node.id} lacks a host copy inside the prefix"
+                self._set_host(node, new[lo : lo + node.num_tokens].copy())
+                used[lo : lo + node.num_tokens] = True
+            pos += step
+            if pos >= end or node is not child:
+                break
+            child = node.children.get(data[pos : pos + page_bytes])
+        if pos < end:
+            lo = pos // TOKEN_BYTES - base
+            self.heap.discard(node)  # an off-device node that gets a child is no candidate
+            node = tree.add_off_device_child(node, data[pos:end], key.namespace, tick)
+            self._set_host(node, new[lo:].copy())
+            used[lo:] = True
+            self.heap.push(node)
+        if not used.all():
+            self.host.free(torch.from_numpy(new[~used]))
+        moved = self.lock(node)
+        self.unlock(receipt)
+        return moved
+
+    def _set_host(self, node: TreeNode, value: npt.NDArray[np.int64]) -> None:
+        assert node.host_lock_ref == 0, f"node {node.id} host-locked without a host value"
+        node.host_value = value
+        self.evictable_size += len(value)
+        self._log.stored(self.tree, node)
+
+    def evict(self, amount: int) -> int:
+        """Free at least `amount` host tokens (or all that may go): whole off-device, childless,
+        host-unlocked nodes in the host policy's order; each leaves the tree. Returns the host
+        tokens freed (handed to the host allocator before this returns). O(k log n)."""
+        freed: list[npt.NDArray[np.int64]] = []
+        total = 0
+        while total < amount:
+            node = self.heap.pop()
+            if node is None:
+                break
+            value = node.host_value
+            assert value is not None, f"host candidate {node.id} without a host value"
+            self._log.removed(self.tree, node)
+            node.host_value = None
+            self.evictable_size -= len(value)
+            self.evicted_total += len(value)
+            freed.append(value)
+            total += len(value)
+            self.tree.remove_leaf(node, evicted=False)
+        self._full.flush()
+        if freed:
+            self.host.free(torch.from_numpy(np.concatenate(freed)))
+        return total
+
+    def lock(self, anchor: TreeNode) -> HostReceipt:
+        """Protect the host values from `anchor` (a node with a host value, or the root) to the
+        root. ForeignNode for a node not in the tree, NoHostCopy for one without a host value,
+        both before anything changes. O(depth)."""
+        self._check_in_tree(anchor)
+        if anchor.parent is not None and anchor.host_value is None:
+            raise NoHostCopy(f"node {anchor.id} has no host value to lock")
+        probe = anchor
+        while probe.parent is not None:
+            value = probe.host_value
+            assert value is not None, f"host lock over node {probe.id} without a host value"
+            if probe.host_lock_ref == 0:
+                self.evictable_size -= len(value)
+                self.protected_size += len(value)
+                self.heap.discard(probe)
+            probe.host_lock_ref += 1
+            probe = probe.parent
+        receipt = HostReceipt(next(self._ids), anchor)
+        self._receipts[receipt.receipt_id] = receipt
+        return receipt
+
+    def unlock(self, receipt: HostReceipt) -> None:
+        """Release exactly `receipt`'s lock. ReceiptAlreadyReleased on a second unlock."""
+        if self._receipts.pop(receipt.receipt_id, None) is None:
+            raise ReceiptAlreadyReleased(f"host receipt {receipt.receipt_id} is not outstanding")
+        probe = receipt.anchor
+        while probe.parent is not None:
+            assert probe.host_lock_ref > 0, f"host unlock below zero at node {probe.id}"
+            probe.host_lock_ref -= 1
+            if probe.host_lock_ref == 0:
+                value = probe.host_value
+                assert value is not None, "a host-locked node keeps its host value"
+                self.evictable_size += len(value)
+                self.protected_size -= len(value)
+                self._maybe_host_candidate(probe)
+            probe = probe.parent
+
+    @property
+    def num_locked(self) -> int:
+        return len(self._receipts)
+
+    def _check_in_tree(self, node: TreeNode) -> None:
+        probe = node
+        while probe.parent is not None:
+            probe = probe.parent
+        if probe is not self.tree.root:
+            raise ForeignNode(f"node {node.id} is not in this tree")
+
+    # ------------------------------------------------------------------------------------------
+    # Reads
+    # ------------------------------------------------------------------------------------------
+    def host_prefix(self, node: TreeNode) -> TreeNode:
+        """The deepest node on the path to `node` (itself included) holding a host value, or
+        the root (host values are prefix-closed, so the path above it has them all)."""
+        probe = node
+        while probe.parent is not None and probe.host_value is None:
+            probe = probe.parent
+        return probe
+
+    def host_slots(self, node: TreeNode) -> torch.Tensor:
+        """Host slots of the whole prefix ending at `node` (which must have a host value or be
+        the root). Valid while `node` is host-locked. O(depth)."""
+        parts: list[npt.NDArray[np.int64]] = []
+        probe = node
+        while probe.parent is not None:
+            value = probe.host_value
+            assert value is not None, f"node {probe.id} on a host prefix without a host value"
+            parts.append(value)
+            probe = probe.parent
+        return torch.from_numpy(np.concatenate(parts[::-1]) if parts else _NO_SLOTS.copy())
+
+    def page_keys(self, node: TreeNode) -> list[bytes]:
+        """Chained page keys of the whole prefix ending at `node`, root first (cached)."""
+        parts: list[list[bytes]] = []
+        probe = node
+        while probe.parent is not None:
+            parts.append(self._log.page_keys(self.tree, probe))
+            probe = probe.parent
+        return [k for part in reversed(parts) for k in part]
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the host-tier events (BlockStored / BlockRemoved with tier `host`)."""
+        return [replace(event, tier=HOST_TIER) for event in self._log.drain()]
+
+    # ------------------------------------------------------------------------------------------
+    # Reset and integrity
+    # ------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Free every host value (the tree resets itself after). TreeLocked while a host lock
+        or a device lock is outstanding."""
+        if self._receipts or self.tree.num_locked:
+            raise TreeLocked("locks outstanding; unlock them before a reset")
+        values = [n.host_value for n in self.tree.iter_nodes() if n.host_value is not None]
+        for node in self.tree.iter_nodes():
+            node.host_value = None
+        self.heap.clear()
+        if values:
+            self.host.free(torch.from_numpy(np.concatenate(values)))
+        self.evictable_size = self.protected_size = 0
+        self._log.drain()
+        self._log.cleared()
+
+    def check_integrity(self, in_flight: int) -> None:
+        """Host free + evictable + protected + `in_flight` == host capacity; both tiers
+        prefix-closed; off-device nodes carry a host value; host values cover their node; host
+        locks equal the outstanding receipts; the host heap holds exactly the candidates."""
+        evictable = protected = 0
+        expected: dict[int, int] = {}
+        for receipt in self._receipts.values():
+            probe = receipt.anchor
+            while probe.parent is not None:
+                expected[probe.id] = expected.get(probe.id, 0) + 1
+                probe = probe.parent
+        for node in self.tree.iter_nodes():
+            parent = node.parent
+            assert parent is not None
+            value = node.host_value
+            if len(node.value) and parent.parent is not None and not len(parent.value):
+                raise IntegrityError(f"node {node.id} on the device under an off-device parent")
+            if value is not None and parent.parent is not None and parent.host_value is None:
+                raise IntegrityError(f"node {node.id} on the host under a parent that is not")
+            if not len(node.value) and value is None:
+                raise IntegrityError(f"node {node.id} is off the device without a host copy")
+            if value is not None and len(value) != node.num_tokens:
+                raise IntegrityError(f"node {node.id}: {len(value)} host slots")
+            if node.host_lock_ref != expected.get(node.id, 0):
+                raise IntegrityError(
+                    f"node {node.id}: host lock {node.host_lock_ref}, receipts say "
+                    f"{expected.get(node.id, 0)}"
+                )
+            candidate = not len(node.value) and not node.children and node.host_lock_ref == 0
+            if (node in self.heap) != candidate:
+                raise IntegrityError(f"node {node.id}: host heap membership != {candidate}")
+            if value is not None:
+                if node.host_lock_ref:
+                    protected += len(value)
+                else:
+                    evictable += len(value)
+        if (evictable, protected) != (self.evictable_size, self.protected_size):
+            raise IntegrityError(
+                f"host: counted evictable/protected {evictable}/{protected}, counters say "
+                f"{self.evictable_size}/{self.protected_size}"
+            )
+        free = self.host.available_size()
+        if free + evictable + protected + in_flight != self.host.size:
+            raise IntegrityError(
+                f"host pool: free {free} + evictable {evictable} + protected {protected} + "
+                f"in flight {in_flight} != capacity {self.host.size}"
+            )
+        self.heap.check_integrity()

@@ -1,0 +1,270 @@
+"""Hierarchical mode as ONE tree: host values on the nodes, off-device nodes, revive on insert,
+device-leaf eviction, the per-layer load-back handle, and counting each query once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from kvstrata.hybrid_cache import LayerLoadFailed
+from kvstrata.storage import MemoryStorage
+from kvstrata.testkit.tiers import Hierarchy, assert_pages_equal, make_hierarchy, scramble, snapshot
+from kvstrata.unified_radix_cache import FullComponent, RadixKey, TreeNode
+from kvstrata.unified_radix_cache.errors import IntegrityError, NoHostCopy
+from kvstrata.unified_radix_cache.paths import node_at
+from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
+
+P = 4
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Hierarchy]]:
+    made: list[Hierarchy] = []
+    yield made
+    for h in made:
+        h.cache.controller.close()
+
+
+def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:
+    h = make_hierarchy(page_size=P, **kw)  # type: ignore[arg-type]
+    closing.append(h)
+    return h
+
+
+def _insert(h: Hierarchy, tokens: list[int]) -> tuple[RadixKey, list[torch.Tensor]]:
+    key = RadixKey(tokens)
+    slots = h.allocator.alloc(len(tokens))
+    assert slots is not None
+    result = h.cache.insert(key, slots)
+    h.allocator.free(result.duplicates(slots))
+    return key, snapshot(h.device_pool, slots)
+
+
+def _path(h: Hierarchy, key: RadixKey) -> list[TreeNode]:
+    node = node_at(h.tree, key)
+    assert node is not None
+    return list(reversed(list(node.path_to_root())))
+
+
+def test_host_values_live_on_the_nodes(closing: list[Hierarchy]) -> None:
+    h = _build(closing, storage=MemoryStorage(capacity_bytes=1 << 24))
+    key, _ = _insert(h, list(range(1, 3 * P + 1)))
+    _insert(h, [*range(1, P + 1), 70, 71, 72, 73])  # splits the first node after one page
+    h.cache.drain()
+    for node in h.tree.iter_nodes():
+        value = node.host_value
+        assert value is not None and value.dtype == np.int64 and len(value) == node.num_tokens
+        assert node.on_device and node.in_storage and node.host_lock_ref == 0
+    hosts = np.concatenate([n.host_value for n in _path(h, key) if n.host_value is not None])
+    assert len(set(hosts.tolist())) == 3 * P, "distinct host slots along the path"
+    assert h.cache.tier.evictable_size == 4 * P and h.cache.tier.protected_size == 0
+    h.cache.check_integrity()
+
+
+def test_device_eviction_keeps_off_device_nodes_and_match_reports_both_hits(
+    closing: list[Hierarchy],
+) -> None:
+    h = _build(closing)
+    key, expected = _insert(h, list(range(1, 3 * P + 1)))
+    h.cache.drain()
+    nodes_before = h.tree.num_nodes
+    assert h.cache.evict_device(P) == P  # page-granular: split, the tail goes off the device
+    assert h.tree.num_nodes == nodes_before + 1
+    head, tail = _path(h, key)
+    assert head.on_device and head.num_tokens == 2 * P
+    assert not tail.on_device and tail.host_value is not None and tail.num_tokens == P
+    full = h.tree.components[0]
+    assert isinstance(full, FullComponent) and full.heap is not None
+    assert head in full.heap, "a node with only off-device children is a device leaf"
+    m = h.cache.match_prefix(key)
+    assert (m.device.prefix_len, m.host_hit_len) == (2 * P, P)
+    assert m.device.last_node is head and m.device.last_host_node is tail and m.host_node is tail
+    assert_pages_equal(
+        h.device_pool, m.device.device_indices, [e[: 2 * P] for e in expected], what="head"
+    )
+    # The rest goes too; every node stays, off the device, held by its host copy.
+    assert h.cache.evict_device(8 * P) == 2 * P
+    assert h.tree.num_nodes == nodes_before + 1
+    assert all(not n.on_device for n in h.tree.iter_nodes())
+    assert h.tree.evictable_size() == 0
+    h.cache.check_integrity()
+
+
+def test_device_eviction_without_host_copy_drops_the_tail(closing: list[Hierarchy]) -> None:
+    h = _build(closing, write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
+    key, _ = _insert(h, list(range(1, 3 * P + 1)))
+    assert h.cache.evict_device(P) == P
+    (node,) = _path(h, key[: 2 * P])
+    assert node.on_device and node.host_value is None and not node.children
+    assert h.tree.num_nodes == 1
+    h.cache.check_integrity()
+
+
+def test_insert_over_off_device_nodes_revives_them(closing: list[Hierarchy]) -> None:
+    h = _build(closing)
+    key, _ = _insert(h, list(range(1, 2 * P + 1)))
+    h.cache.drain()
+    h.cache.evict_device(2 * P)
+    (node,) = _path(h, key)
+    assert not node.on_device
+    slots = h.allocator.alloc(len(key))
+    assert slots is not None
+    result = h.cache.insert(key, slots)
+    assert result.adopted == ((0, 2 * P),) and result.prefix_len == 2 * P
+    assert len(result.duplicates(slots)) == 0, "the tree took every slot back"
+    assert node.on_device and torch.equal(torch.from_numpy(node.value), slots)
+    assert node.host_value is not None, "the host copy stays"
+    assert h.cache.match_prefix(key).device.prefix_len == 2 * P
+    h.cache.check_integrity()
+
+
+def test_load_back_handle_waits_per_layer_and_commits_on_the_ack(
+    closing: list[Hierarchy],
+) -> None:
+    h = _build(closing)
+    key, expected = _insert(h, list(range(1, 3 * P + 1)))
+    h.cache.drain()
+    h.cache.evict_device(2 * P)
+    free = h.allocator.alloc(h.allocator.available_size())
+    assert free is not None
+    scramble(h.device_pool, free, seed=1)
+    h.allocator.free(free)
+    m = h.cache.match_prefix(key)
+    assert (m.device.prefix_len, m.host_hit_len) == (P, 2 * P)
+    load = h.cache.start_load_back(m.host_node)
+    assert load.num_tokens == 2 * P and load.op_id is not None and not load.done
+    for layer in h.tiers.pools.layer_ids:
+        assert load.wait_layer(layer, 10.0)
+    # Every layer has arrived, but nothing is committed before the ack is taken.
+    assert not m.host_node.on_device
+    assert h.cache.num_pending == 1
+    h.cache.check_integrity()  # the load's device slots are held outside the tree
+    back = load.wait(10.0)
+    assert back is not None and load.done and back.loaded_len == 2 * P
+    assert m.host_node.on_device and back.match.prefix_len == 3 * P
+    assert_pages_equal(h.device_pool, back.match.device_indices, expected, what="layer-wise")
+    assert h.cache.num_pending == 0 and h.cache.counters.loaded_tokens == 2 * P
+    h.cache.check_integrity()
+
+
+def test_a_load_committed_by_poll(closing: list[Hierarchy]) -> None:
+    h = _build(closing)
+    key, expected = _insert(h, list(range(1, 2 * P + 1)))
+    h.cache.drain()
+    h.cache.evict_device(2 * P)
+    load = h.cache.start_load_back(h.cache.match_prefix(key).host_node)
+    h.cache.drain()  # the ack arrives through the cache: it commits
+    assert load.done and load.result is not None and load.result.loaded_len == 2 * P
+    assert load.wait() is load.result
+    m = h.cache.match_prefix(key)
+    assert m.device.prefix_len == 2 * P
+    assert_pages_equal(h.device_pool, m.device.device_indices, expected, what="poll")
+    h.cache.check_integrity()
+
+
+def test_a_failed_load_leaves_the_tree_unchanged(closing: list[Hierarchy]) -> None:
+    h = _build(closing)
+    key, _ = _insert(h, list(range(1, 2 * P + 1)))
+    h.cache.drain()
+    h.cache.evict_device(2 * P)
+    (node,) = _path(h, key)
+    free_before = h.allocator.available_size()
+    group = h.cache.controller.group
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("copy engine fault")
+
+    group.load_layers = broken  # type: ignore[method-assign]
+    load = h.cache.start_load_back(node)
+    first = h.tiers.pools.layer_ids[0]
+    with pytest.raises(LayerLoadFailed):
+        load.wait_layer(first, 10.0)
+    back = load.wait(10.0)
+    assert back is not None and back.loaded_len == 0 and back.match.prefix_len == 0
+    assert not node.on_device and node.host_value is not None
+    assert h.allocator.available_size() == free_before, "the load's slots were freed"
+    assert h.cache.counters.failed_ops == 1 and h.cache.counters.loaded_tokens == 0
+    h.cache.check_integrity()
+
+
+def test_begin_request_counts_a_query_once(closing: list[Hierarchy]) -> None:
+    h = _build(closing)
+    _insert(h, list(range(1, 3 * P + 1)))
+    key = RadixKey(list(range(1, 3 * P + 2)))  # one token more: a request computes at least one
+    h.cache.drain()
+    h.cache.evict_device(P)
+    tree, counters = h.tree, h.cache.counters
+    before = (tree.queried_tokens, tree.hit_tokens, tree.host_hit_tokens)
+    began = h.cache.begin_request(key)
+    assert (began.device_hit_len, began.host_hit_len) == (2 * P, P)
+    assert tree.queried_tokens - before[0] == len(key)
+    assert tree.hit_tokens - before[1] == 2 * P
+    assert tree.host_hit_tokens - before[2] == P
+    assert (counters.queried_tokens, counters.device_hit_tokens) == (len(key), 2 * P)
+    assert counters.host_hit_tokens == P
+    h.tree.abort_request(began.request)
+    h.cache.check_integrity()
+
+
+def test_check_integrity_catches_a_broken_closure(closing: list[Hierarchy]) -> None:
+    h = _build(closing, params=TierParams(write_policy=WritePolicy.WRITE_THROUGH))
+    key, _ = _insert(h, list(range(1, 2 * P + 1)))
+    h.cache.drain()
+    h.cache.evict_device(2 * P)
+    (node,) = _path(h, key)
+    saved = node.host_value
+    node.host_value = None  # an off-device node without its host copy
+    with pytest.raises(IntegrityError):
+        h.cache.check_integrity()
+    node.host_value = saved
+    h.cache.check_integrity()
+
+
+def test_host_lock_needs_a_host_copy(closing: list[Hierarchy]) -> None:
+    h = _build(closing, write_policy=WritePolicy.WRITE_BACK)
+    key, _ = _insert(h, list(range(1, 2 * P + 1)))
+    (node,) = _path(h, key)
+    with pytest.raises(NoHostCopy):
+        h.cache.tier.lock(node)
+    assert node.host_lock_ref == 0 and h.cache.tier.num_locked == 0
+    h.cache.check_integrity()
+
+
+def test_device_events_follow_nodes_off_and_back_on_the_device() -> None:
+    from kvstrata.allocator import PagedAllocator
+    from kvstrata.hybrid_cache import TierController
+    from kvstrata.testkit.tiers import make_tiers
+    from kvstrata.unified_radix_cache import BlockRemoved, BlockStored, UnifiedRadixCache
+    from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
+
+    tiers = make_tiers("full", page_size=P)
+    pool = tiers.pools.members[0].pool
+    allocator = PagedAllocator(size=pool.size, page_size=P, device="cpu")
+    tree = UnifiedRadixCache([FullComponent(allocator)], page_size=P, enable_events=True)
+    controller = TierController(tiers.group)
+    try:
+        cache = HierarchicalCache(
+            tree, controller=controller, host_allocator=tiers.hosts["full"].make_allocator()
+        )
+        key = RadixKey(list(range(1, 2 * P + 1)))
+        slots = allocator.alloc(2 * P)
+        assert slots is not None
+        cache.insert(key, slots)
+        cache.drain()
+        stored = [(type(e), e.tier) for e in cache.take_events()]
+        assert stored == [(BlockStored, "device"), (BlockStored, "host")]
+        cache.evict_device(2 * P)
+        assert [(type(e), e.tier) for e in cache.take_events()] == [(BlockRemoved, "device")]
+        back = cache.load_back(cache.match_prefix(key).host_node)
+        assert back.loaded_len == 2 * P
+        assert [(type(e), e.tier) for e in cache.take_events()] == [(BlockStored, "device")]
+        cache.evict_device(2 * P)
+        cache.evict_host(2 * P)
+        events = [(type(e), e.tier) for e in cache.take_events()]
+        assert events == [(BlockRemoved, "device"), (BlockRemoved, "host")]
+        cache.check_integrity()
+    finally:
+        controller.close()
