@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from kvstrata.allocator import PagedAllocator
+from kvstrata.allocator import MambaSlotAllocator, PagedAllocator
 from kvstrata.hybrid_cache import ControllerParams, HybridPool, PoolGroup, TierController
 from kvstrata.hybrid_cache.group import AnyHostPool
 from kvstrata.pool import MambaPool, MambaSpec, MHAKVPool, MHASpec, SWAKVPool, SWASpec
@@ -24,7 +24,7 @@ from kvstrata.pool_host import HostLayout, MambaHostPool, MHAHostPool
 from kvstrata.storage import PageKeyer, Storage
 from kvstrata.testkit.host_pools import page_tokens
 from kvstrata.testkit.pools import fill_random_bytes
-from kvstrata.unified_radix_cache import FullComponent, UnifiedRadixCache
+from kvstrata.unified_radix_cache import FullComponent, MambaComponent, UnifiedRadixCache
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
@@ -210,6 +210,66 @@ def make_hierarchy(
     return Hierarchy(tiers=tiers, device_pool=pool, allocator=allocator, cache=cache)
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class MambaHierarchy:
+    """An attention + Mamba model on both tiers: one Full + Mamba tree holding device and host
+    values (host token slots and host state slots), the cache and its controller (no storage:
+    storage is Full-only)."""
+
+    tiers: Tiers
+    device_pool: MHAKVPool
+    mamba_pool: MambaPool
+    allocator: PagedAllocator
+    states: MambaSlotAllocator
+    cache: HierarchicalCache
+
+    @property
+    def tree(self) -> UnifiedRadixCache:
+        return self.cache.device_tree
+
+
+def make_mamba_hierarchy(
+    *,
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+    page_size: int = 4,
+    device_pages: int = 16,
+    host_pages: int = 32,
+    params: TierParams | None = None,
+    controller_params: ControllerParams | None = None,
+    seed: int = 0,
+) -> MambaHierarchy:
+    """A `HierarchicalCache` over `make_tiers("mamba")` on CPU: a paged device allocator of
+    `device_pages` pages (page 0 reserved), `device_pages` device state slots, and host
+    allocators of `host_pages` pages and `host_pages` state slots. Close the controller when
+    done."""
+    tiers = make_tiers(
+        "mamba", page_size=page_size, device_pages=device_pages, host_pages=host_pages, seed=seed
+    )
+    pools = device_pools(tiers)
+    kv, mamba = pools["full"], pools["mamba"]
+    assert isinstance(kv, MHAKVPool) and isinstance(mamba, MambaPool), "make_tiers('mamba')"
+    allocator = PagedAllocator(size=kv.size, page_size=page_size, device="cpu")
+    states = MambaSlotAllocator(size=mamba.size, device="cpu")
+    tree = UnifiedRadixCache(
+        [FullComponent(allocator), MambaComponent(states, mamba)], page_size=page_size
+    )
+    cache = HierarchicalCache(
+        tree,
+        controller=TierController(tiers.group, params=controller_params),
+        host_allocator=tiers.hosts["full"].make_allocator(),
+        host_state_allocator=tiers.hosts["mamba"].make_allocator(),
+        params=params or TierParams(write_policy=write_policy, prefetch_threshold=page_size),
+    )
+    return MambaHierarchy(
+        tiers=tiers,
+        device_pool=kv,
+        mamba_pool=mamba,
+        allocator=allocator,
+        states=states,
+        cache=cache,
+    )
+
+
 def _page_noise(key: bytes, buf: torch.Tensor, page_size: int) -> torch.Tensor:
     """The bytes of one page of `buf` for the page named `key` (a chained page key)."""
     gen = torch.Generator().manual_seed(int.from_bytes(key[:8], "little") & ((1 << 63) - 1))
@@ -247,3 +307,35 @@ def assert_prefix_kv(
                 _page_noise(keys[i], buf, page).view(torch.uint8),
             )
             assert torch.equal(got, want), f"{what}: page {i} buffer {b} holds other KV"
+
+
+def _state_noise(key: bytes, buf: torch.Tensor) -> torch.Tensor:
+    """The bytes of one state row of `buf` for the prefix whose last page key is `key`."""
+    seed = int.from_bytes(key[8:16], "little") & ((1 << 63) - 1)
+    gen = torch.Generator().manual_seed(seed)
+    row = buf[:1]
+    noise = torch.randint(0, 256, row.view(torch.uint8).shape, generator=gen, dtype=torch.uint8)
+    return noise.view(row.dtype).view(row.shape)
+
+
+def write_prefix_state(
+    pool: MambaPool, keyer: PageKeyer, tokens: torch.Tensor, slot: torch.Tensor
+) -> None:
+    """The stand-in Mamba forward: the state after whole-page prefix `tokens` goes into state
+    slot `slot`, every buffer's bytes a function of the prefix's last chained page key (so each
+    prefix's state is distinct and equal prefixes carry equal states)."""
+    last = keyer.page_keys(tokens)[-1]
+    rows = slot.reshape(-1)[:1]
+    for buf in pool.layer_buffers():
+        buf[rows] = _state_noise(last, buf)
+
+
+def assert_prefix_state(
+    pool: MambaPool, keyer: PageKeyer, tokens: torch.Tensor, slot: torch.Tensor, *, what: str
+) -> None:
+    """State slot `slot` holds exactly what `write_prefix_state` wrote for `tokens`."""
+    last = keyer.page_keys(tokens)[-1]
+    rows = slot.reshape(-1)[:1]
+    for b, buf in enumerate(pool.layer_buffers()):
+        got, want = buf[rows].view(torch.uint8), _state_noise(last, buf).view(torch.uint8)
+        assert torch.equal(got, want), f"{what}: state buffer {b} holds another prefix's state"

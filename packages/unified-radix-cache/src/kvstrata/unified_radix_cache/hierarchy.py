@@ -22,6 +22,12 @@ says moved:
     prefetch storage -> host    match found >= prefetch_threshold tokens beyond the hits
     backup   host -> storage    after each committed host write
 
+Mamba models (a Full + Mamba tree, a pool group with members "full" and "mamba"): a write
+carries the device state of the node it ends at into a host state slot (member "mamba" of the
+same WriteOp), a load-back brings the host state at its boundary into a fresh device state slot
+(same LoadOp), and a host hit ends only where a state is restorable. Storage stays Full-only:
+a Mamba tree with a storage-backed controller is refused (InvalidConfig).
+
 While an operation is in flight its source and destination are locked (a device receipt on a
 write's source or a load's device prefix, a host receipt on the prefix the host pages extend or
 are read from), so eviction on either tier never frees a page a worker is reading or writing.
@@ -30,6 +36,7 @@ are read from), so eviction on either tier never frees a page a worker is readin
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +56,9 @@ from kvstrata.hybrid_cache import (
 )
 from kvstrata.pool_host import HostSlotAllocator
 from kvstrata.storage.keys import PageKeyer
+from kvstrata.unified_radix_cache.components.base import ComponentInsert
 from kvstrata.unified_radix_cache.components.full import FullComponent
+from kvstrata.unified_radix_cache.components.mamba import MambaComponent, MambaInsert
 from kvstrata.unified_radix_cache.errors import ForeignNode, IntegrityError, InvalidConfig
 from kvstrata.unified_radix_cache.events import BlockStored, KVEvent
 from kvstrata.unified_radix_cache.host_tier import HostReceipt, HostTier
@@ -76,6 +85,8 @@ from kvstrata.unified_radix_cache.tiers import (
 from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 _MEMBER = "full"
+_MAMBA = "mamba"
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 class HostSlots:
@@ -104,6 +115,7 @@ class _Write:
     host_slots: torch.Tensor  # host token slots of key[start:]
     device_receipt: LockReceipt
     host_receipt: HostReceipt
+    host_state: torch.Tensor | None = None  # Mamba: the host state slot of the key's end
 
 
 @dataclass(kw_only=True, eq=False)
@@ -134,6 +146,7 @@ class _Load:
     device_receipt: LockReceipt
     host_receipt: HostReceipt
     load: TierLoad
+    device_state: torch.Tensor | None = None  # Mamba: the fresh device slot of the state
 
 
 _Pending = _Write | _Backup | _Prefetch | _Load
@@ -149,14 +162,20 @@ def _prefix_len(node: TreeNode) -> int:
 
 
 class HierarchicalCache:
-    """Device, host and storage tiers of one Full-attention model's prefix cache.
+    """Device, host and storage tiers of one Full-attention (or attention + Mamba) model's
+    prefix cache.
 
-    `device_tree`: an empty Full-only `UnifiedRadixCache` over the device allocator; the cache
+    `device_tree`: an empty Full-only or Full + Mamba `UnifiedRadixCache` over the device
+    allocators (a Mamba tree has no storage tier yet); the cache
     attaches a `HostTier` to it (`cache.tier`), so the same tree holds the host copies (engines
     keep using it for locks and the request life cycle). `controller`: a `TierController` whose
-    pool group has the single member "full"; with a storage it prefetches and backs up.
+    pool group has the member "full" (and "mamba" for a Mamba tree); with a storage it prefetches
+    and backs up.
     `host_allocator`: the host pool's `HostSlotAllocator` (same page size as the tree).
     `keyer`: the chained page keyer naming storage pages (the tree's, or one for the page size).
+    `host_state_allocator`: for a Full + Mamba tree (and only then), the `MambaHostPool`'s
+    allocator (page size 1: one host state slot per entry); its group has members "full" and
+    "mamba", and it has no storage (storage is Full-only for now).
 
     Not thread-safe: call it from the scheduler thread; the controller's workers never touch it.
     """
@@ -169,16 +188,30 @@ class HierarchicalCache:
         host_allocator: HostSlotAllocator,
         params: TierParams | None = None,
         keyer: PageKeyer | None = None,
+        host_state_allocator: HostSlotAllocator | None = None,
     ) -> None:
-        if len(device_tree.components) != 1:
+        extras = device_tree.components[1:]
+        mamba = extras[0] if len(extras) == 1 else None
+        if len(extras) > 1 or (extras and not isinstance(mamba, MambaComponent)):
             raise InvalidConfig(
-                "hierarchical mode supports Full-only trees (SWA / Mamba host values are not "
-                f"wired yet); got components {[c.name for c in device_tree.components]}"
+                "hierarchical mode supports Full-only and Full + Mamba trees (SWA host values "
+                f"are not wired yet); got components {[c.name for c in device_tree.components]}"
             )
-        if controller.group.member_names != (_MEMBER,):
+        assert mamba is None or isinstance(mamba, MambaComponent)
+        members = (_MEMBER,) if mamba is None else (_MEMBER, _MAMBA)
+        if sorted(controller.group.member_names) != sorted(members):
             raise InvalidConfig(
-                f"the controller's pool group must have the one member {_MEMBER!r}, got "
+                f"the controller's pool group must have the members {members}, got "
                 f"{controller.group.member_names}"
+            )
+        if (mamba is None) != (host_state_allocator is None):
+            raise InvalidConfig(
+                "host_state_allocator is required for a Mamba tree and only for one"
+            )
+        if mamba is not None and controller.storage is not None:
+            raise InvalidConfig(
+                "storage (L3) is Full-only: a Mamba tree's prefetch and backup of boundary "
+                "states are not wired yet; use a controller without storage"
             )
         page = device_tree.page_size
         if host_allocator.page_size != page:
@@ -198,11 +231,14 @@ class HierarchicalCache:
         full = device_tree.components[0]
         assert isinstance(full, FullComponent), "component 0 of every tree is Full"
         self._device_full = full
+        self._mamba = mamba
+        self.host_state_allocator = host_state_allocator
         self.tier = HostTier(
             device_tree,
             HostSlots(host_allocator),
             eviction_policy=self.params.host_eviction_policy,
             keyer=keyer,
+            host_states=None if host_state_allocator is None else HostSlots(host_state_allocator),
         )
         self.keyer = self.tier.keyer
         self._page_bytes = controller.group.page_bytes(_MEMBER)
@@ -293,22 +329,43 @@ class HierarchicalCache:
         tree = self.device_tree
         key = key_of(tree, node)
         device = self.tier.match_key(key)
-        start, end = device.prefix_len, len(key)
-        if start >= end:
+        anchor = device.last_node
+        mamba = self._mamba
+        host_state: int | None = None
+        if mamba is not None:
+            # The on-device run may reach past the device hit (nodes without a device state):
+            # their pages stay; only the off-device pages and the boundary state move.
+            anchor = node
+            while anchor.parent is not None and not len(anchor.value):
+                anchor = anchor.parent
+            if mamba.slot(node) is None:
+                host_state = node.host_state
+        start, end = _prefix_len(anchor), len(key)
+        if start >= end and host_state is None:
             return self._done_load(LoadBack(0, device))
-        device_receipt = tree.lock(device.last_node)
+        device_receipt = tree.lock(anchor)
         host_receipt = self.tier.lock(node)
-        slots = self._alloc_device(end - start)
+        slots = self._alloc_device(end - start) if end > start else _NO_SLOTS
+        state = self._alloc_device_state() if host_state is not None else None
         handle = None
-        if slots is not None:
-            host_slots = self.tier.host_slots(node)[start:end]
-            try:
-                handle = self.controller.submit_load(
-                    LoadOp(moves={_MEMBER: PageMove(device=slots, host=host_slots)})
+        if slots is not None and (host_state is None or state is not None):
+            moves: dict[str, PageMove] = {}
+            if end > start:
+                host_slots = self.tier.host_slots(node)[start:end]
+                moves[_MEMBER] = PageMove(device=slots, host=host_slots)
+            if state is not None and host_state is not None:
+                moves[_MAMBA] = PageMove(
+                    device=state, host=torch.tensor([host_state], dtype=torch.int64)
                 )
+            try:
+                handle = self.controller.submit_load(LoadOp(moves=moves))
             except QueueFull:
-                self._device_full.give_back(slots)
+                handle = None
         if slots is None or handle is None:
+            if slots is not None and len(slots):
+                self._device_full.give_back(slots)
+            if state is not None and mamba is not None:
+                mamba.give_back(state)
             self.counters.load_backs_refused += 1
             self.tier.unlock(host_receipt)
             tree.unlock(device_receipt)
@@ -321,6 +378,7 @@ class HierarchicalCache:
             device_receipt=device_receipt,
             host_receipt=host_receipt,
             load=load,
+            device_state=state,
         )
         return load
 
@@ -358,10 +416,14 @@ class HierarchicalCache:
             value = torch.cat(
                 [tree.prefix_slots(anchor), pending.device_slots.to(tree.full_device)]
             )
-            result = tree.insert(pending.key, value, cached_len=pending.start)
+            state = pending.device_state
+            inputs = None if state is None else {_MAMBA: MambaInsert(slot=int(state.item()))}
+            result = tree.insert(pending.key, value, cached_len=pending.start, inputs=inputs)
             duplicates = result.duplicates(value)
             if len(duplicates):
                 self._device_full.give_back(duplicates)
+            if state is not None and _MAMBA not in result.adopted_states:
+                self._give_back_state(state)
             num = len(pending.key) - pending.start
             self.counters.loaded_tokens += num
             self.counters.bytes_h2d += num // self.page_size * self._page_bytes
@@ -371,7 +433,10 @@ class HierarchicalCache:
             )
         else:
             self.counters.failed_ops += 1
-            self._device_full.give_back(pending.device_slots)
+            if len(pending.device_slots):
+                self._device_full.give_back(pending.device_slots)
+            if pending.device_state is not None:
+                self._give_back_state(pending.device_state)
             pending.load.result = LoadBack(
                 0, MatchResult(pending.start, tree.prefix_slots(anchor), anchor)
             )
@@ -398,12 +463,17 @@ class HierarchicalCache:
         if host_node is not None:
             self.load_back(host_node)
         final = self.tier.match_key(key, usable)
+        state_slot = None
+        if self._mamba is not None:
+            # The request advances its own copy of the boundary state (copy-on-write).
+            state_slot = self._mamba.finalize_match(final.last_node, True)
         req = CacheRequest(
             key=key,
             kv_indices=final.device_indices,
             cached_len=final.prefix_len,
             hit_len=final.prefix_len,
             receipt=tree.lock(final.last_node),
+            state_slot=state_slot,
             priority=priority,
             page_size=self.page_size,
         )
@@ -431,12 +501,21 @@ class HierarchicalCache:
     # ------------------------------------------------------------------------------------------
     # Insert and eviction
     # ------------------------------------------------------------------------------------------
-    def insert(self, key: RadixKey, value: torch.Tensor, *, cached_len: int = 0) -> InsertResult:
+    def insert(
+        self,
+        key: RadixKey,
+        value: torch.Tensor,
+        *,
+        cached_len: int = 0,
+        inputs: Mapping[str, ComponentInsert] | None = None,
+    ) -> InsertResult:
         """`device_tree.insert` (off-device nodes on the key take `value`'s slots again), then
-        the write policy: under write_through the new device pages are queued for a host
-        write. Same contract as `UnifiedRadixCache.insert` (the caller frees
-        `result.duplicates(value)`)."""
-        result = self.device_tree.insert(key, value, cached_len=cached_len)
+        the write policy: under write_through the new device pages (and, in a Mamba tree, the
+        state of the node ending at the key, e.g. `inputs={"mamba": MambaInsert(slot=s)}`) are
+        queued for a host write. Same contract as `UnifiedRadixCache.insert` (the caller frees
+        `result.duplicates(value)`, and its state slot unless "mamba" is in
+        `result.adopted_states`)."""
+        result = self.device_tree.insert(key, value, cached_len=cached_len, inputs=inputs)
         self.inserted(key[: result.prefix_len + result.inserted_len], result.last_node)
         return result
 
@@ -556,23 +635,39 @@ class HierarchicalCache:
         queue full)."""
         anchor = self.tier.host_prefix(node)
         start, end = _prefix_len(anchor), len(key)
-        if start >= end:
+        mamba = self._mamba
+        device_state = mamba.slot(node) if mamba is not None else None
+        want_state = device_state is not None and node.host_state is None
+        if start >= end and not want_state:
             return None
         host_receipt = self.tier.lock(anchor)
-        slots = self._alloc_host(end - start)
+        slots = self._alloc_host(end - start) if end > start else _NO_SLOTS
         if slots is None:
             self.tier.unlock(host_receipt)
             return None
+        # No host state slot to be had: the pages still go (the host hit then ends earlier).
+        host_state = self._alloc_host_state() if want_state else None
+        if not len(slots) and host_state is None:
+            self.tier.unlock(host_receipt)
+            return None
         device_receipt = self.device_tree.lock(node)
-        device_slots = self.device_tree.prefix_slots(node)[start:end]
-        try:
-            op_id = self.controller.submit_write(
-                WriteOp(moves={_MEMBER: PageMove(device=device_slots, host=slots)})
+        moves: dict[str, PageMove] = {}
+        if len(slots):
+            device_slots = self.device_tree.prefix_slots(node)[start:end]
+            moves[_MEMBER] = PageMove(device=device_slots, host=slots)
+        if host_state is not None and device_state is not None:
+            moves[_MAMBA] = PageMove(
+                device=torch.tensor([device_state], dtype=torch.int64), host=host_state
             )
+        try:
+            op_id = self.controller.submit_write(WriteOp(moves=moves))
         except QueueFull:
             self.device_tree.unlock(device_receipt)
             self.tier.unlock(host_receipt)
-            self.host_allocator.free(slots)
+            if len(slots):
+                self.host_allocator.free(slots)
+            if host_state is not None:
+                self._free_host_state(host_state)
             return None
         self._pending[op_id] = _Write(
             key=key,
@@ -580,17 +675,24 @@ class HierarchicalCache:
             host_slots=slots,
             device_receipt=device_receipt,
             host_receipt=host_receipt,
+            host_state=host_state,
         )
         return op_id
 
     def _write_acked(self, pending: _Write, ack: Ack) -> None:
         self.device_tree.unlock(pending.device_receipt)
+        state = pending.host_state
         if not ack.ok:
             self.tier.unlock(pending.host_receipt)
-            self.host_allocator.free(pending.host_slots)
+            if len(pending.host_slots):
+                self.host_allocator.free(pending.host_slots)
+            if state is not None:
+                self._free_host_state(state)
             return
         num = len(pending.host_slots)
         receipt = self.tier.commit(pending.host_receipt, pending.key, pending.host_slots)
+        if state is not None and not self.tier.set_host_state(receipt.anchor, int(state.item())):
+            self._free_host_state(state)
         self.counters.written_tokens += num
         self.counters.bytes_d2h += num // self.page_size * self._page_bytes
         if self._backups:
@@ -735,6 +837,34 @@ class HierarchicalCache:
             slots = self.host_allocator.alloc(num_tokens)
         return slots
 
+    def _alloc_host_state(self) -> torch.Tensor | None:
+        """One host state slot, host-evicting off-device nodes until one frees (None when no
+        host node may go)."""
+        allocator = self.host_state_allocator
+        assert allocator is not None, "host states in a tree without Mamba"
+        slot = allocator.alloc(1)
+        while slot is None and self.evict_host(1):
+            slot = allocator.alloc(1)
+        return slot
+
+    def _free_host_state(self, slot: torch.Tensor) -> None:
+        assert self.host_state_allocator is not None, "host states in a tree without Mamba"
+        self.host_state_allocator.free(slot)
+
+    def _alloc_device_state(self) -> torch.Tensor | None:
+        """One device state slot, evicting an unlocked device state when the pool is out."""
+        mamba = self._mamba
+        assert mamba is not None, "device states in a tree without Mamba"
+        slot = mamba.allocator.alloc(1)
+        if slot is None:
+            self.device_tree.evict(EvictRequest(targets={_MAMBA: 1}))
+            slot = mamba.allocator.alloc(1)
+        return slot
+
+    def _give_back_state(self, slot: torch.Tensor) -> None:
+        assert self._mamba is not None, "device states in a tree without Mamba"
+        self._mamba.give_back(slot)
+
     def _alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         allocator = self._device_full.allocator
         short = num_tokens - self._device_full.free_size()
@@ -780,6 +910,13 @@ class HierarchicalCache:
         device_held = dict(held or {})
         loading = sum(len(p.device_slots) for p in self._pending.values() if isinstance(p, _Load))
         device_held["full"] = device_held.get("full", 0) + loading
+        if self._mamba is not None:
+            states = sum(
+                1
+                for p in self._pending.values()
+                if isinstance(p, _Load) and p.device_state is not None
+            )
+            device_held[_MAMBA] = device_held.get(_MAMBA, 0) + states
         self.device_tree.check_integrity(device_held)
         # Host slots a transfer holds outside the tree: a write's or prefetch's new pages until
         # their ack commits them.
@@ -788,8 +925,13 @@ class HierarchicalCache:
             for p in self._pending.values()
             if isinstance(p, (_Write, _Prefetch))
         )
-        self.tier.check_integrity(in_flight)
+        states_in_flight = sum(
+            1 for p in self._pending.values() if isinstance(p, _Write) and p.host_state is not None
+        )
+        self.tier.check_integrity(in_flight, states_in_flight)
         self.host_allocator.check_integrity()
+        if self.host_state_allocator is not None:
+            self.host_state_allocator.check_integrity()
         self.controller.check_integrity()
         if self.tier.num_locked != len(self._pending):
             raise IntegrityError(

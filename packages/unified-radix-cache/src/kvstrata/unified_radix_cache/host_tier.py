@@ -19,6 +19,13 @@ eviction here instead of its Full-only fast path:
 - host eviction: off-device, childless, host-unlocked nodes in the host policy's order; the node
   leaves the tree (storage keeps its pages).
 
+Mamba (a Full + Mamba tree): a node's host data is per component, `host_value` (Full token
+slots) and `host_state` (a host state slot holding the state at the end of its run, or None).
+A device state lives only on an on-device node. The device hit ends at the last on-device node
+with a device state (the tree's Mamba rule); the host hit continues to the last node whose
+state is restorable from the host (`host_state`), never further. Device eviction of a node drops
+its device state with its pages; host eviction frees its host state slot with its host value.
+
 A host lock (`HostReceipt`) protects the host values on the path to the root, like Full's device
 lock: transfers in flight hold one. The device `LeafHeap` and the host one share `heap_entry`:
 a node is in at most one of them (device leaves are on the device, host candidates are not).
@@ -27,6 +34,7 @@ a node is in at most one of them (device leaves are on the device, host candidat
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -36,6 +44,7 @@ import torch
 
 from kvstrata.storage.keys import PageKeyer
 from kvstrata.unified_radix_cache.components.full import FullComponent
+from kvstrata.unified_radix_cache.components.mamba import MambaComponent
 from kvstrata.unified_radix_cache.errors import (
     ForeignNode,
     IntegrityError,
@@ -51,7 +60,7 @@ from kvstrata.unified_radix_cache.policies import LeafHeap, make_policy
 from kvstrata.unified_radix_cache.results import InsertResult, MatchResult
 
 if TYPE_CHECKING:
-    from kvstrata.unified_radix_cache.components.base import SlotSink
+    from kvstrata.unified_radix_cache.components.base import ComponentInsert, SlotSink
     from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 HOST_TIER = "host"
@@ -71,7 +80,9 @@ class HostTier:
     `host`: the host slot allocator (as a `SlotSink`; its indices are CPU token slots).
     `eviction_policy`: order of host eviction (lru, lfu, fifo, mru, filo, priority).
     `keyer`: names pages for host events and storage (the tree's own when it has events).
-    Building one attaches it to `tree` (which must be empty and Full-only).
+    `host_states`: the host Mamba state slot allocator (as a `SlotSink`), required for a
+    Full + Mamba tree and refused otherwise.
+    Building one attaches it to `tree` (which must be empty, Full-only or Full + Mamba).
     """
 
     def __init__(
@@ -81,8 +92,15 @@ class HostTier:
         *,
         eviction_policy: str = "lru",
         keyer: PageKeyer | None = None,
+        host_states: SlotSink | None = None,
     ) -> None:
         full = tree.components[0]
+        mamba = next((c for c in tree.components if isinstance(c, MambaComponent)), None)
+        if (mamba is None) != (host_states is None):
+            raise InvalidConfig(
+                "host_states (a host Mamba state allocator) is required for a Mamba tree and "
+                "only for one"
+            )
         assert isinstance(full, FullComponent) and full.heap is not None, "a bound Full tree"
         keyer = tree.keyer or keyer or PageKeyer(page_size=tree.page_size)
         if keyer.page_size != tree.page_size:
@@ -91,6 +109,8 @@ class HostTier:
         self.host = host
         self.keyer = keyer
         self._full = full
+        self._mamba = mamba
+        self.host_states = host_states
         self._device_heap = full.heap
         self.heap = LeafHeap(make_policy(eviction_policy))
         self._page_bytes = tree.page_size * TOKEN_BYTES
@@ -101,15 +121,28 @@ class HostTier:
         self.evictable_size = 0
         self.protected_size = 0
         self.evicted_total = 0
+        #: Host state slots held by nodes (Mamba trees), and those host eviction freed.
+        self.num_host_states = 0
+        self.evicted_states_total = 0
         tree.attach_host_tier(self)
 
     # ------------------------------------------------------------------------------------------
     # Match and insert (called by the tree in place of its fast path)
     # ------------------------------------------------------------------------------------------
-    def match(self, key: RadixKey, data: bytes, end: int, *, count: bool = True) -> MatchResult:
+    def match(
+        self,
+        key: RadixKey,
+        data: bytes,
+        end: int,
+        *,
+        count: bool = True,
+        copy_state: bool = False,
+    ) -> MatchResult:
         """The device hit of `data[:end]` and the host hit beyond it. Splits the node where the
         match ends; touches the matched nodes (both heaps re-keyed). With `count`, adds the hits
-        to the tree's hit counters (the tree counted the query). O(K + depth)."""
+        to the tree's hit counters (the tree counted the query). Mamba trees: both hits end
+        where a state is restorable (device state / host state); with `copy_state` the device
+        state is copied into a slot the caller owns (`states["mamba"]`). O(K + depth)."""
         tree = self.tree
         page_bytes = self._page_bytes
         path: list[TreeNode] = []
@@ -132,6 +165,8 @@ class HostTier:
         on_device = 0
         while on_device < len(path) and len(path[on_device].value):
             on_device += 1
+        if self._mamba is not None:
+            return self._match_mamba(self._mamba, path, on_device, count, copy_state)
         tick = tree.next_tick()
         for item in path:
             item.last_access = tick
@@ -151,6 +186,56 @@ class HostTier:
         slots = np.concatenate([n.value for n in device_nodes]) if device_nodes else _NO_SLOTS
         return MatchResult(device_len, self._full.to_device(slots), last, host_len, last_host)
 
+    def _match_mamba(
+        self,
+        mamba: MambaComponent,
+        path: list[TreeNode],
+        on_device: int,
+        count: bool,
+        copy_state: bool,
+    ) -> MatchResult:
+        """`match` of a Full + Mamba tree: the device hit ends at the last on-device node with
+        a device state, the host hit at the last node after it with a host state."""
+        tree = self.tree
+        i = mamba.index
+        device_end = 0
+        for k in range(on_device, 0, -1):
+            values = path[k - 1].comp_values
+            assert values is not None, "a Mamba tree's node has component values"
+            if values[i] is not None:
+                device_end = k
+                break
+        host_end = device_end
+        for k in range(len(path), device_end, -1):
+            if path[k - 1].host_state is not None:
+                host_end = k
+                break
+        device_nodes, host_nodes = path[:device_end], path[device_end:host_end]
+        last = device_nodes[-1] if device_nodes else tree.root
+        last_host = host_nodes[-1] if host_nodes else None
+        # Raises (StateSlotsExhausted) before the match changes anything else.
+        copied = mamba.finalize_match(last, copy_state)
+        tick = tree.next_tick()
+        for item in path:
+            item.last_access = tick
+            item.hit_count += 1
+        for item in device_nodes:
+            mamba.on_access(item)
+        if last in self._device_heap:
+            self._device_heap.push(last)
+        if last_host is not None and last_host in self.heap:
+            self.heap.push(last_host)
+        device_len = sum(len(n.value) for n in device_nodes)
+        host_len = sum(n.num_tokens for n in host_nodes)
+        if count:
+            tree.hit_tokens += device_len
+            tree.host_hit_tokens += host_len
+        slots = np.concatenate([n.value for n in device_nodes]) if device_nodes else _NO_SLOTS
+        states = {mamba.name: copied} if copied is not None else {}
+        return MatchResult(
+            device_len, self._full.to_device(slots), last, host_len, last_host, states
+        )
+
     def match_key(self, key: RadixKey, max_len: int | None = None) -> MatchResult:
         """`match` of at most `max_len` whole pages of `key` without touching any counter
         (for a cache re-matching a key it already counted)."""
@@ -169,10 +254,13 @@ class HostTier:
         slots: npt.NDArray[np.int64],
         cached_len: int,
         priority: int,
+        inputs: Mapping[str, ComponentInsert] | None = None,
     ) -> InsertResult:
         """The tree's insert: off-device nodes the key runs over take the caller's slots again
-        (revive; listed in `adopted`), a new leaf takes the rest. O(K + depth)."""
+        (revive; listed in `adopted`), a new leaf takes the rest; a Mamba tree's node ending at
+        the key adopts `inputs["mamba"]`'s state when it has no device state. O(K + depth)."""
         tree = self.tree
+        mamba = self._mamba
         page_bytes = self._page_bytes
         tick = tree.next_tick()
         namespace = key.namespace
@@ -191,6 +279,8 @@ class HostTier:
             node.last_access = tick
             if priority > node.priority:
                 node.priority = priority
+            if mamba is not None:
+                mamba.on_access(node)
             if not len(node.value):
                 start = pos // TOKEN_BYTES
                 assert start >= cached_len, (
@@ -203,12 +293,21 @@ class HostTier:
                 break
             child = node.children.get(data[pos : pos + page_bytes])
         prefix_len = pos // TOKEN_BYTES
+        inserted = 0
         if pos < end:
-            leaf = tree.add_leaf(node, data, pos, end, slots, namespace, tick, priority)
-            return InsertResult(prefix_len, len(leaf.value), leaf, tuple(adopted), (), cached_len)
-        if node in self._device_heap:
+            node = tree.add_leaf(node, data, pos, end, slots, namespace, tick, priority)
+            inserted = len(node.value)
+        elif node in self._device_heap:
             self._device_heap.push(node)
-        return InsertResult(prefix_len, 0, node, tuple(adopted), (), cached_len)
+        states: tuple[str, ...] = ()
+        if (
+            mamba is not None
+            and inputs
+            and node.parent is not None
+            and mamba.on_insert_commit(node, inputs.get(mamba.name))
+        ):
+            states = (mamba.name,)
+        return InsertResult(prefix_len, inserted, node, tuple(adopted), states, cached_len)
 
     def _revive(self, node: TreeNode, value: npt.NDArray[np.int64]) -> None:
         """Off-device `node` takes device slots `value` (its parent is on the device now)."""
@@ -254,6 +353,10 @@ class HostTier:
             self.tree.remove_leaf(node, evicted=True)
             return size
         self.tree.emit_removed(node)
+        mamba = self._mamba
+        if mamba is not None and mamba.node_size(node):
+            # A device state needs the device pages before it: it goes with them.
+            mamba.evicted_total += mamba.release(node, node_goes=False)
         full = self._full
         full.queue_free(node.value)
         full.evictable_size -= size
@@ -346,6 +449,7 @@ class HostTier:
         host-unlocked nodes in the host policy's order; each leaves the tree. Returns the host
         tokens freed (handed to the host allocator before this returns). O(k log n)."""
         freed: list[npt.NDArray[np.int64]] = []
+        states: list[int] = []
         total = 0
         while total < amount:
             node = self.heap.pop()
@@ -359,11 +463,32 @@ class HostTier:
             self.evicted_total += len(value)
             freed.append(value)
             total += len(value)
+            if node.host_state is not None:
+                states.append(node.host_state)
+                node.host_state = None
             self.tree.remove_leaf(node, evicted=False)
-        self._full.flush()
+        self.tree.flush_pending()
         if freed:
             self.host.free(torch.from_numpy(np.concatenate(freed)))
+        self._free_states(states)
+        self.evicted_states_total += len(states)
         return total
+
+    def _free_states(self, states: list[int]) -> None:
+        if states:
+            assert self.host_states is not None, "host states in a tree without Mamba"
+            self.num_host_states -= len(states)
+            self.host_states.free(torch.tensor(states, dtype=torch.int64))
+
+    def set_host_state(self, node: TreeNode, slot: int) -> bool:
+        """`node` (with a host value) takes host state slot `slot` for the state at its end.
+        Returns False, taking nothing, when it already has one (the caller frees `slot`)."""
+        assert node.host_value is not None, f"host state on node {node.id} without a host value"
+        if node.host_state is not None:
+            return False
+        node.host_state = slot
+        self.num_host_states += 1
+        return True
 
     def lock(self, anchor: TreeNode) -> HostReceipt:
         """Protect the host values from `anchor` (a node with a host value, or the root) to the
@@ -458,8 +583,11 @@ class HostTier:
         if self._receipts or self.tree.num_locked:
             raise TreeLocked("locks outstanding; unlock them before a reset")
         values = [n.host_value for n in self.tree.iter_nodes() if n.host_value is not None]
+        states = [n.host_state for n in self.tree.iter_nodes() if n.host_state is not None]
         for node in self.tree.iter_nodes():
             node.host_value = None
+            node.host_state = None
+        self._free_states(states)
         self.heap.clear()
         if values:
             self.host.free(torch.from_numpy(np.concatenate(values)))
@@ -467,11 +595,15 @@ class HostTier:
         self._log.drain()
         self._log.cleared()
 
-    def check_integrity(self, in_flight: int) -> None:
+    def check_integrity(self, in_flight: int, states_in_flight: int = 0) -> None:
         """Host free + evictable + protected + `in_flight` == host capacity; both tiers
         prefix-closed; off-device nodes carry a host value; host values cover their node; host
-        locks equal the outstanding receipts; the host heap holds exactly the candidates."""
+        locks equal the outstanding receipts; the host heap holds exactly the candidates.
+        Mamba: a host state only with a host value, a device state only on the device, host
+        state free + evictable + protected + `states_in_flight` == host state capacity."""
         evictable = protected = 0
+        state_slots: list[int] = []
+        states_protected = 0
         expected: dict[int, int] = {}
         for receipt in self._receipts.values():
             probe = receipt.anchor
@@ -503,6 +635,13 @@ class HostTier:
                     protected += len(value)
                 else:
                     evictable += len(value)
+            if node.host_state is not None:
+                if value is None:
+                    raise IntegrityError(f"node {node.id}: host state without a host value")
+                state_slots.append(node.host_state)
+                states_protected += node.host_lock_ref > 0
+            if self._mamba is not None and self._mamba.node_size(node) and not len(node.value):
+                raise IntegrityError(f"node {node.id}: device Mamba state off the device")
         if (evictable, protected) != (self.evictable_size, self.protected_size):
             raise IntegrityError(
                 f"host: counted evictable/protected {evictable}/{protected}, counters say "
@@ -515,3 +654,18 @@ class HostTier:
                 f"in flight {in_flight} != capacity {self.host.size}"
             )
         self.heap.check_integrity()
+        if len(state_slots) != len(set(state_slots)) or len(state_slots) != self.num_host_states:
+            raise IntegrityError(
+                f"host states: {len(state_slots)} on nodes ({len(set(state_slots))} distinct), "
+                f"counter says {self.num_host_states}"
+            )
+        sink = self.host_states
+        if sink is not None:
+            free = sink.available_size()
+            held = len(state_slots)
+            if free + (held - states_protected) + states_protected + states_in_flight != sink.size:
+                raise IntegrityError(
+                    f"host state pool: free {free} + evictable {held - states_protected} + "
+                    f"protected {states_protected} + in flight {states_in_flight} != capacity "
+                    f"{sink.size}"
+                )

@@ -13,6 +13,8 @@ hot loop reads it):
                              a leaf shares the read-only NO_CHILDREN instead of its own dict
     host_value    ndarray    hierarchical mode: host token slot of each token, or None
     host_lock_ref int        hierarchical mode: transfers protecting the host copy
+    host_state    int        hierarchical Mamba mode: host state slot of the state at the end
+                             of the run, or None (only on a node with a host value)
     in_storage    bool       hierarchical mode: storage acknowledged this node's pages
 
 A node's namespace is the one of the root child it descends from, so below the root a child is
@@ -57,6 +59,7 @@ class TreeNode:
         "heap_entry",
         "hit_count",
         "host_lock_ref",
+        "host_state",
         "host_value",
         "id",
         "in_storage",
@@ -106,6 +109,7 @@ class TreeNode:
         # whether storage holds the pages. Device-only trees never touch them.
         self.host_value: npt.NDArray[np.int64] | None = None
         self.host_lock_ref = 0
+        self.host_state: int | None = None
         self.in_storage = False
 
     @property

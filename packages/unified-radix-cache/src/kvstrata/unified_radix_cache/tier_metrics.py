@@ -26,7 +26,8 @@ class TierCacheCollector(Collector):
     - `transfer_bytes_total{direction}`: d2h, h2d, storage_get, storage_set;
     - `failed_transfers_total`, `short_prefetches_total`, `prefetches_total{outcome}` (started,
       skipped), `load_backs_refused_total`, `transfer_wait_seconds_total`;
-    - `host_tokens{state}` (free, evictable, protected), `transfers_in_flight`.
+    - `host_tokens{state}` (free, evictable, protected), `transfers_in_flight`;
+    - Mamba models: `host_states{state}` (free, held: host state slots on nodes).
     """
 
     def __init__(
@@ -112,6 +113,15 @@ class TierCacheCollector(Collector):
             },
             gauge=True,
         )
+        states = cache.host_state_allocator
+        if states is not None:
+            yield self._by(
+                "host_states",
+                "Host tier Mamba state slots by state (Mamba models only).",
+                "state",
+                {"free": states.available_size(), "held": host.num_host_states},
+                gauge=True,
+            )
         inflight = GaugeMetricFamily(
             "kvstrata_tiered_cache_transfers_in_flight",
             "Writes, backups and prefetches not yet acknowledged.",

@@ -209,11 +209,15 @@ class UnifiedRadixCache:
 
     def attach_host_tier(self, tier: HostTier) -> None:
         """Hierarchical mode: from now on match, insert and Full eviction take `tier`'s walks
-        (host values on the nodes). Refused on a non-empty, hybrid or already tiered tree."""
+        (host values on the nodes). Refused on a non-empty, SWA or already tiered tree
+        (Full-only and Full + Mamba trees are supported)."""
         if self.host_tier is not None:
             raise InvalidConfig("this tree already has a host tier")
-        if self._extras:
-            raise InvalidConfig("hierarchical mode supports Full-only trees")
+        if any(c.name != "mamba" for c in self._extras):
+            raise InvalidConfig(
+                "hierarchical mode supports Full-only and Full + Mamba trees; got components "
+                f"{[c.name for c in self._components]}"
+            )
         if self.num_nodes:
             raise InvalidConfig("attach the host tier to an empty tree")
         self.host_tier = tier
@@ -251,7 +255,7 @@ class UnifiedRadixCache:
             return MatchResult(0, self._full.to_device(_EMPTY_SLOTS), root)
         if self._slow:
             if self.host_tier is not None:
-                return self.host_tier.match(key, data, end)
+                return self.host_tier.match(key, data, end, copy_state=copy_state)
             return self._match_hybrid(key, data, end, copy_state)
         page_bytes = self._page_bytes
         self._tick += 1
@@ -388,7 +392,9 @@ class UnifiedRadixCache:
             return InsertResult(0, 0, root, cached_len=cached_len)
         if self._slow:
             if self.host_tier is not None:
-                return self.host_tier.insert(key, data, end, slots, cached_len, priority)
+                return self.host_tier.insert(
+                    key, data, end, slots, cached_len, priority, comp_inputs
+                )
             return self._insert_hybrid(key, data, end, slots, cached_len, priority, comp_inputs)
         # Full-only fast path: the same walk as match_prefix, no hook calls.
         page_bytes = self._page_bytes
@@ -688,7 +694,8 @@ class UnifiedRadixCache:
         an unlocked leaf leaves the tree whole; otherwise the node keeps its Full data and
         becomes a tombstone for `component` and every component of lower or equal priority.
         Returns what `component` freed."""
-        if not node.children and node.lock_ref == 0:
+        # A leaf with a host copy stays (hierarchical mode): it only loses device state here.
+        if not node.children and node.lock_ref == 0 and node.host_value is None:
             before = component.evicted_total
             self.remove_leaf(node, evicted=True)
             return component.evicted_total - before
@@ -818,7 +825,10 @@ class UnifiedRadixCache:
         for component in components:
             target = targets.get(component.name, 0)
             if target > 0:
-                component.evict(target)
+                if component is self._full and self.host_tier is not None:
+                    self.host_tier.evict_device(target)
+                else:
+                    component.evict(target)
         for component in components:
             component.flush()
         seconds = time.perf_counter() - start
