@@ -23,15 +23,19 @@ from kvstrata.testkit.storage import page_cost, page_payload
 Factory = Callable[[int], Storage]
 
 
-@pytest.fixture(params=["memory", "file", "faults-over-memory"])
+@pytest.fixture(params=["memory", "file", "file-1-thread", "faults-over-memory"])
 def make(request: pytest.FixtureRequest, tmp_path: Path) -> Factory:
-    """make(capacity_bytes) -> a fresh storage of the parametrised backend."""
+    """make(capacity_bytes) -> a fresh storage of the parametrised backend ("file" spreads a
+    batch's I/O over its default threads, "file-1-thread" does it all in the caller)."""
 
     def factory(capacity_bytes: int) -> Storage:
         if request.param == "memory":
             return MemoryStorage(capacity_bytes=capacity_bytes)
-        if request.param == "file":
-            return FileStorage(tmp_path, capacity_bytes=capacity_bytes, namespace="contract")
+        if request.param.startswith("file"):
+            threads = 1 if request.param == "file-1-thread" else 4
+            return FileStorage(
+                tmp_path, capacity_bytes=capacity_bytes, namespace="contract", io_threads=threads
+            )
         return FaultInjectingStorage(MemoryStorage(capacity_bytes=capacity_bytes))
 
     return factory

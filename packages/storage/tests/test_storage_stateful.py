@@ -144,8 +144,14 @@ class MemoryMachine(StorageMachine):
 
 
 class FileMachine(StorageMachine):
+    """A batch's pages written and read on 4 threads (ranges of 2+ pages each)."""
+
+    io_threads = 4
+
     def make(self, capacity_bytes: int) -> Storage:
-        return FileStorage(self.dir, capacity_bytes=capacity_bytes, namespace="sm")
+        return FileStorage(
+            self.dir, capacity_bytes=capacity_bytes, namespace="sm", io_threads=self.io_threads
+        )
 
     @invariant()
     def disk_holds_exactly_the_indexed_pages(self) -> None:
@@ -154,5 +160,12 @@ class FileMachine(StorageMachine):
         assert list(self.dir.rglob(".*.tmp")) == []
 
 
+class SequentialFileMachine(FileMachine):
+    """Everything in the calling thread: must match the same model, LRU order included."""
+
+    io_threads = 1
+
+
 TestMemoryStorageMachine = MemoryMachine.TestCase
 TestFileStorageMachine = FileMachine.TestCase
+TestSequentialFileStorageMachine = SequentialFileMachine.TestCase

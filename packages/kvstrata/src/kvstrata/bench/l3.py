@@ -13,12 +13,16 @@ One JSON line per figure, each beside a baseline measured in the same run:
   - `per_file_ratio`: one plain file per page (open, write or readinto, close: no header,
     checksum, temp file, rename or fan-out directory), which isolates what FileStorage adds to
     the cost of the file system itself.
-  `set` is measured twice: `store: empty` (cleared before each repeat: every page creates a
-  file) and `store: full` (the steady state of an L3 tier: the store holds one repeat's worth of
-  pages and every page written evicts one, whose file FileStorage recycles; its eviction is
-  timed, the baselines' unlinks are not). Every write case starts after `os.sync()` (untimed)
-  so that none pays for the writeback of the case before it; reads come from the page cache
-  (the pages were just written), as they do for a warm L3.
+  `set` is measured three times: `store: new` (a fresh FileStorage on a fresh directory every
+  round, nothing removed until the end: every page creates a file), `store: cleared` (the same
+  store cleared before each round, so every create follows the removal of as many files; on a
+  journal-less ext4 a create then scans past every inode freed in the last 30 s, which is what
+  this line measures), and `store: full` (the steady state of an L3 tier: the store holds one
+  round's worth of pages and every page written evicts one, whose file FileStorage recycles;
+  its eviction is timed, the baselines' unlinks are not). The per-file baseline of `new` and
+  `full` writes into a fresh directory, that of `cleared` into an emptied one. Every write case
+  starts after `os.sync()` (untimed) so that none pays for the writeback of the case before
+  it; reads come from the page cache (the pages were just written), as they do for a warm L3.
 - `memory` set / get: `MemoryStorage` against a memcpy (bytearray slice assignment) of the same
   pages. Sets run in the steady state of an L3 tier: the store is full and every page written
   evicts one (a fresh store would mostly time the kernel faulting in new memory).
@@ -26,8 +30,11 @@ One JSON line per figure, each beside a baseline measured in the same run:
   the same token bytes in one call (the throughput ceiling of the hash alone).
 
 Medians over `--repeats`, ours and its baselines taking turns within each round (the machine is
-shared, and load that drifts should hit both); every file set starts from an empty store. The
-temp directory lives under /tmp and is removed at the end.
+shared, and load that drifts should hit both). `--io-threads` (a comma-separated list) runs the
+file figures once per FileStorage thread count, each line saying which. All file figures, ours
+and the baselines, use one temp directory under `--dir` (default /tmp), so they run on the same
+file system; the environment line names it (`bench_fs`: the type of the mount holding it). The
+temp directory is removed at the end.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ import numpy as np
 
 from kvstrata.bench.report import emit, environment, pin_threads, ratio
 from kvstrata.storage import FileStorage, MemoryStorage, PageKeyer, Storage
-from kvstrata.storage.file import FSYNC_POLICIES, HEADER_BYTES, FsyncPolicy
+from kvstrata.storage.file import DEFAULT_IO_THREADS, FSYNC_POLICIES, HEADER_BYTES, FsyncPolicy
 from kvstrata.storage.keys import KEY_BYTES, HashName
 
 __all__ = ["main"]
@@ -174,21 +181,91 @@ def _line(
     }
 
 
-def _bench_file(args: argparse.Namespace, root: Path, page_bytes: int) -> None:
-    pages = _pages(args.total_mib << 20, page_bytes)
+class _FileCase(NamedTuple):
+    """The pages of one page size and thread count, and the directory its figures write in."""
+
+    page_bytes: int
+    io_threads: int
+    pages: list[bytearray]
+    keys: list[bytes]
+    work: Path
+
+    @property
+    def total(self) -> int:
+        return len(self.pages) * self.page_bytes
+
+    def open_store(self, directory: Path, fsync: FsyncPolicy) -> FileStorage:
+        # Room for exactly one set of pages: a "full" set evicts (and recycles) one page per page.
+        capacity = len(self.pages) * (HEADER_BYTES + self.page_bytes)
+        return FileStorage(
+            directory, capacity_bytes=capacity, fsync=fsync, io_threads=self.io_threads
+        )
+
+
+def _file_case(root: Path, page_bytes: int, io_threads: int, total_mib: int) -> _FileCase:
+    pages = _pages(total_mib << 20, page_bytes)
     keys = [hashlib.sha256(b"%d" % i).digest() for i in range(len(pages))]
-    outs = [bytearray(page_bytes) for _ in pages]
-    total = len(pages) * page_bytes
-    store_dir, plain, per_file = root / "store", root / "plain.bin", root / "per-file"
-    store_dir.mkdir(exist_ok=True)
-    # Room for exactly one set of pages: a "full" set evicts (and recycles) one page per page.
-    capacity = len(pages) * (HEADER_BYTES + page_bytes)
-    storage = FileStorage(store_dir, capacity_bytes=capacity, fsync=args.fsync)
+    work = root / f"file-{page_bytes}-{io_threads}"
+    work.mkdir()
+    return _FileCase(page_bytes, io_threads, pages, keys, work)
+
+
+def _bench_file_new(args: argparse.Namespace, case: _FileCase) -> dict[str, float]:
+    """Sets into new stores (and files into new directories): run before any file of the
+    bench is removed, since creates right after removals measure the removals' aftermath."""
     fsync, batch = args.fsync, args.batch
+    plain = case.work / "plain-new.bin"
+    generation = itertools.count()
+    fresh: list[FileStorage] = []
+    fresh_files: list[Path] = []
+
+    def set_new() -> None:
+        for old in fresh:
+            old.close()
+        directory = case.work / f"new-{next(generation)}"
+        directory.mkdir()
+        fresh[:] = [case.open_store(directory, fsync)]
+
+    def per_file_new() -> None:
+        fresh_files[:] = [case.work / f"per-file-new-{next(generation)}"]
+        fresh_files[0].mkdir()
+
+    t = _interleaved(
+        {
+            "set_new": _Case(
+                lambda: _storage_set(fresh[0], case.keys, case.pages, batch),
+                lambda: _settled(set_new),
+            ),
+            "file_set_new": _Case(
+                lambda: _per_file_write(fresh_files[0], case.pages, fsync, batch),
+                lambda: _settled(per_file_new),
+            ),
+            "plain_set_new": _Case(
+                lambda: _plain_write(plain, case.pages, fsync, batch),
+                lambda: _settled(lambda: plain.unlink(missing_ok=True)),
+            ),
+        },
+        repeats=args.repeats,
+    )
+    outs = [bytearray(case.page_bytes) for _ in case.pages]
+    _storage_get(fresh[0], case.keys, outs, batch)
+    assert outs == case.pages, "FileStorage returned other bytes than were written"
+    fresh[0].close()
+    return t
+
+
+def _bench_file_main(args: argparse.Namespace, case: _FileCase) -> dict[str, float]:
+    """Sets into a cleared store and into a full one, and gets, with their baselines."""
+    fsync, batch = args.fsync, args.batch
+    store_dir, plain, per_file = case.work / "store", case.work / "plain.bin", case.work / "pf"
+    store_dir.mkdir()
+    storage = case.open_store(store_dir, fsync)
+    keys, pages = case.keys, case.pages
+    outs = [bytearray(case.page_bytes) for _ in pages]
     current = list(keys)  # the keys the store holds now, which "get" reads
     generation = itertools.count()
 
-    def set_empty() -> None:
+    def set_cleared() -> None:
         storage.clear()
         current[:] = keys
 
@@ -199,14 +276,14 @@ def _bench_file(args: argparse.Namespace, root: Path, page_bytes: int) -> None:
 
     t = _interleaved(
         {
-            "set": _Case(
-                lambda: _storage_set(storage, keys, pages, batch), lambda: _settled(set_empty)
-            ),
             "plain_set": _Case(
                 lambda: _plain_write(plain, pages, fsync, batch),
                 lambda: _settled(lambda: plain.unlink(missing_ok=True)),
             ),
-            "file_set": _Case(
+            "set_cleared": _Case(
+                lambda: _storage_set(storage, keys, pages, batch), lambda: _settled(set_cleared)
+            ),
+            "file_set_cleared": _Case(
                 lambda: _per_file_write(per_file, pages, fsync, batch),
                 lambda: _settled(lambda: _empty_dir(per_file)),
             ),
@@ -222,26 +299,48 @@ def _bench_file(args: argparse.Namespace, root: Path, page_bytes: int) -> None:
     _storage_get(storage, current, outs, batch)
     assert outs == pages, "FileStorage returned other bytes than were written"
     assert storage.stats().evictions >= len(pages), "the full-store sets did not evict"
-    for op, store, ours_s in (
-        ("set", "empty", t["set"]),
-        ("set", "full", t["set_full"]),
-        ("get", None, t["get"]),
-    ):
-        plain_s, per_file_gbps = t[f"plain_{op}"], total / t[f"file_{op}"] / 1e9
+    storage.close()
+    return t
+
+
+def _emit_file(args: argparse.Namespace, case: _FileCase, t: dict[str, float]) -> None:
+    # (op, store, ours, sequential baseline, per-file baseline)
+    figures = (
+        ("set", "new", "set_new", "plain_set_new", "file_set_new"),
+        ("set", "cleared", "set_cleared", "plain_set", "file_set_cleared"),
+        ("set", "full", "set_full", "plain_set", "file_set_new"),
+        ("get", None, "get", "plain_get", "file_get"),
+    )
+    total = case.total
+    for op, store, ours, base, per_file_base in figures:
+        ours_gbps, per_file_gbps = total / t[ours] / 1e9, total / t[per_file_base] / 1e9
         emit(
             _line(
-                "file", op, page_bytes, total, ours_s, plain_s,
+                "file", op, case.page_bytes, total, t[ours], t[base],
                 fsync=args.fsync,
+                io_threads=case.io_threads,
                 **({"store": store} if store else {}),
                 baseline="plain sequential file",
                 target_ratio=0.8,
                 per_file_baseline_gb_per_s=round(per_file_gbps, 3),
-                per_file_ratio=ratio(total / ours_s / 1e9, per_file_gbps),
+                per_file_ratio=ratio(ours_gbps, per_file_gbps),
             )
         )  # fmt: skip
-    storage.clear()
-    plain.unlink(missing_ok=True)
-    shutil.rmtree(per_file, ignore_errors=True)
+
+
+def _bench_files(args: argparse.Namespace, root: Path) -> None:
+    """Every new-store figure first, then the rest: removing files (clears, evictions that
+    unlink, the per-file baseline's emptied directory) slows the creates that follow on some
+    file systems, so nothing is removed before the new-store figures, and the bench's files
+    are removed only at the end."""
+    cases = [
+        _file_case(root, page_bytes, io_threads, args.total_mib)
+        for page_bytes in args.page_bytes
+        for io_threads in args.io_threads
+    ]
+    times = [_bench_file_new(args, case) for case in cases]
+    for case, t in zip(cases, times, strict=True):
+        _emit_file(args, case, {**t, **_bench_file_main(args, case)})
 
 
 def _bench_memory(args: argparse.Namespace, page_bytes: int) -> None:
@@ -310,6 +409,25 @@ def _sizes(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part]
 
 
+def _file_system(path: Path) -> str:
+    """The type of the mount holding `path` (longest matching mount point in /proc/mounts),
+    or "unknown" where /proc/mounts is not there."""
+    target, best, kind = str(path.resolve()), -1, "unknown"
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                inside = target == point or target.startswith(point.rstrip("/") + "/")
+                if inside and len(point) > best:
+                    best, kind = len(point), fields[2]
+    except OSError:
+        return "unknown"
+    return kind
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="kvstrata bench l3", description=(__doc__ or "").split("\n")[0]
@@ -323,6 +441,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--total-mib", type=int, default=64, help="bytes moved per figure (MiB)")
     parser.add_argument("--batch", type=int, default=128, help="pages per batch call")
     parser.add_argument("--fsync", choices=FSYNC_POLICIES, default="never")
+    parser.add_argument(
+        "--io-threads",
+        type=_sizes,
+        default=[DEFAULT_IO_THREADS],
+        help=f"comma-separated FileStorage io_threads to run (default {DEFAULT_IO_THREADS})",
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("/tmp"),
+        help="where the temp directory of the file figures goes (its file system is measured)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--token-page-sizes", type=_sizes, default=[16, 64])
     parser.add_argument("--num-tokens", type=int, default=1 << 18)
@@ -330,13 +460,26 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.batch < 1 or args.total_mib < 1 or args.num_tokens < 1:
         parser.error("--repeats, --batch, --total-mib and --num-tokens must be >= 1")
+    if not args.io_threads or min(args.io_threads) < 1:
+        parser.error("--io-threads must list thread counts >= 1")
+    if not args.dir.is_dir():
+        parser.error(f"--dir {args.dir} is not a directory")
     pin_threads()
-    emit({"bench": "l3", "environment": environment()})
-    root = Path(tempfile.mkdtemp(prefix="kvstrata-bench-l3-", dir="/tmp"))
+    root = Path(tempfile.mkdtemp(prefix="kvstrata-bench-l3-", dir=args.dir))
+    emit(
+        {
+            "bench": "l3",
+            "environment": {
+                **environment(),
+                "bench_dir": str(root),
+                "bench_fs": _file_system(root),
+            },
+        }
+    )
     try:
+        if "file" not in args.skip:
+            _bench_files(args, root)
         for page_bytes in args.page_bytes:
-            if "file" not in args.skip:
-                _bench_file(args, root, page_bytes)
             if "memory" not in args.skip:
                 _bench_memory(args, page_bytes)
         if "keyer" not in args.skip:

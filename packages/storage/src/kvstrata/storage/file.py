@@ -53,6 +53,7 @@ from kvstrata.storage.errors import (
     InvalidParameter,
     StorageDirectoryError,
 )
+from kvstrata.storage.parallel import BatchRunner
 
 FsyncPolicy: TypeAlias = Literal["never", "page", "batch"]
 FSYNC_POLICIES: tuple[str, ...] = ("never", "page", "batch")
@@ -64,6 +65,8 @@ FORMAT_VERSION = 2
 _SUFFIX = ".page"
 #: A temp file this old is an orphan even if its pid looks alive (pids are reused).
 STALE_TEMP_S = 3600.0
+#: Threads a batch call spreads its pages' file I/O over (the caller's included).
+DEFAULT_IO_THREADS = 4
 #: 2 hex characters per key byte plus the suffix must fit in a 255-byte file name.
 MAX_KEY_BYTES = 120
 
@@ -77,7 +80,8 @@ def namespace_fingerprint(namespace: bytes | str) -> bytes:
 
 
 def page_checksum(payload: bytes | bytearray | memoryview) -> int:
-    """The checksum a page file carries for `payload` (xxh3_64, seed 0). Releases the GIL."""
+    """The checksum a page file carries for `payload` (xxh3_64, seed 0). Holds the GIL (the
+    xxhash package does not release it), unlike the file system calls around it."""
     return xxhash.xxh3_64_intdigest(payload)
 
 
@@ -136,22 +140,28 @@ class _Room(NamedTuple):
     victims: list[tuple[bytes, int]]  # (key, file bytes)
 
 
-class _Staged(NamedTuple):
-    position: int
+class _Job(NamedTuple):
+    """A page of a batch_set admitted (room reserved), to be written by an I/O thread."""
+
+    position: int  # in the batch
     key: bytes
-    temp: _Temp
+    view: memoryview
     path: str
-    size: int
+    temp_path: str
+    size: int  # file bytes reserved
+    recycled: bool  # an evicted page's file already sits at temp_path
 
 
 class _Probe(NamedTuple):
     """An open page file whose header was read. `valid` is False when any header check failed
-    (then the other fields are zero)."""
+    (then the other fields are zero). `pending`: the header is not read yet, because it was not
+    in the page cache and the read asked not to wait (`valid` is False meanwhile)."""
 
     fd: int
     valid: bool
     payload_bytes: int
     checksum: int
+    pending: bool = False
 
 
 class FileStorage(Storage):
@@ -167,6 +177,15 @@ class FileStorage(Storage):
       the header checks turn damaged ones into misses), "page" (each page is fsynced with its
       directory before the call returns), "batch" (all pages of a batch are fsynced, then
       renamed, then their directories fsynced once).
+    - `io_threads`: how many threads (the caller's included) a batch call spreads its pages'
+      file I/O and checksums over; 1 does everything in the calling thread. Each batch runs in
+      phases with a barrier between them: get = open + header checks of all pages (so a wrong
+      buffer size raises before any buffer is written), then payload reads + checksums, then
+      the index updates in the caller in batch order (in both read phases the caller reads
+      what the page cache holds itself, with RWF_NOWAIT, and hands the threads only the
+      reads that would wait for the disk); set = admission in the caller in batch
+      order (presence, eviction, reservation), then checksum + temp file + rename per page in
+      parallel (under "batch": write all, then fsync + rename all, then the directories).
 
     Costs per page (syscalls): exists = open + fstat + header pread + close; get = open +
     header pread + one preadv straight into the caller's buffer + close, then an xxh3_64 pass
@@ -186,6 +205,7 @@ class FileStorage(Storage):
         capacity_bytes: int,
         namespace: bytes | str = b"",
         fsync: FsyncPolicy = "never",
+        io_threads: int = DEFAULT_IO_THREADS,
     ) -> None:
         if capacity_bytes < 0:
             raise InvalidParameter(f"capacity_bytes must be >= 0, got {capacity_bytes}")
@@ -195,8 +215,11 @@ class FileStorage(Storage):
         if not root.is_dir():
             what = "is not a directory" if root.exists() else "does not exist"
             raise StorageDirectoryError(f"FileStorage directory {root} {what}")
+        io = BatchRunner(io_threads, name="kvstrata-file-io")  # validates io_threads
         _probe_writable(root)
         super().__init__()
+        self._io = io
+        self.io_threads = io_threads
         self.path = root
         self.capacity_bytes = capacity_bytes
         self.namespace = namespace
@@ -209,6 +232,9 @@ class FileStorage(Storage):
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, LRU first
         self._indexed_bytes = 0
         self._reserved_bytes = 0  # writes of this process in flight
+        # Keys a batch_set of ours is writing (admitted, not yet indexed) -> how many batches:
+        # a reader that finds such a page already renamed into place leaves it to the writer.
+        self._writing: dict[bytes, int] = {}
         self._temp_seq = itertools.count()
         with self._lock:
             self._scan()
@@ -238,28 +264,71 @@ class FileStorage(Storage):
 
     def _get_into(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
         paths = [self._page_path(key) for key in keys]
-        probes: list[_Probe | None] = []
+        probes: list[_Probe | None] = [None] * len(keys)
+        read_ok = [False] * len(keys)
+        # With several threads, this thread first reads what the page cache holds, asking the
+        # kernel not to wait (RWF_NOWAIT); only what would wait goes to the I/O threads. A warm
+        # batch then costs no hand-offs (they cost more than they save when the CPU, not the
+        # disk, is the limit), and a cold one still has its reads overlapped.
+        cache_first = self._io.threads > 1 and _RWF_NOWAIT is not None
+
+        def open_range(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                probes[i] = self._open(keys[i], paths[i])
+
+        def header_list(indices: list[int]) -> None:
+            for i in indices:
+                probe = probes[i]
+                assert probe is not None and probe.pending, "only pending headers are re-read"
+                probes[i] = self._read_header(keys[i], paths[i], probe.fd)
+
+        def read_list(indices: Sequence[int]) -> None:
+            spare = bytearray(1)  # catches a file longer than its header says, in the same read
+            for i in indices:
+                probe = probes[i]
+                if probe is not None and probe.valid:
+                    read_ok[i] = bool(_read_payload(probe, views[i], spare))
+
         try:
             # Phase 1: headers only, so that a wrong buffer size raises before any buffer is
             # written and any page touched.
-            probes.extend(self._open(key, path) for key, path in zip(keys, paths, strict=True))
+            if cache_first:
+                for i, (key, path) in enumerate(zip(keys, paths, strict=True)):
+                    probes[i] = self._open(key, path, nowait=True)
+                waits = [i for i, p in enumerate(probes) if p is not None and p.pending]
+                self._io.run(len(waits), lambda lo, hi: header_list(waits[lo:hi]))
+            else:
+                self._io.run(len(keys), open_range)
             for key, probe, view in zip(keys, probes, views, strict=True):
                 if probe is not None and probe.valid and probe.payload_bytes != view.nbytes:
                     raise BufferSizeMismatch(
                         f"page {key.hex()[:16]} has {probe.payload_bytes} bytes, "
                         f"its buffer {view.nbytes}"
                     )
-            # Phase 2: payloads straight into the caller's buffers, then their checksums.
+            # Phase 2: payloads straight into the caller's buffers and their checksums; then
+            # the index, in this thread and in batch order (LRU order follows the batch).
+            if cache_first:
+                spare, waits = bytearray(1), []
+                for i, probe in enumerate(probes):
+                    if probe is not None and probe.valid:
+                        ok = _read_payload(probe, views[i], spare, nowait=True)
+                        if ok is None:
+                            waits.append(i)
+                        else:
+                            read_ok[i] = ok
+                self._io.run(len(waits), lambda lo, hi: read_list(waits[lo:hi]))
+            else:
+                self._io.run(len(keys), lambda lo, hi: read_list(range(lo, hi)))
             found: list[bool] = []
-            spare = bytearray(1)  # catches a file longer than its header says, in the same read
-            for key, path, probe, view in zip(keys, paths, probes, views, strict=True):
+            for key, path, probe, ok in zip(keys, paths, probes, read_ok, strict=True):
                 if probe is None:
                     self._forget(key)
                     found.append(False)
-                elif probe.valid and _read_payload(probe, view, spare):
+                elif ok:
                     self._adopt(key, HEADER_BYTES + probe.payload_bytes, touch=True)
                     found.append(True)
                 else:
+                    assert not probe.pending, "a header left unread would pass for corrupt"
                     self._drop_corrupt(key, path, probe.fd)
                     found.append(False)
             return found
@@ -270,46 +339,101 @@ class FileStorage(Storage):
 
     def _set_from(self, keys: Sequence[bytes], views: list[memoryview]) -> list[WriteResult]:
         batch = frozenset(keys)
-        results: list[WriteResult] = []
-        staged: list[_Staged] = []  # fsync "batch": renamed together at the end
-        for key, view in zip(keys, views, strict=True):
+        results = [WriteResult.FAILED] * len(keys)
+        jobs: list[_Job] = []
+        first_job: dict[bytes, int] = {}  # key -> its job, for a key repeated in the batch
+        repeats: list[tuple[int, int]] = []  # (position, job of the key's first occurrence)
+        # Admission, in this thread and batch order: presence, room (evicting least recently
+        # used pages under the lock, so eviction order stays the LRU order) and reservation.
+        # Every page's room is reserved before any page is written (whatever io_threads is),
+        # so a page whose write then fails frees its room, not the pages evicted for it.
+        for position, (key, view) in enumerate(zip(keys, views, strict=True)):
+            if key in first_job:
+                repeats.append((position, first_job[key]))
+                continue
             path = self._page_path(key)
             if self._is_present(key, path):
-                results.append(WriteResult.PRESENT)
+                results[position] = WriteResult.PRESENT
                 continue
-            header = self._header(key, view.nbytes, page_checksum(view))
             size = HEADER_BYTES + view.nbytes
             temp_path = self._temp_path(key, path)
             with self._lock:
                 room = self._make_room_locked(size, protect=batch)
                 if room.fits:
                     self._reserved_bytes += size
+                    self._writing[key] = self._writing.get(key, 0) + 1
                 # Under the lock, like every eviction: once the victims' files are gone or
                 # renamed, no thread of ours can find them and adopt them back.
                 recycled = self._recycle_locked(room.victims, temp_path)
-            if not room.fits:
-                results.append(WriteResult.FAILED)
-                continue
-            temp = self._write_temp(path, temp_path, header, view, recycled=recycled)
-            if temp is None:
-                self._release(size)
-                results.append(WriteResult.FAILED)
-            elif self.fsync == "batch":
-                staged.append(_Staged(len(results), key, temp, path, size))
-                results.append(WriteResult.WRITTEN)
-            else:
-                ok = self._publish(key, temp, path, size)
-                results.append(WriteResult.WRITTEN if ok else WriteResult.FAILED)
-        if staged:
-            dirs: set[str] = set()
-            for page in staged:
-                if self._publish(page.key, page.temp, page.path, page.size):
-                    dirs.add(os.path.dirname(page.path))
+            if room.fits:
+                first_job[key] = len(jobs)
+                jobs.append(_Job(position, key, view, path, temp_path, size, recycled))
+        written = [False] * len(jobs)
+        staged: list[_Temp | None] = [None] * len(jobs)  # fsync "batch": renamed at the end
+
+        def write_range(lo: int, hi: int) -> None:
+            for j in range(lo, hi):
+                job = jobs[j]
+                header = self._header(job.key, job.view.nbytes, page_checksum(job.view))
+                temp = self._write_temp(
+                    job.path, job.temp_path, header, job.view, recycled=job.recycled
+                )
+                if temp is None:
+                    self._release(job.size)
+                elif self.fsync == "batch":
+                    staged[j] = temp
                 else:
-                    results[page.position] = WriteResult.FAILED
-            for directory in dirs:
-                _fsync_dir(directory)
+                    written[j] = self._publish(temp, job.path, job.size)
+
+        def publish_range(lo: int, hi: int) -> None:
+            for j in range(lo, hi):
+                temp = staged[j]
+                if temp is not None:
+                    written[j] = self._publish(temp, jobs[j].path, jobs[j].size)
+
+        try:
+            self._io.run(len(jobs), write_range)
+            if self.fsync == "batch" and jobs:
+                self._io.run(len(jobs), publish_range)
+                dirs = sorted(
+                    {os.path.dirname(job.path) for job, ok in zip(jobs, written, strict=True) if ok}
+                )
+                self._io.run(len(dirs), lambda lo, hi: _fsync_dirs(dirs[lo:hi]))
+        finally:
+            # Also after an unexpected exception: what was renamed into place gets indexed.
+            for job, ok in zip(jobs, written, strict=True):
+                if ok:
+                    results[job.position] = WriteResult.WRITTEN
+            for position, j in repeats:
+                results[position] = WriteResult.PRESENT if written[j] else WriteResult.FAILED
+            self._index_batch(keys, results, jobs)
         return results
+
+    def _index_batch(
+        self, keys: Sequence[bytes], results: list[WriteResult], jobs: list[_Job]
+    ) -> None:
+        """After a batch_set, under the lock once and in batch order (so LRU order follows
+        the batch whatever thread wrote which page): index the pages written (their bytes move
+        from reserved to indexed) and touch the pages found present."""
+        sizes = {job.key: job.size for job in jobs}
+        with self._lock:
+            for job in jobs:
+                left = self._writing[job.key] - 1
+                if left:
+                    self._writing[job.key] = left
+                else:
+                    del self._writing[job.key]
+            for key, result in zip(keys, results, strict=True):
+                size = sizes.pop(key, None) if result is WriteResult.WRITTEN else None
+                if size is not None:
+                    self._reserved_bytes -= size
+                    if key in self._index:  # another batch of ours wrote it meanwhile
+                        self._index.move_to_end(key)
+                    else:
+                        self._index[key] = size
+                        self._indexed_bytes += size
+                elif result is not WriteResult.FAILED and key in self._index:
+                    self._index.move_to_end(key)
 
     def _delete(self, keys: Sequence[bytes]) -> int:
         removed = 0
@@ -342,6 +466,12 @@ class FileStorage(Storage):
     def page_file_bytes(self, payload_bytes: int) -> int:
         """Bytes a page of `payload_bytes` takes against the capacity (header included)."""
         return HEADER_BYTES + payload_bytes
+
+    def close(self) -> None:
+        """Stop the I/O threads (after the batches in flight). Pages, index and counters are
+        kept, and the storage stays usable: the next batch of several pages starts them again.
+        Optional: the threads also stop when the storage is garbage collected."""
+        self._io.close()
 
     def lru_keys(self) -> list[bytes]:
         """Indexed keys from least to most recently used (a copy; for tests and debugging)."""
@@ -386,10 +516,10 @@ class FileStorage(Storage):
             )
         )
 
-    def _open(self, key: bytes, path: str) -> _Probe | None:
+    def _open(self, key: bytes, path: str, *, nowait: bool = False) -> _Probe | None:
         """Open a page file and check its header; None when it is missing or unreadable. The
         file's length is not checked here: `_read_payload` catches a short or long file in the
-        read it does anyway, which saves an fstat per page."""
+        read it does anyway, which saves an fstat per page. `nowait`: see `_read_header`."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -397,12 +527,22 @@ class FileStorage(Storage):
         except OSError as exc:
             _log.warning("cannot open page %s: %s", path, exc)
             return None
+        return self._read_header(key, path, fd, nowait=nowait)
+
+    def _read_header(
+        self, key: bytes, path: str, fd: int, *, nowait: bool = False
+    ) -> _Probe | None:
+        """Read and check the header of the open page file `fd`; None (and `fd` closed) when it
+        cannot be read. With `nowait`, a header that is not in the page cache is not waited
+        for: the probe comes back `pending` (fd open) for a blocking call later."""
         try:
-            head = os.pread(fd, HEADER_BYTES, 0)
+            head = _pread_nowait(fd, HEADER_BYTES) if nowait else os.pread(fd, HEADER_BYTES, 0)
         except OSError as exc:
             os.close(fd)
             _log.warning("cannot read page %s: %s", path, exc)
             return None
+        if head is None:
+            return _Probe(fd, False, 0, 0, pending=True)
         # A header of another version or namespace fails the prefix comparison (a version 1
         # header differs from byte 7 on, the version field); a file of another key (a recycled
         # inode read through an old descriptor, a misplaced file) fails the key id.
@@ -462,6 +602,8 @@ class FileStorage(Storage):
                 if touch:
                     self._index.move_to_end(key)
                 return
+            if key in self._writing:  # its writer (a batch of ours) indexes it when done
+                return
             # A reader adopts after its read; a writer of this process may have evicted (unlinked
             # or recycled) the page since. Evictions run under this lock, so one stat here keeps
             # the index from naming a file that is gone. Only on this uncommon path.
@@ -510,8 +652,10 @@ class FileStorage(Storage):
             return None
         return _Temp(fd, temp)
 
-    def _publish(self, key: bytes, temp: _Temp, path: str, size: int) -> bool:
-        """Make a written temp file the page (fsync first under "batch"); index it."""
+    def _publish(self, temp: _Temp, path: str, size: int) -> bool:
+        """Make a written temp file the page (fsync first under "batch", its directory after
+        under "page"). The page is not indexed yet (its bytes stay reserved: see
+        `_index_batch`); on failure the temp file is removed and the reservation released."""
         fd = temp.fd
         try:
             if self.fsync == "batch":
@@ -528,13 +672,6 @@ class FileStorage(Storage):
             return False
         if self.fsync == "page":
             _fsync_dir(os.path.dirname(path))
-        with self._lock:
-            self._reserved_bytes -= size
-            if key in self._index:  # another thread of ours published it meanwhile
-                self._index.move_to_end(key)
-            else:
-                self._index[key] = size
-                self._indexed_bytes += size
         return True
 
     def _release(self, size: int) -> None:
@@ -626,20 +763,47 @@ class FileStorage(Storage):
                         _unlink_quietly(entry.path)
 
 
-def _read_payload(probe: _Probe, view: memoryview, spare: bytearray) -> bool:
+#: preadv flag: fail with EAGAIN instead of waiting for the disk (Linux >= 4.14); None elsewhere.
+_RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+#: What a read with _RWF_NOWAIT raises when it would wait, or when the file system or kernel
+#: does not support the flag: either way, the page takes the blocking path.
+_WOULD_WAIT = frozenset((errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL))
+
+
+def _pread_nowait(fd: int, size: int) -> bytes | None:
+    """`os.pread(fd, size, 0)` if the bytes are in the page cache, else None (never waits)."""
+    assert _RWF_NOWAIT is not None, "only called where RWF_NOWAIT exists"
+    buf = bytearray(size)
+    try:
+        got = os.preadv(fd, [buf], 0, _RWF_NOWAIT)
+    except OSError as exc:
+        if exc.errno in _WOULD_WAIT:
+            return None
+        raise
+    return bytes(buf[:got])
+
+
+def _read_payload(
+    probe: _Probe, view: memoryview, spare: bytearray, *, nowait: bool = False
+) -> bool | None:
     """Read the payload into `view` and check its length and checksum. `spare` takes the byte
     after the payload in the same preadv, so a file longer than its header says costs no
-    extra call; a short file hits end of file first."""
+    extra call; a short file hits end of file first. With `nowait` (RWF_NOWAIT), None as soon
+    as a read would wait for the disk (`view` then holds part of the payload): the caller
+    reads the page again without the flag."""
     done, end = 0, probe.payload_bytes
+    flags = _RWF_NOWAIT if nowait and _RWF_NOWAIT is not None else 0
     try:
         while done < end:
-            n = os.preadv(probe.fd, [view[done:], spare], HEADER_BYTES + done)
+            n = os.preadv(probe.fd, [view[done:], spare], HEADER_BYTES + done, flags)
             if n == 0:
                 return False  # shorter than its header says: truncated
             done += n
         if done > end or (end == 0 and os.pread(probe.fd, 1, HEADER_BYTES)):
             return False  # longer than its header says
     except OSError as exc:
+        if flags and exc.errno in _WOULD_WAIT:
+            return None
         _log.warning("cannot read page payload: %s", exc)
         return False
     return page_checksum(view) == probe.checksum
@@ -658,6 +822,11 @@ def _write_all(fd: int, header: bytes, view: memoryview) -> None:
             else:
                 pending[0] = pending[0][n:]
                 n = 0
+
+
+def _fsync_dirs(directories: list[str]) -> None:
+    for directory in directories:
+        _fsync_dir(directory)
 
 
 def _fsync_dir(directory: str) -> None:

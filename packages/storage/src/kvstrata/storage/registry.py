@@ -20,7 +20,7 @@ from kvstrata.storage.errors import (
     InvalidStorageURL,
     UnknownBackend,
 )
-from kvstrata.storage.file import FSYNC_POLICIES, FileStorage, FsyncPolicy
+from kvstrata.storage.file import DEFAULT_IO_THREADS, FSYNC_POLICIES, FileStorage, FsyncPolicy
 from kvstrata.storage.memory import MemoryStorage
 
 _SIZE = re.compile(r"^\s*(\d[\d_]*)\s*(|B|KiB|MiB|GiB|TiB)\s*$")
@@ -58,6 +58,15 @@ class StorageURL:
         if match is None:
             raise InvalidStorageURL(f"{self.url}: {name}={raw!r} is not a byte size (e.g. 64MiB)")
         return int(match.group(1).replace("_", "")) * _UNITS[match.group(2)]
+
+    def int_param(self, name: str, *, default: int, minimum: int = 0) -> int:
+        """A plain decimal integer of at least `minimum`."""
+        raw = self.params.get(name)
+        if raw is None:
+            return default
+        if not raw.isdecimal() or int(raw) < minimum:
+            raise InvalidStorageURL(f"{self.url}: {name}={raw!r}; expected an integer >= {minimum}")
+        return int(raw)
 
     def str_param(self, name: str, *, default: str, choices: Collection[str] | None = None) -> str:
         value = self.params.get(name, default)
@@ -137,7 +146,7 @@ def _open_memory(url: StorageURL) -> Storage:
 
 
 def _open_file(url: StorageURL) -> Storage:
-    url.check_params({"capacity_bytes", "fsync", "namespace"})
+    url.check_params({"capacity_bytes", "fsync", "namespace", "io_threads"})
     if url.host not in ("", "localhost"):
         raise InvalidStorageURL(f"{url.url}: file:// takes an absolute path (file:///abs/path)")
     if not url.path.startswith("/"):
@@ -148,6 +157,7 @@ def _open_file(url: StorageURL) -> Storage:
         capacity_bytes=url.size_param("capacity_bytes"),
         namespace=url.str_param("namespace", default=""),
         fsync=fsync,
+        io_threads=url.int_param("io_threads", default=DEFAULT_IO_THREADS, minimum=1),
     )
 
 
@@ -170,6 +180,6 @@ def register_backend(
 
 def open_storage(url: str, *, registry: BackendRegistry | None = None) -> Storage:
     """Open the storage a URL names: `memory://?capacity_bytes=N`,
-    `file:///abs/path?capacity_bytes=N&fsync=never|page|batch&namespace=...`, or any scheme
-    registered with `register_backend`."""
+    `file:///abs/path?capacity_bytes=N&fsync=never|page|batch&namespace=...&io_threads=N`, or
+    any scheme registered with `register_backend`."""
     return (registry or DEFAULT_REGISTRY).open(url)
