@@ -19,9 +19,21 @@ reproduced number for number:
 
 Variants of ours, each measured on the same rounds: `numpy` (the default CPU backend, checked:
 the headline figure), `numpy-unchecked` (`checked=False`: what the validation costs) and
-`torch` (the backend CUDA uses, here on CPU). The peer runs as a subprocess of its own venv
-(`shared/bench/peer/setup.sh`) right after ours on each configuration, so both see the same
-load; its figures are added as `peer_tokens_per_s` and `ratio` (ours / peer).
+`torch` (the backend CUDA uses, here on CPU).
+
+The peer runs in its own venv (`shared/bench/peer/setup.sh`) as one long-lived subprocess
+(`PEER_DRIVER`: it imports `alloc_bench.py` and calls that script's own `make_allocator`,
+`one_round` and `check_free_list`, so every timed call is SGLang's and each repeat is exactly
+the script's repeat). Repeats are interleaved, A B A B ...: per configuration, after both
+sides' warm-ups, repeat r runs every variant of ours once and then the peer once. On a shared
+machine the load drifts over seconds, so a pair measured back to back sees nearly the same
+load, where "all of ours, then all of the peer's" compared two different moments (one such run
+gave 1.73x where the others gave 3.7x). Each line has the medians over repeats
+(`tokens_per_s`, `peer_tokens_per_s`, `ratio` = their quotient) and `paired_ratio`, the median
+of the per-repeat ratios ours_r / peer_r, with their spread (`paired_ratios`), and
+`round_ratio`, the median over every round of every repeat of peer time / our time for that
+same round (same lengths, same repeat), with its quartiles: a round during which the process
+was preempted spoils one of those pairs, where it spoils a whole repeat's sum.
 Then the page I/O lines of `kvstrata.bench.pageio.run_page_io` (pool page read/write against a
 plain copy of the same bytes; `--no-page-io` skips them).
 """
@@ -181,37 +193,57 @@ def one_round(
     return t1 - t0, n
 
 
-def measure(
+class Repeat(NamedTuple):
+    """One repeat: `rounds` rounds on a fresh allocator."""
+
+    tokens_per_s: float
+    calls_per_s: float
+    tokens: int
+    #: Timed nanoseconds of each round, in round order.
+    round_ns: list[int]
+
+
+def warm_up(
     variant: Variant,
     workload: str,
     page_size: int,
     rounds: list[ExtendRound] | list[Ints],
     *,
-    repeats: int,
     pool_tokens: int,
-) -> Measurement:
+) -> None:
+    """The first WARMUP_ROUNDS rounds, untimed, on a throwaway allocator (as the peer)."""
     warm = make_allocator(variant, page_size, pool_tokens)
     for lens in rounds[:WARMUP_ROUNDS]:
         one_round(warm, page_size, workload, lens)
-    del warm
-    tok_s: list[float] = []
-    call_s: list[float] = []
+
+
+def one_repeat(
+    variant: Variant,
+    workload: str,
+    page_size: int,
+    rounds: list[ExtendRound] | list[Ints],
+    *,
+    pool_tokens: int,
+) -> Repeat:
+    alloc = make_allocator(variant, page_size, pool_tokens)
+    round_ns: list[int] = []
     tokens = 0
-    for _ in range(repeats):
-        alloc = make_allocator(variant, page_size, pool_tokens)
-        ns = tokens = 0
-        for lens in rounds:
-            dt, n = one_round(alloc, page_size, workload, lens)
-            ns += dt
-            tokens += n
-        alloc.check_integrity()
-        tok_s.append(tokens / (ns / 1e9))
-        call_s.append(len(rounds) / (ns / 1e9))
+    for lens in rounds:
+        dt, n = one_round(alloc, page_size, workload, lens)
+        round_ns.append(dt)
+        tokens += n
+    alloc.check_integrity()
+    ns = sum(round_ns)
+    return Repeat(tokens / (ns / 1e9), len(rounds) / (ns / 1e9), tokens, round_ns)
+
+
+def summarise(repeats: list[Repeat], num_rounds: int) -> Measurement:
+    tok_s = [r.tokens_per_s for r in repeats]
     return Measurement(
         tokens_per_s=statistics.median(tok_s),
-        calls_per_s=statistics.median(call_s),
+        calls_per_s=statistics.median(r.calls_per_s for r in repeats),
         tokens_per_s_repeats=tok_s,
-        tokens_per_round=tokens / len(rounds),
+        tokens_per_round=repeats[-1].tokens / num_rounds,
     )
 
 
@@ -237,31 +269,134 @@ def find_peer_python(explicit: str | None) -> Path | None:
     return candidate if candidate.exists() else None
 
 
-def run_peer(
-    python: Path, peer_dir: Path, args: argparse.Namespace, workload: str, page_size: int
-) -> dict[str, Any] | None:
-    """Run the peer script on one configuration; its JSON record, or None if it failed."""
-    cmd = [
-        str(python),
-        str(peer_dir / "alloc_bench.py"),
-        f"--rounds={args.rounds}",
-        f"--repeats={args.repeats}",
-        f"--page-sizes={page_size}",
-        f"--workloads={workload}",
-        f"--seed={args.seed}",
-        f"--pool-tokens={args.pool_tokens}",
-        f"--threads={args.threads}",
+#: Runs in the peer's venv with the peer folder as working directory: imports alloc_bench.py
+#: once (sglang's import alone takes ~10 s), then answers one JSON request per stdin line.
+#: "warm" runs the script's warm-up, "repeat" one repeat exactly as the script's `run()` does
+#: (fresh allocator, the script's `one_round` over every round, `check_free_list`).
+#: Replies are stdout lines starting with REPLY_TAG; anything else (sglang's import chatter)
+#: is skipped by the reader.
+PEER_DRIVER = """
+import argparse, json, sys
+sys.path.insert(0, ".")
+import alloc_bench as peer
+torch, np = peer.torch, peer.np
+TAG = sys.argv[1]
+a = argparse.Namespace(pool_tokens=int(sys.argv[2]), kvcache="mha", need_sort=False)
+torch.set_num_threads(int(sys.argv[3]))
+gen = {"extend": peer.extend_rounds, "decode": peer.decode_rounds}
+print(TAG, json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    q = json.loads(line)
+    w, p = q["workload"], q["page_size"]
+    lens = gen[w](q["seed"], q["rounds"])
+    if q["cmd"] == "warm":
+        warm = peer.make_allocator(a, p)
+        for x in lens[: peer.WARMUP_ROUNDS]:
+            peer.one_round(warm, p, w, x)
+        del warm
+        print(TAG, json.dumps({"warm": True}), flush=True)
+        continue
+    alloc = peer.make_allocator(a, p)
+    ns = tokens = 0
+    round_ns = []
+    for x in lens:
+        dt, n = peer.one_round(alloc, p, w, x)
+        ns += dt
+        tokens += n
+        round_ns.append(dt)
+    peer.check_free_list(alloc)
+    cls = "TokenToKVPoolAllocator" if p == 1 else "PagedTokenToKVPoolAllocator"
+    reply = {
+        "impl": "sglang-%s %s" % (peer.peer_env.versions()["sglang"], cls),
+        "tokens_per_s": tokens / (ns / 1e9),
+        "calls_per_s": len(lens) / (ns / 1e9),
+        "use_triton_kernels": getattr(alloc, "use_triton_kernels", False),
+        "round_ns": round_ns,
+    }
+    del alloc
+    print(TAG, json.dumps(reply), flush=True)
+"""
+
+REPLY_TAG = "@kvstrata-peer"
+
+
+class PeerError(RuntimeError):
+    """The peer process died or answered something else than the protocol."""
+
+
+class PeerRepeat(NamedTuple):
+    impl: str
+    tokens_per_s: float
+    calls_per_s: float
+    round_ns: list[int]
+
+
+class Peer:
+    """The long-lived peer process (see PEER_DRIVER). Not thread-safe; close() when done."""
+
+    def __init__(self, python: Path, peer_dir: Path, *, pool_tokens: int, threads: int) -> None:
+        self._proc = subprocess.Popen(
+            [str(python), "-c", PEER_DRIVER, REPLY_TAG, str(pool_tokens), str(threads)],
+            cwd=peer_dir,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self._chatter: list[str] = []
+        try:
+            self._reply()
+        except PeerError:
+            self.close()
+            raise
+
+    def _reply(self) -> dict[str, Any]:
+        out = self._proc.stdout
+        assert out is not None, "stdout is a pipe"
+        for line in out:
+            if line.startswith(REPLY_TAG):
+                reply: dict[str, Any] = json.loads(line[len(REPLY_TAG) :])
+                return reply
+            self._chatter = [*self._chatter[-40:], line]
+        tail = "".join(self._chatter)
+        raise PeerError(f"the peer exited ({self._proc.wait()}); its last output:\n{tail}")
+
+    def _ask(self, cmd: str, workload: str, page_size: int, seed: int, rounds: int) -> Any:
+        request = {"cmd": cmd, "workload": workload, "page_size": page_size}
+        inp = self._proc.stdin
+        assert inp is not None, "stdin is a pipe"
+        inp.write(json.dumps({**request, "seed": seed, "rounds": rounds}) + "\n")
+        inp.flush()
+        return self._reply()
+
+    def warm(self, workload: str, page_size: int, *, seed: int, rounds: int) -> None:
+        self._ask("warm", workload, page_size, seed, rounds)
+
+    def repeat(self, workload: str, page_size: int, *, seed: int, rounds: int) -> PeerRepeat:
+        r = self._ask("repeat", workload, page_size, seed, rounds)
+        if r.get("use_triton_kernels"):
+            raise PeerError("SGLang chose its Triton kernels; this benchmark is for the CPU path")
+        round_ns = [int(x) for x in r["round_ns"]]
+        return PeerRepeat(
+            str(r["impl"]), float(r["tokens_per_s"]), float(r["calls_per_s"]), round_ns
+        )
+
+    def close(self) -> None:
+        """End the peer (EOF on its stdin) and wait for it."""
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        self._proc.wait(timeout=60)
+
+
+def round_ratios(ours: list[Repeat], peer: list[PeerRepeat]) -> list[float]:
+    """Peer time / our time of the same round (same lengths) of the same repeat, for every
+    round of every repeat: a preempted round spoils one pair, not a whole repeat."""
+    return [
+        theirs / max(mine, 1)
+        for o, p in zip(ours, peer, strict=True)
+        for mine, theirs in zip(o.round_ns, p.round_ns, strict=True)
     ]
-    done = subprocess.run(cmd, cwd=peer_dir, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        print(f"peer failed ({done.returncode}): {done.stderr[-2000:]}", file=sys.stderr)
-        return None
-    for line in done.stdout.splitlines():
-        if line.startswith("{"):
-            record: dict[str, Any] = json.loads(line)
-            return record
-    print(f"peer printed no record: {done.stdout[-2000:]}", file=sys.stderr)
-    return None
 
 
 def make_record(
@@ -269,13 +404,20 @@ def make_record(
     workload: str,
     page_size: int,
     by_variant: dict[str, Measurement],
-    peer: dict[str, Any] | None,
+    peer: list[PeerRepeat] | None,
     peer_note: str,
+    head_repeats: list[Repeat] | None = None,
 ) -> dict[str, Any]:
     """Our line: the first variant's figures as the headline, every variant beside it, and
-    the peer's figures and ratio when it ran."""
+    the peer's figures, the ratio of medians and the medians of paired ratios (per repeat;
+    per round when `head_repeats`, the headline variant's repeats, are given) when it ran."""
     head = next(iter(by_variant.values()))
-    peer_tok: float | None = peer["tokens_per_s"] if peer else None
+    peer_tok = statistics.median(r.tokens_per_s for r in peer) if peer else None
+    paired = (
+        [ours / r.tokens_per_s for ours, r in zip(head.tokens_per_s_repeats, peer, strict=True)]
+        if peer
+        else None
+    )
     record: dict[str, Any] = {
         "impl": f"kvstrata {'TokenAllocator' if page_size == 1 else 'PagedAllocator'}",
         "variant": next(iter(by_variant)),
@@ -284,16 +426,20 @@ def make_record(
         "tokens_per_s": head.tokens_per_s,
         "calls_per_s": head.calls_per_s,
         "peer_tokens_per_s": peer_tok,
-        "peer_calls_per_s": peer["calls_per_s"] if peer else None,
+        "peer_calls_per_s": statistics.median(r.calls_per_s for r in peer) if peer else None,
         "ratio": ratio(head.tokens_per_s, peer_tok) if peer_tok else None,
-        "peer": peer["impl"] if peer else peer_note,
+        "paired_ratio": round(statistics.median(paired), 4) if paired else None,
+        "paired_ratios": [round(x, 3) for x in paired] if paired else None,
+        **round_figures(head_repeats, peer),
+        "peer": peer[0].impl if peer else peer_note,
+        "order": "interleaved: per repeat, each variant of ours, then the peer",
         "rounds": args.rounds,
         "repeats": args.repeats,
         "stat": "median",
         "batch": EXTEND_BATCH if workload == "extend" else DECODE_BATCH,
         "tokens_per_round": head.tokens_per_round,
         "tokens_per_s_repeats": head.tokens_per_s_repeats,
-        "peer_tokens_per_s_repeats": peer["tokens_per_s_repeats"] if peer else None,
+        "peer_tokens_per_s_repeats": [r.tokens_per_s for r in peer] if peer else None,
         "variants": {
             name: {
                 "tokens_per_s": m.tokens_per_s,
@@ -305,11 +451,27 @@ def make_record(
         **environment(),
     }
     if "numpy" in by_variant and "numpy-unchecked" in by_variant:
-        # Share of the checked call's time that validation and the page marks cost.
-        checked = by_variant["numpy"].tokens_per_s
-        unchecked = by_variant["numpy-unchecked"].tokens_per_s
-        record["check_cost"] = round(1 - checked / unchecked, 4)
+        # Share of the checked call's time that validation and the page marks cost (the
+        # median of the per-repeat shares: the two ran back to back in each repeat).
+        checked = by_variant["numpy"].tokens_per_s_repeats
+        unchecked = by_variant["numpy-unchecked"].tokens_per_s_repeats
+        shares = [1 - c / u for c, u in zip(checked, unchecked, strict=True)]
+        record["check_cost"] = round(statistics.median(shares), 4)
     return record
+
+
+def round_figures(ours: list[Repeat] | None, peer: list[PeerRepeat] | None) -> dict[str, Any]:
+    """`round_ratio` (median of `round_ratios`) and its quartiles, when both sides ran."""
+    if not ours or not peer:
+        return {"round_ratio": None, "round_ratio_quartiles": None}
+    ratios = round_ratios(ours, peer)
+    if len(ratios) < 2:  # quantiles need two points (--rounds 1 --repeats 1)
+        return {
+            "round_ratio": round(ratios[0], 4) if ratios else None,
+            "round_ratio_quartiles": None,
+        }
+    q1, q2, q3 = statistics.quantiles(ratios, n=4)
+    return {"round_ratio": round(q2, 4), "round_ratio_quartiles": [round(q1, 3), round(q3, 3)]}
 
 
 # ---- main -----------------------------------------------------------------------------------
@@ -357,8 +519,7 @@ def main(argv: list[str]) -> int:
             print(f"page size {size} must be >= 1 and divide --pool-tokens", file=sys.stderr)
             return 2
 
-    python: Path | None = None
-    peer_dir: Path | None = None
+    peer: Peer | None = None
     peer_note = "skipped (--no-peer)"
     if not args.no_peer:
         python, peer_dir = find_peer_python(args.peer_python), find_peer_dir(args.peer_dir)
@@ -366,34 +527,48 @@ def main(argv: list[str]) -> int:
             peer_note = "not found: run shared/bench/peer/setup.sh or pass --peer-python/--peer-dir"
             print(f"note: peer {peer_note}", file=sys.stderr)
         else:
-            peer_note = "failed (see stderr)"
-
-    for workload in workloads:
-        rounds: list[ExtendRound] | list[Ints] = (
-            extend_rounds(args.seed, args.rounds)
-            if workload == "extend"
-            else decode_rounds(args.seed, args.rounds)
-        )
-        for size in page_sizes:
-            by_variant = {
-                name: measure(
-                    VARIANTS[name],
-                    workload,
-                    size,
-                    rounds,
-                    repeats=args.repeats,
-                    pool_tokens=args.pool_tokens,
-                )
-                for name in variants
-            }
-            # The peer runs right after ours on the same configuration, so that both see
-            # the same load on a shared machine.
-            peer = None
-            if python is not None and peer_dir is not None:
-                peer = run_peer(python, peer_dir, args, workload, size)
-            emit(make_record(args, workload, size, by_variant, peer, peer_note))
+            peer = Peer(python, peer_dir, pool_tokens=args.pool_tokens, threads=args.threads)
+    try:
+        for workload in workloads:
+            for size in page_sizes:
+                emit(run_configuration(args, workload, size, variants, peer, peer_note))
+    finally:
+        if peer is not None:
+            peer.close()
     if not args.no_page_io:
         # The pool's page I/O figures, so that one command prints all of issue 3's numbers.
         for record in run_page_io(quick=args.quick):
             emit(record)
     return 0
+
+
+def run_configuration(
+    args: argparse.Namespace,
+    workload: str,
+    size: int,
+    variants: list[str],
+    peer: Peer | None,
+    peer_note: str,
+) -> dict[str, Any]:
+    """Warm-ups, then the interleaved repeats (A B A B ...) of one (workload, page size)."""
+    rounds: list[ExtendRound] | list[Ints] = (
+        extend_rounds(args.seed, args.rounds)
+        if workload == "extend"
+        else decode_rounds(args.seed, args.rounds)
+    )
+    for name in variants:
+        warm_up(VARIANTS[name], workload, size, rounds, pool_tokens=args.pool_tokens)
+    if peer is not None:
+        peer.warm(workload, size, seed=args.seed, rounds=args.rounds)
+    ours: dict[str, list[Repeat]] = {name: [] for name in variants}
+    theirs: list[PeerRepeat] = []
+    for _ in range(args.repeats):
+        for name in variants:
+            ours[name].append(
+                one_repeat(VARIANTS[name], workload, size, rounds, pool_tokens=args.pool_tokens)
+            )
+        if peer is not None:
+            theirs.append(peer.repeat(workload, size, seed=args.seed, rounds=args.rounds))
+    by_variant = {name: summarise(reps, len(rounds)) for name, reps in ours.items()}
+    head = ours[variants[0]]
+    return make_record(args, workload, size, by_variant, theirs or None, peer_note, head)
