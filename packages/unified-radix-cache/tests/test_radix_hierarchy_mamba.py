@@ -10,14 +10,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvstrata.storage import MemoryStorage
 from kvstrata.testkit.tiers import (
     MambaHierarchy,
     assert_prefix_kv,
     assert_prefix_state,
     make_mamba_hierarchy,
-    make_tiers,
     scramble,
+    serve_mamba,
     write_prefix_kv,
     write_prefix_state,
 )
@@ -26,7 +25,6 @@ from kvstrata.unified_radix_cache import (
     FullComponent,
     MambaComponent,
     RadixKey,
-    SWAComponent,
     UnifiedRadixCache,
 )
 from kvstrata.unified_radix_cache.errors import InvalidConfig
@@ -51,43 +49,6 @@ def _build(closing: list[MambaHierarchy], **kw: object) -> MambaHierarchy:
     return h
 
 
-def serve(h: MambaHierarchy, tokens: list[int], *, check: bool = True) -> int:
-    """One request as an engine runs it: begin (match, load back), check that the hit's KV and
-    the request's copy of the boundary state are the ones computed for that prefix, compute the
-    rest (KV + state), finish (insert + write policy). Returns the hit length."""
-    cache = h.cache
-    ids = torch.tensor(tokens, dtype=torch.int64)
-    began = cache.begin_request(RadixKey(ids))
-    req = began.request
-    hit = req.cached_len
-    assert hit == began.device_hit_len + began.host_hit_len
-    assert_prefix_kv(h.device_pool, cache.keyer, ids, req.kv_indices[:hit], what="hit KV")
-    if hit:
-        assert req.state_slot is not None, "a hit always comes with the request's state copy"
-        assert_prefix_state(h.mamba_pool, cache.keyer, ids[:hit], req.state_slot, what="hit")
-    else:
-        assert req.state_slot is None
-        req.state_slot = h.states.alloc(1)
-        if req.state_slot is None:
-            h.tree.evict(EvictRequest(targets={"mamba": 1}))
-            req.state_slot = h.states.alloc(1)
-        assert req.state_slot is not None
-    need = len(tokens) - hit
-    if need > h.allocator.available_size():
-        cache.evict_device(need - h.allocator.available_size())
-    slots = h.allocator.alloc(need)
-    assert slots is not None
-    full = torch.cat([req.kv_indices, slots])
-    write_prefix_kv(h.device_pool, cache.keyer, ids, full, hit)
-    write_prefix_state(h.mamba_pool, cache.keyer, ids, req.state_slot)
-    req.extend(slots)
-    cache.cache_finished_request(req)
-    cache.drain()
-    if check:  # (not while a test hoards host state slots outside the tree)
-        cache.check_integrity()
-    return hit
-
-
 def _scramble_free(h: MambaHierarchy, seed: int) -> None:
     """Overwrite every free device KV page and state slot: what comes back must come from the
     host copies, not from bytes the device happened to keep."""
@@ -103,7 +64,7 @@ def _scramble_free(h: MambaHierarchy, seed: int) -> None:
 
 def test_write_through_carries_the_state_to_the_host(closing: list[MambaHierarchy]) -> None:
     h = _build(closing)
-    serve(h, list(range(1, 3 * P + 1)))
+    serve_mamba(h, list(range(1, 3 * P + 1)))
     node = node_at(h.tree, RadixKey(list(range(1, 3 * P + 1))))
     assert node is not None
     assert node.host_value is not None and node.host_state is not None
@@ -120,16 +81,16 @@ def test_round_trips_are_bit_identical_through_write_evict_load(
     h = _build(closing, device_pages=12)
     a = list(range(1, 3 * P + 1))
     b = [*a, *range(50, 50 + 2 * P)]
-    assert serve(h, [*a, 99, 98, 97, 96]) == 0
+    assert serve_mamba(h, [*a, 99, 98, 97, 96]) == 0
     # b shares a's first 3 pages, but the state there is not cached (it ends inside a node).
-    assert serve(h, b) == 0
+    assert serve_mamba(h, b) == 0
     for cycle in range(4):
         h.cache.evict_device(h.tree.evictable_size())
         assert h.tree.evictable_size() == 0 and h.tree.evictable_size("mamba") == 0
         h.cache.check_integrity()
         _scramble_free(h, seed=cycle)
         # The whole of b comes back from the host (pages + the state at its end).
-        hit = serve(h, [*b, 7, 7, 7, 7])
+        hit = serve_mamba(h, [*b, 7, 7, 7, 7])
         assert hit == len(b)
         assert h.cache.counters.loaded_tokens > 0
     assert h.cache.counters.host_hit_tokens >= 4 * len(b)
@@ -138,7 +99,7 @@ def test_round_trips_are_bit_identical_through_write_evict_load(
 def test_host_hit_ends_only_where_a_state_is_restorable(closing: list[MambaHierarchy]) -> None:
     h = _build(closing)
     a = list(range(1, 4 * P + 1))
-    serve(h, a)
+    serve_mamba(h, a)
     h.cache.evict_device(h.tree.evictable_size())
     # A query ending inside a's node: the split head has pages on the host but no state.
     m = h.cache.match_prefix(RadixKey(a[: 3 * P]))
@@ -152,7 +113,7 @@ def test_host_hit_ends_only_where_a_state_is_restorable(closing: list[MambaHiera
 def test_a_tombstoned_device_state_is_loaded_alone(closing: list[MambaHierarchy]) -> None:
     h = _build(closing)
     a = list(range(1, 3 * P + 1))
-    serve(h, a)
+    serve_mamba(h, a)
     moved = h.cache.counters.loaded_tokens
     # Mamba eviction drops the device state; the pages stay on the device (a leaf with a host
     # copy is kept, not removed).
@@ -162,7 +123,7 @@ def test_a_tombstoned_device_state_is_loaded_alone(closing: list[MambaHierarchy]
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
     assert m.device.prefix_len == 0 and m.host_hit_len == len(a)
     _scramble_free(h, seed=3)
-    assert serve(h, [*a, 5, 5, 5, 5]) == len(a)
+    assert serve_mamba(h, [*a, 5, 5, 5, 5]) == len(a)
     assert h.cache.counters.loaded_tokens == moved  # no page moved, only the state
 
 
@@ -173,14 +134,14 @@ def test_no_host_state_slot_means_a_shorter_hit(closing: list[MambaHierarchy]) -
     hoard = allocator.alloc(allocator.available_size())
     assert hoard is not None
     a = list(range(1, 3 * P + 1))
-    serve(h, a, check=False)  # pages go to the host, the state cannot
+    serve_mamba(h, a, check=False)  # pages go to the host, the state cannot
     node = node_at(h.tree, RadixKey(a))
     assert node is not None and node.host_value is not None and node.host_state is None
     h.cache.evict_device(h.tree.evictable_size())
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
     assert m.device.prefix_len == 0 and m.host_hit_len == 0
     # Recomputed, never restored without its state.
-    assert serve(h, [*a, 5, 5, 5, 5], check=False) == 0
+    assert serve_mamba(h, [*a, 5, 5, 5, 5], check=False) == 0
     allocator.free(hoard)
     h.cache.check_integrity()
 
@@ -188,7 +149,7 @@ def test_no_host_state_slot_means_a_shorter_hit(closing: list[MambaHierarchy]) -
 def test_no_device_state_slot_refuses_the_load(closing: list[MambaHierarchy]) -> None:
     h = _build(closing)
     a = list(range(1, 3 * P + 1))
-    serve(h, a)
+    serve_mamba(h, a)
     h.cache.evict_device(h.tree.evictable_size())
     hoard = h.states.alloc(h.states.available_size())
     assert hoard is not None
@@ -199,13 +160,13 @@ def test_no_device_state_slot_refuses_the_load(closing: list[MambaHierarchy]) ->
     h.cache.check_integrity({"mamba": len(hoard)})
     h.states.free(hoard)
     _scramble_free(h, seed=5)
-    assert serve(h, [*a, 5, 5, 5, 5]) == len(a)
+    assert serve_mamba(h, [*a, 5, 5, 5, 5]) == len(a)
 
 
 def test_host_eviction_frees_host_state_slots(closing: list[MambaHierarchy]) -> None:
     h = _build(closing)
-    serve(h, list(range(1, 3 * P + 1)))
-    serve(h, list(range(100, 100 + 2 * P)))
+    serve_mamba(h, list(range(1, 3 * P + 1)))
+    serve_mamba(h, list(range(100, 100 + 2 * P)))
     assert h.cache.tier.num_host_states == 2
     h.cache.evict_device(h.tree.evictable_size())
     h.cache.evict_host(10**6)
@@ -222,14 +183,14 @@ def test_other_write_policies_carry_the_state(
 ) -> None:
     h = _build(closing, write_policy=policy)
     a = list(range(1, 3 * P + 1))
-    serve(h, [*a, 9, 9, 9, 9])
+    serve_mamba(h, [*a, 9, 9, 9, 9])
     for _ in range(2):  # selective: the prefix is written once it is hit the second time
-        assert serve(h, [*a, 9, 9, 9, 9, 8, 8, 8, 8]) == len(a) + P
+        assert serve_mamba(h, [*a, 9, 9, 9, 9, 8, 8, 8, 8]) == len(a) + P
     h.cache.evict_device(h.tree.evictable_size())
     h.cache.drain()
     assert h.tree.evictable_size() == 0
     _scramble_free(h, seed=7)
-    assert serve(h, [*a, 9, 9, 9, 9, 1, 1, 1, 1]) == len(a) + P
+    assert serve_mamba(h, [*a, 9, 9, 9, 9, 1, 1, 1, 1]) == len(a) + P
 
 
 def test_refusals(closing: list[MambaHierarchy]) -> None:
@@ -247,48 +208,14 @@ def test_refusals(closing: list[MambaHierarchy]) -> None:
         HierarchicalCache(
             tree, controller=h.cache.controller, host_allocator=tiers.hosts["full"].make_allocator()
         )
-    from kvstrata.hybrid_cache import TierController
 
-    storage = TierController(tiers.group, storage=MemoryStorage(capacity_bytes=1 << 20))
-    try:
-        tree = UnifiedRadixCache(
-            [
-                FullComponent(h.allocator.__class__(size=64, page_size=P, device="cpu")),
-                MambaComponent(h.states.__class__(size=4, device="cpu"), h.mamba_pool),
-            ],
-            page_size=P,
-        )
-        with pytest.raises(InvalidConfig, match="storage"):
-            HierarchicalCache(
-                tree,
-                controller=storage,
-                host_allocator=tiers.hosts["full"].make_allocator(),
-                host_state_allocator=tiers.hosts["mamba"].make_allocator(),
-            )
-    finally:
-        storage.close()
-    swa = make_tiers("swa", page_size=P)
-    swa_ctl = TierController(swa.group)
-    try:
-        from kvstrata.allocator import SWAAllocator
-
-        alloc = SWAAllocator(size=64, swa_size=64, page_size=P, device="cpu")
-        tree = UnifiedRadixCache(
-            [FullComponent(alloc), SWAComponent(alloc, sliding_window=2 * P)], page_size=P
-        )
-        with pytest.raises(InvalidConfig, match="SWA"):
-            HierarchicalCache(
-                tree, controller=swa_ctl, host_allocator=swa.hosts["full"].make_allocator()
-            )
-    finally:
-        swa_ctl.close()
     assert TierParams().write_policy is WritePolicy.WRITE_THROUGH
 
 
 def test_layer_wise_load_brings_pages_and_state(closing: list[MambaHierarchy]) -> None:
     h = _build(closing)
     a = list(range(1, 3 * P + 1))
-    serve(h, a)
+    serve_mamba(h, a)
     h.cache.evict_device(h.tree.evictable_size())
     node = node_at(h.tree, RadixKey(a))
     assert node is not None and not node.on_device
@@ -313,7 +240,7 @@ def test_layer_wise_load_brings_pages_and_state(closing: list[MambaHierarchy]) -
 def test_a_failed_load_frees_the_state_slot_too(closing: list[MambaHierarchy]) -> None:
     h = _build(closing)
     a = list(range(1, 2 * P + 1))
-    serve(h, a)
+    serve_mamba(h, a)
     h.cache.evict_device(h.tree.evictable_size())
     node = node_at(h.tree, RadixKey(a))
     assert node is not None
@@ -340,7 +267,7 @@ def test_a_failed_write_leaves_no_host_state(closing: list[MambaHierarchy]) -> N
 
     h.cache.controller.group.backup = broken
     a = list(range(1, 2 * P + 1))
-    serve(h, a)
+    serve_mamba(h, a)
     node = node_at(h.tree, RadixKey(a))
     assert node is not None and node.host_value is None and node.host_state is None
     allocator = h.cache.host_state_allocator
@@ -353,7 +280,7 @@ def test_the_device_tree_api_copies_the_state_on_a_tiered_tree(
 ) -> None:
     h = _build(closing)
     a = list(range(1, 2 * P + 1))
-    serve(h, a)
+    serve_mamba(h, a)
     ids = torch.tensor([*a, 3, 3, 3, 3], dtype=torch.int64)
     req = h.tree.begin_request(RadixKey(ids))
     assert req.cached_len == len(a) and req.state_slot is not None
@@ -391,4 +318,4 @@ def test_insert_with_a_state_and_the_host_state_gauge(closing: list[MambaHierarc
     assert held == 1
     h.cache.evict_device(h.tree.evictable_size())
     _scramble_free(h, seed=11)
-    assert serve(h, [*ids.tolist(), 4, 4, 4, 4]) == len(ids)
+    assert serve_mamba(h, [*ids.tolist(), 4, 4, 4, 4]) == len(ids)

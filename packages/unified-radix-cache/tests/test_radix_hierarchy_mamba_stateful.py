@@ -1,8 +1,10 @@
-"""Hypothesis state machine over both tiers of a Full + Mamba tree: requests (match on both
-tiers, load back pages and boundary state, compute, insert under the write policy), layer-wise
-load-backs left in flight, device eviction of pages and of states, host eviction, acks; after
-every step `check_integrity()` of both tiers and both host pools, and every hit's KV and state
-are checked bit for bit against what the stand-in forward computes for that prefix."""
+"""Hypothesis state machine over the tiers of a Full + Mamba tree, with or without storage:
+requests (match on both tiers, load back pages and boundary state, compute, insert under the
+write policy; with storage, backups of pages and boundary states and prefetches of the deepest
+stored state), layer-wise load-backs left in flight, device eviction of pages and of states,
+host eviction, acks; after every step `check_integrity()` of both tiers and both host pools,
+and every hit's KV and state are checked bit for bit against what the stand-in forward computes
+for that prefix."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvstrata.hybrid_cache import PrefetchPolicy
+from kvstrata.storage import MemoryStorage
 from kvstrata.testkit.tiers import (
     MambaHierarchy,
     assert_prefix_kv,
@@ -28,13 +32,23 @@ PREFIXES = ([1, 2, 3, 4], [1, 2, 5, 6], [7, 8, 9, 10, 11, 12], [])
 class MambaTwoTierMachine(RuleBasedStateMachine):
     h: MambaHierarchy | None = None
 
-    @initialize(policy=st.sampled_from(list(WritePolicy)), host_pages=st.sampled_from([8, 16]))
-    def build(self, policy: WritePolicy, host_pages: int) -> None:
+    @initialize(
+        policy=st.sampled_from(list(WritePolicy)),
+        host_pages=st.sampled_from([8, 16]),
+        prefetch=st.sampled_from([None, *PrefetchPolicy]),
+    )
+    def build(self, policy: WritePolicy, host_pages: int, prefetch: PrefetchPolicy | None) -> None:
+        """`prefetch` None: no storage; else a storage tier prefetched under that policy."""
         self.h = make_mamba_hierarchy(
             page_size=P,
             device_pages=12,
             host_pages=host_pages,
-            params=TierParams(write_policy=policy, prefetch_threshold=P),
+            storage=None if prefetch is None else MemoryStorage(capacity_bytes=1 << 22),
+            params=TierParams(
+                write_policy=policy,
+                prefetch_threshold=P,
+                prefetch_policy=prefetch or PrefetchPolicy.BEST_EFFORT,
+            ),
         )
 
     def teardown(self) -> None:
@@ -54,7 +68,7 @@ class MambaTwoTierMachine(RuleBasedStateMachine):
         began = cache.begin_request(RadixKey(tokens))
         req = began.request
         hit = req.cached_len
-        assert hit == began.device_hit_len + began.host_hit_len
+        assert hit == began.device_hit_len + began.host_hit_len + began.storage_hit_len
         assert_prefix_kv(h.device_pool, cache.keyer, tokens, req.kv_indices[:hit], what="hit")
         if hit:
             assert req.state_slot is not None

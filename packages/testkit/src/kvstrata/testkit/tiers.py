@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from kvstrata.allocator import MambaSlotAllocator, PagedAllocator
+from kvstrata.allocator import MambaSlotAllocator, PagedAllocator, SWAAllocator
 from kvstrata.hybrid_cache import ControllerParams, HybridPool, PoolGroup, TierController
 from kvstrata.hybrid_cache.group import AnyHostPool
 from kvstrata.pool import MambaPool, MambaSpec, MHAKVPool, MHASpec, SWAKVPool, SWASpec
@@ -24,7 +24,14 @@ from kvstrata.pool_host import HostLayout, MambaHostPool, MHAHostPool
 from kvstrata.storage import PageKeyer, Storage
 from kvstrata.testkit.host_pools import page_tokens
 from kvstrata.testkit.pools import fill_random_bytes
-from kvstrata.unified_radix_cache import FullComponent, MambaComponent, UnifiedRadixCache
+from kvstrata.unified_radix_cache import (
+    EvictRequest,
+    FullComponent,
+    MambaComponent,
+    RadixKey,
+    SWAComponent,
+    UnifiedRadixCache,
+)
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
@@ -213,8 +220,8 @@ def make_hierarchy(
 @dataclass(frozen=True, kw_only=True, eq=False)
 class MambaHierarchy:
     """An attention + Mamba model on both tiers: one Full + Mamba tree holding device and host
-    values (host token slots and host state slots), the cache and its controller (no storage:
-    storage is Full-only)."""
+    values (host token slots and host state slots), the cache and its controller (with a
+    storage when one was given)."""
 
     tiers: Tiers
     device_pool: MHAKVPool
@@ -234,14 +241,15 @@ def make_mamba_hierarchy(
     page_size: int = 4,
     device_pages: int = 16,
     host_pages: int = 32,
+    storage: Storage | None = None,
     params: TierParams | None = None,
     controller_params: ControllerParams | None = None,
     seed: int = 0,
 ) -> MambaHierarchy:
     """A `HierarchicalCache` over `make_tiers("mamba")` on CPU: a paged device allocator of
-    `device_pages` pages (page 0 reserved), `device_pages` device state slots, and host
-    allocators of `host_pages` pages and `host_pages` state slots. Close the controller when
-    done."""
+    `device_pages` pages (page 0 reserved), `device_pages` device state slots, host
+    allocators of `host_pages` pages and `host_pages` state slots, and a controller (with
+    `storage` when given). Close the controller when done."""
     tiers = make_tiers(
         "mamba", page_size=page_size, device_pages=device_pages, host_pages=host_pages, seed=seed
     )
@@ -255,7 +263,7 @@ def make_mamba_hierarchy(
     )
     cache = HierarchicalCache(
         tree,
-        controller=TierController(tiers.group, params=controller_params),
+        controller=TierController(tiers.group, storage=storage, params=controller_params),
         host_allocator=tiers.hosts["full"].make_allocator(),
         host_state_allocator=tiers.hosts["mamba"].make_allocator(),
         params=params or TierParams(write_policy=write_policy, prefetch_threshold=page_size),
@@ -339,3 +347,152 @@ def assert_prefix_state(
     for b, buf in enumerate(pool.layer_buffers()):
         got, want = buf[rows].view(torch.uint8), _state_noise(last, buf).view(torch.uint8)
         assert torch.equal(got, want), f"{what}: state buffer {b} holds another prefix's state"
+
+
+def serve_mamba(h: MambaHierarchy, tokens: list[int], *, check: bool = True) -> int:
+    """One request as an engine runs it: begin (match, load back), check that the hit's KV and
+    the request's copy of the boundary state are the ones computed for that prefix, compute the
+    rest (KV + state), finish (insert + write policy), wait for every transfer. Returns the
+    hit length (device + host + storage)."""
+    cache = h.cache
+    ids = torch.tensor(tokens, dtype=torch.int64)
+    began = cache.begin_request(RadixKey(ids))
+    req = began.request
+    hit = req.cached_len
+    assert hit == began.device_hit_len + began.host_hit_len + began.storage_hit_len
+    assert_prefix_kv(h.device_pool, cache.keyer, ids, req.kv_indices[:hit], what="hit KV")
+    if hit:
+        assert req.state_slot is not None, "a hit always comes with the request's state copy"
+        assert_prefix_state(h.mamba_pool, cache.keyer, ids[:hit], req.state_slot, what="hit")
+    else:
+        assert req.state_slot is None
+        req.state_slot = h.states.alloc(1)
+        if req.state_slot is None:
+            h.tree.evict(EvictRequest(targets={"mamba": 1}))
+            req.state_slot = h.states.alloc(1)
+        assert req.state_slot is not None
+    need = len(tokens) - hit
+    if need > h.allocator.available_size():
+        cache.evict_device(need - h.allocator.available_size())
+    slots = h.allocator.alloc(need)
+    assert slots is not None
+    full = torch.cat([req.kv_indices, slots])
+    write_prefix_kv(h.device_pool, cache.keyer, ids, full, hit)
+    write_prefix_state(h.mamba_pool, cache.keyer, ids, req.state_slot)
+    req.extend(slots)
+    cache.cache_finished_request(req)
+    cache.drain()
+    if check:  # (not while a test hoards host state slots outside the tree)
+        cache.check_integrity()
+    return hit
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class SWAHierarchy:
+    """A full + sliding-window model on both tiers: one Full + SWA tree holding device values
+    and host values (host full slots and, for nodes that lay in a window, host SWA slots), the
+    cache and its controller (no storage: SWA storage is not wired)."""
+
+    tiers: Tiers
+    full_pool: MHAKVPool
+    swa_pool: MHAKVPool
+    allocator: SWAAllocator
+    cache: HierarchicalCache
+
+    @property
+    def tree(self) -> UnifiedRadixCache:
+        return self.cache.device_tree
+
+    @property
+    def window(self) -> int:
+        """The sliding window in tokens (two pages)."""
+        return 2 * self.tiers.page_size
+
+
+def make_swa_hierarchy(
+    *,
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+    page_size: int = 4,
+    device_pages: int = 16,
+    host_pages: int = 32,
+    params: TierParams | None = None,
+    controller_params: ControllerParams | None = None,
+    seed: int = 0,
+) -> SWAHierarchy:
+    """A `HierarchicalCache` over `make_tiers("swa")` on CPU (window 2 pages): an
+    `SWAAllocator` of `device_pages` full and SWA pages (page 0 reserved), and host allocators
+    of `host_pages` pages for each of the full and SWA host pools. Close the controller when
+    done."""
+    tiers = make_tiers(
+        "swa", page_size=page_size, device_pages=device_pages, host_pages=host_pages, seed=seed
+    )
+    pools = device_pools(tiers)
+    full, swa = pools["full"], pools["swa"]
+    assert isinstance(full, MHAKVPool) and isinstance(swa, MHAKVPool), "make_tiers('swa')"
+    allocator = SWAAllocator(size=full.size, swa_size=swa.size, page_size=page_size, device="cpu")
+    tree = UnifiedRadixCache(
+        [FullComponent(allocator), SWAComponent(allocator, sliding_window=2 * page_size)],
+        page_size=page_size,
+    )
+    cache = HierarchicalCache(
+        tree,
+        controller=TierController(tiers.group, params=controller_params),
+        host_allocator=tiers.hosts["full"].make_allocator(),
+        host_swa_allocator=tiers.hosts["swa"].make_allocator(),
+        params=params or TierParams(write_policy=write_policy, prefetch_threshold=page_size),
+    )
+    return SWAHierarchy(tiers=tiers, full_pool=full, swa_pool=swa, allocator=allocator, cache=cache)
+
+
+def serve_swa(h: SWAHierarchy, tokens: list[int], *, check: bool = True) -> int:
+    """One request as an engine runs it: begin (match, load back), check that the hit's full KV
+    and the SWA KV of its last window are the ones computed for that prefix, compute the rest
+    (full and SWA KV of the new tokens), finish (insert + write policy), wait for every
+    transfer. Returns the hit length (device + host)."""
+    cache = h.cache
+    ids = torch.tensor(tokens, dtype=torch.int64)
+    began = cache.begin_request(RadixKey(ids))
+    req = began.request
+    hit = req.cached_len
+    assert hit == began.device_hit_len + began.host_hit_len + began.storage_hit_len
+    hit_slots = req.kv_indices[:hit]
+    assert_prefix_kv(h.full_pool, cache.keyer, ids, hit_slots, what="hit full KV")
+    lo = max(hit - h.window, 0)
+    window = h.allocator.translate(hit_slots[lo:])
+    assert bool((window > 0).all()), "a hit's last window keeps its SWA slots"
+    assert_window_kv(h.swa_pool, cache.keyer, ids[:hit], window, lo, what="hit SWA KV")
+    need = len(tokens) - hit
+    if need > h.allocator.available_size():
+        cache.evict_device(need - h.allocator.available_size())
+    slots = h.allocator.alloc(need)
+    assert slots is not None
+    full = torch.cat([req.kv_indices, slots])
+    write_prefix_kv(h.full_pool, cache.keyer, ids, full, hit)
+    write_prefix_kv(h.swa_pool, cache.keyer, ids, h.allocator.translate(full), hit)
+    req.extend(slots)
+    cache.cache_finished_request(req)
+    cache.drain()
+    if check:
+        cache.check_integrity()
+    return hit
+
+
+def assert_window_kv(
+    pool: MHAKVPool,
+    keyer: PageKeyer,
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    start: int,
+    *,
+    what: str,
+) -> None:
+    """The KV at `slots` (one per token of `tokens[start:]`, whole pages) is exactly what
+    `write_prefix_kv` wrote for those tokens of that prefix, bit for bit."""
+    page = keyer.page_size
+    keys = keyer.page_keys(tokens)
+    for n, i in enumerate(range(start // page, len(tokens) // page)):
+        rows = slots[n * page : (n + 1) * page]
+        for b, buf in enumerate(pool.layer_buffers()):
+            got = buf[rows].view(torch.uint8)
+            want = _page_noise(keys[i], buf, page).view(torch.uint8)
+            assert torch.equal(got, want), f"{what}: page {i} buffer {b} holds other KV"

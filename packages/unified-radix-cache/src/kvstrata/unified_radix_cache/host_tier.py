@@ -9,7 +9,8 @@ host value (it is kept only for its host copy):
                              \\ D (host only) - E (host only)  host hit beyond A: D E
 
 The tier attaches itself to the tree (`tree.host_tier`), which then sends match, insert and Full
-eviction here instead of its Full-only fast path:
+eviction here instead of its Full-only fast path (the match and insert walks are in
+host_walks.py, `HostWalks`, which `HostTier` extends):
 - match: the device hit is the run of on-device nodes; the host hit continues over off-device
   nodes (`MatchResult.host_hit_len`, `last_host_node`);
 - insert: an off-device node the key runs over takes the caller's slots again (revive; reported
@@ -26,6 +27,15 @@ with a device state (the tree's Mamba rule); the host hit continues to the last 
 state is restorable from the host (`host_state`), never further. Device eviction of a node drops
 its device state with its pages; host eviction frees its host state slot with its host value.
 
+SWA (a Full + SWA tree): a node's host data is `host_value` (Full token slots) and `host_swa`
+(host SWA token slots of the whole run, or None: only nodes that lay in the sliding window
+before a write's end get one). A device SWA value lives only on an on-device node. The device
+hit ends where the SWA rule says (a live window behind it); the host hit continues to the last
+node with a host value whose window is restorable: every node of the last `sliding_window`
+tokens before its end is either on the device with live SWA slots or off the device with a
+host SWA copy. Device eviction of a node drops its SWA slots with its full ones; host eviction
+frees its host SWA slots with its host value.
+
 A host lock (`HostReceipt`) protects the host values on the path to the root, like Full's device
 lock: transfers in flight hold one. The device `LeafHeap` and the host one share `heap_entry`:
 a node is in at most one of them (device leaves are on the device, host candidates are not).
@@ -34,7 +44,6 @@ a node is in at most one of them (device leaves are on the device, host candidat
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -45,6 +54,7 @@ import torch
 from kvstrata.storage.keys import PageKeyer
 from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.components.mamba import MambaComponent
+from kvstrata.unified_radix_cache.components.swa import SWAComponent
 from kvstrata.unified_radix_cache.errors import (
     ForeignNode,
     IntegrityError,
@@ -54,13 +64,13 @@ from kvstrata.unified_radix_cache.errors import (
     TreeLocked,
 )
 from kvstrata.unified_radix_cache.events import EventLog, KVEvent
+from kvstrata.unified_radix_cache.host_walks import HostWalks
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.policies import LeafHeap, make_policy
-from kvstrata.unified_radix_cache.results import InsertResult, MatchResult
 
 if TYPE_CHECKING:
-    from kvstrata.unified_radix_cache.components.base import ComponentInsert, SlotSink
+    from kvstrata.unified_radix_cache.components.base import SlotSink
     from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 HOST_TIER = "host"
@@ -74,15 +84,19 @@ class HostReceipt(NamedTuple):
     anchor: TreeNode
 
 
-class HostTier:
-    """Host values, host locks, host sizes and host eviction of one Full-only tree.
+class HostTier(HostWalks):
+    """Host values, host locks, host sizes and host eviction of one tree (Full-only, Full + SWA
+    or Full + Mamba).
 
     `host`: the host slot allocator (as a `SlotSink`; its indices are CPU token slots).
     `eviction_policy`: order of host eviction (lru, lfu, fifo, mru, filo, priority).
     `keyer`: names pages for host events and storage (the tree's own when it has events).
     `host_states`: the host Mamba state slot allocator (as a `SlotSink`), required for a
     Full + Mamba tree and refused otherwise.
-    Building one attaches it to `tree` (which must be empty, Full-only or Full + Mamba).
+    `host_swa`: the host SWA pool's token slot allocator (as a `SlotSink`), required for a
+    Full + SWA tree and refused otherwise.
+    Building one attaches it to `tree` (which must be empty: Full-only, Full + SWA or
+    Full + Mamba).
     """
 
     def __init__(
@@ -93,13 +107,19 @@ class HostTier:
         eviction_policy: str = "lru",
         keyer: PageKeyer | None = None,
         host_states: SlotSink | None = None,
+        host_swa: SlotSink | None = None,
     ) -> None:
         full = tree.components[0]
         mamba = next((c for c in tree.components if isinstance(c, MambaComponent)), None)
+        swa = next((c for c in tree.components if isinstance(c, SWAComponent)), None)
         if (mamba is None) != (host_states is None):
             raise InvalidConfig(
                 "host_states (a host Mamba state allocator) is required for a Mamba tree and "
                 "only for one"
+            )
+        if (swa is None) != (host_swa is None):
+            raise InvalidConfig(
+                "host_swa (a host SWA slot allocator) is required for an SWA tree and only for one"
             )
         assert isinstance(full, FullComponent) and full.heap is not None, "a bound Full tree"
         keyer = tree.keyer or keyer or PageKeyer(page_size=tree.page_size)
@@ -111,6 +131,8 @@ class HostTier:
         self._full = full
         self._mamba = mamba
         self.host_states = host_states
+        self._swa = swa
+        self.host_swa = host_swa
         self._device_heap = full.heap
         self.heap = LeafHeap(make_policy(eviction_policy))
         self._page_bytes = tree.page_size * TOKEN_BYTES
@@ -124,202 +146,10 @@ class HostTier:
         #: Host state slots held by nodes (Mamba trees), and those host eviction freed.
         self.num_host_states = 0
         self.evicted_states_total = 0
+        #: Host SWA tokens held by nodes (SWA trees), and those host eviction freed.
+        self.host_swa_size = 0
+        self.evicted_swa_total = 0
         tree.attach_host_tier(self)
-
-    # ------------------------------------------------------------------------------------------
-    # Match and insert (called by the tree in place of its fast path)
-    # ------------------------------------------------------------------------------------------
-    def match(
-        self,
-        key: RadixKey,
-        data: bytes,
-        end: int,
-        *,
-        count: bool = True,
-        copy_state: bool = False,
-    ) -> MatchResult:
-        """The device hit of `data[:end]` and the host hit beyond it. Splits the node where the
-        match ends; touches the matched nodes (both heaps re-keyed). With `count`, adds the hits
-        to the tree's hit counters (the tree counted the query). Mamba trees: both hits end
-        where a state is restorable (device state / host state); with `copy_state` the device
-        state is copied into a slot the caller owns (`states["mamba"]`). O(K + depth)."""
-        tree = self.tree
-        page_bytes = self._page_bytes
-        path: list[TreeNode] = []
-        pos = 0
-        node = tree.root
-        child = node.children.get((key.namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            step = len(ck)
-            if pos + step <= end and data.startswith(ck, pos):
-                node = child
-            else:
-                step = tree.common_bytes(ck, data, pos, end)
-                node = tree.split_node(child, step // TOKEN_BYTES)
-            path.append(node)
-            pos += step
-            if pos >= end or node is not child:
-                break
-            child = node.children.get(data[pos : pos + page_bytes])
-        on_device = 0
-        while on_device < len(path) and len(path[on_device].value):
-            on_device += 1
-        if self._mamba is not None:
-            return self._match_mamba(self._mamba, path, on_device, count, copy_state)
-        tick = tree.next_tick()
-        for item in path:
-            item.last_access = tick
-            item.hit_count += 1
-        device_nodes, host_nodes = path[:on_device], path[on_device:]
-        last = device_nodes[-1] if device_nodes else tree.root
-        last_host = host_nodes[-1] if host_nodes else None
-        if last in self._device_heap:
-            self._device_heap.push(last)  # re-key for the new access time
-        if last_host is not None and last_host in self.heap:
-            self.heap.push(last_host)
-        device_len = sum(len(n.value) for n in device_nodes)
-        host_len = sum(n.num_tokens for n in host_nodes)
-        if count:
-            tree.hit_tokens += device_len
-            tree.host_hit_tokens += host_len
-        slots = np.concatenate([n.value for n in device_nodes]) if device_nodes else _NO_SLOTS
-        return MatchResult(device_len, self._full.to_device(slots), last, host_len, last_host)
-
-    def _match_mamba(
-        self,
-        mamba: MambaComponent,
-        path: list[TreeNode],
-        on_device: int,
-        count: bool,
-        copy_state: bool,
-    ) -> MatchResult:
-        """`match` of a Full + Mamba tree: the device hit ends at the last on-device node with
-        a device state, the host hit at the last node after it with a host state."""
-        tree = self.tree
-        i = mamba.index
-        device_end = 0
-        for k in range(on_device, 0, -1):
-            values = path[k - 1].comp_values
-            assert values is not None, "a Mamba tree's node has component values"
-            if values[i] is not None:
-                device_end = k
-                break
-        host_end = device_end
-        for k in range(len(path), device_end, -1):
-            if path[k - 1].host_state is not None:
-                host_end = k
-                break
-        device_nodes, host_nodes = path[:device_end], path[device_end:host_end]
-        last = device_nodes[-1] if device_nodes else tree.root
-        last_host = host_nodes[-1] if host_nodes else None
-        # Raises (StateSlotsExhausted) before the match changes anything else.
-        copied = mamba.finalize_match(last, copy_state)
-        tick = tree.next_tick()
-        for item in path:
-            item.last_access = tick
-            item.hit_count += 1
-        for item in device_nodes:
-            mamba.on_access(item)
-        if last in self._device_heap:
-            self._device_heap.push(last)
-        if last_host is not None and last_host in self.heap:
-            self.heap.push(last_host)
-        device_len = sum(len(n.value) for n in device_nodes)
-        host_len = sum(n.num_tokens for n in host_nodes)
-        if count:
-            tree.hit_tokens += device_len
-            tree.host_hit_tokens += host_len
-        slots = np.concatenate([n.value for n in device_nodes]) if device_nodes else _NO_SLOTS
-        states = {mamba.name: copied} if copied is not None else {}
-        return MatchResult(
-            device_len, self._full.to_device(slots), last, host_len, last_host, states
-        )
-
-    def match_key(self, key: RadixKey, max_len: int | None = None) -> MatchResult:
-        """`match` of at most `max_len` whole pages of `key` without touching any counter
-        (for a cache re-matching a key it already counted)."""
-        data = key.cached_bytes or key.token_bytes()
-        end = len(data) if max_len is None else min(len(data), max(max_len, 0) * TOKEN_BYTES)
-        end -= end % self._page_bytes
-        if end == 0 or self.tree.disabled:
-            return MatchResult(0, self._full.to_device(_NO_SLOTS), self.tree.root)
-        return self.match(key, data, end, count=False)
-
-    def insert(
-        self,
-        key: RadixKey,
-        data: bytes,
-        end: int,
-        slots: npt.NDArray[np.int64],
-        cached_len: int,
-        priority: int,
-        inputs: Mapping[str, ComponentInsert] | None = None,
-    ) -> InsertResult:
-        """The tree's insert: off-device nodes the key runs over take the caller's slots again
-        (revive; listed in `adopted`), a new leaf takes the rest; a Mamba tree's node ending at
-        the key adopts `inputs["mamba"]`'s state when it has no device state. O(K + depth)."""
-        tree = self.tree
-        mamba = self._mamba
-        page_bytes = self._page_bytes
-        tick = tree.next_tick()
-        namespace = key.namespace
-        node = tree.root
-        pos = 0
-        adopted: list[tuple[int, int]] = []
-        child = node.children.get((namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            step = len(ck)
-            if pos + step <= end and data.startswith(ck, pos):
-                node = child
-            else:
-                step = tree.common_bytes(ck, data, pos, end)
-                node = tree.split_node(child, step // TOKEN_BYTES)
-            node.last_access = tick
-            if priority > node.priority:
-                node.priority = priority
-            if mamba is not None:
-                mamba.on_access(node)
-            if not len(node.value):
-                start = pos // TOKEN_BYTES
-                assert start >= cached_len, (
-                    f"insert: node {node.id} is off the device inside the caller's cached prefix"
-                )
-                self._revive(node, slots[start : start + node.num_tokens].copy())
-                adopted.append((start, start + node.num_tokens))
-            pos += step
-            if pos >= end or node is not child:
-                break
-            child = node.children.get(data[pos : pos + page_bytes])
-        prefix_len = pos // TOKEN_BYTES
-        inserted = 0
-        if pos < end:
-            node = tree.add_leaf(node, data, pos, end, slots, namespace, tick, priority)
-            inserted = len(node.value)
-        elif node in self._device_heap:
-            self._device_heap.push(node)
-        states: tuple[str, ...] = ()
-        if (
-            mamba is not None
-            and inputs
-            and node.parent is not None
-            and mamba.on_insert_commit(node, inputs.get(mamba.name))
-        ):
-            states = (mamba.name,)
-        return InsertResult(prefix_len, inserted, node, tuple(adopted), states, cached_len)
-
-    def _revive(self, node: TreeNode, value: npt.NDArray[np.int64]) -> None:
-        """Off-device `node` takes device slots `value` (its parent is on the device now)."""
-        assert node.lock_ref == 0, f"off-device node {node.id} holds a device lock"
-        self.heap.discard(node)
-        node.value = value
-        self._full.evictable_size += len(value)
-        parent = node.parent
-        assert parent is not None, "the root is never off the device"
-        self._device_heap.discard(parent)
-        self._device_heap.push(node)  # its children are all off the device (closure)
-        self.tree.emit_stored(node)
 
     # ------------------------------------------------------------------------------------------
     # Device eviction
@@ -357,6 +187,10 @@ class HostTier:
         if mamba is not None and mamba.node_size(node):
             # A device state needs the device pages before it: it goes with them.
             mamba.evicted_total += mamba.release(node, node_goes=False)
+        swa = self._swa
+        if swa is not None and swa.node_size(node):
+            # Freeing the full slots frees the SWA pages mapped from them (SWAAllocator.free).
+            swa.evicted_total += swa.release(node, node_goes=True)
         full = self._full
         full.queue_free(node.value)
         full.evictable_size -= size
@@ -449,6 +283,7 @@ class HostTier:
         host-unlocked nodes in the host policy's order; each leaves the tree. Returns the host
         tokens freed (handed to the host allocator before this returns). O(k log n)."""
         freed: list[npt.NDArray[np.int64]] = []
+        freed_swa: list[npt.NDArray[np.int64]] = []
         states: list[int] = []
         total = 0
         while total < amount:
@@ -466,10 +301,15 @@ class HostTier:
             if node.host_state is not None:
                 states.append(node.host_state)
                 node.host_state = None
+            if node.host_swa is not None:
+                freed_swa.append(node.host_swa)
+                node.host_swa = None
             self.tree.remove_leaf(node, evicted=False)
         self.tree.flush_pending()
         if freed:
             self.host.free(torch.from_numpy(np.concatenate(freed)))
+        self._free_swa(freed_swa)
+        self.evicted_swa_total += sum(len(v) for v in freed_swa)
         self._free_states(states)
         self.evicted_states_total += len(states)
         return total
@@ -479,6 +319,24 @@ class HostTier:
             assert self.host_states is not None, "host states in a tree without Mamba"
             self.num_host_states -= len(states)
             self.host_states.free(torch.tensor(states, dtype=torch.int64))
+
+    def _free_swa(self, values: list[npt.NDArray[np.int64]]) -> None:
+        if values:
+            assert self.host_swa is not None, "host SWA slots in a tree without SWA"
+            merged = np.concatenate(values)
+            self.host_swa_size -= len(merged)
+            self.host_swa.free(torch.from_numpy(merged))
+
+    def set_host_swa(self, node: TreeNode, value: npt.NDArray[np.int64]) -> bool:
+        """`node` (with a host value) takes host SWA slots `value` (one per token of its run).
+        Returns False, taking nothing, when it already has some (the caller frees `value`)."""
+        assert node.host_value is not None, f"host SWA on node {node.id} without a host value"
+        assert len(value) == node.num_tokens, f"node {node.id}: {len(value)} host SWA slots"
+        if node.host_swa is not None:
+            return False
+        node.host_swa = value
+        self.host_swa_size += len(value)
+        return True
 
     def set_host_state(self, node: TreeNode, slot: int) -> bool:
         """`node` (with a host value) takes host state slot `slot` for the state at its end.
@@ -584,10 +442,13 @@ class HostTier:
             raise TreeLocked("locks outstanding; unlock them before a reset")
         values = [n.host_value for n in self.tree.iter_nodes() if n.host_value is not None]
         states = [n.host_state for n in self.tree.iter_nodes() if n.host_state is not None]
+        swa_values = [n.host_swa for n in self.tree.iter_nodes() if n.host_swa is not None]
         for node in self.tree.iter_nodes():
             node.host_value = None
             node.host_state = None
+            node.host_swa = None
         self._free_states(states)
+        self._free_swa(swa_values)
         self.heap.clear()
         if values:
             self.host.free(torch.from_numpy(np.concatenate(values)))
@@ -595,15 +456,20 @@ class HostTier:
         self._log.drain()
         self._log.cleared()
 
-    def check_integrity(self, in_flight: int, states_in_flight: int = 0) -> None:
+    def check_integrity(
+        self, in_flight: int, states_in_flight: int = 0, swa_in_flight: int = 0
+    ) -> None:
         """Host free + evictable + protected + `in_flight` == host capacity; both tiers
         prefix-closed; off-device nodes carry a host value; host values cover their node; host
         locks equal the outstanding receipts; the host heap holds exactly the candidates.
         Mamba: a host state only with a host value, a device state only on the device, host
-        state free + evictable + protected + `states_in_flight` == host state capacity."""
+        state free + evictable + protected + `states_in_flight` == host state capacity.
+        SWA: host SWA slots only with a host value and one per token, live SWA only on the
+        device, host SWA free + held + `swa_in_flight` == host SWA capacity."""
         evictable = protected = 0
         state_slots: list[int] = []
         states_protected = 0
+        swa_held = 0
         expected: dict[int, int] = {}
         for receipt in self._receipts.values():
             probe = receipt.anchor
@@ -642,6 +508,12 @@ class HostTier:
                 states_protected += node.host_lock_ref > 0
             if self._mamba is not None and self._mamba.node_size(node) and not len(node.value):
                 raise IntegrityError(f"node {node.id}: device Mamba state off the device")
+            if node.host_swa is not None:
+                if value is None or len(node.host_swa) != node.num_tokens:
+                    raise IntegrityError(f"node {node.id}: host SWA slots without a host value")
+                swa_held += len(node.host_swa)
+            if self._swa is not None and self._swa.is_live(node) and not len(node.value):
+                raise IntegrityError(f"node {node.id}: live SWA slots off the device")
         if (evictable, protected) != (self.evictable_size, self.protected_size):
             raise IntegrityError(
                 f"host: counted evictable/protected {evictable}/{protected}, counters say "
@@ -659,6 +531,18 @@ class HostTier:
                 f"host states: {len(state_slots)} on nodes ({len(set(state_slots))} distinct), "
                 f"counter says {self.num_host_states}"
             )
+        if swa_held != self.host_swa_size:
+            raise IntegrityError(
+                f"host SWA: {swa_held} tokens on nodes, counter says {self.host_swa_size}"
+            )
+        swa_sink = self.host_swa
+        if swa_sink is not None:
+            free = swa_sink.available_size()
+            if free + swa_held + swa_in_flight != swa_sink.size:
+                raise IntegrityError(
+                    f"host SWA pool: free {free} + held {swa_held} + in flight {swa_in_flight} "
+                    f"!= capacity {swa_sink.size}"
+                )
         sink = self.host_states
         if sink is not None:
             free = sink.available_size()

@@ -15,6 +15,9 @@ hot loop reads it):
     host_lock_ref int        hierarchical mode: transfers protecting the host copy
     host_state    int        hierarchical Mamba mode: host state slot of the state at the end
                              of the run, or None (only on a node with a host value)
+    host_swa      ndarray    hierarchical SWA mode: host SWA token slot of each token (the
+                             node lay in a sliding window when written), or None (only on a
+                             node with a host value)
     in_storage    bool       hierarchical mode: storage acknowledged this node's pages
 
 A node's namespace is the one of the root child it descends from, so below the root a child is
@@ -60,6 +63,7 @@ class TreeNode:
         "hit_count",
         "host_lock_ref",
         "host_state",
+        "host_swa",
         "host_value",
         "id",
         "in_storage",
@@ -110,6 +114,7 @@ class TreeNode:
         self.host_value: npt.NDArray[np.int64] | None = None
         self.host_lock_ref = 0
         self.host_state: int | None = None
+        self.host_swa: npt.NDArray[np.int64] | None = None
         self.in_storage = False
 
     @property

@@ -27,7 +27,8 @@ class TierCacheCollector(Collector):
     - `failed_transfers_total`, `short_prefetches_total`, `prefetches_total{outcome}` (started,
       skipped), `load_backs_refused_total`, `transfer_wait_seconds_total`;
     - `host_tokens{state}` (free, evictable, protected), `transfers_in_flight`;
-    - Mamba models: `host_states{state}` (free, held: host state slots on nodes).
+    - Mamba models: `host_states{state}` (free, held: host state slots on nodes);
+    - SWA models: `host_swa_tokens{state}` (free, held: host SWA token slots on nodes).
     """
 
     def __init__(
@@ -120,6 +121,15 @@ class TierCacheCollector(Collector):
                 "Host tier Mamba state slots by state (Mamba models only).",
                 "state",
                 {"free": states.available_size(), "held": host.num_host_states},
+                gauge=True,
+            )
+        swa = cache.host_swa_allocator
+        if swa is not None:
+            yield self._by(
+                "host_swa_tokens",
+                "Host tier SWA token slots by state (full + sliding-window models only).",
+                "state",
+                {"free": swa.available_size(), "held": host.host_swa_size},
                 gauge=True,
             )
         inflight = GaugeMetricFamily(

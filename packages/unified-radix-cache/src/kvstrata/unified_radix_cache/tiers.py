@@ -51,6 +51,9 @@ class TierParams:
     """Back host pages up to storage after each host write (needs a controller with storage)."""
     transfer_timeout_s: float = 60.0
     """Longest wait for one synchronous transfer (load-back, write-back eviction)."""
+    known_stored_states: int = 1 << 16
+    """Mamba trees with storage: how many page keys of stored boundary states the cache
+    remembers (oldest forgotten first) to choose the state a prefetch fetches."""
 
     def __post_init__(self) -> None:
         if self.host_eviction_policy not in POLICIES:
@@ -60,6 +63,8 @@ class TierParams:
             )
         if self.prefetch_threshold < 1:
             raise InvalidConfig(f"prefetch_threshold must be >= 1, got {self.prefetch_threshold}")
+        if self.known_stored_states < 1:
+            raise InvalidConfig(f"known_stored_states must be >= 1, got {self.known_stored_states}")
         if not self.transfer_timeout_s > 0:
             raise InvalidConfig(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
 

@@ -209,14 +209,15 @@ class UnifiedRadixCache:
 
     def attach_host_tier(self, tier: HostTier) -> None:
         """Hierarchical mode: from now on match, insert and Full eviction take `tier`'s walks
-        (host values on the nodes). Refused on a non-empty, SWA or already tiered tree
-        (Full-only and Full + Mamba trees are supported)."""
+        (host values on the nodes). Refused on a non-empty or already tiered tree, and on a
+        tree with more than one state component (Full-only, Full + SWA and Full + Mamba trees
+        are supported)."""
         if self.host_tier is not None:
             raise InvalidConfig("this tree already has a host tier")
-        if any(c.name != "mamba" for c in self._extras):
+        if len(self._extras) > 1 or any(c.name not in ("mamba", "swa") for c in self._extras):
             raise InvalidConfig(
-                "hierarchical mode supports Full-only and Full + Mamba trees; got components "
-                f"{[c.name for c in self._components]}"
+                "hierarchical mode supports Full-only, Full + SWA and Full + Mamba trees; got "
+                f"components {[c.name for c in self._components]}"
             )
         if self.num_nodes:
             raise InvalidConfig("attach the host tier to an empty tree")
@@ -602,6 +603,10 @@ class UnifiedRadixCache:
             upper.host_value = host_value[:num_tokens]
             node.host_value = host_value[num_tokens:]
             upper.host_lock_ref = node.host_lock_ref
+        host_swa = node.host_swa
+        if host_swa is not None:
+            upper.host_swa = host_swa[:num_tokens]
+            node.host_swa = host_swa[num_tokens:]
         parent.children[
             (node.namespace, key[: self._page_bytes])
             if parent is self._root

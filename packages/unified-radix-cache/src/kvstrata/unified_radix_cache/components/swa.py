@@ -52,6 +52,8 @@ class SWASlotSink(Protocol):
 
     def swa_available_size(self) -> int: ...
 
+    def translate(self, indices: torch.Tensor, /) -> torch.Tensor: ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class SWAInsert(ComponentInsert):
@@ -174,6 +176,21 @@ class SWAComponent(LRUListComponent):
         node.comp_values[i] = node.value
         self.evictable_size += size
         self.lru.touch(node)
+
+    def on_revive(self, node: TreeNode, live: bool) -> None:
+        """Hierarchical mode: off-device `node` just took device slots (a load-back or an insert
+        over it). `live`: its SWA slots hold its window KV, so it joins the LRU; otherwise it
+        becomes a tombstone and its SWA slots are queued for `free_swa` (the full ones stay)."""
+        i = self.index
+        assert node.comp_values is not None and node.comp_values[i] is None, (
+            f"SWAComponent: revived node {node.id} already has SWA data"
+        )
+        if live:
+            node.comp_values[i] = node.value
+            self.evictable_size += len(node.value)
+            self.lru.touch(node)
+        else:
+            self._pending.append(node.value)
 
     # -- eviction -------------------------------------------------------------------------
     def release(self, node: TreeNode, node_goes: bool) -> int:

@@ -1,0 +1,219 @@
+"""`TierCore`: the state a `HierarchicalCache` shares between its transfer kinds, and the slot
+allocation every kind uses (host pages, host states, host SWA slots, device slots), each
+evicting on its own tier when short.
+
+The cache is split by transfer kind along the seams of its life cycle (hierarchy.py):
+
+    tier_core.py      TierCore       shared state, pending records, slot allocation, host eviction
+    tier_writes.py    TierWrites     device -> host writes and host -> storage backups
+    tier_prefetch.py  TierPrefetches storage -> host prefetches
+    tier_loads.py     TierLoads      host -> device load-backs (layer-wise)
+    hierarchy.py      HierarchicalCache  match, request life cycle, eviction, acks, integrity
+
+Every pending record belongs to exactly one transfer in flight and holds exactly one host lock
+(see `HierarchicalCache.check_integrity`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.hybrid_cache import (
+    Ack,
+    TierController,
+)
+from kvstrata.pool_host import HostSlotAllocator
+from kvstrata.storage.keys import PageKeyer
+from kvstrata.unified_radix_cache.components.full import FullComponent
+from kvstrata.unified_radix_cache.components.mamba import MambaComponent
+from kvstrata.unified_radix_cache.components.swa import SWAComponent
+from kvstrata.unified_radix_cache.events import KVEvent
+from kvstrata.unified_radix_cache.host_tier import HostReceipt, HostTier
+from kvstrata.unified_radix_cache.key import RadixKey
+from kvstrata.unified_radix_cache.node import TreeNode
+from kvstrata.unified_radix_cache.results import (
+    EvictRequest,
+    LockReceipt,
+)
+from kvstrata.unified_radix_cache.tiers import (
+    TierCounters,
+    TierLoad,
+    TierParams,
+)
+from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+
+FULL = "full"
+MAMBA = "mamba"
+SWA = "swa"
+NO_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(kw_only=True, eq=False)
+class PendingWrite:
+    key: RadixKey
+    start: int  # tokens already on the host when submitted
+    host_slots: torch.Tensor  # host token slots of key[start:]
+    device_receipt: LockReceipt
+    host_receipt: HostReceipt
+    host_state: torch.Tensor | None = None  # Mamba: the host state slot of the key's end
+    host_swa: torch.Tensor | None = None  # SWA: host SWA slots of the key ranges swa_ranges
+    swa_ranges: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(kw_only=True, eq=False)
+class PendingBackup:
+    host_receipt: HostReceipt
+    keys: list[bytes]
+    parent_key: bytes | None
+    key: RadixKey
+    state_pages: tuple[int, ...] = ()  # Mamba: indices into keys of the pages carrying a state
+
+
+@dataclass(kw_only=True, eq=False)
+class PendingPrefetch:
+    key: RadixKey
+    start: int
+    host_slots: torch.Tensor
+    host_receipt: HostReceipt
+    committed: int = 0  # tokens of host_slots already handed to the tree
+    host_state: int | None = None  # Mamba: host state slot of the key's end, until committed
+    state_key: bytes | None = None  # Mamba: the page key whose stored state is fetched
+    stopped: bool = False  # finish_prefetch stopped it (a short ack is then no miss)
+
+
+@dataclass(kw_only=True, eq=False)
+class PendingLoad:
+    """A load-back in flight: its device slots are outside the tree until the ack commits them;
+    the device prefix it extends and the host pages it reads stay locked until then."""
+
+    key: RadixKey
+    start: int
+    device_slots: torch.Tensor
+    device_receipt: LockReceipt
+    host_receipt: HostReceipt
+    load: TierLoad
+    device_state: torch.Tensor | None = None  # Mamba: the fresh device slot of the state
+    swa_from: int = 0  # SWA: key[swa_from:] got its window's SWA pages (before it: tombstone)
+
+
+Pending = PendingWrite | PendingBackup | PendingPrefetch | PendingLoad
+
+
+def prefix_len(node: TreeNode) -> int:
+    total = 0
+    probe = node
+    while probe.parent is not None:
+        total += probe.num_tokens
+        probe = probe.parent
+    return total
+
+
+class TierCore(ABC):
+    """What every transfer kind of a `HierarchicalCache` reads and allocates through. The
+    attributes are set by `HierarchicalCache.__init__`."""
+
+    params: TierParams
+    device_tree: UnifiedRadixCache
+    controller: TierController
+    host_allocator: HostSlotAllocator
+    host_state_allocator: HostSlotAllocator | None
+    host_swa_allocator: HostSlotAllocator | None
+    page_size: int
+    tier: HostTier
+    keyer: PageKeyer
+    counters: TierCounters
+    _device_full: FullComponent
+    _mamba: MambaComponent | None
+    _swa: SWAComponent | None
+    _page_bytes: int
+    _state_bytes: int
+    _swa_page_bytes: int
+    _backups: bool
+    _pending: dict[int, Pending]
+    _events: list[KVEvent]
+    _stored_states: OrderedDict[bytes, None]
+
+    @abstractmethod
+    def evict_device(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` device tokens (see `HierarchicalCache.evict_device`)."""
+
+    @abstractmethod
+    def _on_ack(self, ack: Ack) -> None:
+        """Commit one acknowledgement (see `HierarchicalCache._on_ack`)."""
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` host tokens (or all that may go), in the host policy's
+        order: host copies of nodes off the device, childless and not locked by a transfer;
+        each such node leaves the tree (storage keeps its pages). A copy of a prefix the device
+        still holds never goes (it is what makes a later device eviction free). Returns the
+        tokens freed. Cost: O(k log n)."""
+        freed = self.tier.evict(num_tokens)
+        self.counters.host_evicted_tokens += freed
+        return freed
+
+    def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        slots = self.host_allocator.alloc(num_tokens)
+        if slots is None:
+            self.evict_host(num_tokens - self.host_allocator.available_size())
+            slots = self.host_allocator.alloc(num_tokens)
+        return slots
+
+    def _alloc_host_state(self) -> torch.Tensor | None:
+        """One host state slot, host-evicting off-device nodes until one frees (None when no
+        host node may go)."""
+        allocator = self.host_state_allocator
+        assert allocator is not None, "host states in a tree without Mamba"
+        slot = allocator.alloc(1)
+        while slot is None and self.evict_host(1):
+            slot = allocator.alloc(1)
+        return slot
+
+    def _alloc_host_swa(self, num_tokens: int) -> torch.Tensor | None:
+        """Host SWA slots, host-evicting off-device nodes until they fit (None when no host
+        node may go)."""
+        allocator = self.host_swa_allocator
+        assert allocator is not None, "host SWA slots in a tree without SWA"
+        slots = allocator.alloc(num_tokens)
+        while slots is None and self.evict_host(num_tokens):
+            slots = allocator.alloc(num_tokens)
+        return slots
+
+    def _free_host_swa(self, slots: torch.Tensor) -> None:
+        assert self.host_swa_allocator is not None, "host SWA slots in a tree without SWA"
+        self.host_swa_allocator.free(slots)
+
+    def _free_host_state(self, slot: torch.Tensor) -> None:
+        assert self.host_state_allocator is not None, "host states in a tree without Mamba"
+        self.host_state_allocator.free(slot)
+
+    def _alloc_device_state(self) -> torch.Tensor | None:
+        """One device state slot, evicting an unlocked device state when the pool is out."""
+        mamba = self._mamba
+        assert mamba is not None, "device states in a tree without Mamba"
+        slot = mamba.allocator.alloc(1)
+        if slot is None:
+            self.device_tree.evict(EvictRequest(targets={MAMBA: 1}))
+            slot = mamba.allocator.alloc(1)
+        return slot
+
+    def _give_back_state(self, slot: torch.Tensor) -> None:
+        assert self._mamba is not None, "device states in a tree without Mamba"
+        self._mamba.give_back(slot)
+
+    def _alloc_device(self, num_tokens: int) -> torch.Tensor | None:
+        allocator = self._device_full.allocator
+        short = num_tokens - self._device_full.free_size()
+        if short > 0:
+            self.evict_device(short)
+        swa = self._swa
+        if swa is not None and num_tokens > swa.free_size():
+            # SWA slots are allocated in step with the full ones: free SWA-only data too.
+            self.device_tree.evict(EvictRequest(targets={SWA: num_tokens - swa.free_size()}))
+        alloc = getattr(allocator, "alloc", None)
+        assert alloc is not None, "the device tree's allocator must allocate (SlotAllocator)"
+        slots = alloc(num_tokens)
+        return slots if isinstance(slots, torch.Tensor) else None

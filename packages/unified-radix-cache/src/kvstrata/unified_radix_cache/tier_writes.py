@@ -1,0 +1,282 @@
+"""Device -> host writes and host -> storage backups of a `HierarchicalCache` (`TierWrites`).
+
+A write moves the pages the host lacks (member "full") plus, in a Mamba tree, the device state
+of the node it ends at (member "mamba") and, in an SWA tree, the SWA pages of the last window
+before its end (member "swa"); its ack gives the nodes their host values. With storage, each
+committed write is backed up: its pages under their chained page keys and, in a Mamba tree,
+each node's host state beside the page at the node's end; the backup's ack flags the stored
+nodes and remembers the stored state keys a prefetch may fetch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.hybrid_cache import (
+    Ack,
+    AckStatus,
+    BackupOp,
+    PageMove,
+    QueueFull,
+    WriteOp,
+)
+from kvstrata.unified_radix_cache.events import BlockStored
+from kvstrata.unified_radix_cache.host_tier import HostReceipt
+from kvstrata.unified_radix_cache.key import RadixKey
+from kvstrata.unified_radix_cache.node import TreeNode
+from kvstrata.unified_radix_cache.tier_core import (
+    FULL,
+    MAMBA,
+    NO_SLOTS,
+    SWA,
+    PendingBackup,
+    PendingWrite,
+    TierCore,
+    prefix_len,
+)
+from kvstrata.unified_radix_cache.tiers import (
+    STORAGE_TIER,
+)
+
+
+class TierWrites(TierCore):
+    """The write and backup transfers of a `HierarchicalCache`."""
+
+    def _write(self, key: RadixKey, node: TreeNode) -> int | None:
+        """Queue a host write of the part of `key` (ending at device node `node`) the host
+        lacks. Returns the op id, or None when nothing is queued (already there, host full,
+        queue full)."""
+        anchor = self.tier.host_prefix(node)
+        start, end = prefix_len(anchor), len(key)
+        mamba = self._mamba
+        device_state = mamba.slot(node) if mamba is not None else None
+        want_state = device_state is not None and node.host_state is None
+        swa_ranges = self._window_ranges(node, end) if self._swa is not None else ()
+        if start >= end and not want_state and not swa_ranges:
+            return None
+        host_receipt = self.tier.lock(anchor)
+        slots = self._alloc_host(end - start) if end > start else NO_SLOTS
+        if slots is None:
+            self.tier.unlock(host_receipt)
+            return None
+        # No host state slot to be had: the pages still go (the host hit then ends earlier).
+        host_state = self._alloc_host_state() if want_state else None
+        # Likewise without host SWA room: the window is then not restorable from the host.
+        swa_tokens = sum(hi - lo for lo, hi in swa_ranges)
+        host_swa = self._alloc_host_swa(swa_tokens) if swa_tokens else None
+        if not len(slots) and host_state is None and host_swa is None:
+            self.tier.unlock(host_receipt)
+            return None
+        device_receipt = self.device_tree.lock(node)
+        moves: dict[str, PageMove] = {}
+        if len(slots):
+            device_slots = self.device_tree.prefix_slots(node)[start:end]
+            moves[FULL] = PageMove(device=device_slots, host=slots)
+        if host_swa is not None and self._swa is not None:
+            prefix = self.device_tree.prefix_slots(node)
+            window = torch.cat([prefix[lo:hi] for lo, hi in swa_ranges])
+            moves[SWA] = PageMove(device=self._swa.allocator.translate(window), host=host_swa)
+        else:
+            swa_ranges = ()
+        if host_state is not None and device_state is not None:
+            moves[MAMBA] = PageMove(
+                device=torch.tensor([device_state], dtype=torch.int64), host=host_state
+            )
+        try:
+            op_id = self.controller.submit_write(WriteOp(moves=moves))
+        except QueueFull:
+            self.device_tree.unlock(device_receipt)
+            self.tier.unlock(host_receipt)
+            if len(slots):
+                self.host_allocator.free(slots)
+            if host_state is not None:
+                self._free_host_state(host_state)
+            if host_swa is not None:
+                self._free_host_swa(host_swa)
+            return None
+        self._pending[op_id] = PendingWrite(
+            key=key,
+            start=start,
+            host_slots=slots,
+            device_receipt=device_receipt,
+            host_receipt=host_receipt,
+            host_state=host_state,
+            host_swa=host_swa,
+            swa_ranges=swa_ranges,
+        )
+        return op_id
+
+    def _window_ranges(self, node: TreeNode, end: int) -> tuple[tuple[int, int], ...]:
+        """SWA: the key ranges (node runs, ascending) of the last sliding window before `end`
+        (whole pages; the path ending at device node `node`) whose SWA pages a write must copy:
+        live on the device and without a host SWA copy yet. Empty when the window is not live
+        on the device as a whole (a copy could never make a hit). Splits the node the window
+        starts inside, so host SWA copies cover whole nodes. O(nodes in the window)."""
+        swa = self._swa
+        assert swa is not None, "_window_ranges on a tree without SWA"
+        page = self.page_size
+        lo = max(0, end - -(-swa.sliding_window // page) * page)
+        ranges: list[tuple[int, int]] = []
+        pos, probe = end, node
+        while pos > lo:
+            if probe.parent is None:
+                break
+            if not swa.is_live(probe):
+                return ()
+            first = pos - probe.num_tokens
+            if first < lo:
+                self.device_tree.split_node(probe, lo - first)  # probe keeps [lo, pos)
+                first = lo
+            if probe.host_swa is None:
+                ranges.append((first, pos))
+            pos = first
+            probe = probe.parent
+        return tuple(reversed(ranges))
+
+    def _write_acked(self, pending: PendingWrite, ack: Ack) -> None:
+        self.device_tree.unlock(pending.device_receipt)
+        state = pending.host_state
+        if not ack.ok:
+            self.tier.unlock(pending.host_receipt)
+            if len(pending.host_slots):
+                self.host_allocator.free(pending.host_slots)
+            if state is not None:
+                self._free_host_state(state)
+            if pending.host_swa is not None:
+                self._free_host_swa(pending.host_swa)
+            return
+        num = len(pending.host_slots)
+        receipt = self.tier.commit(pending.host_receipt, pending.key, pending.host_slots)
+        if state is not None and not self.tier.set_host_state(receipt.anchor, int(state.item())):
+            self._free_host_state(state)
+        swa_tokens = 0
+        if pending.host_swa is not None:
+            swa_tokens = len(pending.host_swa)
+            self._commit_host_swa(
+                receipt.anchor, len(pending.key), pending.swa_ranges, pending.host_swa
+            )
+        self.counters.written_tokens += num
+        # The state moved with the pages even when the node had meanwhile got another one.
+        self.counters.bytes_d2h += (
+            num // self.page_size * self._page_bytes
+            + (self._state_bytes if state is not None else 0)
+            + swa_tokens // self.page_size * self._swa_page_bytes
+        )
+        if self._backups:
+            self._backup(receipt, pending.key, pending.start)
+        else:
+            self.tier.unlock(receipt)
+
+    def _commit_host_swa(
+        self,
+        node: TreeNode,
+        end: int,
+        ranges: tuple[tuple[int, int], ...],
+        host_swa: torch.Tensor,
+    ) -> None:
+        """Give the nodes covering the key `ranges` (on the path ending at `node`, at `end`)
+        their slices of `host_swa`; a node that has host SWA slots already keeps them and the
+        new ones go back to the allocator. Ranges are node runs (nodes only split since)."""
+        values = host_swa.numpy()
+        offsets: list[int] = []
+        base = 0
+        for lo, hi in ranges:
+            offsets.append(base)
+            base += hi - lo
+        k = len(ranges) - 1
+        pos, probe = end, node
+        while k >= 0 and probe.parent is not None:
+            first = pos - probe.num_tokens
+            lo, hi = ranges[k]
+            if first < hi:
+                assert lo <= first and pos <= hi, (
+                    f"host SWA commit: node {probe.id} straddles the range {lo}..{hi}"
+                )
+                at = offsets[k] + first - lo
+                part = values[at : at + probe.num_tokens].copy()
+                if not self.tier.set_host_swa(probe, part):
+                    self._free_host_swa(torch.from_numpy(part))
+                if first == lo:
+                    k -= 1
+            pos = first
+            probe = probe.parent
+        assert k < 0, "host SWA commit: the ranges run past the root"
+
+    def _backup(self, receipt: HostReceipt, key: RadixKey, start: int) -> None:
+        """Queue host -> storage of the pages of `key` from `start` on (the prefix ending at the
+        host-locked node); the lock passes to the backup until its ack."""
+        node = receipt.anchor
+        keys = self.tier.page_keys(node)
+        first = start // self.page_size
+        pages = self.tier.host_slots(node)[start :: self.page_size] // self.page_size
+        host_pages: dict[str, list[int | None]] = {FULL: list[int | None](pages.tolist())}
+        state_pages: tuple[int, ...] = ()
+        if self._mamba is not None:
+            # Each node of the range with a host state stores it beside its last page.
+            states: list[int | None] = [None] * (len(keys) - first)
+            end = len(keys) * self.page_size
+            probe = node
+            while probe.parent is not None and end > start:
+                if probe.host_state is not None:
+                    states[end // self.page_size - 1 - first] = probe.host_state
+                end -= probe.num_tokens
+                probe = probe.parent
+            host_pages[MAMBA] = states
+            state_pages = tuple(i for i, s in enumerate(states) if s is not None)
+        try:
+            op_id = self.controller.submit_backup(
+                BackupOp(keys=keys[first:], host_pages=host_pages)
+            )
+        except QueueFull:
+            self.tier.unlock(receipt)
+            return
+        parent = keys[first - 1] if first else None
+        self._pending[op_id] = PendingBackup(
+            host_receipt=receipt,
+            keys=keys[first:],
+            parent_key=parent,
+            key=key,
+            state_pages=state_pages,
+        )
+
+    def _backup_acked(self, pending: PendingBackup, ack: Ack) -> None:
+        done = ack.num_pages_done if ack.status is not AckStatus.FAILED else 0
+        self._mark_stored(pending, done * self.page_size)
+        self.tier.unlock(pending.host_receipt)
+        if done:
+            stored_states = [i for i in pending.state_pages if i < done]
+            for i in stored_states:
+                self._know_stored_state(pending.keys[i])
+            self.counters.backed_up_tokens += done * self.page_size
+            self.counters.bytes_storage_set += (
+                done * self._page_bytes + len(stored_states) * self._state_bytes
+            )
+            self._events.append(
+                BlockStored(
+                    page_keys=tuple(pending.keys[:done]),
+                    parent_key=pending.parent_key,
+                    tokens_per_page=self.page_size,
+                    tier=STORAGE_TIER,
+                    namespace=pending.key.namespace,
+                )
+            )
+
+    def _mark_stored(self, pending: PendingBackup, num_tokens: int) -> None:
+        """Flag the nodes whose whole run lies in the stored range (`TreeNode.in_storage`: what
+        the tier knows of storage; the storage may still evict those pages later)."""
+        node = pending.host_receipt.anchor
+        end = prefix_len(node)
+        lo = end - len(pending.keys) * self.page_size  # the backup covered key[lo:end]
+        hi = lo + num_tokens  # and storage acknowledged key[lo:hi]
+        while node.parent is not None and end > lo:
+            if end - node.num_tokens >= lo and end <= hi:
+                node.in_storage = True
+            end -= node.num_tokens
+            node = node.parent
+
+    def _know_stored_state(self, page_key: bytes) -> None:
+        known = self._stored_states
+        known[page_key] = None
+        known.move_to_end(page_key)
+        while len(known) > self.params.known_stored_states:
+            known.popitem(last=False)

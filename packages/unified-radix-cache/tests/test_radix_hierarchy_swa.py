@@ -1,0 +1,278 @@
+"""Hierarchical mode for full + sliding-window models: host copies of each node's full pages and
+of the SWA pages of the window before each write's end on the nodes of one Full + SWA tree; a
+host hit counts only as far as the last window before it is restorable; a load-back brings the
+full pages and the window's SWA pages (SWA slots allocated in step); evictions free the right
+slots on both pools of both tiers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvstrata.allocator import SWAAllocator
+from kvstrata.hybrid_cache import TierController
+from kvstrata.storage import MemoryStorage
+from kvstrata.testkit.tiers import SWAHierarchy, make_swa_hierarchy, scramble, serve_swa
+from kvstrata.unified_radix_cache import (
+    EvictRequest,
+    FullComponent,
+    RadixKey,
+    SWAComponent,
+    UnifiedRadixCache,
+)
+from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig
+from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
+from kvstrata.unified_radix_cache.paths import node_at
+from kvstrata.unified_radix_cache.tiers import WritePolicy
+
+P = 4
+
+
+@pytest.fixture
+def closing() -> Iterator[list[SWAHierarchy]]:
+    made: list[SWAHierarchy] = []
+    yield made
+    for h in made:
+        h.cache.controller.close()
+
+
+def _build(closing: list[SWAHierarchy], **kw: object) -> SWAHierarchy:
+    h = make_swa_hierarchy(page_size=P, **kw)  # type: ignore[arg-type]
+    closing.append(h)
+    return h
+
+
+def _scramble_free(h: SWAHierarchy, seed: int) -> None:
+    """Overwrite every free full and SWA device page: what comes back must come from the host."""
+    taken = h.allocator.alloc(h.allocator.available_size())
+    if taken is not None and len(taken):
+        scramble(h.full_pool, taken, seed=seed)
+        scramble(h.swa_pool, h.allocator.translate(taken), seed=seed + 1)
+        h.allocator.free(taken)
+
+
+def _host_swa(h: SWAHierarchy) -> int:
+    allocator = h.cache.host_swa_allocator
+    assert allocator is not None
+    return allocator.size - allocator.available_size()
+
+
+def test_a_write_copies_only_the_window_of_swa_pages(closing: list[SWAHierarchy]) -> None:
+    h = _build(closing)
+    a = list(range(1, 5 * P + 1))
+    serve_swa(h, a)
+    node = node_at(h.tree, RadixKey(a))
+    assert node is not None and node.host_swa is not None
+    # The write split the node at the window: the head has full pages on the host only.
+    assert node.num_tokens == h.window
+    assert node.parent is not None and node.parent.host_value is not None
+    assert node.parent.host_swa is None
+    assert _host_swa(h) == h.window == h.cache.tier.host_swa_size
+    group = h.cache.controller.group
+    pages = 5 * group.page_bytes("full") + 2 * group.page_bytes("swa")
+    assert h.cache.counters.bytes_d2h == pages
+
+
+def test_round_trips_are_bit_identical(closing: list[SWAHierarchy]) -> None:
+    h = _build(closing, device_pages=12)
+    a = list(range(1, 4 * P + 1))
+    b = [*a, *range(50, 50 + 3 * P)]
+    assert serve_swa(h, a) == 0
+    assert serve_swa(h, b) == len(a)
+    for cycle in range(4):
+        h.cache.evict_device(h.tree.evictable_size())
+        assert h.tree.evictable_size() == 0 and h.tree.evictable_size("swa") == 0
+        h.cache.check_integrity()
+        _scramble_free(h, seed=cycle)
+        # All of b comes back: its full pages, and the SWA pages of its last window.
+        assert serve_swa(h, [*b, 7, 7, 7, 7]) == len(b)
+        h.cache.evict_device(h.tree.evictable_size())
+        _scramble_free(h, seed=10 + cycle)
+        # a's end has its own host window (written when a was served).
+        assert serve_swa(h, [*a, 9, 9, 9, 9]) == len(a)
+    assert h.cache.counters.loaded_tokens > 0
+    h.cache.check_integrity()
+
+
+def test_host_hit_ends_where_a_window_is_restorable(closing: list[SWAHierarchy]) -> None:
+    h = _build(closing)
+    a = list(range(1, 6 * P + 1))
+    serve_swa(h, a)
+    h.cache.evict_device(h.tree.evictable_size())
+    # Inside a, 4 pages in: the window before it was never copied to the host.
+    m = h.cache.match_prefix(RadixKey([*a[: 4 * P], 5, 5, 5, 5]))
+    assert m.device.prefix_len == 0 and m.host_hit_len == 0
+    m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
+    assert m.device.prefix_len == 0 and m.host_hit_len == len(a)
+    h.cache.check_integrity()
+
+
+def test_a_device_swa_tombstone_is_not_restored_from_the_host(
+    closing: list[SWAHierarchy],
+) -> None:
+    h = _build(closing)
+    a = list(range(1, 4 * P + 1))
+    serve_swa(h, a)
+    # SWA eviction tombstones the window node: full pages stay on the device, SWA slots go.
+    h.tree.evict(EvictRequest(targets={"swa": 10**6}))
+    assert h.tree.evictable_size("swa") == 0
+    m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
+    assert m.prefix_len == 0  # (the allocator cannot give existing full slots new SWA slots)
+    assert serve_swa(h, [*a, 5, 5, 5, 5]) == 0
+    h.cache.check_integrity()
+
+
+def test_evictions_free_both_pools_on_both_tiers(closing: list[SWAHierarchy]) -> None:
+    h = _build(closing)
+    serve_swa(h, list(range(1, 3 * P + 1)))
+    serve_swa(h, list(range(100, 100 + 4 * P)))
+    assert _host_swa(h) == 2 * h.window
+    h.cache.evict_device(h.tree.evictable_size())
+    assert h.allocator.full_available_size() == h.allocator.full_size
+    assert h.allocator.swa_available_size() == h.allocator.swa_size
+    h.cache.evict_host(10**6)
+    assert h.tree.num_nodes == 0 and _host_swa(h) == 0
+    assert h.cache.tier.evicted_swa_total == 2 * h.window
+    h.cache.check_integrity()
+
+
+@pytest.mark.parametrize("policy", [WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH_SELECTIVE])
+def test_other_write_policies_copy_the_window(
+    closing: list[SWAHierarchy], policy: WritePolicy
+) -> None:
+    h = _build(closing, write_policy=policy)
+    a = list(range(1, 3 * P + 1))
+    serve_swa(h, [*a, 9, 9, 9, 9])
+    for _ in range(2):
+        assert serve_swa(h, [*a, 9, 9, 9, 9, 8, 8, 8, 8]) == len(a) + P
+    h.cache.evict_device(h.tree.evictable_size())
+    h.cache.drain()
+    assert h.tree.evictable_size() == 0
+    _scramble_free(h, seed=7)
+    assert serve_swa(h, [*a, 9, 9, 9, 9, 1, 1, 1, 1]) == len(a) + P
+
+
+def test_no_host_swa_room_means_a_shorter_hit(closing: list[SWAHierarchy]) -> None:
+    h = _build(closing)
+    allocator = h.cache.host_swa_allocator
+    assert allocator is not None
+    hoard = allocator.alloc(allocator.available_size())
+    assert hoard is not None
+    a = list(range(1, 3 * P + 1))
+    serve_swa(h, a, check=False)
+    node = node_at(h.tree, RadixKey(a))
+    assert node is not None and node.host_value is not None and node.host_swa is None
+    h.cache.evict_device(h.tree.evictable_size())
+    m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
+    assert m.prefix_len == 0
+    allocator.free(hoard)
+    h.cache.check_integrity()
+
+
+def test_layer_wise_load_brings_full_and_swa_layers(closing: list[SWAHierarchy]) -> None:
+    h = _build(closing)
+    a = list(range(1, 3 * P + 1))
+    serve_swa(h, a)
+    h.cache.evict_device(h.tree.evictable_size())
+    m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
+    assert m.host_hit_len == len(a)
+    load = h.cache.start_load_back(m.host_node)
+    for layer in h.tiers.pools.layer_ids:
+        assert load.wait_layer(layer, 10.0)
+    h.cache.check_integrity()
+    result = load.wait(10.0)
+    assert result is not None and result.loaded_len == len(a)
+    group = h.cache.controller.group
+    assert h.cache.counters.bytes_h2d == 3 * group.page_bytes("full") + 2 * group.page_bytes("swa")
+    h.cache.check_integrity()
+    _scramble_free(h, seed=2)
+    assert serve_swa(h, [*a, 5, 5, 5, 5]) == len(a)
+
+
+def test_a_failed_load_frees_full_and_swa_slots(
+    closing: list[SWAHierarchy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = _build(closing)
+    a = list(range(1, 3 * P + 1))
+    serve_swa(h, a)
+    h.cache.evict_device(h.tree.evictable_size())
+    m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("host SWA pages unreadable")
+
+    # The SWA member's host -> device copy raises on the worker: the load fails whole.
+    with monkeypatch.context() as patch:
+        patch.setattr(h.tiers.hosts["swa"], "load_layers", broken)
+        result = h.cache.load_back(m.host_node)
+    assert result.loaded_len == 0 and h.cache.counters.failed_ops >= 1
+    assert h.allocator.full_available_size() == h.allocator.full_size
+    assert h.allocator.swa_available_size() == h.allocator.swa_size
+    h.cache.check_integrity()
+    assert serve_swa(h, [*a, 5, 5, 5, 5]) == len(a)
+
+
+def test_refusals(closing: list[SWAHierarchy]) -> None:
+    """An SWA tree needs the host SWA allocator, and its storage tier is not wired."""
+    h = _build(closing)
+    tiers = h.tiers
+
+    def tree() -> UnifiedRadixCache:
+        alloc = SWAAllocator(size=64, swa_size=64, page_size=P, device="cpu")
+        return UnifiedRadixCache(
+            [FullComponent(alloc), SWAComponent(alloc, sliding_window=2 * P)], page_size=P
+        )
+
+    with pytest.raises(InvalidConfig, match="host_swa_allocator"):
+        HierarchicalCache(
+            tree(),
+            controller=h.cache.controller,
+            host_allocator=tiers.hosts["full"].make_allocator(),
+        )
+    with_storage = TierController(tiers.group, storage=MemoryStorage(capacity_bytes=1 << 20))
+    try:
+        with pytest.raises(InvalidConfig, match="storage"):
+            HierarchicalCache(
+                tree(),
+                controller=with_storage,
+                host_allocator=tiers.hosts["full"].make_allocator(),
+                host_swa_allocator=tiers.hosts["swa"].make_allocator(),
+            )
+    finally:
+        with_storage.close()
+
+
+def test_integrity_catches_a_leaked_host_swa_copy(closing: list[SWAHierarchy]) -> None:
+    h = _build(closing)
+    a = list(range(1, 3 * P + 1))
+    serve_swa(h, a)
+    node = node_at(h.tree, RadixKey(a))
+    assert node is not None and node.host_swa is not None
+    value = node.host_swa
+    node.host_swa = None  # the slots stay allocated, no node holds them
+    with pytest.raises(IntegrityError, match="host SWA"):
+        h.cache.check_integrity()
+    node.host_swa = value
+    h.cache.check_integrity()
+
+
+def test_collector_reports_host_swa_slots(closing: list[SWAHierarchy]) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvstrata.unified_radix_cache.tier_metrics import TierCacheCollector
+
+    h = _build(closing)
+    serve_swa(h, list(range(1, 3 * P + 1)))
+    registry = CollectorRegistry()
+    registry.register(TierCacheCollector(h.cache, labels={"instance": "s"}))
+    labels = {"instance": "s"}
+    held = registry.get_sample_value(
+        "kvstrata_tiered_cache_host_swa_tokens", {**labels, "state": "held"}
+    )
+    assert held == h.window
+    free = registry.get_sample_value(
+        "kvstrata_tiered_cache_host_swa_tokens", {**labels, "state": "free"}
+    )
+    allocator = h.cache.host_swa_allocator
+    assert allocator is not None and free == allocator.size - h.window
