@@ -11,8 +11,6 @@ from collections.abc import Iterator
 import pytest
 
 from kvstrata.allocator import SWAAllocator
-from kvstrata.hybrid_cache import TierController
-from kvstrata.storage import MemoryStorage
 from kvstrata.testkit.tiers import SWAHierarchy, make_swa_hierarchy, scramble, serve_swa
 from kvstrata.unified_radix_cache import (
     EvictRequest,
@@ -214,7 +212,7 @@ def test_a_failed_load_frees_full_and_swa_slots(
 
 
 def test_refusals(closing: list[SWAHierarchy]) -> None:
-    """An SWA tree needs the host SWA allocator, and its storage tier is not wired."""
+    """An SWA tree needs the host SWA allocator (storage: test_radix_hierarchy_swa_storage)."""
     h = _build(closing)
     tiers = h.tiers
 
@@ -230,17 +228,6 @@ def test_refusals(closing: list[SWAHierarchy]) -> None:
             controller=h.cache.controller,
             host_allocator=tiers.hosts["full"].make_allocator(),
         )
-    with_storage = TierController(tiers.group, storage=MemoryStorage(capacity_bytes=1 << 20))
-    try:
-        with pytest.raises(InvalidConfig, match="storage"):
-            HierarchicalCache(
-                tree(),
-                controller=with_storage,
-                host_allocator=tiers.hosts["full"].make_allocator(),
-                host_swa_allocator=tiers.hosts["swa"].make_allocator(),
-            )
-    finally:
-        with_storage.close()
 
 
 def test_integrity_catches_a_leaked_host_swa_copy(closing: list[SWAHierarchy]) -> None:

@@ -391,7 +391,7 @@ def serve_mamba(h: MambaHierarchy, tokens: list[int], *, check: bool = True) -> 
 class SWAHierarchy:
     """A full + sliding-window model on both tiers: one Full + SWA tree holding device values
     and host values (host full slots and, for nodes that lay in a window, host SWA slots), the
-    cache and its controller (no storage: SWA storage is not wired)."""
+    cache and its controller (with a storage when one was given)."""
 
     tiers: Tiers
     full_pool: MHAKVPool
@@ -417,12 +417,13 @@ def make_swa_hierarchy(
     host_pages: int = 32,
     params: TierParams | None = None,
     controller_params: ControllerParams | None = None,
+    storage: Storage | None = None,
     seed: int = 0,
 ) -> SWAHierarchy:
     """A `HierarchicalCache` over `make_tiers("swa")` on CPU (window 2 pages): an
     `SWAAllocator` of `device_pages` full and SWA pages (page 0 reserved), and host allocators
-    of `host_pages` pages for each of the full and SWA host pools. Close the controller when
-    done."""
+    of `host_pages` pages for each of the full and SWA host pools; the controller has
+    `storage` when given. Close the controller when done."""
     tiers = make_tiers(
         "swa", page_size=page_size, device_pages=device_pages, host_pages=host_pages, seed=seed
     )
@@ -436,7 +437,7 @@ def make_swa_hierarchy(
     )
     cache = HierarchicalCache(
         tree,
-        controller=TierController(tiers.group, params=controller_params),
+        controller=TierController(tiers.group, storage=storage, params=controller_params),
         host_allocator=tiers.hosts["full"].make_allocator(),
         host_swa_allocator=tiers.hosts["swa"].make_allocator(),
         params=params or TierParams(write_policy=write_policy, prefetch_threshold=page_size),
@@ -448,7 +449,7 @@ def serve_swa(h: SWAHierarchy, tokens: list[int], *, check: bool = True) -> int:
     """One request as an engine runs it: begin (match, load back), check that the hit's full KV
     and the SWA KV of its last window are the ones computed for that prefix, compute the rest
     (full and SWA KV of the new tokens), finish (insert + write policy), wait for every
-    transfer. Returns the hit length (device + host)."""
+    transfer. Returns the hit length (device + host + storage)."""
     cache = h.cache
     ids = torch.tensor(tokens, dtype=torch.int64)
     began = cache.begin_request(RadixKey(ids))

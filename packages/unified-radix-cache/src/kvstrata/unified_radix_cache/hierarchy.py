@@ -33,7 +33,9 @@ SWA models (a Full + SWA tree, members "full" and "swa"): a write carries the SW
 last window before its end (translated through the allocator's full-to-SWA map) into host SWA
 slots, a load-back allocates full and SWA slots in step and brings the window's SWA pages (the
 nodes before the window come back as SWA tombstones), and a host hit ends only where its window
-is restorable. No storage for SWA trees yet (InvalidConfig).
+is restorable. With storage, a backup stores the host SWA pages of the backed-up nodes beside
+their pages (member "swa", None where a node has none), and a prefetch fetches the pages up to
+the deepest page whose last window's SWA pages this cache backed up, plus those SWA pages.
 
 The cache is split by transfer kind (tier_core.py has the map): `TierWrites` (tier_writes.py:
 writes and backups), `TierPrefetches` (tier_prefetch.py), `TierLoads` (tier_loads.py), over
@@ -123,7 +125,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
     sliding-window model's prefix cache.
 
     `device_tree`: an empty Full-only, Full + Mamba or Full + SWA `UnifiedRadixCache` over the
-    device allocators (an SWA tree has no storage tier yet); the cache
+    device allocators; the cache
     attaches a `HostTier` to it (`cache.tier`), so the same tree holds the host copies (engines
     keep using it for locks and the request life cycle). `controller`: a `TierController` whose
     pool group has the member "full" (and "mamba" for a Mamba tree, "swa" for an SWA tree);
@@ -162,11 +164,6 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             raise InvalidConfig(
                 "host_swa_allocator (the host SWA pool's) is required for an SWA tree and only "
                 "for one"
-            )
-        if swa is not None and controller.storage is not None:
-            raise InvalidConfig(
-                "storage (L3) for SWA trees is not wired (prefetch and backup of window pages); "
-                "use a controller without storage"
             )
         members = (FULL,) + ((MAMBA,) if mamba else ()) + ((SWA,) if swa else ())
         if sorted(controller.group.member_names) != sorted(members):
@@ -219,11 +216,12 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         self._backups = self.params.backup_to_storage and controller.storage is not None
         self._pending: dict[int, Pending] = {}
         self._events: list[KVEvent] = []
-        # Mamba + storage: page keys whose boundary state a backup stored (oldest first, at
-        # most `params.known_stored_states`). The nodes that held those states may have left
-        # the tree since, and storage can only say whether a run of keys exists from the
-        # first one, so this is how a prefetch picks the boundary whose state to fetch. An
-        # entry storage no longer holds costs one empty prefetch, which drops it.
+        # Mamba / SWA + storage: page keys whose boundary state (Mamba) or SWA page (SWA) a
+        # backup stored (oldest first, at most `params.known_stored_states`). The nodes that
+        # held them may have left the tree since, and storage can only say whether a run of
+        # keys exists from the first one, so this is how a prefetch picks the boundary whose
+        # state or window to fetch. An entry storage no longer holds costs one empty
+        # prefetch, which drops it.
         self._stored_states: OrderedDict[bytes, None] = OrderedDict()
         self.counters = TierCounters()
 
@@ -491,7 +489,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         swa_in_flight = sum(
             len(p.host_swa)
             for p in self._pending.values()
-            if isinstance(p, PendingWrite) and p.host_swa is not None
+            if isinstance(p, (PendingWrite, PendingPrefetch)) and p.host_swa is not None
         )
         self.tier.check_integrity(in_flight, states_in_flight, swa_in_flight)
         self.host_allocator.check_integrity()

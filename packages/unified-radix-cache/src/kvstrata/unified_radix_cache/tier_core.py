@@ -71,6 +71,8 @@ class PendingBackup:
     parent_key: bytes | None
     key: RadixKey
     state_pages: tuple[int, ...] = ()  # Mamba: indices into keys of the pages carrying a state
+    swa_pages: tuple[int, ...] = ()  # SWA: indices into keys of the pages with a host SWA copy
+    fresh_from: int = 0  # keys[:fresh_from] were stored before (re-sent for their SWA pages)
 
 
 @dataclass(kw_only=True, eq=False)
@@ -83,6 +85,9 @@ class PendingPrefetch:
     host_state: int | None = None  # Mamba: host state slot of the key's end, until committed
     state_key: bytes | None = None  # Mamba: the page key whose stored state is fetched
     stopped: bool = False  # finish_prefetch stopped it (a short ack is then no miss)
+    host_swa: torch.Tensor | None = None  # SWA: host SWA slots of key[swa_from:], until committed
+    swa_from: int = 0  # SWA: where the window fetched with the pages starts
+    swa_keys: tuple[bytes, ...] = ()  # SWA: the page keys whose stored SWA pages are fetched
 
 
 @dataclass(kw_only=True, eq=False)
@@ -185,6 +190,46 @@ class TierCore(ABC):
     def _free_host_swa(self, slots: torch.Tensor) -> None:
         assert self.host_swa_allocator is not None, "host SWA slots in a tree without SWA"
         self.host_swa_allocator.free(slots)
+
+    def _window_pages(self) -> int:
+        """SWA trees: the pages the sliding window spans (whole pages)."""
+        assert self._swa is not None, "_window_pages on a tree without SWA"
+        return -(-self._swa.sliding_window // self.page_size)
+
+    def _commit_host_swa(
+        self,
+        node: TreeNode,
+        end: int,
+        ranges: tuple[tuple[int, int], ...],
+        host_swa: torch.Tensor,
+    ) -> None:
+        """Give the nodes covering the key `ranges` (on the path ending at `node`, at `end`)
+        their slices of `host_swa`; a node that has host SWA slots already keeps them and the
+        new ones go back to the allocator. Ranges are node runs (nodes only split since)."""
+        values = host_swa.numpy()
+        offsets: list[int] = []
+        base = 0
+        for lo, hi in ranges:
+            offsets.append(base)
+            base += hi - lo
+        k = len(ranges) - 1
+        pos, probe = end, node
+        while k >= 0 and probe.parent is not None:
+            first = pos - probe.num_tokens
+            lo, hi = ranges[k]
+            if first < hi:
+                assert lo <= first and pos <= hi, (
+                    f"host SWA commit: node {probe.id} straddles the range {lo}..{hi}"
+                )
+                at = offsets[k] + first - lo
+                part = values[at : at + probe.num_tokens].copy()
+                if not self.tier.set_host_swa(probe, part):
+                    self._free_host_swa(torch.from_numpy(part))
+                if first == lo:
+                    k -= 1
+            pos = first
+            probe = probe.parent
+        assert k < 0, "host SWA commit: the ranges run past the root"
 
     def _free_host_state(self, slot: torch.Tensor) -> None:
         assert self.host_state_allocator is not None, "host states in a tree without Mamba"

@@ -2,8 +2,11 @@
 
 A prefetch brings the pages after the host prefix into new host pages, stopped by the prefetch
 policy and by the controller at the first page it cannot restore; a Mamba tree fetches only up
-to the deepest page whose state this cache backed up, plus that state. What arrived is
-committed to the host tier (new off-device nodes past the tree's end).
+to the deepest page whose state this cache backed up, plus that state; an SWA tree fetches only
+up to the deepest page whose last window's SWA pages this cache backed up, plus those SWA pages
+(member "swa", None elsewhere). What arrived is committed to the host tier (new off-device
+nodes past the tree's end); the window's SWA pages only once every page arrived, so a host hit
+into a short prefetch ends where its window is restorable, never further.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.tier_core import (
     FULL,
     MAMBA,
+    SWA,
     PendingPrefetch,
     TierCore,
     prefix_len,
@@ -94,12 +98,27 @@ class TierPrefetches(TierCore):
                 return None
             keys = keys[:num_pages]
             state_key = keys[-1]
+        swa_first = num_pages
+        if self._swa is not None:
+            num_pages = self._swa_prefetch_pages(anchor, start, keys)
+            if num_pages == 0:
+                self.counters.prefetches_skipped += 1
+                return None
+            keys = keys[:num_pages]
+            swa_first = max(0, num_pages - self._window_pages())
         receipt = self.tier.lock(anchor)
         slots = self._alloc_host(num_pages * page)
         host_state = None
         if slots is not None and state_key is not None:
             host_state = self._alloc_host_state()
             if host_state is None:
+                self.host_allocator.free(slots)
+                slots = None
+        host_swa = None
+        if slots is not None and swa_first < num_pages:
+            # Without room for the window the pages could never make a hit: no prefetch.
+            host_swa = self._alloc_host_swa((num_pages - swa_first) * page)
+            if host_swa is None:
                 self.host_allocator.free(slots)
                 slots = None
         if slots is None:
@@ -111,6 +130,10 @@ class TierPrefetches(TierCore):
         }
         if host_state is not None:
             host_pages[MAMBA] = [None] * (num_pages - 1) + [int(host_state.item())]
+        if host_swa is not None:
+            host_pages[SWA] = [None] * swa_first + list[int | None](
+                (host_swa[::page] // page).tolist()
+            )
         op = PrefetchOp(
             keys=keys,
             host_pages=host_pages,
@@ -127,6 +150,8 @@ class TierPrefetches(TierCore):
             self.host_allocator.free(slots)
             if host_state is not None:
                 self._free_host_state(host_state)
+            if host_swa is not None:
+                self._free_host_swa(host_swa)
             self.counters.prefetches_skipped += 1
             return None
         self.counters.prefetches_started += 1
@@ -137,8 +162,26 @@ class TierPrefetches(TierCore):
             host_receipt=receipt,
             host_state=None if host_state is None else int(host_state.item()),
             state_key=state_key,
+            host_swa=host_swa,
+            swa_from=start + swa_first * page,
+            swa_keys=tuple(keys[swa_first:]) if host_swa is not None else (),
         )
         return op_id
+
+    def _swa_prefetch_pages(self, anchor: TreeNode, start: int, keys: list[bytes]) -> int:
+        """SWA: the longest run of `keys` (the pages after the host prefix ending at `anchor`,
+        at `start`) whose last window's SWA pages a backup of this cache stored, as far as it
+        knows; a window reaching before `start` needs the host prefix's window restorable
+        (pages past that could never be a hit). O(len(keys) + nodes in the window)."""
+        known = self._stored_states
+        window = self._window_pages()
+        before_ok = start == 0 or self.tier.window_restorable(anchor)
+        best = run = 0
+        for e, page_key in enumerate(keys, start=1):
+            run = run + 1 if page_key in known else 0
+            if run >= window or (run == e and before_ok):
+                best = e
+        return best
 
     def _prefetched_tokens(self, ack: Ack) -> int:
         return (ack.num_pages_done if ack.status is not AckStatus.FAILED else 0) * self.page_size
@@ -158,11 +201,35 @@ class TierPrefetches(TierCore):
             pending.host_state = None
             if not self.tier.set_host_state(pending.host_receipt.anchor, state):
                 self._free_host_state(torch.tensor([state], dtype=torch.int64))
+        host_swa = pending.host_swa
+        got_swa = 0
+        if host_swa is not None and upto == len(pending.host_slots):
+            # Every page arrived, so did the window's SWA pages (the controller's window rule).
+            pending.host_swa = None
+            end = pending.start + upto
+            node = self._split_window(pending.host_receipt.anchor, end, pending.swa_from)
+            self._commit_host_swa(node, end, ((pending.swa_from, end),), host_swa)
+            got_swa = len(host_swa)
         self.counters.storage_hit_tokens += got
-        self.counters.bytes_storage_get += got // self.page_size * self._page_bytes + (
-            self._state_bytes if got_state else 0
+        self.counters.bytes_storage_get += (
+            got // self.page_size * self._page_bytes
+            + (self._state_bytes if got_state else 0)
+            + got_swa // self.page_size * self._swa_page_bytes
         )
         return got
+
+    def _split_window(self, node: TreeNode, end: int, lo: int) -> TreeNode:
+        """Split the node (on the path ending at `node`, at `end`) that key position `lo` falls
+        inside, so the nodes of key[lo:end] are whole runs; returns `node` (it keeps its tail)."""
+        pos, probe = end, node
+        while pos > lo and probe.parent is not None:
+            first = pos - probe.num_tokens
+            if first < lo:
+                self.device_tree.split_node(probe, lo - first)  # probe keeps [lo, pos)
+                break
+            pos = first
+            probe = probe.parent
+        return node
 
     def _prefetch_acked(self, pending: PendingPrefetch, ack: Ack) -> None:
         done = self._prefetched_tokens(ack)
@@ -180,4 +247,11 @@ class TierPrefetches(TierCore):
             pending.host_state = None
             if pending.state_key is not None and not pending.stopped:
                 self._stored_states.pop(pending.state_key, None)
+        if pending.host_swa is not None:
+            # The window's SWA pages never all arrived: as for a Mamba state, forget them.
+            self._free_host_swa(pending.host_swa)
+            pending.host_swa = None
+            if not pending.stopped:
+                for page_key in pending.swa_keys:
+                    self._stored_states.pop(page_key, None)
         self.tier.unlock(pending.host_receipt)

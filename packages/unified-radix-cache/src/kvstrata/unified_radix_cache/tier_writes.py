@@ -163,48 +163,20 @@ class TierWrites(TierCore):
             + swa_tokens // self.page_size * self._swa_page_bytes
         )
         if self._backups:
-            self._backup(receipt, pending.key, pending.start)
+            # The window's SWA pages may lie before `start` (on pages stored before): the backup
+            # then starts at the window so they go to storage too (stored pages are skipped).
+            lo = min(pending.start, pending.swa_ranges[0][0]) if pending.swa_ranges else None
+            self._backup(receipt, pending.key, pending.start if lo is None else lo, pending.start)
         else:
             self.tier.unlock(receipt)
 
-    def _commit_host_swa(
-        self,
-        node: TreeNode,
-        end: int,
-        ranges: tuple[tuple[int, int], ...],
-        host_swa: torch.Tensor,
+    def _backup(
+        self, receipt: HostReceipt, key: RadixKey, start: int, fresh: int | None = None
     ) -> None:
-        """Give the nodes covering the key `ranges` (on the path ending at `node`, at `end`)
-        their slices of `host_swa`; a node that has host SWA slots already keeps them and the
-        new ones go back to the allocator. Ranges are node runs (nodes only split since)."""
-        values = host_swa.numpy()
-        offsets: list[int] = []
-        base = 0
-        for lo, hi in ranges:
-            offsets.append(base)
-            base += hi - lo
-        k = len(ranges) - 1
-        pos, probe = end, node
-        while k >= 0 and probe.parent is not None:
-            first = pos - probe.num_tokens
-            lo, hi = ranges[k]
-            if first < hi:
-                assert lo <= first and pos <= hi, (
-                    f"host SWA commit: node {probe.id} straddles the range {lo}..{hi}"
-                )
-                at = offsets[k] + first - lo
-                part = values[at : at + probe.num_tokens].copy()
-                if not self.tier.set_host_swa(probe, part):
-                    self._free_host_swa(torch.from_numpy(part))
-                if first == lo:
-                    k -= 1
-            pos = first
-            probe = probe.parent
-        assert k < 0, "host SWA commit: the ranges run past the root"
-
-    def _backup(self, receipt: HostReceipt, key: RadixKey, start: int) -> None:
         """Queue host -> storage of the pages of `key` from `start` on (the prefix ending at the
-        host-locked node); the lock passes to the backup until its ack."""
+        host-locked node); the lock passes to the backup until its ack. Pages before `fresh`
+        (default `start`) were stored before: they are re-sent only for their SWA pages and
+        the ack counts and announces only the pages from `fresh` on."""
         node = receipt.anchor
         keys = self.tier.page_keys(node)
         first = start // self.page_size
@@ -223,6 +195,10 @@ class TierWrites(TierCore):
                 probe = probe.parent
             host_pages[MAMBA] = states
             state_pages = tuple(i for i, s in enumerate(states) if s is not None)
+        swa_pages: tuple[int, ...] = ()
+        if self._swa is not None:
+            host_pages[SWA] = self._backup_swa_pages(node, len(keys), first)
+            swa_pages = tuple(i for i, p in enumerate(host_pages[SWA]) if p is not None)
         try:
             op_id = self.controller.submit_backup(
                 BackupOp(keys=keys[first:], host_pages=host_pages)
@@ -237,24 +213,49 @@ class TierWrites(TierCore):
             parent_key=parent,
             key=key,
             state_pages=state_pages,
+            swa_pages=swa_pages,
+            fresh_from=(start if fresh is None else fresh) // self.page_size - first,
         )
+
+    def _backup_swa_pages(self, node: TreeNode, num_keys: int, first: int) -> list[int | None]:
+        """SWA: per page of keys[first:num_keys] (the prefix ending at `node`), the host SWA
+        page of the node holding it, or None where the node has no host SWA copy."""
+        page = self.page_size
+        pages: list[int | None] = [None] * (num_keys - first)
+        start = first * page
+        end = num_keys * page
+        probe = node
+        while probe.parent is not None and end > start:
+            lo = end - probe.num_tokens
+            host_swa = probe.host_swa
+            if host_swa is not None:
+                for at in range(max(lo, start), end, page):
+                    pages[at // page - first] = int(host_swa[at - lo]) // page
+            end = lo
+            probe = probe.parent
+        return pages
 
     def _backup_acked(self, pending: PendingBackup, ack: Ack) -> None:
         done = ack.num_pages_done if ack.status is not AckStatus.FAILED else 0
         self._mark_stored(pending, done * self.page_size)
         self.tier.unlock(pending.host_receipt)
+        fresh = min(pending.fresh_from, done)
         if done:
             stored_states = [i for i in pending.state_pages if i < done]
-            for i in stored_states:
+            stored_swa = [i for i in pending.swa_pages if i < done]
+            for i in stored_states + stored_swa:
                 self._know_stored_state(pending.keys[i])
-            self.counters.backed_up_tokens += done * self.page_size
+            self.counters.backed_up_tokens += (done - fresh) * self.page_size
             self.counters.bytes_storage_set += (
-                done * self._page_bytes + len(stored_states) * self._state_bytes
+                (done - fresh) * self._page_bytes
+                + len(stored_states) * self._state_bytes
+                + len(stored_swa) * self._swa_page_bytes
             )
+        if done > fresh:
             self._events.append(
                 BlockStored(
-                    page_keys=tuple(pending.keys[:done]),
-                    parent_key=pending.parent_key,
+                    page_keys=tuple(pending.keys[fresh:done]),
+                    parent_key=pending.keys[fresh - 1] if fresh else pending.parent_key,
                     tokens_per_page=self.page_size,
                     tier=STORAGE_TIER,
                     namespace=pending.key.namespace,

@@ -52,8 +52,9 @@ class TierParams:
     transfer_timeout_s: float = 60.0
     """Longest wait for one synchronous transfer (load-back, write-back eviction)."""
     known_stored_states: int = 1 << 16
-    """Mamba trees with storage: how many page keys of stored boundary states the cache
-    remembers (oldest forgotten first) to choose the state a prefetch fetches."""
+    """Mamba and SWA trees with storage: how many page keys of stored boundary states (Mamba)
+    or SWA pages (SWA) the cache remembers (oldest forgotten first) to choose how far a
+    prefetch fetches."""
 
     def __post_init__(self) -> None:
         if self.host_eviction_policy not in POLICIES:
