@@ -30,8 +30,14 @@ def _req(text: str) -> tuple[str, frozenset[str]]:
 
 def test_every_member_has_readme_changelog_and_sources() -> None:
     assert {m.name for m in MEMBERS} >= {
-        "pool", "pool-host", "allocator", "hybrid-cache", "storage",
-        "unified-radix-cache", "kvstrata", "testkit",
+        "pool",
+        "pool-host",
+        "allocator",
+        "hybrid-cache",
+        "storage",
+        "unified-radix-cache",
+        "kvstrata",
+        "testkit",
     }
     for member in MEMBERS:
         assert (member / "README.md").is_file(), member

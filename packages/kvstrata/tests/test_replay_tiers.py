@@ -6,16 +6,27 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvstrata.build import InvalidCapacity, InvalidModel, build_memory_system
+from kvstrata.build import InvalidCapacity, TiersUnsupported, build_memory_system
+from kvstrata.build import tiers as tiers_module
 from kvstrata.build.tiers import build_tiers
 from kvstrata.cli.main import main
 from kvstrata.cli.replay_command import JSON_KEYS, TIER_JSON_KEYS
-from kvstrata.hybrid_cache import PrefetchPolicy
-from kvstrata.replay import ReplayCollector, ReplayEngine, WorkloadSpec, generate_workload
+from kvstrata.hybrid_cache import PrefetchPolicy, TierController
+from kvstrata.pool import SWAKVPool
+from kvstrata.replay import (
+    ReplayCollector,
+    ReplayEngine,
+    ReplayRequest,
+    WorkloadSpec,
+    generate_workload,
+)
+from kvstrata.unified_radix_cache.errors import InvalidConfig
+from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 
@@ -63,14 +74,130 @@ def test_tiered_replay_verifies_every_hit(policy: WritePolicy) -> None:
 
 
 def test_build_tiers_refuses_before_allocating() -> None:
-    swa = build_memory_system(family="swa", capacity_tokens=1024, page_size=16)
-    with pytest.raises(InvalidModel):
-        build_tiers(swa, host_tokens=1024)
     mha = build_memory_system(family="mha", capacity_tokens=1024, page_size=16)
     with pytest.raises(InvalidCapacity):
         build_tiers(mha, host_tokens=1024, host_ratio=2.0)
     with pytest.raises(InvalidCapacity):
         build_tiers(mha, host_ratio=-1.0)
+    assert mha.tree.host_tier is None
+
+
+@pytest.mark.parametrize("family", ["mamba", "swa"])
+@pytest.mark.parametrize("policy", list(WritePolicy))
+def test_tiered_hybrid_replay_verifies_every_hit(family: str, policy: WritePolicy) -> None:
+    """Mamba and SWA models over a device too small for the workload: the host brings hits
+    back, `verify` reads every one back (KV, the Mamba state at the hit's end, the SWA window),
+    and the bytes moved include the states / window pages beside the full pages."""
+    requests = generate_workload(WorkloadSpec(seed=1))[:48]
+    system = build_memory_system(family=family, capacity_tokens=4096, page_size=16)
+    tiers = build_tiers(system, host_ratio=2.0, params=TierParams(write_policy=policy))
+    try:
+        engine = ReplayEngine(system, verify=True, tiers=tiers)
+        stats = engine.run(requests)
+        tiers.cache.drain()
+        tiers.check_integrity()
+    finally:
+        tiers.close()
+    t = stats.tiers
+    assert t is not None
+    assert t.device_hit_tokens + t.host_hit_tokens + t.storage_hit_tokens == stats.hit_tokens
+    assert t.failed_transfers == 0 and t.storage_hit_tokens == 0
+    counters = tiers.cache.counters
+    full_bytes = tiers.host_pool.bytes_per_token
+    other = "mamba" if family == "mamba" else "swa"
+    assert set(tiers.host_pools) == {"full", other}
+    if policy is WritePolicy.WRITE_THROUGH_SELECTIVE and family == "mamba":
+        # Each prefix of this workload is matched at most once on the device before the small
+        # device evicts it, so nothing is hit a second time and nothing is written.
+        assert t.bytes_d2h == 0
+        return
+    assert t.host_hit_tokens > 0 and stats.evicted_tokens > 0
+    # The full pages alone would be exactly tokens x bytes per token: the rest is states or
+    # SWA window pages moved with them.
+    assert t.bytes_d2h > counters.written_tokens * full_bytes > 0
+    assert t.bytes_h2d > counters.loaded_tokens * full_bytes > 0
+    if policy is WritePolicy.WRITE_BACK:
+        # Deterministic only here: under write_through a write in flight pins its device
+        # nodes, so which node an eviction takes (and the hit total) depends on ack timing.
+        plain = ReplayEngine(
+            build_memory_system(family=family, capacity_tokens=4096, page_size=16)
+        ).run(requests)
+        assert stats.hit_tokens > plain.hit_tokens, "the host tier must add hits"
+
+
+def test_tiered_swa_replay_with_storage() -> None:
+    """SWA + storage (the hierarchical cache's SWA storage): the replay verifies every hit and
+    backs pages up. (A refusal by the cache is tested with a stand-in below.)"""
+    requests = generate_workload(WorkloadSpec(seed=1))[:32]
+    system = build_memory_system(family="swa", capacity_tokens=4096, page_size=16)
+    params = TierParams(prefetch_policy=PrefetchPolicy.WAIT_COMPLETE, prefetch_threshold=16)
+    tiers = build_tiers(
+        system, host_ratio=1.0, storage_url="memory://?capacity_bytes=100000000", params=params
+    )
+    try:
+        stats = ReplayEngine(system, verify=True, tiers=tiers).run(requests)
+        tiers.cache.drain()
+        tiers.check_integrity()
+    finally:
+        tiers.close()
+    t = stats.tiers
+    assert t is not None and t.failed_transfers == 0
+    assert t.device_hit_tokens + t.host_hit_tokens + t.storage_hit_tokens == stats.hit_tokens
+    assert t.bytes_storage_set > 0
+
+
+def test_build_tiers_sizes_every_mirror_by_one_rule() -> None:
+    mamba = build_memory_system(family="mamba", capacity_tokens=4096, page_size=16)
+    state_slots = mamba.mamba_allocator.size if mamba.mamba_allocator else 0
+    tiers = build_tiers(mamba, host_tokens=8192)
+    try:
+        assert tiers.host_tokens == 8192 and tiers.host_swa_tokens is None
+        assert tiers.host_state_slots == 2 * state_slots
+    finally:
+        tiers.close()
+    swa = build_memory_system(family="swa", capacity_tokens=4096, page_size=16, swa_ratio=0.5)
+    kv = swa.kv_pool
+    assert isinstance(kv, SWAKVPool)
+    device_bytes = sum(
+        b.numel() * b.element_size()
+        for pool in (kv.full_pool, kv.swa_pool)
+        for b in pool.layer_buffers()
+    )
+    tiers = build_tiers(swa, host_bytes=device_bytes)
+    try:
+        assert tiers.host_state_slots is None
+        # One device's worth of bytes (the device buffers count their padding page too),
+        # split like the device: each mirror about as large as its pool.
+        assert tiers.host_swa_tokens is not None
+        assert tiers.host_tokens == pytest.approx(4096, rel=0.02)
+        assert tiers.host_swa_tokens == pytest.approx(2048, rel=0.02)
+        total = sum(h.size_bytes for h in tiers.host_pools.values())
+        assert total <= device_bytes
+    finally:
+        tiers.close()
+
+
+def test_build_tiers_reports_a_refused_combination(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the hierarchical cache refuses a combination (as it refused storage under an SWA
+    tree until that was wired), build_tiers says so with TiersUnsupported, stops the
+    controller it started and leaves the tree without a host tier."""
+    started: list[TierController] = []
+
+    def controller(*args: object, **kwargs: object) -> TierController:
+        made = TierController(*args, **kwargs)  # type: ignore[arg-type]
+        started.append(made)
+        return made
+
+    def refuse(*args: object, **kwargs: object) -> HierarchicalCache:
+        raise InvalidConfig("storage (L3) for SWA trees is not wired")
+
+    monkeypatch.setattr(tiers_module, "TierController", controller)
+    monkeypatch.setattr(tiers_module, "HierarchicalCache", refuse)
+    swa = build_memory_system(family="swa", capacity_tokens=1024, page_size=16)
+    with pytest.raises(TiersUnsupported, match=r"swa family.*storage.*not wired"):
+        build_tiers(swa, host_ratio=2.0, storage_url="memory://?capacity_bytes=1000000")
+    assert len(started) == 1 and started[0].closed
+    assert swa.tree.host_tier is None
 
 
 def test_cli_reports_hits_per_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -99,7 +226,96 @@ def test_cli_reports_hits_per_tier(tmp_path: Path, capsys: pytest.CaptureFixture
         assert row in text
 
 
-def test_cli_tier_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["replay", "--limit", "4", "--family", "swa", "--host-ratio", "2", "--no-progress"]
+@pytest.mark.parametrize(
+    ("family", "size"), [("mamba", ["--host-ratio", "2"]), ("swa", ["--host-bytes", "400000"])]
+)
+def test_cli_hybrid_families_with_a_host_tier(
+    family: str, size: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / f"{family}.json"
+    argv = [
+        "replay",
+        "--family", family,
+        "--limit", "40",
+        "--capacity-tokens", "4096",
+        *size,
+        "--verify",
+        "--json", str(out),
+        "--no-progress",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    record = json.loads(out.read_text(encoding="utf-8"))
+    assert sorted(record) == sorted((*JSON_KEYS, *TIER_JSON_KEYS))
+    tiers = record["device_hit_tokens"] + record["host_hit_tokens"] + record["storage_hit_tokens"]
+    assert tiers == record["hit_tokens"] and record["host_hit_tokens"] > 0
+    assert record["bytes_d2h"] > 0 and record["bytes_h2d"] > 0
+    text = capsys.readouterr().out
+    if family == "mamba":
+        assert record["host_state_slots"] > 0 and record["host_swa_tokens"] is None
+        assert "state slots" in text
+    else:
+        assert record["host_swa_tokens"] > 0 and record["host_state_slots"] is None
+        assert "SWA tokens" in text
+
+
+def test_cli_mamba_with_storage(tmp_path: Path) -> None:
+    out = tmp_path / "mamba.json"
+    argv = [
+        "replay",
+        "--family", "mamba",
+        "--limit", "40",
+        "--capacity-tokens", "4096",
+        "--storage", "memory://?capacity_bytes=100000000",
+        "--prefetch-threshold", "16",
+        "--verify",
+        "--json", str(out),
+        "--no-progress",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    record = json.loads(out.read_text(encoding="utf-8"))
+    assert record["bytes_storage_set"] > 0 and record["failed_transfers"] == 0
+    tiers = record["device_hit_tokens"] + record["host_hit_tokens"] + record["storage_hit_tokens"]
+    assert tiers == record["hit_tokens"]
+
+
+def test_cli_refused_tiers_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> HierarchicalCache:
+        raise InvalidConfig("storage (L3) for SWA trees is not wired")
+
+    monkeypatch.setattr(tiers_module, "HierarchicalCache", refuse)
+    argv = [
+        "replay", "--limit", "4", "--family", "swa", "--host-ratio", "2",
+        "--storage", "memory://?capacity_bytes=1000000", "--no-progress",
+    ]  # fmt: skip
     assert main(argv) == 2
-    assert "mha" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "swa family" in err and "storage" in err
+
+
+def test_cli_bad_host_size_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["replay", "--limit", "4", "--family", "mamba", "--host-ratio", "0", "--no-progress"]
+    assert main(argv) == 2
+    assert "host size must be positive" in capsys.readouterr().err
+
+
+def test_mamba_chunk_state_reaches_the_host() -> None:
+    """A prompt of whole pages may reuse only N - P tokens on a repeat, where the chunk
+    boundary state lies; the engine hands that chunk to the write policy, so after the device
+    lost everything the repeat's host hit ends there (N - P), state verified."""
+    system = build_memory_system(family="mamba", capacity_tokens=1024, page_size=16)
+    tiers = build_tiers(system, host_ratio=2.0)
+    try:
+        engine = ReplayEngine(system, verify=True, tiers=tiers)
+        prompt = ReplayRequest(token_ids=np.arange(1, 65, dtype=np.int64))
+        assert engine.step(prompt).hit_tokens == 0
+        tiers.cache.drain()
+        assert tiers.cache.evict_device(10_000) == 64
+        assert engine.step(prompt).hit_tokens == 48
+        t = engine.stats().tiers
+        assert t is not None and t.host_hit_tokens == 48 and t.device_hit_tokens == 0
+        tiers.cache.drain()
+        tiers.check_integrity()
+    finally:
+        tiers.close()

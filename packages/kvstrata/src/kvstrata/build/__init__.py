@@ -7,6 +7,7 @@ from kvstrata.build.errors import (
     DeviceUnavailable,
     InvalidCapacity,
     InvalidModel,
+    TiersUnsupported,
     UnknownFamily,
     UnknownPolicy,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "MemorySystem",
     "SWAModel",
     "TieredSystem",
+    "TiersUnsupported",
     "UnknownFamily",
     "UnknownPolicy",
     "build_memory_system",

@@ -29,3 +29,9 @@ class InvalidModel(BuildError, ValueError):
 
 class DeviceUnavailable(BuildError, ValueError):
     """A device string torch does not parse, or a CUDA device on a machine without one."""
+
+
+class TiersUnsupported(BuildError, ValueError):
+    """A tier combination the hierarchical cache refuses for this family (its InvalidConfig,
+    e.g. storage under an SWA tree before unified-radix-cache wired it). The message says which
+    and why."""

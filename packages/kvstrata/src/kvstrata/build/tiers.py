@@ -1,40 +1,71 @@
 """`build_tiers`: a host tier (and optionally storage) under a built `MemorySystem`.
 
-    MemorySystem.kv_pool ──> MHAHostPool (host mirror) ──> HostSlotAllocator
-    MemorySystem.layers  ──> PoolGroup({"full": host}) ──> TierController(storage)
-    MemorySystem.tree    ──> HierarchicalCache(tree, controller, host allocator, params)
+    MemorySystem pools ──> one host mirror per pool ──> HostSlotAllocator per mirror
+    MemorySystem.layers ──> PoolGroup(members) ──> TierController(storage)
+    MemorySystem.tree ──> HierarchicalCache(tree, controller, host allocators, params)
 
-Full-attention (`mha`) systems only: the hierarchical cache mirrors one Full pool.
+Members of the pool group, by family:
+
+    mha    "full": MHAHostPool(kv_pool)
+    mamba  "full": MHAHostPool(kv_pool), "mamba": MambaHostPool(mamba_pool) (host state slots)
+    swa    "full": MHAHostPool(kv_pool.full_pool), "swa": MHAHostPool(kv_pool.swa_pool)
+
+Every mirror is sized by the same rule, so the host keeps the device's proportions: a ratio
+applies to each pool; `host_tokens` fixes the full mirror and sets the ratio of the others;
+`host_bytes` is split between the mirrors in proportion to their device pools' bytes.
+Whether a family may have storage is the hierarchical cache's call (all three may since
+unified-radix-cache wired SWA storage): a refusal surfaces as `TiersUnsupported`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvstrata.build.errors import InvalidCapacity, InvalidModel
+from kvstrata.build.errors import InvalidCapacity, InvalidModel, TiersUnsupported
 from kvstrata.build.system import MemorySystem
 from kvstrata.hybrid_cache import ControllerParams, PoolGroup, TierController
-from kvstrata.pool import MHAKVPool
-from kvstrata.pool_host import HostLayout, MHAHostPool
+from kvstrata.hybrid_cache.group import AnyHostPool
+from kvstrata.pool import MambaPool, MHAKVPool, SWAKVPool
+from kvstrata.pool_host import HostLayout, MambaHostPool, MHAHostPool
 from kvstrata.storage import Storage, open_storage
+from kvstrata.unified_radix_cache.errors import InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
 from kvstrata.unified_radix_cache.tiers import TierParams
+
+#: The ratio used when no host size is given.
+DEFAULT_HOST_RATIO = 2.0
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class TieredSystem:
-    """The host mirror, its controller and the hierarchical cache over a `MemorySystem`.
-    `close()` stops the controller's workers (and closes the host pool's memory)."""
+    """The host mirrors, their controller and the hierarchical cache over a `MemorySystem`.
+    `host_pool` is the full-attention mirror; `host_pools` maps every pool group member
+    ("full", and "mamba" or "swa") to its mirror. `close()` stops the controller's workers."""
 
     system: MemorySystem
     host_pool: MHAHostPool
+    host_pools: Mapping[str, AnyHostPool]
     controller: TierController
     cache: HierarchicalCache
     storage: Storage | None
 
     @property
     def host_tokens(self) -> int:
+        """Token slots of the full-attention host mirror."""
         return self.cache.host_allocator.size
+
+    @property
+    def host_state_slots(self) -> int | None:
+        """Host Mamba state slots (None without Mamba layers)."""
+        allocator = self.cache.host_state_allocator
+        return None if allocator is None else allocator.size
+
+    @property
+    def host_swa_tokens(self) -> int | None:
+        """Host sliding-window token slots (None without sliding-window layers)."""
+        allocator = self.cache.host_swa_allocator
+        return None if allocator is None else allocator.size
 
     def check_integrity(self) -> None:
         """Device pools and allocators (the system's check) plus both tiers of the cache."""
@@ -57,35 +88,92 @@ def build_tiers(
     params: TierParams | None = None,
     controller_params: ControllerParams | None = None,
 ) -> TieredSystem:
-    """Add a host tier of `host_tokens`, `host_ratio` x the device capacity, or `host_bytes`
-    (at most one; default ratio 2.0) and, with `storage_url` (`memory://...`, `file:///...`),
-    an L3 tier. Raises InvalidModel for a family other than mha and InvalidCapacity for more
-    than one size, before anything is allocated."""
-    if system.family != "mha" or not isinstance(system.kv_pool, MHAKVPool):
-        raise InvalidModel(f"tiers need a full-attention (mha) system, got {system.family!r}")
+    """Add a host tier of `host_tokens` (full-attention slots), `host_ratio` x each device
+    pool, or `host_bytes` in all (at most one; default ratio 2.0) and, with `storage_url`
+    (`memory://...`, `file:///...`), an L3 tier, for an mha, swa or mamba system whose tree is
+    still empty. Mutates `system.tree` (the cache attaches its host tier to it).
+
+    Raises InvalidCapacity for more than one size or a non-positive one and InvalidModel for a
+    system of another layout, before anything is allocated; HostPoolError (a mirror under one
+    page, more than the host holds) while allocating the mirrors; TiersUnsupported when the
+    hierarchical cache refuses the combination (its InvalidConfig), after
+    stopping the controller it started and before the tree is touched.
+    """
     sizes = [s for s in (host_tokens, host_ratio, host_bytes) if s is not None]
     if len(sizes) > 1:
         raise InvalidCapacity("give at most one of host_tokens, host_ratio, host_bytes")
     if any(s <= 0 for s in sizes):
         raise InvalidCapacity(f"the host size must be positive, got {sizes[0]}")
-    pool = system.kv_pool
-    layout = HostLayout.page_first
-    if host_tokens is not None:
-        host = MHAHostPool(pool, layout=layout, size=host_tokens)
-    elif host_bytes is not None:
-        host = MHAHostPool(pool, layout=layout, size_bytes=host_bytes)
-    else:
-        host = MHAHostPool(pool, layout=layout, ratio=host_ratio or 2.0)
+    devices = _device_pools(system)
+    full = devices["full"]
+    assert isinstance(full, MHAKVPool), "the full member is an MHA pool"
+    bytes_of = {name: _device_bytes(pool) for name, pool in devices.items()}
+    total_bytes = sum(bytes_of.values())
+    hosts: dict[str, AnyHostPool] = {}
+    for name, pool in devices.items():
+        # Exactly one of the three is set for each mirror (see the module docstring).
+        size: int | None = host_tokens if name == "full" else None
+        ratio: float | None = None
+        nbytes: int | None = None
+        if host_bytes is not None:
+            nbytes = host_bytes * bytes_of[name] // total_bytes
+        elif host_tokens is not None and name != "full":
+            ratio = host_tokens / full.size
+        elif host_tokens is None:
+            ratio = host_ratio or DEFAULT_HOST_RATIO
+        layout = HostLayout.page_first
+        if isinstance(pool, MambaPool):
+            hosts[name] = MambaHostPool(
+                pool, layout=layout, size=size, ratio=ratio, size_bytes=nbytes
+            )
+        else:
+            hosts[name] = MHAHostPool(
+                pool, layout=layout, size=size, ratio=ratio, size_bytes=nbytes
+            )
     storage = open_storage(storage_url) if storage_url else None
     controller = TierController(
-        PoolGroup(system.layers, {"full": host}), storage=storage, params=controller_params
+        PoolGroup(system.layers, hosts), storage=storage, params=controller_params
     )
-    cache = HierarchicalCache(
-        system.tree,
-        controller=controller,
-        host_allocator=host.make_allocator(),
-        params=params,
-    )
+    state_host, swa_host = hosts.get("mamba"), hosts.get("swa")
+    try:
+        cache = HierarchicalCache(
+            system.tree,
+            controller=controller,
+            host_allocator=hosts["full"].make_allocator(),
+            params=params,
+            host_state_allocator=None if state_host is None else state_host.make_allocator(),
+            host_swa_allocator=None if swa_host is None else swa_host.make_allocator(),
+        )
+    except InvalidConfig as exc:
+        controller.close()
+        raise TiersUnsupported(
+            f"the {system.family} family cannot have these tiers"
+            f"{' (storage)' if storage is not None else ''}: {exc}"
+        ) from exc
+    host_full = hosts["full"]
+    assert isinstance(host_full, MHAHostPool), "the full mirror is an MHAHostPool"
     return TieredSystem(
-        system=system, host_pool=host, controller=controller, cache=cache, storage=storage
+        system=system,
+        host_pool=host_full,
+        host_pools=hosts,
+        controller=controller,
+        cache=cache,
+        storage=storage,
     )
+
+
+def _device_pools(system: MemorySystem) -> dict[str, MHAKVPool | MambaPool]:
+    """The device pool of every pool group member, by member name. InvalidModel for a system
+    whose pools do not form one of the three layouts the hierarchical cache knows."""
+    pool = system.kv_pool
+    if isinstance(pool, SWAKVPool):
+        return {"full": pool.full_pool, "swa": pool.swa_pool}
+    if not isinstance(pool, MHAKVPool):
+        raise InvalidModel(f"tiers need an MHA or SWA KV pool, got {type(pool).__name__}")
+    if system.mamba_pool is not None:
+        return {"full": pool, "mamba": system.mamba_pool}
+    return {"full": pool}
+
+
+def _device_bytes(pool: MHAKVPool | MambaPool) -> int:
+    return sum(b.numel() * b.element_size() for b in pool.layer_buffers())

@@ -55,8 +55,11 @@ WRITE_POLICY_CHOICES: tuple[str, ...] = ("write_through", "write_through_selecti
 PREFETCH_POLICY_CHOICES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")
 
 #: Keys added to the `--json` record (after "tokens_per_s") when a host tier is configured.
+#: `host_state_slots` / `host_swa_tokens` are null for a family without Mamba / SWA layers.
 TIER_JSON_KEYS: tuple[str, ...] = (
     "host_tokens",
+    "host_state_slots",
+    "host_swa_tokens",
     "storage",
     "write_policy",
     "prefetch_policy",
@@ -114,14 +117,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     host.add_argument(
         "--host-ratio",
         type=float,
-        help="add a host tier of this many times the device capacity (mha only)",
+        help="add a host tier: a mirror of each device pool (KV, SWA, Mamba states) this many "
+        "times its size",
     )
-    host.add_argument("--host-bytes", type=int, help="add a host tier of this many bytes")
+    host.add_argument(
+        "--host-bytes",
+        type=int,
+        help="add a host tier of this many bytes in all, split between the mirrors like the "
+        "device pools",
+    )
     parser.add_argument(
         "--storage",
         metavar="URL",
         help="add a storage tier: memory://?capacity_bytes=N or file:///abs/dir (needs a host "
-        "tier; a host ratio of 2 is used when none is given)",
+        "tier; a host ratio of 2 is used when none is given; exit 2 with the reason where the "
+        "hierarchical cache refuses it)",
     )
     parser.add_argument(
         "--write-policy",
@@ -235,6 +245,8 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
     if tiers is not None:
         record.update(
             host_tokens=tiers.host_tokens,
+            host_state_slots=tiers.host_state_slots,
+            host_swa_tokens=tiers.host_swa_tokens,
             storage=args.storage,
             write_policy=args.write_policy,
             prefetch_policy=args.prefetch_policy,
@@ -251,6 +263,16 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
             err.print(f"[red]error:[/] cannot write {args.json}: {exc}", highlight=False)
             return 2
     return 0
+
+
+def _host_sizes(record: dict[str, object]) -> str:
+    """'N tokens' of the host KV mirror, plus the SWA mirror's tokens or the state slots."""
+    parts = [f"{record['host_tokens']:,} tokens"]
+    if record.get("host_swa_tokens") is not None:
+        parts.append(f"{record['host_swa_tokens']:,} SWA tokens")
+    if record.get("host_state_slots") is not None:
+        parts.append(f"{record['host_state_slots']:,} state slots")
+    return " + ".join(parts)
 
 
 def _tiered_keys() -> tuple[str, ...]:
@@ -350,7 +372,7 @@ def _summary_table(record: dict[str, object], stats: ReplayStats) -> Table:
             return f"{tokens:,} ({tokens / prompt:.2%})"
 
         rows += [
-            ("host tier", f"{record['host_tokens']:,} tokens, {record['write_policy']}"),
+            ("host tier", f"{_host_sizes(record)}, {record['write_policy']}"),
             ("storage", f"{record['storage'] or '-'} ({record['prefetch_policy']})"),
             (
                 "hits: device",

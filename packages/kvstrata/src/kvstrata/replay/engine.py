@@ -48,6 +48,7 @@ from kvstrata.replay.forward import StandInForward
 from kvstrata.replay.request import ReplayRequest
 from kvstrata.replay.stats import ReplayStats, TierStats
 from kvstrata.unified_radix_cache import EvictRequest, RadixKey
+from kvstrata.unified_radix_cache.paths import node_at
 
 #: What `run` calls every `progress_every` requests and at the end: requests done so far.
 ProgressCallback = Callable[[int], None]
@@ -98,8 +99,8 @@ class ReplayEngine:
     ) -> None:
         """`verify`: read back every hit before using it (ReplayOptionError unless the pools
         hold float32 or float64, which the default model configs do). `tiers`: a host tier (and
-        storage) over `system` (`kvstrata.build.build_tiers`): hits then come from every tier,
-        and evictions go through its write policy."""
+        storage) over `system`, of any family (`kvstrata.build.build_tiers`): hits then come
+        from every tier, and full-page evictions go through its write policy."""
         if tiers is not None and tiers.system is not system:
             raise ReplayOptionError("the tiers were built over another memory system")
         self.system = system
@@ -267,6 +268,13 @@ class ReplayEngine:
             self._ensure_state_slot()
             req.extend(kv[: usable - hit])
             tree.cache_unfinished_request(req)
+            if self.tiers is not None:
+                # The write policy sees the chunk too, so the state at its boundary can reach
+                # the host (a repeat's host hit ends there).
+                chunk = req.key[:usable]
+                node = node_at(tree, chunk)
+                if node is not None:
+                    self.tiers.cache.inserted(chunk, node)
             start = self._lap(start, forward=False)
             self.forward.write_state(tokens, stored, req.state_slot)
             start = self._lap(start, forward=True)
@@ -312,14 +320,23 @@ class ReplayEngine:
         if slots is not None:
             return slots
         swa = self.system.swa_allocator
-        if swa is not None:
-            targets = {
-                "full": max(0, need - swa.full_available_size()),
-                "swa": max(0, need - swa.swa_available_size()),
-            }
+        if swa is not None and self.tiers is not None:
+            # Device eviction frees full and SWA slots together, so the SWA shortfall is
+            # known only after it: full first (through the write policy, so write_back copies
+            # a leaf with its live window before it goes), then SWA alone.
+            self._evict({"full": max(0, need - swa.full_available_size())})
+            short = need - swa.swa_available_size()
+            if short > 0:
+                self._evict({"swa": short})
         else:
-            targets = {"full": need - allocator.available_size()}
-        self._evict(targets)
+            if swa is not None:
+                targets = {
+                    "full": max(0, need - swa.full_available_size()),
+                    "swa": max(0, need - swa.swa_available_size()),
+                }
+            else:
+                targets = {"full": need - allocator.available_size()}
+            self._evict(targets)
         slots = allocator.alloc(need)
         if slots is None:
             raise CapacityTooSmall(
@@ -354,8 +371,15 @@ class ReplayEngine:
         # Evicted tokens are read off FullComponent.evicted_total in step(): it also counts
         # the evictions the tree makes on its own (a Mamba copy-on-write making room).
         if self.tiers is not None:
-            # A Full-only system: the write policy decides what the device eviction backs up.
-            self.tiers.cache.evict_device(targets.get("full", 0))
+            # Full pages go through the write policy (which decides what the eviction backs
+            # up first); Mamba states and SWA slots are dropped by the tree, which keeps a
+            # node that has a host copy (its state or window is tombstoned on the device).
+            full = targets.get("full", 0)
+            if full > 0:
+                self.tiers.cache.evict_device(full)
+            rest = {name: n for name, n in targets.items() if name != "full" and n > 0}
+            if rest:
+                self.system.tree.evict(EvictRequest(targets=rest))
         else:
             self.system.tree.evict(EvictRequest(targets=targets))
         self.evict_calls += 1
