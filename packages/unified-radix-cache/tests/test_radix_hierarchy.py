@@ -237,14 +237,18 @@ def test_storage_faults_give_a_shorter_hit_never_wrong_kv(
         faults = h.cache.controller.metrics_reading().stats.storage_faults
         reason = {"corrupt": "corrupt", "stall": "timeout"}[fault]
         assert {r.value: n for r, n in faults.items()}[reason] >= 1, faults
+    if fault != "stall":
+        # Pages 0 and 1 come back, the chain ends at the faulty page 2.
+        assert got == 2 * P
     h.cache.check_integrity()
     m = h.cache.match_prefix(key)
-    if m.host_hit_len:
-        back = h.cache.load_back(m.host_node)
-        n = back.match.prefix_len
-        assert_pages_equal(
-            h.device_pool, back.match.device_indices, [e[:n] for e in expected], what=fault
-        )
+    assert m.device.prefix_len == 0 and m.host_hit_len == got
+    back = h.cache.load_back(m.host_node)
+    n = back.match.prefix_len
+    assert n == got and back.loaded_len == got
+    assert_pages_equal(
+        h.device_pool, back.match.device_indices, [e[:n] for e in expected], what=fault
+    )
 
 
 def test_rejects_hybrid_trees_and_mismatched_pages(closing: list[Hierarchy]) -> None:
@@ -294,6 +298,8 @@ def test_collector_reads_tier_counters(closing: list[Hierarchy]) -> None:
         > 0
     )
     assert get("kvstrata_tiered_cache_host_tokens", {**labels, "state": "evictable"}) == 4 * P
+    h.cache.counters.transfer_timeouts = 3
+    assert get("kvstrata_tiered_cache_transfer_timeouts_total", labels) == 3
 
 
 @pytest.mark.cuda

@@ -77,6 +77,7 @@ from kvstrata.unified_radix_cache.request import CacheRequest
 from kvstrata.unified_radix_cache.results import (
     EvictRequest,
     InsertResult,
+    MatchResult,
 )
 from kvstrata.unified_radix_cache.tier_core import (
     FULL,
@@ -87,6 +88,7 @@ from kvstrata.unified_radix_cache.tier_core import (
     PendingLoad,
     PendingPrefetch,
     PendingWrite,
+    prefix_len,
 )
 from kvstrata.unified_radix_cache.tier_loads import TierLoads
 from kvstrata.unified_radix_cache.tier_prefetch import TierPrefetches
@@ -223,6 +225,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         # state or window to fetch. An entry storage no longer holds costs one empty
         # prefetch, which drops it.
         self._stored_states: OrderedDict[bytes, None] = OrderedDict()
+        self._untaken_prefetches: OrderedDict[int, int] = OrderedDict()
         self.counters = TierCounters()
 
     def match_prefix(self, key: RadixKey, *, max_len: int | None = None) -> TieredMatch:
@@ -232,8 +235,11 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         hit counters (once per call); commits finished transfers first (`poll`). Under
         `write_through_selective` a device prefix matched for the second time and not on the
         host is queued for a host write. When storage is configured and at least
-        `prefetch_threshold` tokens lie beyond both hits, a prefetch of the pages after the host
-        prefix starts (`prefetch_id`; take it with `finish_prefetch`). Host indices stay valid
+        `prefetch_threshold` tokens lie beyond both hits, a prefetch of the pages beyond both
+        hits starts (`prefetch_id`; take it with `finish_prefetch`); host values are
+        prefix-closed, so when the host copy ends before the device hit (write_back,
+        write_through_selective) no prefetch starts: the device-only part is queued for a host
+        write instead and a later match prefetches. Host indices stay valid
         while `host_node` is host-locked (`load_back` locks it itself). Cost: one tree walk
         (+ page hashing when a prefetch starts).
         """
@@ -255,16 +261,33 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             end = len(key) if max_len is None else min(len(key), max(max_len, 0))
             end -= end % self.page_size
             if end - device.prefix_len - extra >= self.params.prefetch_threshold:
-                prefetch_id = self._start_prefetch(key, self.tier.host_prefix(host_node), end)
+                prefetch_id = self._prefetch_beyond(key, device, end)
         node = device.last_node
         if (
             self.params.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
             and device.prefix_len
             and node.host_value is None
             and node.hit_count >= 2
+            and not self._write_in_flight(node)
         ):
             self._write(key[: device.prefix_len], node)
         return TieredMatch(device, extra, host_indices, host_node, prefetch_id)
+
+    def _prefetch_beyond(self, key: RadixKey, device: MatchResult, end: int) -> int | None:
+        """Start a prefetch of key[max(device hit, host hit):end]. The pages it fetches extend
+        the host prefix, so when the host copy ends before the device hit the gap must reach
+        the host first: queue its write (unless one is in flight) and skip the prefetch
+        (counted in `prefetches_skipped`) rather than re-read pages the device holds; a later
+        match prefetches."""
+        last_host = device.last_host_node
+        anchor = self.tier.host_prefix(last_host if last_host is not None else device.last_node)
+        if prefix_len(anchor) >= device.prefix_len:
+            return self._start_prefetch(key, anchor, end)
+        self.counters.prefetches_skipped += 1
+        node = device.last_node
+        if not self._write_in_flight(node):
+            self._write(key[: device.prefix_len], node)
+        return None
 
     def begin_request(self, key: RadixKey, *, priority: int = 0) -> TieredRequest:
         """Start a request the way an engine without a layer-wise forward does: match at most
@@ -348,11 +371,14 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         leaves in the tree's policy order: a leaf with a host copy goes off the device and stays
         in the tree, one without leaves it. Under write_back each leaf is first written to the
         host (the eviction waits for the copy). Writes still in flight hold device locks, so
-        when short this waits for them and tries again. Returns the tokens freed."""
+        when short this waits for them and tries again. Never raises on a slow write: a write
+        not acknowledged within `transfer_timeout_s` stays in flight (its late ack commits at
+        `poll`), its source stays on the device, and the eviction returns what it freed so
+        far (under write_back it stops at that leaf: an unsaved leaf is never dropped instead).
+        Returns the tokens freed."""
         self.poll()
         freed = self._evict_device_once(num_tokens)
-        if freed < num_tokens and any(isinstance(p, PendingWrite) for p in self._pending.values()):
-            self.drain(OpKind.WRITE)
+        if freed < num_tokens and self._wait_writes():
             freed += self._evict_device_once(num_tokens - freed)
         return freed
 
@@ -372,8 +398,12 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
                 began = time.perf_counter()
                 ack = self.controller.wait(op_id, self.params.transfer_timeout_s)
                 self.counters.transfer_wait_seconds += time.perf_counter() - began
-                if ack is not None:
-                    self._on_ack(ack)
+                if ack is None:
+                    # Still in flight: the leaf stays device-locked, and evicting on would
+                    # drop the next leaf unsaved. Its late ack commits at `poll`.
+                    self.counters.transfer_timeouts += 1
+                    break
+                self._on_ack(ack)
             # The write unlocked the leaf again, with its old policy key: it is the heap top.
             got = tree.evict(EvictRequest.full(min(num_tokens - freed, len(node.value))))
             if got.num_evicted() == 0:
@@ -392,7 +422,9 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             self._on_ack(ack)
 
     def drain(self, kind: OpKind | None = None) -> None:
-        """Wait for every transfer in flight (of `kind`, or all) and commit it."""
+        """Wait for every transfer in flight (of `kind`, or all) and commit it. Raises
+        TimeoutError when one is not acknowledged within `transfer_timeout_s` (it stays in
+        flight, its locks held, and a later `poll` or `drain` commits it)."""
         kinds = {
             OpKind.WRITE: PendingWrite,
             OpKind.BACKUP: PendingBackup,
@@ -456,9 +488,10 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         """Both tiers of the one tree: device free + evictable + protected + `held` (+ the
         slots of loads in flight) == device capacity; host free + evictable + protected + in
         flight == host capacity; both tiers prefix-closed, off-device nodes carry a host value;
-        device and host lock counts equal their receipts, and every host lock belongs to a
-        transfer in flight; the host allocator and the controller's bookkeeping. Raises
-        IntegrityError. O(nodes)."""
+        device and host lock counts equal their receipts, and every host receipt is the one a
+        transfer in flight holds (by id); no host page, host state or host SWA slot is held
+        twice (nodes and transfers); the host allocator and the controller's bookkeeping.
+        Raises IntegrityError. O(nodes + host slots log host slots)."""
         device_held = dict(held or {})
         loading = sum(
             len(p.device_slots) for p in self._pending.values() if isinstance(p, PendingLoad)
@@ -503,3 +536,4 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
                 f"the host tier has {self.tier.num_locked} locks, but {len(self._pending)} "
                 "transfers are in flight (each holds exactly one)"
             )
+        self._check_pending()

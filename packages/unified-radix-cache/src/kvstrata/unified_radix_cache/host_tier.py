@@ -389,6 +389,10 @@ class HostTier(HostWalks):
     def num_locked(self) -> int:
         return len(self._receipts)
 
+    def receipt_ids(self) -> frozenset[int]:
+        """Ids of the outstanding host receipts (for integrity checks of their holders)."""
+        return frozenset(self._receipts)
+
     def _check_in_tree(self, node: TreeNode) -> None:
         probe = node
         while probe.parent is not None:

@@ -51,12 +51,15 @@ class HostWalks:
         *,
         count: bool = True,
         copy_state: bool = False,
+        touch: bool = True,
     ) -> MatchResult:
         """The device hit of `data[:end]` and the host hit beyond it. Splits the node where the
         match ends; touches the matched nodes (both heaps re-keyed). With `count`, adds the hits
         to the tree's hit counters (the tree counted the query). Mamba trees: both hits end
         where a state is restorable (device state / host state); with `copy_state` the device
-        state is copied into a slot the caller owns (`states["mamba"]`). O(K + depth)."""
+        state is copied into a slot the caller owns (`states["mamba"]`). Without `touch`
+        (a re-match of a key already matched) no access time, hit count or heap key changes,
+        so a request counts one hit per node. O(K + depth)."""
         tree = self.tree
         page_bytes = self._page_bytes
         path: list[TreeNode] = []
@@ -80,20 +83,14 @@ class HostWalks:
         while on_device < len(path) and len(path[on_device].value):
             on_device += 1
         if self._mamba is not None:
-            return self._match_mamba(self._mamba, path, on_device, count, copy_state)
+            return self._match_mamba(self._mamba, path, on_device, count, copy_state, touch)
         if self._swa is not None:
-            return self._match_swa(self._swa, path, on_device, count)
-        tick = tree.next_tick()
-        for item in path:
-            item.last_access = tick
-            item.hit_count += 1
+            return self._match_swa(self._swa, path, on_device, count, touch)
         device_nodes, host_nodes = path[:on_device], path[on_device:]
         last = device_nodes[-1] if device_nodes else tree.root
         last_host = host_nodes[-1] if host_nodes else None
-        if last in self._device_heap:
-            self._device_heap.push(last)  # re-key for the new access time
-        if last_host is not None and last_host in self.heap:
-            self.heap.push(last_host)
+        if touch:
+            self._touch(path, last, last_host)
         device_len = sum(len(n.value) for n in device_nodes)
         host_len = sum(n.num_tokens for n in host_nodes)
         if count:
@@ -109,6 +106,7 @@ class HostWalks:
         on_device: int,
         count: bool,
         copy_state: bool,
+        touch: bool,
     ) -> MatchResult:
         """`match` of a Full + Mamba tree: the device hit ends at the last on-device node with
         a device state, the host hit at the last node after it with a host state."""
@@ -131,16 +129,10 @@ class HostWalks:
         last_host = host_nodes[-1] if host_nodes else None
         # Raises (StateSlotsExhausted) before the match changes anything else.
         copied = mamba.finalize_match(last, copy_state)
-        tick = tree.next_tick()
-        for item in path:
-            item.last_access = tick
-            item.hit_count += 1
-        for item in device_nodes:
-            mamba.on_access(item)
-        if last in self._device_heap:
-            self._device_heap.push(last)
-        if last_host is not None and last_host in self.heap:
-            self.heap.push(last_host)
+        if touch:
+            for item in device_nodes:
+                mamba.on_access(item)
+            self._touch(path, last, last_host)
         device_len = sum(len(n.value) for n in device_nodes)
         host_len = sum(n.num_tokens for n in host_nodes)
         if count:
@@ -153,7 +145,7 @@ class HostWalks:
         )
 
     def _match_swa(
-        self, swa: SWAComponent, path: list[TreeNode], on_device: int, count: bool
+        self, swa: SWAComponent, path: list[TreeNode], on_device: int, count: bool, touch: bool
     ) -> MatchResult:
         """`match` of a Full + SWA tree: the device hit ends where the SWA rule says, the host
         hit at the last node (with a host value) whose window is restorable."""
@@ -167,16 +159,10 @@ class HostWalks:
         device_nodes, host_nodes = path[:device_end], path[device_end:host_end]
         last = device_nodes[-1] if device_nodes else tree.root
         last_host = host_nodes[-1] if host_nodes else None
-        tick = tree.next_tick()
-        for item in path:
-            item.last_access = tick
-            item.hit_count += 1
-        for item in path[:on_device]:
-            swa.on_access(item)
-        if last in self._device_heap:
-            self._device_heap.push(last)
-        if last_host is not None and last_host in self.heap:
-            self.heap.push(last_host)
+        if touch:
+            for item in path[:on_device]:
+                swa.on_access(item)
+            self._touch(path, last, last_host)
         device_len = sum(len(n.value) for n in device_nodes)
         host_len = sum(n.num_tokens for n in host_nodes)
         if count:
@@ -184,6 +170,18 @@ class HostWalks:
             tree.host_hit_tokens += host_len
         slots = np.concatenate([n.value for n in device_nodes]) if device_nodes else _NO_SLOTS
         return MatchResult(device_len, self._full.to_device(slots), last, host_len, last_host)
+
+    def _touch(self, path: list[TreeNode], last: TreeNode, last_host: TreeNode | None) -> None:
+        """A counted access of the matched `path`: new access time and one more hit on each
+        node, the device and host heaps re-keyed for the new time."""
+        tick = self.tree.next_tick()
+        for item in path:
+            item.last_access = tick
+            item.hit_count += 1
+        if last in self._device_heap:
+            self._device_heap.push(last)
+        if last_host is not None and last_host in self.heap:
+            self.heap.push(last_host)
 
     def window_restorable(self, node: TreeNode) -> bool:
         """SWA trees: whether the sliding window before the end of `node` can be restored:
@@ -201,14 +199,15 @@ class HostWalks:
         return True
 
     def match_key(self, key: RadixKey, max_len: int | None = None) -> MatchResult:
-        """`match` of at most `max_len` whole pages of `key` without touching any counter
-        (for a cache re-matching a key it already counted)."""
+        """`match` of at most `max_len` whole pages of `key` without touching any counter, access
+        time or hit count (for a cache re-matching a key it already counted). Still splits the
+        node where the match ends."""
         data = key.cached_bytes or key.token_bytes()
         end = len(data) if max_len is None else min(len(data), max(max_len, 0) * TOKEN_BYTES)
         end -= end % self._page_bytes
         if end == 0 or self.tree.disabled:
             return MatchResult(0, self._full.to_device(_NO_SLOTS), self.tree.root)
-        return self.match(key, data, end, count=False)
+        return self.match(key, data, end, count=False, touch=False)
 
     def insert(
         self,

@@ -20,6 +20,8 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvstrata.hybrid_cache import (
@@ -31,6 +33,7 @@ from kvstrata.storage.keys import PageKeyer
 from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.components.mamba import MambaComponent
 from kvstrata.unified_radix_cache.components.swa import SWAComponent
+from kvstrata.unified_radix_cache.errors import IntegrityError
 from kvstrata.unified_radix_cache.events import KVEvent
 from kvstrata.unified_radix_cache.host_tier import HostReceipt, HostTier
 from kvstrata.unified_radix_cache.key import RadixKey
@@ -50,6 +53,9 @@ FULL = "full"
 MAMBA = "mamba"
 SWA = "swa"
 NO_SLOTS = torch.empty(0, dtype=torch.int64)
+# Bound on the finished-but-not-taken prefetch records (an engine that drops a prefetch id
+# without finish_prefetch must not grow them forever).
+UNTAKEN_PREFETCHES = 1024
 
 
 @dataclass(kw_only=True, eq=False)
@@ -85,6 +91,7 @@ class PendingPrefetch:
     host_state: int | None = None  # Mamba: host state slot of the key's end, until committed
     state_key: bytes | None = None  # Mamba: the page key whose stored state is fetched
     stopped: bool = False  # finish_prefetch stopped it (a short ack is then no miss)
+    taken: bool = False  # finish_prefetch was called for it (no record kept at its ack)
     host_swa: torch.Tensor | None = None  # SWA: host SWA slots of key[swa_from:], until committed
     swa_from: int = 0  # SWA: where the window fetched with the pages starts
     swa_keys: tuple[bytes, ...] = ()  # SWA: the page keys whose stored SWA pages are fetched
@@ -141,6 +148,9 @@ class TierCore(ABC):
     _pending: dict[int, Pending]
     _events: list[KVEvent]
     _stored_states: OrderedDict[bytes, None]
+    # Prefetches a poll committed before their finish_prefetch: op id -> tokens committed,
+    # oldest first, at most UNTAKEN_PREFETCHES (dropped when finish_prefetch takes them).
+    _untaken_prefetches: OrderedDict[int, int]
 
     @abstractmethod
     def evict_device(self, num_tokens: int) -> int:
@@ -149,6 +159,47 @@ class TierCore(ABC):
     @abstractmethod
     def _on_ack(self, ack: Ack) -> None:
         """Commit one acknowledgement (see `HierarchicalCache._on_ack`)."""
+
+    def _check_pending(self) -> None:
+        """The pending records hold exactly the host tier's outstanding receipts (by id), and
+        no host page slot, host state slot or host SWA slot is held twice: node host values
+        plus what transfers hold outside the tree (a write's slots, a prefetch's uncommitted
+        ones). Raises IntegrityError. O(nodes + slots log slots)."""
+        held = sorted(p.host_receipt.receipt_id for p in self._pending.values())
+        outstanding = sorted(self.tier.receipt_ids())
+        if held != outstanding:
+            raise IntegrityError(
+                f"pending transfers hold host receipts {held}, the host tier has {outstanding}"
+            )
+        pages: list[npt.NDArray[np.int64]] = []
+        states: list[int] = []
+        swa: list[npt.NDArray[np.int64]] = []
+        for node in self.device_tree.iter_nodes():
+            if node.host_value is not None:
+                pages.append(node.host_value)
+            if node.host_state is not None:
+                states.append(node.host_state)
+            if node.host_swa is not None:
+                swa.append(node.host_swa)
+        for p in self._pending.values():
+            if isinstance(p, PendingWrite):
+                pages.append(p.host_slots.numpy())
+                if p.host_state is not None:
+                    states.extend(int(s) for s in p.host_state.tolist())
+            elif isinstance(p, PendingPrefetch):
+                pages.append(p.host_slots[p.committed :].numpy())
+                if p.host_state is not None:
+                    states.append(p.host_state)
+            else:
+                continue
+            if p.host_swa is not None:
+                swa.append(p.host_swa.numpy())
+        for name, parts in (("host page", pages), ("host SWA", swa)):
+            slots = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+            if len(np.unique(slots)) != len(slots):
+                raise IntegrityError(f"a {name} slot is held twice (nodes and transfers)")
+        if len(set(states)) != len(states):
+            raise IntegrityError("a host state slot is held twice (nodes and transfers)")
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least `num_tokens` host tokens (or all that may go), in the host policy's

@@ -72,8 +72,18 @@ class TierLoads(TierCore):
             return self._done_load(LoadBack(0, device))
         device_receipt = tree.lock(anchor)
         host_receipt = self.tier.lock(node)
-        slots = self._alloc_device(end - start) if end > start else NO_SLOTS
-        state = self._alloc_device_state() if host_state is not None else None
+        slots: torch.Tensor | None = None
+        state: torch.Tensor | None = None
+        try:
+            slots = self._alloc_device(end - start) if end > start else NO_SLOTS
+            state = self._alloc_device_state() if host_state is not None else None
+        except BaseException:
+            # Nothing is in flight yet: release what this call took before re-raising.
+            if slots is not None and len(slots):
+                self._device_full.give_back(slots)
+            self.tier.unlock(host_receipt)
+            tree.unlock(device_receipt)
+            raise
         handle = None
         if slots is not None and (host_state is None or state is not None):
             moves: dict[str, PageMove] = {}
@@ -157,7 +167,8 @@ class TierLoads(TierCore):
         result = load.wait(self.params.transfer_timeout_s)
         if result is not None:
             return result
-        self.counters.failed_ops += 1
+        # Still in flight, not failed: its late ack commits it (or counts it in failed_ops).
+        self.counters.transfer_timeouts += 1
         device = self.tier.match_key(key_of(self.device_tree, node))
         return LoadBack(0, device)
 

@@ -25,7 +25,8 @@ class TierCacheCollector(Collector):
       (device -> host), `backed_up_tokens_total` (host -> storage), `host_evicted_tokens_total`;
     - `transfer_bytes_total{direction}`: d2h, h2d, storage_get, storage_set;
     - `failed_transfers_total`, `short_prefetches_total`, `prefetches_total{outcome}` (started,
-      skipped), `load_backs_refused_total`, `transfer_wait_seconds_total`;
+      skipped), `load_backs_refused_total`, `transfer_timeouts_total`,
+      `transfer_wait_seconds_total`;
     - `host_tokens{state}` (free, evictable, protected), `transfers_in_flight`;
     - Mamba models: `host_states{state}` (free, held: host state slots on nodes);
     - SWA models: `host_swa_tokens{state}` (free, held: host SWA token slots on nodes).
@@ -98,6 +99,11 @@ class TierCacheCollector(Collector):
         )
         yield self._counter(
             "load_backs_refused", "Load-backs without device room.", c.load_backs_refused
+        )
+        yield self._counter(
+            "transfer_timeouts",
+            "Waits that gave up on a transfer not acknowledged in time.",
+            c.transfer_timeouts,
         )
         yield self._counter(
             "transfer_wait_seconds", "Time callers waited for transfers.", c.transfer_wait_seconds

@@ -29,6 +29,7 @@ from kvstrata.unified_radix_cache.tier_core import (
     FULL,
     MAMBA,
     SWA,
+    UNTAKEN_PREFETCHES,
     PendingPrefetch,
     TierCore,
     prefix_len,
@@ -42,10 +43,18 @@ class TierPrefetches(TierCore):
         """Wait for prefetch `op_id` as its policy says (wait_complete: its ack; timeout: up to
         the allowance; best_effort: not at all), stop it, and commit the pages that arrived to
         the host tier. Returns the tokens committed now (more may be committed by a later
-        `poll` when the ack reports pages that were still landing). Re-match afterwards."""
+        `poll` when the ack reports pages that were still landing); when a `poll` (e.g. in
+        another call's `match_prefix`, `evict_device` or `start_load_back`) already committed
+        the whole prefetch, the tokens that commit added (the record is dropped: a second call
+        raises; the newest `UNTAKEN_PREFETCHES` such records are kept). Raises ForeignNode for
+        an id that is neither in flight nor such a record. Re-match afterwards."""
+        done = self._untaken_prefetches.pop(op_id, None)
+        if done is not None:
+            return done
         pending = self._pending.get(op_id)
         if not isinstance(pending, PendingPrefetch):
             raise ForeignNode(f"op {op_id} is not a prefetch of this cache in flight")
+        pending.taken = True
         policy = self.params.prefetch_policy
         start = time.perf_counter()
         ack: Ack | None = None
@@ -58,7 +67,7 @@ class TierPrefetches(TierCore):
         if ack is not None:
             before = pending.committed
             self._on_ack(ack)
-            return self._prefetched_tokens(ack) - before
+            return pending.committed - before
         pending.stopped = True
         progress = self.controller.stop_prefetch(op_id)
         ready = progress.num_pages_ready * self.page_size
@@ -237,6 +246,12 @@ class TierPrefetches(TierCore):
             self.counters.short_prefetches += 1
         if done > pending.committed:
             self._commit_prefetch(pending, done)
+        if not pending.taken:
+            # Committed by a poll before its finish_prefetch: keep the count for it.
+            untaken = self._untaken_prefetches
+            untaken[ack.op_id] = pending.committed
+            while len(untaken) > UNTAKEN_PREFETCHES:
+                untaken.popitem(last=False)
         rest = pending.host_slots[max(done, pending.committed) :]
         if len(rest):
             self.host_allocator.free(rest)

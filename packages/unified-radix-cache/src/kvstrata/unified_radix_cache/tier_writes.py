@@ -10,6 +10,8 @@ nodes and remembers the stored state keys a prefetch may fetch.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvstrata.hybrid_cache import (
@@ -105,6 +107,36 @@ class TierWrites(TierCore):
             swa_ranges=swa_ranges,
         )
         return op_id
+
+    def _write_in_flight(self, node: TreeNode) -> bool:
+        """Whether a write in flight covers `node` (its source reaches through it)."""
+        for pending in self._pending.values():
+            if isinstance(pending, PendingWrite):
+                probe: TreeNode | None = pending.device_receipt.anchor
+                while probe is not None:
+                    if probe is node:
+                        return True
+                    probe = probe.parent
+        return False
+
+    def _wait_writes(self) -> bool:
+        """Wait for the writes in flight (each up to `transfer_timeout_s`) and commit them,
+        stopping (the rest left in flight) at the first one not acknowledged in time. Returns
+        whether any write committed (so a retry of the eviction may free more)."""
+        acked = False
+        began = time.perf_counter()
+        while True:
+            op_id = next((i for i, p in self._pending.items() if isinstance(p, PendingWrite)), None)
+            if op_id is None:
+                break
+            ack = self.controller.wait(op_id, self.params.transfer_timeout_s)
+            if ack is None:
+                self.counters.transfer_timeouts += 1
+                break
+            self._on_ack(ack)
+            acked = True
+        self.counters.transfer_wait_seconds += time.perf_counter() - began
+        return acked
 
     def _window_ranges(self, node: TreeNode, end: int) -> tuple[tuple[int, int], ...]:
         """SWA: the key ranges (node runs, ascending) of the last sliding window before `end`
@@ -243,7 +275,10 @@ class TierWrites(TierCore):
         if done:
             stored_states = [i for i in pending.state_pages if i < done]
             stored_swa = [i for i in pending.swa_pages if i < done]
-            for i in stored_states + stored_swa:
+            # Only the last window before `done` makes a stored prefix's window restorable:
+            # SWA pages further back name no prefix a prefetch could end at.
+            window_from = done - self._window_pages() if self._swa is not None else done
+            for i in stored_states + [i for i in stored_swa if i >= window_from]:
                 self._know_stored_state(pending.keys[i])
             self.counters.backed_up_tokens += (done - fresh) * self.page_size
             self.counters.bytes_storage_set += (

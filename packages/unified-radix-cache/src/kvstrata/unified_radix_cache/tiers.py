@@ -193,5 +193,8 @@ class TierCounters:
     """Prefetches not started: host share or host room exhausted."""
     load_backs_refused: int = 0
     """Load-backs that found no device room: the request proceeded with the device hit."""
+    transfer_timeouts: int = 0
+    """Waits that gave up on a transfer not acknowledged within `transfer_timeout_s` (the
+    transfer stays in flight; its late ack still commits, or counts in failed_ops if failed)."""
     transfer_wait_seconds: float = 0.0
     """Time callers waited for transfers (load-backs, prefetches, write-back evictions)."""
