@@ -237,28 +237,16 @@ class HostTier(HostWalks):
         new = new_slots.numpy()
         base = end // TOKEN_BYTES - len(new)
         used = np.zeros(len(new), dtype=bool)
-        page_bytes = self._page_bytes
         tick = tree.next_tick()
         pos = 0
         node = tree.root
-        child = node.children.get((key.namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            step = len(ck)
-            if pos + step <= end and data.startswith(ck, pos):
-                node = child
-            else:
-                step = tree.common_bytes(ck, data, pos, end)
-                node = tree.split_node(child, step // TOKEN_BYTES)
+        for node in tree.walk(key.namespace, data, end):
             if node.host_value is None:
                 lo = pos // TOKEN_BYTES - base
                 assert lo >= 0, f"host commit: node {node.id} lacks a host copy inside the prefix"
                 self._set_host(node, new[lo : lo + node.num_tokens].copy())
                 used[lo : lo + node.num_tokens] = True
-            pos += step
-            if pos >= end or node is not child:
-                break
-            child = node.children.get(data[pos : pos + page_bytes])
+            pos += len(node.key)
         if pos < end:
             lo = pos // TOKEN_BYTES - base
             self.heap.discard(node)  # an off-device node that gets a child is no candidate

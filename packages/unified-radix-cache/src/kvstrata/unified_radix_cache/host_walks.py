@@ -61,24 +61,7 @@ class HostWalks:
         (a re-match of a key already matched) no access time, hit count or heap key changes,
         so a request counts one hit per node. O(K + depth)."""
         tree = self.tree
-        page_bytes = self._page_bytes
-        path: list[TreeNode] = []
-        pos = 0
-        node = tree.root
-        child = node.children.get((key.namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            step = len(ck)
-            if pos + step <= end and data.startswith(ck, pos):
-                node = child
-            else:
-                step = tree.common_bytes(ck, data, pos, end)
-                node = tree.split_node(child, step // TOKEN_BYTES)
-            path.append(node)
-            pos += step
-            if pos >= end or node is not child:
-                break
-            child = node.children.get(data[pos : pos + page_bytes])
+        path = tree.walk(key.namespace, data, end)
         on_device = 0
         while on_device < len(path) and len(path[on_device].value):
             on_device += 1

@@ -293,24 +293,7 @@ class UnifiedRadixCache:
         return MatchResult(prefix_len, self._full.to_device(slots), node)
 
     def _match_hybrid(self, key: RadixKey, data: bytes, end: int, copy_state: bool) -> MatchResult:
-        page_bytes = self._page_bytes
-        path: list[TreeNode] = []
-        pos = 0
-        node = self._root
-        child = node.children.get((key.namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            step = len(ck)
-            if pos + step <= end and data.startswith(ck, pos):
-                node = child
-            else:
-                step = self._common_bytes(ck, data, pos, end)
-                node = self.split_node(child, step // TOKEN_BYTES)
-            path.append(node)
-            pos += step
-            if pos >= end or node is not child:
-                break
-            child = node.children.get(data[pos : pos + page_bytes])
+        path = self.walk(key.namespace, data, end)
         keep = len(path)
         for component in self._extras:
             keep = min(keep, component.match_end(path))
@@ -726,6 +709,31 @@ class UnifiedRadixCache:
     def common_bytes(self, ck: bytes, data: bytes, pos: int, end: int) -> int:
         """Whole-page bytes of node key `ck` equal to `data[pos:end]` (first page equal)."""
         return self._common_bytes(ck, data, pos, end)
+
+    def walk(self, namespace: Namespace | None, data: bytes, end: int) -> list[TreeNode]:
+        """The nodes matching `data[:end]` (whole pages of token bytes) from the root, the last
+        one split where the match ends inside it, so the path covers exactly the matched
+        prefix. Mutates only by that split (sizes and locks unchanged). The walk of the hybrid
+        and hierarchical paths; the Full-only fast paths inline it. O(K + depth)."""
+        page_bytes = self._page_bytes
+        path: list[TreeNode] = []
+        pos = 0
+        node = self._root
+        child = node.children.get((namespace, data[:page_bytes]))
+        while child is not None:
+            ck = child.key
+            step = len(ck)
+            if pos + step <= end and data.startswith(ck, pos):
+                node = child
+            else:
+                step = self._common_bytes(ck, data, pos, end)
+                node = self.split_node(child, step // TOKEN_BYTES)
+            path.append(node)
+            pos += step
+            if pos >= end or node is not child:
+                break
+            child = node.children.get(data[pos : pos + page_bytes])
+        return path
 
     def add_leaf(
         self,
