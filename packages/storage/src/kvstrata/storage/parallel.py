@@ -15,6 +15,7 @@ call returns.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -54,17 +55,28 @@ class BatchRunner:
             for lo, hi in ranges:
                 task(lo, hi)
             return
+        futures: list[Future[None]] = []
         with self._lock:  # so a concurrent close() cannot shut the pool between the two
-            if self._pool is None:
-                # The caller runs one range itself, so threads - 1 workers are enough.
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self.threads - 1, thread_name_prefix=self._name
-                )
-            futures: list[Future[None]] = [self._pool.submit(task, lo, hi) for lo, hi in ranges[1:]]
+            try:
+                if sys.is_finalizing():
+                    raise RuntimeError("interpreter shutdown")
+                if self._pool is None:
+                    # The caller runs one range itself, so threads - 1 workers are enough.
+                    self._pool = ThreadPoolExecutor(
+                        max_workers=self.threads - 1, thread_name_prefix=self._name
+                    )
+                for lo, hi in ranges[1:]:
+                    futures.append(self._pool.submit(task, lo, hi))
+            except RuntimeError:
+                # "cannot schedule new futures after (interpreter) shutdown": an atexit
+                # handler's batch still runs, in this thread.
+                pass
+        inline = [ranges[0], *ranges[1 + len(futures) :]]
         try:
-            task(*ranges[0])
+            for lo, hi in inline:
+                task(lo, hi)
         finally:
-            wait(futures)  # even when range 0 raised: no range outlives the call
+            wait(futures)  # even when a range of ours raised: no range outlives the call
         for future in futures:
             future.result()  # re-raises the first failed range's exception
 
