@@ -3,6 +3,7 @@ interpreter shutdown, concurrent batches at a tight capacity, readers racing wri
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -197,10 +198,13 @@ def test_a_corrupt_page_replaced_by_a_valid_one_is_not_forgotten(
 def test_a_nowait_read_that_stops_at_the_payload_end_still_catches_a_long_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Pages whose file ends on a memory-page boundary: a nowait read that stops there may have
+    # stopped where the page cache ran out, so only one more read can tell a long file.
+    size = 2 * mmap.PAGESIZE - file_module.HEADER_BYTES
     storage = FileStorage(tmp_path, capacity_bytes=1 << 22, io_threads=4)
     storage._nowait = True  # the kernel is faked below
     keys = [b"a", b"b"]
-    assert all(storage.batch_set(keys, pages(keys)))
+    assert all(storage.batch_set(keys, [page_payload(k, size) for k in keys]))
     with open(storage._page_path(b"a"), "ab") as f:
         f.write(b"x")  # one byte more than its header says
     real_preadv = os.preadv
@@ -208,17 +212,47 @@ def test_a_nowait_read_that_stops_at_the_payload_end_still_catches_a_long_file(
     def cache_ends_at_the_payload(
         fd: int, buffers: list[memoryview], offset: int, flags: int = 0
     ) -> int:
-        if flags and len(buffers) > 1:  # the cache holds the payload, not the byte after
+        if flags and len(buffers) > 1:  # the cache holds the payload, not the page after
             return real_preadv(fd, buffers[:1], offset, flags)
         return real_preadv(fd, buffers, offset, flags)
 
     monkeypatch.setattr(os, "preadv", cache_ends_at_the_payload)
-    outs = [bytearray(SIZE) for _ in keys]
+    outs = [bytearray(size) for _ in keys]
     assert storage.batch_get(keys, outs) == [False, True]
     monkeypatch.undo()
+    assert outs[1] == page_payload(b"b", size)
     assert storage.stats().corrupt_pages == 1
     assert storage.lru_keys() == [b"b"]
     storage.check_integrity()
+
+
+def test_a_warm_nowait_read_of_a_page_ending_off_a_boundary_is_one_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SIZE + header ends inside a memory page, so the short read is end of file: no probe.
+    assert (file_module.HEADER_BYTES + SIZE) % mmap.PAGESIZE
+    storage = FileStorage(tmp_path, capacity_bytes=1 << 22, io_threads=4)
+    if not storage._nowait:
+        pytest.skip("this file system refuses RWF_NOWAIT reads (e.g. tmpfs)")
+    keys = [b"a", b"b"]
+    assert all(storage.batch_set(keys, pages(keys)))
+    with open(storage._page_path(b"a"), "ab") as f:
+        f.write(b"x")  # a long file is still caught by the spare byte of the same read
+    real_preadv = os.preadv
+    payload_reads: list[int] = []
+
+    def count(fd: int, buffers: list[memoryview], offset: int, flags: int = 0) -> int:
+        if offset >= file_module.HEADER_BYTES:
+            payload_reads.append(offset)
+        return real_preadv(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(os, "preadv", count)
+    outs = [bytearray(SIZE) for _ in keys]
+    assert storage.batch_get(keys, outs) == [False, True]
+    monkeypatch.undo()
+    assert len(payload_reads) == 2  # one payload read per page, no end-of-file probe
+    assert outs[1] == page_payload(b"b", SIZE)
+    assert storage.stats().corrupt_pages == 1
 
 
 def test_a_delete_between_a_pages_rename_and_its_indexing_leaves_no_stale_entry(

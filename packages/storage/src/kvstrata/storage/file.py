@@ -36,6 +36,7 @@ import errno
 import hashlib
 import itertools
 import logging
+import mmap
 import os
 import threading
 import time
@@ -875,6 +876,8 @@ _RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 #: What a read with _RWF_NOWAIT raises when it would wait, or when the file system or kernel
 #: does not support the flag: either way, the page takes the blocking path.
 _WOULD_WAIT = frozenset((errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL))
+#: The granularity at which the page cache holds file data (a nowait read stops only there).
+_MEMORY_PAGE = mmap.PAGESIZE
 
 
 def _pread_nowait(fd: int, size: int) -> bytes | None:
@@ -906,9 +909,13 @@ def _read_payload(
             n = os.preadv(probe.fd, [view[done:], spare], HEADER_BYTES + done, flags)
             if n == 0:
                 return False  # shorter than its header says: truncated
-            # A blocking read stops short of the spare byte only at end of file; a nowait
-            # read may stop anywhere (at what the page cache holds), so it proves nothing.
-            spare_tried = not flags or n > end - done
+            # A blocking read stops short of the spare byte only at end of file. A nowait read
+            # also stops where the page cache runs out, which is always a memory-page
+            # boundary: stopping anywhere else is end of file too. Only a stop exactly on a
+            # boundary is ambiguous and costs the probe below (a file ends on one only when
+            # header + payload is a multiple of the page size).
+            off_boundary = (HEADER_BYTES + done + n) % _MEMORY_PAGE != 0
+            spare_tried = not flags or n > end - done or off_boundary
             done += n
         if done > end:
             return False  # longer than its header says
