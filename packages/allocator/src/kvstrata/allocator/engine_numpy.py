@@ -6,8 +6,9 @@ costs ~1-2 us against ~3-5 us for torch, and numpy's gathers and scatters of 16k
 (`Tensor.numpy()` in, `torch.from_numpy` out). Each call below is written to spend as few
 numpy calls as possible: they, not the bytes, are the cost at these sizes. The decode round
 (`alloc_decode`, and `free_tokens` of a decode batch's output) goes further: straight-line
-code with every temporary in a preallocated `Scratch`, because there each call typically runs
-with cold caches (3-10 us a call, tens of us for the first `malloc`).
+code with every temporary in a preallocated `Scratch` and the output cut from an `OutputSlab`
+(see `scratch.py`), because there each call typically runs with cold caches (3-10 us a call,
+tens of us for the first `malloc`).
 
 One int32 array, `_marks`, does two jobs:
 
@@ -45,6 +46,7 @@ from kvstrata.allocator.engine import (
     sample,
 )
 from kvstrata.allocator.errors import IntegrityError, InvalidRequest
+from kvstrata.allocator.scratch import OutputSlab, Scratch
 
 __all__ = ["NumpyPageEngine"]
 
@@ -79,45 +81,6 @@ def _native(value: torch.Tensor, name: str) -> Ints:
     return as_index_tensor(value, name).to(device="cpu", dtype=torch.int64).numpy()
 
 
-class Scratch:
-    """Preallocated work arrays for the hot paths, so that a decode round allocates nothing but
-    its output: after the caller has freed large arrays, the first `malloc` of a round can cost
-    tens of microseconds, and numpy's temporaries would each pay part of that.
-
-    `fit(n)` makes `a`, `b` (int64), `m32` (int32), `opens`, `bad`, `mis` (bool) views of `n`
-    entries into buffers that only grow. Their contents are garbage between calls, and nothing
-    handed to a caller may alias them.
-    """
-
-    __slots__ = ("_buffers", "a", "b", "bad", "m32", "mis", "n", "opens")
-
-    def __init__(self) -> None:
-        self.n = -1
-        self._buffers: tuple[Ints, Ints, npt.NDArray[np.int32], Bools, Bools, Bools] = self._make(0)
-        self.a, self.b, self.m32, self.opens, self.bad, self.mis = self._buffers
-
-    @staticmethod
-    def _make(cap: int) -> tuple[Ints, Ints, npt.NDArray[np.int32], Bools, Bools, Bools]:
-        return (
-            np.empty(cap, dtype=np.int64),
-            np.empty(cap, dtype=np.int64),
-            np.empty(cap, dtype=np.int32),
-            np.empty(cap, dtype=np.bool_),
-            np.empty(cap, dtype=np.bool_),
-            np.empty(cap, dtype=np.bool_),
-        )
-
-    def fit(self, n: int) -> Scratch:
-        if n != self.n:  # batch sizes repeat, so this is usually skipped
-            if n > len(self._buffers[0]):
-                self._buffers = self._make(max(n, 2 * len(self._buffers[0])))
-            a, b, m32, opens, bad, mis = self._buffers
-            self.a, self.b, self.m32 = a[:n], b[:n], m32[:n]
-            self.opens, self.bad, self.mis = opens[:n], bad[:n], mis[:n]
-            self.n = n
-        return self
-
-
 class NumpyPageEngine(PageEngine[Ints]):
     """Page engine whose free list, marks and arithmetic are numpy arrays in host memory."""
 
@@ -146,6 +109,7 @@ class NumpyPageEngine(PageEngine[Ints]):
         self._i32 = np.arange(4096, dtype=np.int32)
         self._i64: Ints = np.arange(4096, dtype=np.int64)
         self._scratch = Scratch()
+        self._outputs = OutputSlab()
         # page_size - 1 plus the sign bit (power-of-two pages only; see alloc_decode).
         self._signed_mask = np.int64((page_size - 1) - (1 << 63))
 
@@ -175,7 +139,9 @@ class NumpyPageEngine(PageEngine[Ints]):
     def tokens_of_pages(self, num_pages: int) -> torch.Tensor:
         pages = self.take_pages(num_pages)
         if self.page_size == 1:
-            return torch.from_numpy(pages.copy())
+            out = self._outputs.take(num_pages)
+            out[:] = pages
+            return torch.from_numpy(out)
         return torch.from_numpy((pages[:, None] * self.page_size + self._offsets).reshape(-1))
 
     def plan_extend(
@@ -317,7 +283,8 @@ class NumpyPageEngine(PageEngine[Ints]):
     ) -> torch.Tensor | None:
         """`plan_decode` + `commit_decode` fused for power-of-two pages (other sizes take the
         plan): straight-line code, every temporary in `Scratch`, about 17 numpy calls, two
-        `numpy()` views and one `from_numpy` per round, one array allocated (the output).
+        `numpy()` views and one `from_numpy` per round, nothing allocated (the output is cut
+        from an `OutputSlab`).
 
         Why so spare: in a serving loop (and in `kvstrata bench alloc`) this call follows
         work that evicts the caches, and each numpy call, Python call and `malloc` then costs
@@ -348,7 +315,8 @@ class NumpyPageEngine(PageEngine[Ints]):
             loc = _native(last_loc, "last_loc")
             if len(loc) != n:
                 raise InvalidRequest(f"alloc_decode: {n} requests but {len(loc)} last_loc")
-            out = np.add(loc, 1)  # the caller's array; openers' entries are overwritten below
+            # The caller's array (openers' entries are overwritten below), from the slab.
+            out = np.add(loc, 1, out=self._outputs.take(n))
             marks = self._marks
             if self.checked:
                 # A continuing request's new slot last_loc + 1 must sit at the new token's
@@ -377,7 +345,7 @@ class NumpyPageEngine(PageEngine[Ints]):
                 self._marks[pages] = 0
         counters.allocated_slots += n
         if out is None:
-            return torch.from_numpy(np.left_shift(pages, shift))
+            return torch.from_numpy(np.left_shift(pages, shift, out=self._outputs.take(n)))
         if num_new:
             out[opens] = np.left_shift(pages, shift, out=a[:num_new])
         return torch.from_numpy(out)
