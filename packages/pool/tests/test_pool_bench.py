@@ -4,11 +4,14 @@ beside its baseline (a smoke run: tiny sizes, one repeat; the figures are not as
 from __future__ import annotations
 
 import json
+import shutil
 
+import numpy as np
 import pytest
 import torch
 
 from kvstrata.bench import pageio
+from kvstrata.bench.gather_ref import reference_ops
 
 
 def test_run_page_io_gives_a_figure_and_a_baseline_per_op_and_page_size() -> None:
@@ -37,3 +40,31 @@ def test_main_prints_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert "environment" in lines[0]
     assert [line["op"] for line in lines[1:]] == ["read_pages", "write_pages"]
+
+
+def test_each_line_sets_raw_references_beside_ours() -> None:
+    # The references read exactly what read_pages reads (the benchmark checks and raises
+    # otherwise); the compiled pair appears only where a C compiler exists.
+    records = pageio.run_page_io(page_sizes=[1, 2], num_pages=3, num_layers=2, repeats=1)
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    for r in records:
+        read = r["op"] == "read_pages"
+        numpy_ref, compiled_ref = pageio.REFERENCES[r["op"]]
+        assert numpy_ref == ("numpy_take" if read else "numpy_put")
+        assert r["reference_ratios"][numpy_ref] > 0
+        assert (compiled_ref in r["reference_ratios"]) == (compiler is not None)
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="needs a C compiler")
+def test_compiled_reference_scatter_writes_the_pieces() -> None:
+    pool_bytes = np.zeros(6 * 8, dtype=np.uint8)
+    flat = np.arange(3 * 8, dtype=np.uint8)
+    pieces = np.array([4, 0, 2], dtype=np.int64)
+    ops = reference_ops(pool_bytes, flat, pieces, 8)
+    ops["compiled_scatter"]()
+    items = pool_bytes.reshape(6, 8)
+    assert items[4].tolist() == list(range(8)) and items[0].tolist() == list(range(8, 16))
+    assert items[2].tolist() == list(range(16, 24)) and not items[[1, 3, 5]].any()
+    flat[:] = 0
+    ops["compiled_gather"]()
+    assert flat.tolist() == list(range(24))

@@ -322,3 +322,27 @@ class PageIOMachine(RuleBasedStateMachine):
 
 
 TestPageIOMachine = PageIOMachine.TestCase
+
+
+def test_page_id_checks_keep_their_order_on_every_id_dtype_and_layout() -> None:
+    # One sort gives the range and the duplicates on the CPU: the errors keep the order range,
+    # then page 0, then repeats, for int32 and strided ids alike.
+    pool = _pool("mha", torch.bfloat16, 4)
+    limit = pool.num_pages
+    src = torch.zeros((3, pool.page_size_bytes), dtype=torch.uint8)
+    with pytest.raises(IndexOutOfRange):
+        pool.write_pages(torch.tensor([limit, 3, 3]), src)
+    with pytest.raises(ReservedIndex):
+        pool.write_pages(torch.tensor([0, 0, 2], dtype=torch.int32), src)
+    with pytest.raises(DuplicateIndex):
+        pool.write_pages(torch.tensor([2, 5, 2], dtype=torch.int32), src)
+    strided = torch.tensor([1, 9, 2, 9, 1, 9])[::2]  # [1, 2, 1]: a view with stride 2
+    with pytest.raises(DuplicateIndex):
+        pool.write_pages(strided, src)
+    distinct = torch.tensor([3, 9, 1, 9, 2, 9])[::2]
+    pool.write_pages(
+        distinct, torch.arange(3 * pool.page_size_bytes).reshape(3, -1).to(torch.uint8)
+    )
+    out = torch.empty_like(src)
+    pool.read_pages(torch.tensor([2, 2, 1], dtype=torch.int32), out)  # reads may repeat
+    assert torch.equal(out[0], out[1])

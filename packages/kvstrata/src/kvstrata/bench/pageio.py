@@ -15,6 +15,12 @@ Each line: `gbps` = bytes / median seconds, `baseline_gbps` likewise, `ratio` = 
 and `paired_ratio`, the median over the alternating pairs of copy time / operation time (each
 pair measured back to back, so a load change between moments cancels).
 Target ratio >= 0.8. One torch thread by default (`--threads`), as every kvstrata benchmark.
+
+On the CPU each line also has `reference_ratios`: the paired ratio against the same plain copy
+of raw gathers (read) or scatters (write) of exactly the same pieces from the same pool memory,
+`numpy_take` / `numpy_put` and, where a C compiler exists, `compiled_gather` /
+`compiled_scatter` with software prefetch (see `gather_ref`). They bound what any code could
+reach on this machine: when ours matches them, the rest of the gap is the memory system.
 """
 
 from __future__ import annotations
@@ -25,10 +31,17 @@ from typing import Any
 
 import torch
 
+from kvstrata.bench.gather_ref import reference_ops
 from kvstrata.bench.report import emit, environment, paired_medians, pin_threads, ratio
 from kvstrata.pool import MHAKVPool, MHASpec
 
 DEFAULT_PAGE_SIZES = (1, 16, 64)
+
+#: The raw operations (`gather_ref`) each of ours is set beside.
+REFERENCES = {
+    "read_pages": ("numpy_take", "compiled_gather"),
+    "write_pages": ("numpy_put", "compiled_scatter"),
+}
 
 
 def run_page_io(
@@ -75,8 +88,15 @@ def run_page_io(
             "read_pages": lambda p=pool, i=ids, f=flat: p.read_pages(i, f),
             "write_pages": lambda p=pool, i=ids, f=flat: p.write_pages(i, f),
         }
+        refs = {} if cuda else _references(pool, ids, flat)
         for name, op in ops.items():
             timed = paired_medians(op, plain_copy, repeats=reps, sync=sync)
+            wanted = REFERENCES[name]
+            reference_ratios = {
+                ref: round(paired_medians(refs[ref], plain_copy, repeats=reps).ratio, 4)
+                for ref in wanted
+                if ref in refs
+            }
             seconds, base_seconds = timed.ours_seconds, timed.baseline_seconds
             gbps = nbytes / seconds / 1e9
             baseline_gbps = nbytes / base_seconds / 1e9
@@ -99,11 +119,42 @@ def run_page_io(
                     "ratio": ratio(gbps, baseline_gbps),
                     # Median over the back-to-back (operation, copy) pairs: steadier under load.
                     "paired_ratio": round(timed.ratio, 4),
+                    "reference_ratios": reference_ratios,
                     "repeats": reps,
                 }
             )
         del pool, flat, scratch
     return records
+
+
+def _references(
+    pool: MHAKVPool, ids: torch.Tensor, flat: torch.Tensor
+) -> dict[str, Callable[[], None]]:
+    """`gather_ref.reference_ops` over the pool's own memory: its layer buffers seen as one
+    run of bytes (they are one stack: buffer b starts b buffers after buffer 0; checked), piece
+    `b * num_pages + id` = buffer b's bytes of page `id`, in the flat page's order. Each
+    reference gather is checked to read exactly what `read_pages` reads."""
+    buffers = pool.layer_buffers()
+    buffer_bytes = buffers[0].numel() * buffers[0].element_size()
+    base = buffers[0].data_ptr()
+    assert all(b.data_ptr() == base + k * buffer_bytes for k, b in enumerate(buffers)), (
+        "the page I/O references need the layer buffers as one stack"
+    )
+    whole = torch.as_strided(
+        buffers[0].view(torch.uint8).reshape(-1), (len(buffers) * buffer_bytes,), (1,)
+    )
+    first = torch.arange(len(buffers), dtype=torch.int64) * pool.num_pages
+    pieces = (ids[:, None] + first).reshape(-1).numpy()
+    refs = reference_ops(whole.numpy(), flat.numpy(), pieces, buffer_bytes // pool.num_pages)
+    pool.read_pages(ids, flat)
+    expected = flat.clone()
+    for name in ("numpy_take", "compiled_gather"):
+        if name in refs:
+            flat.zero_()
+            refs[name]()
+            if not torch.equal(flat, expected):
+                raise RuntimeError(f"reference {name} read other bytes than read_pages")
+    return refs
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
+import numpy as np
 import torch
 
 from kvstrata.pool.dtypes import check_dtype, store_dtype
@@ -83,20 +84,48 @@ def check_index_tensor(ids: object, *, what: str, dims: int | None = 1) -> torch
     return ids if ids.dtype in _INDEX_DTYPES else ids.to(torch.int64)
 
 
-def check_index_range(ids: torch.Tensor, *, limit: int, what: str, allow_zero: bool) -> None:
-    """IndexOutOfRange unless every id is in [0, limit); ReservedIndex for 0 unless allowed.
-    Reads the ids' extremes: a device-to-host sync when they live on a GPU."""
+def check_index_range(
+    ids: torch.Tensor, *, limit: int, what: str, allow_zero: bool, distinct: bool = False
+) -> None:
+    """IndexOutOfRange unless every id is in [0, limit); ReservedIndex for 0 unless allowed;
+    with `distinct`, then DuplicateIndex when an id repeats. Reads the ids' extremes: a
+    device-to-host sync when they live on a GPU.
+
+    CPU ids are checked in NumPy (a few us for a batch; torch's `aminmax` + `unique` cost
+    ~100 us at 256 ids, as much as moving 3 MB of pages): with `distinct`, one sort gives the
+    extremes and the duplicates together."""
     if ids.numel() == 0:
         return
-    lo, hi = torch.stack(list(torch.aminmax(ids))).tolist()
+    duplicate = False
+    if ids.device.type == "cpu":
+        values = ids.numpy()
+        if distinct and len(values) > 1:
+            ordered = np.sort(values)
+            lo, hi = int(ordered[0]), int(ordered[-1])
+            duplicate = bool(np.count_nonzero(ordered[1:] == ordered[:-1]))
+        else:
+            lo, hi = int(values.min()), int(values.max())
+    else:
+        lo, hi = torch.stack(list(torch.aminmax(ids))).tolist()
+        duplicate = distinct and torch.unique(ids).numel() != ids.numel()
     if lo < 0 or hi >= limit:
         raise IndexOutOfRange(f"{what} must lie in [0, {limit}); got min {lo}, max {hi}")
     if lo == 0 and not allow_zero:
         raise ReservedIndex(f"{what} includes 0, the reserved padding target")
+    if duplicate:
+        raise DuplicateIndex(f"{what} lists the same index more than once")
 
 
 def check_distinct(ids: torch.Tensor, *, what: str) -> None:
-    if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
+    """DuplicateIndex when an id repeats (a sort: NumPy on the CPU, torch.unique elsewhere)."""
+    if ids.numel() < 2:
+        return
+    if ids.device.type == "cpu":
+        ordered = np.sort(ids.numpy())
+        duplicate = bool(np.count_nonzero(ordered[1:] == ordered[:-1]))
+    else:
+        duplicate = torch.unique(ids).numel() != ids.numel()
+    if duplicate:
         raise DuplicateIndex(f"{what} lists the same index more than once")
 
 
@@ -226,11 +255,10 @@ class DevicePool(ABC):
         self, page_ids: torch.Tensor, *, allow_dummy: bool, distinct: bool
     ) -> torch.Tensor:
         ids = check_index_tensor(page_ids, what="page_ids")
-        check_index_range(ids, limit=self.num_pages, what="page_ids", allow_zero=allow_dummy)
-        ids = ids.to(device=self.device, dtype=torch.int64)
-        if distinct:
-            check_distinct(ids, what="page_ids")
-        return ids
+        check_index_range(
+            ids, limit=self.num_pages, what="page_ids", allow_zero=allow_dummy, distinct=distinct
+        )
+        return ids.to(device=self.device, dtype=torch.int64)
 
     def _check_flat(self, buf: torch.Tensor, n: int, what: str) -> None:
         if not isinstance(buf, torch.Tensor):

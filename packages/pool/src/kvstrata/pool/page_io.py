@@ -128,7 +128,7 @@ class PageLayout:
             self._pieces = _Pieces(
                 item=np.dtype((np.void, width)),
                 stack=_as_items(self._page_views[0].numpy(), width),
-                first=torch.arange(buffers, dtype=torch.int64) * self.num_pages,
+                first=np.arange(buffers, dtype=np.int64) * self.num_pages,
                 read=width >= ONE_PIECE_READ_MIN_BYTES,
             )
 
@@ -155,7 +155,7 @@ class PageLayout:
     def _piece_ids(self, pieces: _Pieces, page_ids: torch.Tensor) -> npt.NDArray[np.int64]:
         """Piece numbers of pages `page_ids`, page-major: `b * num_pages + ids[i]` at
         `i * num_buffers + b`, the order the pieces have in a flat buffer."""
-        return (page_ids[:, None] + pieces.first).reshape(-1).numpy()
+        return (page_ids.numpy()[:, None] + pieces.first).reshape(-1)
 
     def gather(self, page_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy pages `page_ids` of every buffer into `out` ([n, page_size_bytes])."""
@@ -200,7 +200,7 @@ class _Pieces:
 
     item: np.dtype[np.void]  # one piece: W opaque bytes
     stack: npt.NDArray[np.void]  # [num_buffers * num_pages], piece b * num_pages + p
-    first: torch.Tensor  # int64 [num_buffers]: b * num_pages, buffer b's first piece
+    first: npt.NDArray[np.int64]  # [num_buffers]: b * num_pages, buffer b's first piece
     read: bool  # whether gather takes this path too (pieces large enough)
 
 
