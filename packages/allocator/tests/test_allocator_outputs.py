@@ -7,6 +7,8 @@ import itertools
 
 import numpy as np
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvstrata.allocator.scratch import SLAB_CHUNK_ENTRIES, SLAB_MAX_TAKE, OutputSlab
 from kvstrata.testkit.allocators import idx, make_paged, make_token
@@ -92,3 +94,18 @@ def test_decode_opening_every_page_and_token_alloc_outputs_are_fresh() -> None:
     assert token.alloc(2) is not None
     token.check_integrity()
     np.testing.assert_array_equal(second.numpy(), [12])
+
+
+@given(sizes=st.lists(st.integers(0, 2 * SLAB_MAX_TAKE), min_size=1, max_size=60))
+def test_any_sequence_of_takes_gives_disjoint_arrays_that_keep_their_contents(
+    sizes: list[int],
+) -> None:
+    slab = OutputSlab()
+    taken: list[np.ndarray] = []
+    for k, n in enumerate(sizes):
+        a = slab.take(n)
+        assert a.shape == (n,) and a.dtype == np.int64 and a.flags["C_CONTIGUOUS"]
+        a[:] = k
+        taken.append(a)
+        assert all((b == j).all() for j, b in enumerate(taken)), "a take overwrote another"
+    assert_disjoint([torch.from_numpy(a) for a in taken if len(a)])
