@@ -16,7 +16,7 @@ from kvstrata.unified_radix_cache.events import (
     encode_events,
 )
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache, HostSlots
-from kvstrata.unified_radix_cache.host_tier import HostReceipt, HostTier
+from kvstrata.unified_radix_cache.host_tier import HostEviction, HostReceipt, HostTier
 from kvstrata.unified_radix_cache.key import Namespace, RadixKey
 from kvstrata.unified_radix_cache.metrics import RadixCacheCollector
 from kvstrata.unified_radix_cache.node import TreeNode
@@ -52,6 +52,7 @@ __all__ = [
     "HostSlots",
     "HostTier",
     "HostReceipt",
+    "HostEviction",
     "TierLoad",
     "HierarchicalCache",
     "EVENT_FORMAT_VERSION",

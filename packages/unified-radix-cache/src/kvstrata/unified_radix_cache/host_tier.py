@@ -18,7 +18,9 @@ host_walks.py, `HostWalks`, which `HostTier` extends):
 - device eviction: device leaves are on-device nodes without an on-device child; one with a host
   copy goes off the device (the node stays), one without leaves the tree (it has no children);
 - host eviction: off-device, childless, host-unlocked nodes in the host policy's order; the node
-  leaves the tree (storage keeps its pages).
+  leaves the tree (storage keeps its pages). Host eviction for a component pool (host SWA slots,
+  host state slots) takes only candidates holding slots of that pool, and nothing unless they
+  hold enough (`evict_for_swa`, `evict_for_states`).
 
 Mamba (a Full + Mamba tree): a node's host data is per component, `host_value` (Full token
 slots) and `host_state` (a host state slot holding the state at the end of its run, or None).
@@ -44,7 +46,8 @@ a node is in at most one of them (device leaves are on the device, host candidat
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -82,6 +85,24 @@ class HostReceipt(NamedTuple):
 
     receipt_id: int
     anchor: TreeNode
+
+
+class HostEviction(NamedTuple):
+    """What one `HostTier.evict_for_swa` / `evict_for_states` freed: host Full tokens, and
+    slots of the pool it evicted for (host SWA tokens or host state slots)."""
+
+    tokens: int
+    slots: int
+
+
+@dataclass(kw_only=True, eq=False)
+class _Batch:
+    """Host slots of the nodes one host eviction removed, freed together at its end."""
+
+    tokens: int = 0
+    values: list[npt.NDArray[np.int64]] = field(default_factory=list)
+    swa: list[npt.NDArray[np.int64]] = field(default_factory=list)
+    states: list[int] = field(default_factory=list)
 
 
 class HostTier(HostWalks):
@@ -149,6 +170,13 @@ class HostTier(HostWalks):
         #: Host SWA tokens held by nodes (SWA trees), and those host eviction freed.
         self.host_swa_size = 0
         self.evicted_swa_total = 0
+        #: Host SWA tokens / host state slots held by host eviction candidates (the members of
+        #: `heap`): what evicting every candidate would give back to those pools. Kept in step
+        #: by `_add_candidate` / `_drop_candidate`, `set_host_swa` / `set_host_state` and
+        #: `on_split`, so `evict_for_swa` / `evict_for_states` know in O(1) whether evicting
+        #: can help at all.
+        self.candidate_swa_size = 0
+        self.candidate_states = 0
         tree.attach_host_tier(self)
 
     # ------------------------------------------------------------------------------------------
@@ -220,7 +248,13 @@ class HostTier(HostWalks):
 
     def _maybe_host_candidate(self, node: TreeNode) -> None:
         if not node.children and node.host_lock_ref == 0 and not len(node.value):
-            self.heap.push(node)
+            self._add_candidate(node)
+
+    def on_split(self, upper: TreeNode, node: TreeNode) -> None:
+        """The tree split `node`, `upper` taking its head (and that head's host SWA slots). A
+        candidate `node` stays one (it keeps its heap entry); `upper` has a child, so is none."""
+        if node in self.heap and upper.host_swa is not None:
+            self.candidate_swa_size -= len(upper.host_swa)
 
     # ------------------------------------------------------------------------------------------
     # Host values: commit, eviction, locks
@@ -249,11 +283,11 @@ class HostTier(HostWalks):
             pos += len(node.key)
         if pos < end:
             lo = pos // TOKEN_BYTES - base
-            self.heap.discard(node)  # an off-device node that gets a child is no candidate
+            self._drop_candidate(node)  # an off-device node that gets a child is no candidate
             node = tree.add_off_device_child(node, data[pos:end], key.namespace, tick)
             self._set_host(node, new[lo:].copy())
             used[lo:] = True
-            self.heap.push(node)
+            self._add_candidate(node)
         if not used.all():
             self.host.free(torch.from_numpy(new[~used]))
         moved = self.lock(node)
@@ -270,37 +304,86 @@ class HostTier(HostWalks):
         """Free at least `amount` host tokens (or all that may go): whole off-device, childless,
         host-unlocked nodes in the host policy's order; each leaves the tree. Returns the host
         tokens freed (handed to the host allocator before this returns). O(k log n)."""
-        freed: list[npt.NDArray[np.int64]] = []
-        freed_swa: list[npt.NDArray[np.int64]] = []
-        states: list[int] = []
-        total = 0
-        while total < amount:
+        batch = _Batch()
+        while batch.tokens < amount:
             node = self.heap.pop()
             if node is None:
                 break
-            value = node.host_value
-            assert value is not None, f"host candidate {node.id} without a host value"
-            self._log.removed(self.tree, node)
-            node.host_value = None
-            self.evictable_size -= len(value)
-            self.evicted_total += len(value)
-            freed.append(value)
-            total += len(value)
-            if node.host_state is not None:
-                states.append(node.host_state)
-                node.host_state = None
-            if node.host_swa is not None:
-                freed_swa.append(node.host_swa)
-                node.host_swa = None
-            self.tree.remove_leaf(node, evicted=False)
+            self._uncount_candidate(node)
+            self._evict_node(node, batch)
+        self._finish(batch)
+        return batch.tokens
+
+    def evict_for_swa(self, amount: int) -> HostEviction:
+        """Free at least `amount` host SWA tokens by host eviction, or evict nothing: when the
+        candidates (off-device, childless, host-unlocked nodes) hold fewer than `amount` host
+        SWA tokens in all (`candidate_swa_size`, O(1)) no eviction could make the room, so none
+        happens. Otherwise candidates go in the host policy's order, skipping those without a
+        host SWA copy (they stay cached, their place in the order unchanged); an evicted node
+        drops its whole host copy (Full, SWA). Returns what was freed (handed to the
+        allocators before this returns). O((k + s) log n) for k evicted and s skipped nodes."""
+        if amount <= 0 or self.candidate_swa_size < amount:
+            return HostEviction(0, 0)
+        return self._evict_holders(amount, lambda n: 0 if n.host_swa is None else len(n.host_swa))
+
+    def evict_for_states(self, amount: int) -> HostEviction:
+        """Free at least `amount` host state slots by host eviction, or evict nothing: as
+        `evict_for_swa`, over the candidates holding a host state (`candidate_states`)."""
+        if amount <= 0 or self.candidate_states < amount:
+            return HostEviction(0, 0)
+        return self._evict_holders(amount, lambda n: int(n.host_state is not None))
+
+    def _evict_holders(self, amount: int, held: Callable[[TreeNode], int]) -> HostEviction:
+        """Evict candidates with `held(node) > 0` in policy order until they freed `amount`
+        (the caller checked the candidates hold that much); the others popped on the way are
+        pushed back with their unchanged keys."""
+        batch = _Batch()
+        skipped: list[TreeNode] = []
+        got = 0
+        while got < amount:
+            node = self.heap.pop()
+            assert node is not None, f"host candidates hold {amount - got} fewer slots than counted"
+            self._uncount_candidate(node)
+            wanted = held(node)
+            if not wanted:
+                skipped.append(node)
+                continue
+            got += wanted
+            self._evict_node(node, batch)
+        for node in skipped:
+            self._add_candidate(node)
+        self._finish(batch)
+        return HostEviction(batch.tokens, got)
+
+    def _evict_node(self, node: TreeNode, batch: _Batch) -> None:
+        """Host candidate `node` (already out of the heap) leaves the tree; its host slots join
+        `batch` (freed by `_finish`). Its parent may become a candidate."""
+        value = node.host_value
+        assert value is not None, f"host candidate {node.id} without a host value"
+        self._log.removed(self.tree, node)
+        node.host_value = None
+        self.evictable_size -= len(value)
+        self.evicted_total += len(value)
+        batch.values.append(value)
+        batch.tokens += len(value)
+        if node.host_state is not None:
+            batch.states.append(node.host_state)
+            node.host_state = None
+        if node.host_swa is not None:
+            batch.swa.append(node.host_swa)
+            node.host_swa = None
+        self.tree.remove_leaf(node, evicted=False)
+
+    def _finish(self, batch: _Batch) -> None:
+        """Hand `batch`'s host slots to their allocators (one free call per pool)."""
         self.tree.flush_pending()
-        if freed:
-            self.host.free(torch.from_numpy(np.concatenate(freed)))
-        self._free_swa(freed_swa)
-        self.evicted_swa_total += sum(len(v) for v in freed_swa)
-        self._free_states(states)
-        self.evicted_states_total += len(states)
-        return total
+        if batch.values:
+            self.host.free(torch.from_numpy(np.concatenate(batch.values)))
+        swa = sum(len(v) for v in batch.swa)
+        self._free_swa(batch.swa)
+        self.evicted_swa_total += swa
+        self._free_states(batch.states)
+        self.evicted_states_total += len(batch.states)
 
     def _free_states(self, states: list[int]) -> None:
         if states:
@@ -324,6 +407,8 @@ class HostTier(HostWalks):
             return False
         node.host_swa = value
         self.host_swa_size += len(value)
+        if node in self.heap:
+            self.candidate_swa_size += len(value)
         return True
 
     def set_host_state(self, node: TreeNode, slot: int) -> bool:
@@ -334,6 +419,8 @@ class HostTier(HostWalks):
             return False
         node.host_state = slot
         self.num_host_states += 1
+        if node in self.heap:
+            self.candidate_states += 1
         return True
 
     def lock(self, anchor: TreeNode) -> HostReceipt:
@@ -350,7 +437,7 @@ class HostTier(HostWalks):
             if probe.host_lock_ref == 0:
                 self.evictable_size -= len(value)
                 self.protected_size += len(value)
-                self.heap.discard(probe)
+                self._drop_candidate(probe)
             probe.host_lock_ref += 1
             probe = probe.parent
         receipt = HostReceipt(next(self._ids), anchor)
@@ -442,6 +529,7 @@ class HostTier(HostWalks):
         self._free_states(states)
         self._free_swa(swa_values)
         self.heap.clear()
+        self.candidate_swa_size = self.candidate_states = 0
         if values:
             self.host.free(torch.from_numpy(np.concatenate(values)))
         self.evictable_size = self.protected_size = 0
@@ -453,7 +541,9 @@ class HostTier(HostWalks):
     ) -> None:
         """Host free + evictable + protected + `in_flight` == host capacity; both tiers
         prefix-closed; off-device nodes carry a host value; host values cover their node; host
-        locks equal the outstanding receipts; the host heap holds exactly the candidates.
+        locks equal the outstanding receipts; the host heap holds exactly the candidates, and
+        `candidate_swa_size` / `candidate_states` equal the host SWA tokens / host states they
+        hold.
         Mamba: a host state only with a host value, a device state only on the device, host
         state free + evictable + protected + `states_in_flight` == host state capacity.
         SWA: host SWA slots only with a host value and one per token, live SWA only on the
@@ -462,6 +552,7 @@ class HostTier(HostWalks):
         state_slots: list[int] = []
         states_protected = 0
         swa_held = 0
+        candidate_swa = candidate_states = 0
         expected: dict[int, int] = {}
         for receipt in self._receipts.values():
             probe = receipt.anchor
@@ -488,6 +579,9 @@ class HostTier(HostWalks):
             candidate = not len(node.value) and not node.children and node.host_lock_ref == 0
             if (node in self.heap) != candidate:
                 raise IntegrityError(f"node {node.id}: host heap membership != {candidate}")
+            if candidate:
+                candidate_swa += 0 if node.host_swa is None else len(node.host_swa)
+                candidate_states += node.host_state is not None
             if value is not None:
                 if node.host_lock_ref:
                     protected += len(value)
@@ -518,6 +612,11 @@ class HostTier(HostWalks):
                 f"in flight {in_flight} != capacity {self.host.size}"
             )
         self.heap.check_integrity()
+        if (candidate_swa, candidate_states) != (self.candidate_swa_size, self.candidate_states):
+            raise IntegrityError(
+                f"host candidates hold {candidate_swa} host SWA tokens / {candidate_states} "
+                f"host states, counters say {self.candidate_swa_size} / {self.candidate_states}"
+            )
         if len(state_slots) != len(set(state_slots)) or len(state_slots) != self.num_host_states:
             raise IntegrityError(
                 f"host states: {len(state_slots)} on nodes ({len(set(state_slots))} distinct), "

@@ -32,7 +32,9 @@ _NO_SLOTS = np.empty(0, dtype=np.int64)
 
 
 class HostWalks:
-    """Match and insert over both tiers of a hierarchical tree. The attributes are set by
+    """Match and insert over both tiers of a hierarchical tree, and the host heap's membership
+    bookkeeping both they and `HostTier` go through (the candidates' host SWA tokens and host
+    states are counted as nodes join and leave). The attributes are set by
     `HostTier.__init__`."""
 
     tree: UnifiedRadixCache
@@ -42,6 +44,27 @@ class HostWalks:
     _swa: SWAComponent | None
     _device_heap: LeafHeap
     _page_bytes: int
+    candidate_swa_size: int
+    candidate_states: int
+
+    def _add_candidate(self, node: TreeNode) -> None:
+        """`node` joins the host heap (a re-push only re-keys it; the counts move once)."""
+        if node not in self.heap:
+            if node.host_swa is not None:
+                self.candidate_swa_size += len(node.host_swa)
+            self.candidate_states += node.host_state is not None
+        self.heap.push(node)
+
+    def _drop_candidate(self, node: TreeNode) -> None:
+        """`node` leaves the host heap if it is in it (lock, revive, a child, eviction)."""
+        if node in self.heap:
+            self.heap.discard(node)
+            self._uncount_candidate(node)
+
+    def _uncount_candidate(self, node: TreeNode) -> None:
+        if node.host_swa is not None:
+            self.candidate_swa_size -= len(node.host_swa)
+        self.candidate_states -= node.host_state is not None
 
     def match(
         self,
@@ -275,7 +298,7 @@ class HostWalks:
     def _revive(self, node: TreeNode, value: npt.NDArray[np.int64]) -> None:
         """Off-device `node` takes device slots `value` (its parent is on the device now)."""
         assert node.lock_ref == 0, f"off-device node {node.id} holds a device lock"
-        self.heap.discard(node)
+        self._drop_candidate(node)
         node.value = value
         self._full.evictable_size += len(value)
         parent = node.parent

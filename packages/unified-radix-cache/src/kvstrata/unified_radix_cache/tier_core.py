@@ -219,23 +219,30 @@ class TierCore(ABC):
         return slots
 
     def _alloc_host_state(self) -> torch.Tensor | None:
-        """One host state slot, host-evicting off-device nodes until one frees (None when no
-        host node may go)."""
+        """One host state slot; when the pool is out, host-evicts (in the host policy's order)
+        only off-device nodes holding a host state, and only when one of them can go (see
+        `HostTier.evict_for_states`). None, with nothing evicted, when none can."""
         allocator = self.host_state_allocator
         assert allocator is not None, "host states in a tree without Mamba"
         slot = allocator.alloc(1)
-        while slot is None and self.evict_host(1):
-            slot = allocator.alloc(1)
+        if slot is None:
+            freed = self.tier.evict_for_states(1 - allocator.available_size())
+            self.counters.host_evicted_tokens += freed.tokens
+            slot = allocator.alloc(1) if freed.slots else None
         return slot
 
     def _alloc_host_swa(self, num_tokens: int) -> torch.Tensor | None:
-        """Host SWA slots, host-evicting off-device nodes until they fit (None when no host
-        node may go)."""
+        """Host SWA slots; when the pool is short, host-evicts (in the host policy's order)
+        only off-device nodes holding host SWA slots, and only when together they hold enough
+        (see `HostTier.evict_for_swa`). None, with nothing evicted, when they do not: the host
+        SWA pool is then held by copies of nodes still on the device (or by transfers)."""
         allocator = self.host_swa_allocator
         assert allocator is not None, "host SWA slots in a tree without SWA"
         slots = allocator.alloc(num_tokens)
-        while slots is None and self.evict_host(num_tokens):
-            slots = allocator.alloc(num_tokens)
+        if slots is None:
+            freed = self.tier.evict_for_swa(num_tokens - allocator.available_size())
+            self.counters.host_evicted_tokens += freed.tokens
+            slots = allocator.alloc(num_tokens) if freed.slots else None
         return slots
 
     def _free_host_swa(self, slots: torch.Tensor) -> None:

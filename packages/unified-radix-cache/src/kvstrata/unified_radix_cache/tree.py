@@ -590,6 +590,8 @@ class UnifiedRadixCache:
         if host_swa is not None:
             upper.host_swa = host_swa[:num_tokens]
             node.host_swa = host_swa[num_tokens:]
+        if self.host_tier is not None:
+            self.host_tier.on_split(upper, node)
         parent.children[
             (node.namespace, key[: self._page_bytes])
             if parent is self._root

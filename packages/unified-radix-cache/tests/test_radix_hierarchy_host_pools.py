@@ -1,0 +1,207 @@
+"""Host eviction for a component pool (host SWA slots, host Mamba state slots) evicts only host
+copies that hold slots of that pool, and only when together they hold enough.
+
+The scenes: page size 4, window 8 tokens (SWA). A 16-token prefix written through to the host
+is two 8-token nodes; the host SWA copy exists only for the second (the window before the
+write's end), the host state only at the end of the written key. A "non-holder" candidate is
+the first node of a prefix whose second node was host-evicted: off the device, childless,
+host-unlocked, with a host Full copy but no host SWA copy (no host state). The rest of the
+component's host pool is hoarded by the test (a stand-in for copies held by nodes still on the
+device or by transfers), so the allocation depends on what eviction can free.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.testkit.tiers import (
+    MambaHierarchy,
+    SWAHierarchy,
+    make_mamba_hierarchy,
+    make_swa_hierarchy,
+    serve_mamba,
+    serve_swa,
+)
+from kvstrata.unified_radix_cache import HierarchicalCache, RadixKey, TreeNode
+
+P = 4
+
+
+def _tokens(base: int, n: int) -> list[int]:
+    return [base + j for j in range(n)]
+
+
+def _host_nodes(cache: HierarchicalCache) -> dict[int, TreeNode]:
+    return {n.id: n for n in cache.device_tree.iter_nodes() if n.host_value is not None}
+
+
+def _end_node(cache: HierarchicalCache, tokens: list[int]) -> TreeNode | None:
+    """The node whose run ends exactly at the end of `tokens`, if any (read only: a match
+    would stop at the host hit, which needs a restorable window or a host state)."""
+    want = RadixKey(torch.tensor(tokens, dtype=torch.int64)).token_bytes()
+    for node in cache.device_tree.iter_nodes():
+        parts: list[bytes] = []
+        probe = node
+        while probe.parent is not None:
+            parts.append(probe.key)
+            probe = probe.parent
+        if b"".join(reversed(parts)) == want:
+            return node
+    return None
+
+
+def _swa_non_holder(h: SWAHierarchy, base: int) -> TreeNode:
+    """Write a 16-token prefix through, push it off the device, host-evict its window node:
+    its head stays as a host candidate without host SWA slots."""
+    cache = h.cache
+    serve_swa(h, _tokens(base, 4 * P))
+    cache.evict_device(cache.device_tree.evictable_size())
+    assert cache.evict_host(2 * P) == 2 * P
+    head = _end_node(cache, _tokens(base, 2 * P))
+    assert head is not None and head in cache.tier.heap and head.host_swa is None
+    return head
+
+
+def _mamba_non_holder(h: MambaHierarchy, base: int) -> TreeNode:
+    """Two prefixes sharing 8 tokens, off the device, both ends host-evicted: the shared head
+    stays as a host candidate without a host state."""
+    cache = h.cache
+    first = _tokens(base, 4 * P)
+    serve_mamba(h, first)
+    serve_mamba(h, first[: 2 * P] + _tokens(base + 500, 2 * P))
+    cache.evict_device(cache.device_tree.evictable_size())
+    assert cache.evict_host(4 * P) == 4 * P
+    head = _end_node(cache, first[: 2 * P])
+    assert head is not None and head in cache.tier.heap and head.host_state is None
+    return head
+
+
+def test_failed_host_swa_allocation_evicts_nothing() -> None:
+    """The reviewer's R3 scene: host SWA slots are all taken by copies that cannot be evicted;
+    a write wanting host SWA slots must not host-evict copies that hold none."""
+    h = make_swa_hierarchy(page_size=P, device_pages=64, host_pages=64)
+    cache = h.cache
+    try:
+        _swa_non_holder(h, 1000)
+        serve_swa(h, _tokens(9000, 4 * P))  # stays on the device: its host SWA copy is pinned
+        assert cache.tier.candidate_swa_size == 0
+        before = set(_host_nodes(cache))
+        evicted = cache.counters.host_evicted_tokens
+        hoard = cache.host_swa_allocator
+        assert hoard is not None
+        held = hoard.alloc(hoard.available_size())
+        assert held is not None
+        serve_swa(h, _tokens(7000, 3 * P), check=False)  # write_through wants host SWA slots
+        assert cache.counters.host_evicted_tokens == evicted, "evicted for a hopeless allocation"
+        assert before <= set(_host_nodes(cache)), "a host copy went for nothing"
+        written = _end_node(cache, _tokens(7000, 3 * P))
+        assert written is not None and written.host_swa is None, "the pages went alone"
+        hoard.free(held)
+        cache.check_integrity()
+    finally:
+        cache.controller.close()
+
+
+def test_host_swa_allocation_evicts_only_holders() -> None:
+    """An older candidate without host SWA slots comes first in LRU order; the allocation skips
+    it and evicts the newer candidate holding host SWA slots, and succeeds."""
+    h = make_swa_hierarchy(page_size=P, device_pages=64, host_pages=64)
+    cache = h.cache
+    try:
+        old = _swa_non_holder(h, 1000)
+        serve_swa(h, _tokens(2000, 4 * P))
+        cache.evict_device(cache.device_tree.evictable_size())
+        holder = _end_node(cache, _tokens(2000, 4 * P))
+        assert holder is not None and holder.host_swa is not None and holder in cache.tier.heap
+        assert cache.tier.candidate_swa_size == len(holder.host_swa)
+        cache.check_integrity()
+        hoard = cache.host_swa_allocator
+        assert hoard is not None
+        held = hoard.alloc(hoard.available_size())
+        assert held is not None
+        evicted = cache.counters.host_evicted_tokens
+        serve_swa(h, _tokens(7000, 3 * P), check=False)
+        assert old.id in _host_nodes(cache), "a candidate without host SWA slots was evicted"
+        assert holder.id not in _host_nodes(cache)
+        assert cache.counters.host_evicted_tokens == evicted + 2 * P
+        written = _end_node(cache, _tokens(7000, 3 * P))
+        assert written is not None and written.host_swa is not None, "the window went too"
+        hoard.free(held)
+        cache.check_integrity()
+    finally:
+        cache.controller.close()
+
+
+def test_failed_host_state_allocation_evicts_nothing() -> None:
+    h = make_mamba_hierarchy(page_size=P, device_pages=64, host_pages=64)
+    cache = h.cache
+    try:
+        _mamba_non_holder(h, 1000)
+        assert cache.tier.candidate_states == 0
+        before = set(_host_nodes(cache))
+        evicted = cache.counters.host_evicted_tokens
+        hoard = cache.host_state_allocator
+        assert hoard is not None
+        held = hoard.alloc(hoard.available_size())
+        assert held is not None
+        serve_mamba(h, _tokens(7000, 3 * P), check=False)  # write_through wants a host state
+        assert cache.counters.host_evicted_tokens == evicted, "evicted for a hopeless allocation"
+        assert before <= set(_host_nodes(cache)), "a host copy went for nothing"
+        written = _end_node(cache, _tokens(7000, 3 * P))
+        assert written is not None and written.host_state is None, "the pages went alone"
+        hoard.free(held)
+        cache.check_integrity()
+    finally:
+        cache.controller.close()
+
+
+def test_host_state_allocation_evicts_only_holders() -> None:
+    h = make_mamba_hierarchy(page_size=P, device_pages=64, host_pages=64)
+    cache = h.cache
+    try:
+        old = _mamba_non_holder(h, 1000)
+        serve_mamba(h, _tokens(2000, 4 * P))
+        cache.evict_device(cache.device_tree.evictable_size())
+        holder = _end_node(cache, _tokens(2000, 4 * P))
+        assert holder is not None and holder.host_state is not None and holder in cache.tier.heap
+        assert cache.tier.candidate_states == 1
+        cache.check_integrity()
+        hoard = cache.host_state_allocator
+        assert hoard is not None
+        held = hoard.alloc(hoard.available_size())
+        assert held is not None
+        evicted = cache.counters.host_evicted_tokens
+        serve_mamba(h, _tokens(7000, 3 * P), check=False)
+        assert old.id in _host_nodes(cache), "a candidate without a host state was evicted"
+        assert holder.id not in _host_nodes(cache)
+        assert cache.counters.host_evicted_tokens == evicted + 4 * P
+        written = _end_node(cache, _tokens(7000, 3 * P))
+        assert written is not None and written.host_state is not None
+        hoard.free(held)
+        cache.check_integrity()
+    finally:
+        cache.controller.close()
+
+
+def test_candidate_counts_follow_a_split_and_a_lock() -> None:
+    """A split of a candidate moves its head's host SWA slots out of the candidate count (the
+    head has a child); a host lock takes a candidate out of it, the unlock puts it back."""
+    h = make_swa_hierarchy(page_size=P, device_pages=64, host_pages=64)
+    cache = h.cache
+    tier = cache.tier
+    try:
+        serve_swa(h, _tokens(1000, 4 * P))
+        cache.evict_device(cache.device_tree.evictable_size())
+        assert tier.candidate_swa_size == 2 * P
+        tail = _end_node(cache, _tokens(1000, 4 * P))
+        assert tail is not None and tail.host_swa is not None and tail in tier.heap
+        cache.device_tree.split_node(tail, P)  # the head (with its host SWA) is no candidate
+        cache.check_integrity()
+        assert tier.candidate_swa_size == len(tail.host_swa)
+        receipt = tier.lock(tail)
+        assert tier.candidate_swa_size == 0 and tail not in tier.heap
+        tier.unlock(receipt)
+        assert tier.candidate_swa_size == len(tail.host_swa)
+        cache.check_integrity()
+    finally:
+        cache.controller.close()
