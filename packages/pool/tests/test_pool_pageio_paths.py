@@ -1,18 +1,19 @@
-"""The CPU page I/O paths: the one-piece path (numpy take / put over whole pieces), the
-stacked-view path it falls back to, and stacks on huge pages. Each path must move the same
-bytes: round trips bit-identical for every family and dtype, against the flat-format reference
-and against the other path."""
+"""The CPU page I/O fallback paths (no compiled copies: `native.disabled()` around every test
+here; the compiled path is tested in test_pool_native.py): the one-piece path (numpy take /
+put over whole pieces), the stacked-view path it falls back to, and stacks on huge pages. Each
+path must move the same bytes: round trips bit-identical for every family and dtype, against
+the flat-format reference and against the other path."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
-from kvstrata.pool import page_io
+from kvstrata.pool import native, page_io
 from kvstrata.pool.base import DevicePool
 from kvstrata.testkit.pools import (
     POOL_DTYPES,
@@ -52,6 +53,13 @@ CASES = [
     for family in FAMILIES
     for page_size in ((1,) if family == "mamba" else (1, 4))
 ]
+
+
+@pytest.fixture(autouse=True)
+def numpy_paths() -> Iterator[None]:
+    """Every pool made in these tests uses the NumPy / torch copies."""
+    with native.disabled():
+        yield
 
 
 @pytest.fixture

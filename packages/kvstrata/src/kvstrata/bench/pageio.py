@@ -16,11 +16,11 @@ and `paired_ratio`, the median over the alternating pairs of copy time / operati
 pair measured back to back, so a load change between moments cancels).
 Target ratio >= 0.8. One torch thread by default (`--threads`), as every kvstrata benchmark.
 
-On the CPU each line also has `reference_ratios`: the paired ratio against the same plain copy
-of raw gathers (read) or scatters (write) of exactly the same pieces from the same pool memory,
-`numpy_take` / `numpy_put` and, where a C compiler exists, `compiled_gather` /
-`compiled_scatter` with software prefetch (see `gather_ref`). They bound what any code could
-reach on this machine: when ours matches them, the rest of the gap is the memory system.
+On the CPU each line also has `path` (the pools' copy path: "native", the compiled copies of
+`kvstrata.pool.native`, or "numpy", the fallback; `KVSTRATA_NATIVE=0` forces the fallback) and
+`reference_ratios`: the paired ratio against the same plain copy of one `numpy.take` (read) or
+`numpy.put` (write) of exactly the same pieces from the same pool memory, the ceiling of the
+NumPy fallback (see `gather_ref`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,7 @@ from kvstrata.pool import MHAKVPool, MHASpec
 DEFAULT_PAGE_SIZES = (1, 16, 64)
 
 #: The raw operations (`gather_ref`) each of ours is set beside.
-REFERENCES = {
-    "read_pages": ("numpy_take", "compiled_gather"),
-    "write_pages": ("numpy_put", "compiled_scatter"),
-}
+REFERENCES = {"read_pages": "numpy_take", "write_pages": "numpy_put"}
 
 
 def run_page_io(
@@ -91,10 +88,9 @@ def run_page_io(
         refs = {} if cuda else _references(pool, ids, flat)
         for name, op in ops.items():
             timed = paired_medians(op, plain_copy, repeats=reps, sync=sync)
-            wanted = REFERENCES[name]
             reference_ratios = {
                 ref: round(paired_medians(refs[ref], plain_copy, repeats=reps).ratio, 4)
-                for ref in wanted
+                for ref in (REFERENCES[name],)
                 if ref in refs
             }
             seconds, base_seconds = timed.ours_seconds, timed.baseline_seconds
@@ -108,6 +104,7 @@ def run_page_io(
                     "family": "mha",
                     "dtype": str(dtype).removeprefix("torch."),
                     "device": dev.type,
+                    "path": "native" if pool.native_page_copies else ("torch" if cuda else "numpy"),
                     "page_size": page_size,
                     "num_pages": pages,
                     "num_layers": num_layers,
@@ -133,7 +130,7 @@ def _references(
     """`gather_ref.reference_ops` over the pool's own memory: its layer buffers seen as one
     run of bytes (they are one stack: buffer b starts b buffers after buffer 0; checked), piece
     `b * num_pages + id` = buffer b's bytes of page `id`, in the flat page's order. Each
-    reference gather is checked to read exactly what `read_pages` reads."""
+    reference is checked to read exactly what `read_pages` reads."""
     buffers = pool.layer_buffers()
     buffer_bytes = buffers[0].numel() * buffers[0].element_size()
     base = buffers[0].data_ptr()
@@ -148,12 +145,10 @@ def _references(
     refs = reference_ops(whole.numpy(), flat.numpy(), pieces, buffer_bytes // pool.num_pages)
     pool.read_pages(ids, flat)
     expected = flat.clone()
-    for name in ("numpy_take", "compiled_gather"):
-        if name in refs:
-            flat.zero_()
-            refs[name]()
-            if not torch.equal(flat, expected):
-                raise RuntimeError(f"reference {name} read other bytes than read_pages")
+    flat.zero_()
+    refs["numpy_take"]()
+    if not torch.equal(flat, expected):
+        raise RuntimeError("reference numpy_take read other bytes than read_pages")
     return refs
 
 

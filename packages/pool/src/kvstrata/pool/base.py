@@ -186,6 +186,12 @@ class DevicePool(ABC):
         """Bytes of device memory the buffers hold, the dummy page included."""
         return self._pages.num_bytes
 
+    @property
+    def native_page_copies(self) -> bool:
+        """Whether `read_pages` / `write_pages` run the compiled copies (CPU pools on a machine
+        with a C compiler, see `kvstrata.pool.native`) rather than NumPy / torch."""
+        return self._pages.native
+
     def layer_buffers(self) -> list[torch.Tensor]:
         """Every per-layer buffer in the fixed flat-page order, each `[num_rows, ...]` in the
         store dtype (views of the pool's memory: writes through them change the pool)."""

@@ -38,6 +38,12 @@ pieces, 56 per page) the write went from 0.35 to 0.46 of a contiguous copy in an
 load (0.6 on a quieter machine). Reads of small pieces keep `index_select` (as fast there,
 measured); see `ONE_PIECE_READ_MIN_BYTES`.
 
+The compiled path (CPU, any layout, any caller row stride): when `native.native_copies()` is
+available (a C compiler on the machine; see `native.py`), both directions run `page_copy.c`,
+one call per stack over every (page, buffer) piece, with software prefetch and, for calls of
+`native.STREAM_MIN_BYTES` and more, non-temporal stores. The NumPy / torch paths above are the
+fallback and give the same bytes.
+
 Huge pages (CPU). A page set touches `num_buffers` pieces per page, each in a different 4 KiB
 page of memory, so a scattered copy of small pieces pays TLB misses on top of cache misses:
 with the stack on 2 MiB pages (`madvise(MADV_HUGEPAGE)`, see `empty_stack`) reads at page size
@@ -54,6 +60,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from kvstrata.pool.native import STREAM_MIN_BYTES, native_copies
 
 #: A (transparent) huge page on x86-64 Linux: huge-page stacks start at a multiple of it.
 HUGE_PAGE_BYTES = 2 << 20
@@ -119,6 +127,7 @@ class PageLayout:
         self.buffers: tuple[torch.Tensor, ...] = tuple(buf for _, _, buf in placed)
         cpu = self._stacks[0].tensor.device.type == "cpu"
         self._numpy_views = [v.numpy() for v in self._page_views] if cpu else None
+        self._native = native_copies() if cpu else None
         # The one-piece path needs the flat page to be one stack's pieces in buffer order.
         self._pieces: _Pieces | None = None
         if cpu and len(self._stacks) == 1:
@@ -159,6 +168,9 @@ class PageLayout:
 
     def gather(self, page_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy pages `page_ids` of every buffer into `out` ([n, page_size_bytes])."""
+        if self._native is not None:
+            self._native_copy(page_ids, out, gather=True)
+            return
         pieces = self._pieces
         if pieces is not None and pieces.read and out.is_contiguous():
             # mode="clip": the pool validated the ids, and "raise" would buffer the output.
@@ -175,6 +187,9 @@ class PageLayout:
     def scatter(self, page_ids: torch.Tensor, src: torch.Tensor) -> None:
         """Copy `src` ([n, page_size_bytes]) into pages `page_ids` of every buffer. Ids must be
         distinct (the pool checks): duplicate scatter targets have no defined winner."""
+        if self._native is not None:
+            self._native_copy(page_ids, src, gather=False)
+            return
         pieces = self._pieces
         if pieces is not None and src.is_contiguous():
             np.put(
@@ -192,6 +207,36 @@ class PageLayout:
             return
         for view, segment in zip(self._page_views, segments, strict=True):
             view.index_copy_(1, page_ids, segment.permute(1, 0, 2))
+
+    @property
+    def native(self) -> bool:
+        """Whether page copies run the compiled path (see the module docstring)."""
+        return self._native is not None
+
+    def _native_copy(self, page_ids: torch.Tensor, flat: torch.Tensor, *, gather: bool) -> None:
+        """`gather` / `scatter` through `page_copy.c`: one call per stack. `flat` is a CPU
+        uint8 [n, page_size_bytes] with inner stride 1 (any row stride)."""
+        native = self._native
+        assert native is not None, "_native_copy without the compiled copies"
+        ids = page_ids.contiguous()  # kept alive across the calls: they read its memory
+        n = ids.numel()
+        stream = n * self.page_size_bytes >= STREAM_MIN_BYTES
+        for s, width in zip(self._stacks, self._widths, strict=True):
+            geometry = {
+                "num_pages": self.num_pages,
+                "width": width,
+                "num_buffers": s.tensor.shape[0],
+                "row": flat.stride(0),
+                "offset": s.page_offset,
+                "stride": s.page_stride,
+                "ids": ids.data_ptr(),
+                "n": n,
+                "stream": stream,
+            }
+            if gather:
+                native.gather(out=flat.data_ptr(), stack=s.tensor.data_ptr(), **geometry)
+            else:
+                native.scatter(src=flat.data_ptr(), stack=s.tensor.data_ptr(), **geometry)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -1,0 +1,210 @@
+"""Compiled page copies (`page_copy.c`) for CPU page I/O, built at first use; NumPy otherwise.
+
+Why: at page size 1 a set of pages is thousands of pieces of a few hundred bytes at random
+places (one per page and layer buffer), and every NumPy or torch gather copies them one
+`memcpy` at a time, each waiting on its own cache misses: 0.5-0.65 of a contiguous copy of the
+same bytes on the 2-core benchmark machine, whatever the call. The C loop keeps misses in
+flight (software prefetch of the piece 8 positions ahead) and writes large copies with
+non-temporal stores (no read of the destination lines first): 1.0-1.2 of that copy at page
+sizes 1, 16 and 64 (`kvstrata bench pageio`).
+
+How it is built: the system C compiler (`$CC`, else `cc`, `gcc` or `clang`) compiles
+`page_copy.c` with `-O3` once per machine into a cache folder (`$KVSTRATA_CACHE_DIR`, else
+`$XDG_CACHE_HOME/kvstrata`, else `~/.cache/kvstrata`; created private to the user), named by
+a hash of the source, compiler and machine, written to a temporary name and renamed, so
+concurrent first uses agree. Plain C, no Python headers: the library is loaded with ctypes,
+whose calls release the GIL. Set `KVSTRATA_NATIVE=0` to turn it off. When there is no
+compiler or the build fails, `native_copies()` is None, `native_status()` says why, and the
+pools keep their NumPy / torch paths (same bytes, slower at small pages).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("page_copy.c")
+
+#: Environment switch: "0" keeps every pool on its NumPy / torch path.
+ENV_SWITCH = "KVSTRATA_NATIVE"
+#: Environment override of the cache folder for the compiled library.
+ENV_CACHE = "KVSTRATA_CACHE_DIR"
+
+#: A call moving at least this many bytes writes with non-temporal stores: past the caches'
+#: size the copy would only evict other data to hold what the caller reads once (a transfer
+#: staging buffer, a storage page); below it the destination stays cached for the caller.
+STREAM_MIN_BYTES = 1 << 20
+
+_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+class NativeCopies:
+    """The compiled `kv_gather` / `kv_scatter` (see `page_copy.c` for the exact contract).
+    Arguments are raw addresses and byte counts: callers pass validated, live buffers."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._gather = library.kv_gather
+        self._scatter = library.kv_scatter
+        self._gather.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64]
+        self._scatter.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64]
+        self._gather.restype = self._scatter.restype = None
+
+    def gather(
+        self,
+        *,
+        out: int,
+        row: int,
+        offset: int,
+        stride: int,
+        stack: int,
+        num_pages: int,
+        width: int,
+        num_buffers: int,
+        ids: int,
+        n: int,
+        stream: bool,
+    ) -> None:
+        """Piece (b, ids[i]) of `stack` -> `out + i * row + offset + b * stride`."""
+        self._gather(out, row, offset, stride, stack, num_pages, width, num_buffers, ids, n, stream)
+
+    def scatter(
+        self,
+        *,
+        stack: int,
+        num_pages: int,
+        width: int,
+        num_buffers: int,
+        src: int,
+        row: int,
+        offset: int,
+        stride: int,
+        ids: int,
+        n: int,
+        stream: bool,
+    ) -> None:
+        """`src + i * row + offset + b * stride` -> piece (b, ids[i]) of `stack`."""
+        self._scatter(
+            stack, num_pages, width, num_buffers, src, row, offset, stride, ids, n, stream
+        )
+
+
+_lock = threading.Lock()
+_state: tuple[NativeCopies | None, str] | None = None
+
+
+_disabled = 0
+
+
+def native_copies() -> NativeCopies | None:
+    """The compiled copies, built or loaded on the first call of the process (thread-safe);
+    None when turned off, unavailable (see `native_status`) or inside `disabled()`. A pool
+    asks once, when it is made."""
+    if _disabled:
+        return None
+    return _loaded()[0]
+
+
+def native_status() -> str:
+    """Either `native: <library path>` or `numpy: <why the compiled copies are not used>`."""
+    copies, reason = _loaded()
+    return f"native: {copies.path}" if copies is not None else f"numpy: {reason}"
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Pools made inside this block keep the NumPy / torch paths (tests of the fallback, A/B
+    comparisons); pools made before or after are unaffected. Nests; not per thread."""
+    global _disabled
+    with _lock:
+        _disabled += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _disabled -= 1
+
+
+def _loaded() -> tuple[NativeCopies | None, str]:
+    global _state
+    with _lock:
+        if _state is None:
+            _state = load()
+        return _state
+
+
+def load(cache_dir: Path | None = None) -> tuple[NativeCopies | None, str]:
+    """Build (or find in the cache) and load the library; (None, reason) when it cannot be.
+    `native_copies()` calls this once per process; tests call it directly."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None, f"turned off by {ENV_SWITCH}=0"
+    compiler = _compiler()
+    if compiler is None:
+        return None, "no C compiler ($CC, cc, gcc or clang) on PATH"
+    folder = cache_dir if cache_dir is not None else _cache_dir()
+    try:
+        path = _build(compiler, folder)
+        return NativeCopies(ctypes.CDLL(str(path)), path), ""
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        # AttributeError: a library without the expected symbols (a stale or foreign file).
+        return None, f"could not build or load {SOURCE.name}: {exc}"
+
+
+def _compiler() -> str | None:
+    named = os.environ.get("CC")
+    if named:
+        return shutil.which(named)
+    return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get(ENV_CACHE)
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvstrata"
+
+
+def library_path(compiler: str, folder: Path) -> Path:
+    """Where the library built from the current source by `compiler` lives in `folder`."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(_FLAGS).encode()):
+        digest.update(part)
+    digest.update(f"{platform.system()}-{platform.machine()}".encode())
+    return folder / "native" / f"page_copy-{digest.hexdigest()[:20]}.so"
+
+
+def _build(compiler: str, folder: Path) -> Path:
+    path = library_path(compiler, folder)
+    if path.exists():
+        return path
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=".building-", suffix=".so")
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *_FLAGS, "-o", partial, str(SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise OSError(f"{compiler} failed: {result.stderr.strip()[:500]}")
+        os.replace(partial, path)  # atomic: a concurrent build ends with one of two equal files
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return path

@@ -1,0 +1,169 @@
+"""The compiled page copies (`kvstrata.pool.native`): same bytes as the NumPy / torch paths for
+every family, dtype, page size and caller row stride, with and without non-temporal stores;
+and the loader (build once into the cache, reuse, the off switch, no compiler)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata.pool import native, page_io
+from kvstrata.pool.base import DevicePool
+from kvstrata.pool.errors import PoolError
+from kvstrata.testkit.pools import (
+    fill_random_bytes,
+    flat_pages,
+    make_mamba_pool,
+    make_mha_pool,
+    make_mla_pool,
+)
+
+needs_native = pytest.mark.skipif(
+    native.native_copies() is None, reason=f"no compiled copies: {native.native_status()}"
+)
+
+Factory = Callable[[torch.dtype, int], DevicePool]
+
+FAMILIES: dict[str, Factory] = {
+    # 3 layers x K/V x 2 heads x 4 dims: 16-byte pieces at bf16, not whole cache lines.
+    "mha": lambda dtype, page_size: make_mha_pool(
+        dtype=dtype, size=16 * page_size, page_size=page_size
+    ),
+    # 2 heads x 32 dims x 2 bytes = 128-byte rows: whole lines, the streamed stores apply.
+    "mha-lines": lambda dtype, page_size: make_mha_pool(
+        dtype=dtype, head_dim=32, size=16 * page_size, page_size=page_size
+    ),
+    "mha-two-stacks": lambda dtype, page_size: make_mha_pool(
+        dtype=dtype, v_head_dim=3, size=16 * page_size, page_size=page_size
+    ),
+    "mla": lambda dtype, page_size: make_mla_pool(
+        dtype=dtype, size=16 * page_size, page_size=page_size
+    ),
+    "mamba": lambda dtype, page_size: make_mamba_pool(conv_dtype=dtype, size=16),
+}
+CASES = [
+    (family, page_size)
+    for family in FAMILIES
+    for page_size in ((1,) if family == "mamba" else (1, 4))
+]
+
+
+def twins(family: str, dtype: torch.dtype, page_size: int) -> tuple[DevicePool, DevicePool]:
+    """A pool on the compiled path and one on the fallback, holding the same bytes."""
+    fast = FAMILIES[family](dtype, page_size)
+    with native.disabled():
+        slow = FAMILIES[family](dtype, page_size)
+    fill_random_bytes(fast, seed=3)
+    fill_random_bytes(slow, seed=3)
+    assert fast.native_page_copies and not slow.native_page_copies
+    return fast, slow
+
+
+@needs_native
+@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streamed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=str)
+@pytest.mark.parametrize(("family", "page_size"), CASES)
+def test_compiled_copies_move_the_same_bytes_as_the_fallback(
+    family: str, page_size: int, dtype: torch.dtype, stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(page_io, "STREAM_MIN_BYTES", 0 if stream else 1 << 62)
+    fast, slow = twins(family, dtype, page_size)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randperm(fast.num_pages - 1, generator=gen)[:9] + 1
+    ids[-1] = ids[0]  # a read may list a page twice
+    a = torch.empty((9, fast.page_size_bytes), dtype=torch.uint8)
+    b = torch.empty_like(a)
+    fast.read_pages(ids, a)
+    slow.read_pages(ids, b)
+    assert torch.equal(a, b)
+    assert torch.equal(a, flat_pages(fast, ids.tolist()))
+
+    targets = ids[:8]
+    src = torch.randint(0, 256, (8, fast.page_size_bytes), generator=gen, dtype=torch.uint8)
+    fast.write_pages(targets, src)
+    slow.write_pages(targets, src)
+    everything = range(fast.num_pages)
+    assert torch.equal(flat_pages(fast, everything), flat_pages(slow, everything))
+    assert torch.equal(flat_pages(fast, targets.tolist()), src)
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["mha-lines", "mha-two-stacks", "mamba"])
+def test_caller_rows_with_a_stride_and_int32_ids(family: str) -> None:
+    """Rows of the caller's buffer need not be back to back: bytes beside them stay as they
+    were, in both directions."""
+    fast, slow = twins(family, torch.bfloat16, 1)
+    ids = torch.tensor([5, 2, 9], dtype=torch.int32)
+    wide = torch.full((3, fast.page_size_bytes + 64), 0xEE, dtype=torch.uint8)
+    rows = wide[:, 32 : 32 + fast.page_size_bytes]
+    fast.read_pages(ids, rows)
+    assert torch.equal(rows, flat_pages(slow, ids.tolist()))
+    assert (wide[:, :32] == 0xEE).all() and (wide[:, -32:] == 0xEE).all()
+    rows.random_(0, 256)
+    fast.write_pages(ids, rows)
+    assert torch.equal(flat_pages(fast, ids.tolist()), rows)
+    untouched = [p for p in range(fast.num_pages) if p not in (5, 2, 9)]
+    assert torch.equal(flat_pages(fast, untouched), flat_pages(slow, untouched))
+
+
+@needs_native
+def test_errors_leave_the_pool_unchanged_on_the_compiled_path() -> None:
+    fast, _ = twins("mha-lines", torch.bfloat16, 4)
+    before = flat_pages(fast, range(fast.num_pages))
+    src = torch.ones((2, fast.page_size_bytes), dtype=torch.uint8)
+    for bad in (torch.tensor([1, fast.num_pages]), torch.tensor([0, 2]), torch.tensor([3, 3])):
+        with pytest.raises(PoolError):
+            fast.write_pages(bad, src)
+    assert torch.equal(flat_pages(fast, range(fast.num_pages)), before)
+
+
+def test_the_library_is_built_once_into_the_cache(tmp_path: Path) -> None:
+    copies, reason = native.load(tmp_path)
+    if copies is None:
+        pytest.skip(reason)
+    built = copies.path
+    assert built.parent == tmp_path / "native" and built.exists()
+    stamp = built.stat().st_mtime_ns
+    again, _ = native.load(tmp_path)
+    assert again is not None and again.path == built and built.stat().st_mtime_ns == stamp
+    assert [p.name for p in built.parent.iterdir()] == [built.name], "no partial files left"
+
+
+def test_the_switch_and_a_missing_compiler_keep_the_fallback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    copies, reason = native.load(tmp_path)
+    assert copies is None and native.ENV_SWITCH in reason
+    monkeypatch.delenv(native.ENV_SWITCH)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    copies, reason = native.load(tmp_path)
+    assert copies is None and "no C compiler" in reason
+    assert not (tmp_path / "native").exists()
+
+
+def test_a_failing_build_is_reported_not_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'cannot compile today' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    copies, reason = native.load(tmp_path / "cache")
+    assert copies is None and "cannot compile today" in reason
+    leftovers = list((tmp_path / "cache" / "native").iterdir())
+    assert leftovers == [], "a failed build leaves no partial library"
+
+
+def test_pools_made_inside_disabled_use_the_fallback() -> None:
+    with native.disabled():
+        inside = make_mha_pool()
+        with native.disabled():
+            assert native.native_copies() is None
+        assert native.native_copies() is None
+    after = make_mha_pool()
+    assert not inside.native_page_copies
+    assert after.native_page_copies == (native.native_copies() is not None)
