@@ -2,13 +2,15 @@
 backup-restore sequences, with `check_integrity()` and a layout model checked after every step.
 
 Each machine drives several allocators in lockstep: numpy checked (the reference), torch
-checked, and numpy unchecked. Every valid operation must return identical indices from all of
-them, so the backends and the unchecked path are tested against each other as well.
+checked, numpy unchecked and, for paged machines, numpy checked without the compiled decode
+round (`kvstrata.pool.native.disabled()`; the others use it when a C compiler exists). Every
+valid operation must return identical indices from all of them, so the backends and the
+unchecked path are tested against each other as well.
 
 The model keeps each request's slots in token order. After every step it checks, from scratch:
-token t of a request sits at offset t % P of its page; a request's tokens of one page index share
-one page and different page indices use different pages; no page belongs to two owners (requests,
-raw allocations, frees pending in a group); and available_size == free pages * P.
+token t of a request sits at offset t % P of its page; a request's tokens of one page index
+share one page and different page indices use different pages; no page belongs to two owners
+(requests, raw allocations, frees pending in a group); and available_size == free pages * P.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvstrata.allocator import (
     PagedAllocator,
     SWAAllocator,
 )
+from kvstrata.pool import native
 from kvstrata.testkit.allocators import idx, make_mamba, make_paged, make_swa
 
 NUM_PAGES = 12
@@ -79,6 +82,10 @@ class PagedMachine(RuleBasedStateMachine):
             make_paged(backend="torch", sorted_reuse=self.sorted_reuse, **kwargs),
             make_paged(backend="numpy", sorted_reuse=self.sorted_reuse, checked=False, **kwargs),
         ]
+        with native.disabled():  # the fused NumPy path, where the others run the C round
+            self.allocs.append(
+                make_paged(backend="numpy", sorted_reuse=self.sorted_reuse, **kwargs)
+            )
         self.model = Model()
         self.group_open = False
         self.saved: tuple[list[AllocatorState], Model] | None = None

@@ -46,6 +46,7 @@ from kvstrata.allocator.engine import (
     sample,
 )
 from kvstrata.allocator.errors import IntegrityError, InvalidRequest
+from kvstrata.allocator.native import FALLBACK, NativeDecode, native_decode
 from kvstrata.allocator.scratch import OutputSlab, Scratch
 
 __all__ = ["NumpyPageEngine"]
@@ -81,6 +82,17 @@ def _native(value: torch.Tensor, name: str) -> Ints:
     return as_index_tensor(value, name).to(device="cpu", dtype=torch.int64).numpy()
 
 
+def _plain(value: torch.Tensor) -> bool:
+    """A 1-D contiguous int64 CPU tensor (what the compiled paths read in place)."""
+    return (
+        type(value) is torch.Tensor
+        and value.dtype is torch.int64
+        and value.is_cpu
+        and value.dim() == 1
+        and value.is_contiguous()
+    )
+
+
 class NumpyPageEngine(PageEngine[Ints]):
     """Page engine whose free list, marks and arithmetic are numpy arrays in host memory."""
 
@@ -110,6 +122,11 @@ class NumpyPageEngine(PageEngine[Ints]):
         self._i64: Ints = np.arange(4096, dtype=np.int64)
         self._scratch = Scratch()
         self._outputs = OutputSlab()
+        # The compiled decode round (None without a C compiler): it works on these arrays in
+        # place, so their addresses are fixed for the engine's life (nothing rebinds them).
+        self._native = native_decode() if self._shift else None
+        self._stack_address = self._stack.ctypes.data
+        self._marks_address = self._marks.ctypes.data
         # page_size - 1 plus the sign bit (power-of-two pages only; see alloc_decode).
         self._signed_mask = np.int64((page_size - 1) - (1 << 63))
 
@@ -295,6 +312,10 @@ class NumpyPageEngine(PageEngine[Ints]):
         shift = self._shift
         if not shift:  # page size 1 (shift 0) or not a power of two
             return super().alloc_decode(seq_lens, last_loc, counters)
+        if self._native is not None:
+            done = self._compiled_decode(self._native, seq_lens, last_loc, counters)
+            if done is not None:
+                return done
         s = _native(seq_lens, "seq_lens")
         n = len(s)
         sc = self._scratch
@@ -350,6 +371,69 @@ class NumpyPageEngine(PageEngine[Ints]):
             out[opens] = np.left_shift(pages, shift, out=a[:num_new])
         return torch.from_numpy(out)
 
+    def _compiled_decode(
+        self,
+        native: NativeDecode,
+        seq_lens: torch.Tensor,
+        last_loc: torch.Tensor | None,
+        counters: AllocatorCounters,
+    ) -> torch.Tensor | None:
+        """The decode round in one C call (`decode.c`) for plain inputs (1-D contiguous int64
+        CPU tensors); None, with nothing changed, when the inputs or the round need the NumPy
+        path (a check fails, the stack runs short): it then raises or copes as it always did."""
+        if not _plain(seq_lens) or (last_loc is not None and not _plain(last_loc)):
+            return None
+        n = seq_lens.shape[0]
+        if last_loc is not None and last_loc.shape[0] != n:
+            return None
+        out, address = self._outputs.take_with_address(n)
+        taken = native.alloc_decode(
+            seq_lens.data_ptr(),
+            None if last_loc is None else last_loc.data_ptr(),
+            n,
+            self._shift,
+            self._marks_address if self.checked else None,
+            self.num_pages,
+            self._stack_address,
+            self._head,
+            self.capacity,
+            address,
+        )
+        if taken == FALLBACK:
+            return None
+        self._head += taken
+        counters.alloc_calls += 1
+        counters.allocated_slots += n
+        return torch.from_numpy(out)
+
+    def _compiled_free(
+        self, native: NativeDecode, indices: torch.Tensor, counters: AllocatorCounters
+    ) -> bool:
+        """A small free in one C call (`decode.c`): slots in distinct pages, plain input, no
+        free group, no sorted reuse. False, with nothing changed, when the NumPy path must run
+        (a check fails, a page repeats, the input or the state is not the plain case)."""
+        if self._pending is not None or self.sorted_reuse or not _plain(indices):
+            return False
+        m = indices.shape[0]
+        if m < 2 or m >= RUN_COLLAPSE_MIN:
+            return False
+        head = native.free_slots(
+            indices.data_ptr(),
+            m,
+            self._shift,
+            self._marks_address,
+            self.num_pages,
+            self.checked,
+            self._stack_address,
+            self._head,
+        )
+        if head == FALLBACK:
+            return False
+        self._head = head
+        counters.free_calls += 1
+        counters.freed_slots += m * self.page_size
+        return True
+
     def _raise_decode(self, s: Ints, loc: Ints, opens: Bools) -> NoReturn:
         """The fused decode check failed: raise what the plan path raises."""
         if np.count_nonzero(s < 1):
@@ -378,6 +462,9 @@ class NumpyPageEngine(PageEngine[Ints]):
         batch's output: one slot per page): straight-line code, every temporary in `Scratch`,
         about 9 numpy calls and one `numpy()`. Same checks, errors and effect, all checks
         before any change; other frees take the plan (with run collapsing when large)."""
+        native = self._native
+        if native is not None and self._compiled_free(native, indices, counters):
+            return
         x = _native(indices, "indices")
         m = len(x)
         shift = self._shift

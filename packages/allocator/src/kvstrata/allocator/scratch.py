@@ -73,20 +73,27 @@ class OutputSlab:
     once when made, so the pages are faulted in then rather than inside a timed call.
     """
 
-    __slots__ = ("_chunk", "_pos")
+    __slots__ = ("_address", "_chunk", "_pos")
 
     def __init__(self) -> None:
         self._chunk: Ints = np.empty(0, dtype=np.int64)
+        self._address = 0  # of the chunk's first entry
         self._pos = 0
 
     def take(self, n: int) -> Ints:
+        return self.take_with_address(n)[0]
+
+    def take_with_address(self, n: int) -> tuple[Ints, int]:
+        """`take(n)` and the address of its first entry (for compiled callers)."""
         if n > SLAB_MAX_TAKE:
-            return np.empty(n, dtype=np.int64)
+            big = np.empty(n, dtype=np.int64)
+            return big, big.ctypes.data
         pos = self._pos
         end = pos + n
         if end > len(self._chunk):
             self._chunk = np.zeros(SLAB_CHUNK_ENTRIES, dtype=np.int64)
             self._chunk.fill(0)  # np.zeros maps lazily: touch every page now
+            self._address = self._chunk.ctypes.data
             pos, end = 0, n
         self._pos = end
-        return self._chunk[pos:end]
+        return self._chunk[pos:end], self._address + 8 * pos

@@ -31,6 +31,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 SOURCE = Path(__file__).with_name("page_copy.c")
 
@@ -101,32 +102,57 @@ class NativeCopies:
         )
 
 
+class NativeBuild(NamedTuple):
+    """A compiled C source: the loaded library and its file, or None and why not."""
+
+    library: ctypes.CDLL | None
+    path: Path | None
+    reason: str
+
+
 _lock = threading.Lock()
-_state: tuple[NativeCopies | None, str] | None = None
-
-
+_builds: dict[Path, NativeBuild] = {}
+_copies: NativeCopies | None = None
 _disabled = 0
 
 
+def native_library(source: Path) -> NativeBuild:
+    """`source` built (or found in the cache) and loaded, once per process (thread-safe); a
+    build with no library inside `disabled()`. Other packages' C sources use this too (the
+    allocator's decode round)."""
+    with _lock:
+        if _disabled:
+            return NativeBuild(None, None, "inside native.disabled()")
+        found = _builds.get(source)
+        if found is None:
+            found = _builds[source] = build(source)
+        return found
+
+
 def native_copies() -> NativeCopies | None:
-    """The compiled copies, built or loaded on the first call of the process (thread-safe);
-    None when turned off, unavailable (see `native_status`) or inside `disabled()`. A pool
-    asks once, when it is made."""
-    if _disabled:
+    """The compiled page copies; None when turned off, unavailable (see `native_status`) or
+    inside `disabled()`. A pool asks once, when it is made."""
+    global _copies
+    made = native_library(SOURCE)
+    if made.library is None or made.path is None:
         return None
-    return _loaded()[0]
+    with _lock:
+        if _copies is None:
+            _copies = NativeCopies(made.library, made.path)
+        return _copies
 
 
 def native_status() -> str:
     """Either `native: <library path>` or `numpy: <why the compiled copies are not used>`."""
-    copies, reason = _loaded()
-    return f"native: {copies.path}" if copies is not None else f"numpy: {reason}"
+    made = native_library(SOURCE)
+    return f"native: {made.path}" if made.library is not None else f"numpy: {made.reason}"
 
 
 @contextmanager
 def disabled() -> Iterator[None]:
-    """Pools made inside this block keep the NumPy / torch paths (tests of the fallback, A/B
-    comparisons); pools made before or after are unaffected. Nests; not per thread."""
+    """Pools and allocators made inside this block keep their NumPy / torch paths (tests of
+    the fallback, A/B comparisons); those made before or after are unaffected. Nests; not per
+    thread."""
     global _disabled
     with _lock:
         _disabled += 1
@@ -137,29 +163,33 @@ def disabled() -> Iterator[None]:
             _disabled -= 1
 
 
-def _loaded() -> tuple[NativeCopies | None, str]:
-    global _state
-    with _lock:
-        if _state is None:
-            _state = load()
-        return _state
-
-
 def load(cache_dir: Path | None = None) -> tuple[NativeCopies | None, str]:
-    """Build (or find in the cache) and load the library; (None, reason) when it cannot be.
-    `native_copies()` calls this once per process; tests call it directly."""
+    """Build (or find in `cache_dir`) the page copies, bypassing the process cache; (None,
+    reason) when they cannot be. For tests."""
+    made = build(SOURCE, cache_dir)
+    if made.library is None or made.path is None:
+        return None, made.reason
+    try:
+        return NativeCopies(made.library, made.path), ""
+    except AttributeError as exc:  # a library without the expected symbols
+        return None, f"{made.path} lacks a symbol: {exc}"
+
+
+def build(source: Path, cache_dir: Path | None = None) -> NativeBuild:
+    """Compile `source` (plain C) into a shared library in the cache folder, unless a build of
+    the same source, compiler and machine is there, and load it. Never raises for a missing
+    compiler, a failed build or a library that will not load: the reason is returned."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None, f"turned off by {ENV_SWITCH}=0"
+        return NativeBuild(None, None, f"turned off by {ENV_SWITCH}=0")
     compiler = _compiler()
     if compiler is None:
-        return None, "no C compiler ($CC, cc, gcc or clang) on PATH"
+        return NativeBuild(None, None, "no C compiler ($CC, cc, gcc or clang) on PATH")
     folder = cache_dir if cache_dir is not None else _cache_dir()
     try:
-        path = _build(compiler, folder)
-        return NativeCopies(ctypes.CDLL(str(path)), path), ""
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        # AttributeError: a library without the expected symbols (a stale or foreign file).
-        return None, f"could not build or load {SOURCE.name}: {exc}"
+        path = _build(source, compiler, folder)
+        return NativeBuild(ctypes.CDLL(str(path)), path, "")
+    except (OSError, subprocess.SubprocessError) as exc:
+        return NativeBuild(None, None, f"could not build or load {source.name}: {exc}")
 
 
 def _compiler() -> str | None:
@@ -177,17 +207,17 @@ def _cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvstrata"
 
 
-def library_path(compiler: str, folder: Path) -> Path:
-    """Where the library built from the current source by `compiler` lives in `folder`."""
+def library_path(source: Path, compiler: str, folder: Path) -> Path:
+    """Where the library built from `source` (as it reads now) by `compiler` lives."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(_FLAGS).encode()):
+    for part in (source.read_bytes(), compiler.encode(), " ".join(_FLAGS).encode()):
         digest.update(part)
     digest.update(f"{platform.system()}-{platform.machine()}".encode())
-    return folder / "native" / f"page_copy-{digest.hexdigest()[:20]}.so"
+    return folder / "native" / f"{source.stem}-{digest.hexdigest()[:20]}.so"
 
 
-def _build(compiler: str, folder: Path) -> Path:
-    path = library_path(compiler, folder)
+def _build(source: Path, compiler: str, folder: Path) -> Path:
+    path = library_path(source, compiler, folder)
     if path.exists():
         return path
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -195,7 +225,7 @@ def _build(compiler: str, folder: Path) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *_FLAGS, "-o", partial, str(SOURCE)],
+            [compiler, *_FLAGS, "-o", partial, str(source)],
             capture_output=True,
             text=True,
             timeout=120,
