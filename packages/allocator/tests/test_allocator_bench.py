@@ -30,7 +30,7 @@ def test_quick_run_prints_one_line_per_configuration(capsys: pytest.CaptureFixtu
     for record in lines:
         assert {"workload", "page_size", "tokens_per_s", "calls_per_s", "ratio"} <= set(record)
         assert record["tokens_per_s"] > 0 and record["peer_tokens_per_s"] is None
-        assert set(record["variants"]) == {"numpy", "numpy-unchecked", "torch"}
+        assert set(record["variants"]) == {"numpy", "numpy-unchecked", "numpy-nocompile", "torch"}
         assert "check_cost" in record
 
 

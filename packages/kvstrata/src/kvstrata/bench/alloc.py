@@ -18,8 +18,10 @@ reproduced number for number:
   one torch thread; pool of 2,097,152 tokens.
 
 Variants of ours, each measured on the same rounds: `numpy` (the default CPU backend, checked:
-the headline figure), `numpy-unchecked` (`checked=False`: what the validation costs) and
-`torch` (the backend CUDA uses, here on CPU).
+the headline figure; its decode round runs compiled when the machine has a C compiler, see
+`kvstrata.allocator.native`), `numpy-unchecked` (`checked=False`: what the validation costs),
+`numpy-nocompile` (the fused NumPy decode round the compiled one replaces) and `torch` (the
+backend CUDA uses, here on CPU).
 
 The peer runs in its own venv (`shared/bench/peer/setup.sh`) as one long-lived subprocess
 (`PEER_DRIVER`: it imports `alloc_bench.py` and calls that script's own `make_allocator`,
@@ -47,7 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -59,6 +61,7 @@ from kvstrata.allocator import PagedAllocator, TokenAllocator
 from kvstrata.allocator.engine import Backend
 from kvstrata.bench.pageio import run_page_io
 from kvstrata.bench.report import emit, environment, pin_threads, ratio
+from kvstrata.pool import native
 
 __all__ = ["main"]
 
@@ -76,11 +79,14 @@ Ints = npt.NDArray[np.int64]
 class Variant:
     backend: Backend
     checked: bool
+    #: Whether the allocator may use the compiled decode round (`kvstrata.allocator.native`).
+    compiled: bool = True
 
 
 VARIANTS: dict[str, Variant] = {
     "numpy": Variant(backend="numpy", checked=True),
     "numpy-unchecked": Variant(backend="numpy", checked=False),
+    "numpy-nocompile": Variant(backend="numpy", checked=True, compiled=False),
     "torch": Variant(backend="torch", checked=True),
 }
 
@@ -116,6 +122,9 @@ def decode_rounds(seed: int, rounds: int) -> list[Ints]:
 
 
 def make_allocator(variant: Variant, page_size: int, pool_tokens: int) -> PagedAllocator:
+    if not variant.compiled:
+        with native.disabled():
+            return make_allocator(replace(variant, compiled=True), page_size, pool_tokens)
     if page_size == 1:
         return TokenAllocator(size=pool_tokens, checked=variant.checked, backend=variant.backend)
     return PagedAllocator(
