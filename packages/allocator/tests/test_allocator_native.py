@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvstrata.allocator import PagedAllocator
+from kvstrata.allocator.errors import IntegrityError
 from kvstrata.allocator.native import native_decode
 from kvstrata.pool import native
 from kvstrata.testkit.allocators import idx, make_paged
@@ -142,3 +143,18 @@ def test_a_short_stack_with_released_pages_and_exhaustion() -> None:
     both(fast, slow, lambda a: a.free(idx(held[::4][:3])))  # 3 pages released, not stacked
     both(fast, slow, lambda a: a.alloc_decode(idx([1, 5, 9]), None))  # needs the released ones
     both(fast, slow, lambda a: a.alloc_decode(idx([1]), None))  # none left: None
+
+
+def test_an_unchecked_double_free_never_drives_the_c_round_off_the_stack() -> None:
+    # Unchecked + sorted reuse does not see a double free; the merge of released pages used to
+    # set a negative head before failing, and the C round then read before the stack array.
+    fast, slow = twins(page_size=2, num_pages=4, checked=False, sorted_reuse=True)
+    both(fast, slow, lambda a: a.alloc(6))
+    both(fast, slow, lambda a: a.free(idx([2, 4])))
+    for a in (fast, slow):
+        a.free(idx([2, 4]))  # the caller's bug, unseen (check_integrity would now fail)
+    for _ in range(2):
+        for a in (fast, slow):
+            with pytest.raises(IntegrityError, match="freed twice"):
+                a.alloc_decode(idx([1, 1, 1]), None)
+            assert a._engine._head >= 0  # type: ignore[attr-defined]

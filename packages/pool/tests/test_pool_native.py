@@ -4,6 +4,7 @@ and the loader (build once into the cache, reuse, the off switch, no compiler)."
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 
 from kvstrata.pool import native, page_io
 from kvstrata.pool.base import DevicePool
-from kvstrata.pool.errors import PoolError
+from kvstrata.pool.errors import BufferMismatch, PoolError
 from kvstrata.testkit.pools import (
     fill_random_bytes,
     flat_pages,
@@ -135,9 +136,10 @@ def test_the_library_is_built_once_into_the_cache(tmp_path: Path) -> None:
 def test_the_switch_and_a_missing_compiler_keep_the_fallback(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(native.ENV_SWITCH, "0")
-    copies, reason = native.load(tmp_path)
-    assert copies is None and native.ENV_SWITCH in reason
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv(native.ENV_SWITCH, off)
+        copies, reason = native.load(tmp_path)
+        assert copies is None and native.ENV_SWITCH in reason
     monkeypatch.delenv(native.ENV_SWITCH)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     copies, reason = native.load(tmp_path)
@@ -148,6 +150,7 @@ def test_the_switch_and_a_missing_compiler_keep_the_fallback(
 def test_a_failing_build_is_reported_not_raised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\necho 'cannot compile today' >&2\nexit 1\n")
     fake.chmod(0o755)
@@ -167,3 +170,55 @@ def test_pools_made_inside_disabled_use_the_fallback() -> None:
     after = make_mha_pool()
     assert not inside.native_page_copies
     assert after.native_page_copies == (native.native_copies() is not None)
+
+
+@needs_native
+def test_a_corrupt_cached_library_is_rebuilt_and_a_shared_folder_refused(tmp_path: Path) -> None:
+    # A file at the cache name that was never loaded (rewriting a loaded library in place
+    # would pull pages from under this process: the builder only ever renames new files in).
+    compiler = native._compiler()  # pyright: ignore[reportPrivateUsage]
+    assert compiler is not None
+    planted = native.library_path(native.SOURCE, compiler, tmp_path)
+    planted.parent.mkdir(parents=True, mode=0o700)
+    planted.write_bytes(b"\x7fELF truncated")
+    again, reason = native.load(tmp_path)
+    assert again is not None, reason
+    assert again.path == planted and planted.stat().st_size > 1000
+    shared = tmp_path / "shared"
+    (shared / "native").mkdir(parents=True)
+    (shared / "native").chmod(0o777)
+    copies, reason = native.load(shared)
+    assert copies is None and "not private" in reason
+
+
+@needs_native
+def test_a_cxx_compiler_or_a_compiler_with_arguments_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`extern "C"` keeps the symbols unmangled under a C++ compiler; `$CC` may carry
+    arguments (`ccache gcc`)."""
+    for cc in ("c++", "g++", "clang++"):
+        if shutil.which(cc):
+            monkeypatch.setenv("CC", f"{cc} -x c++")
+            copies, reason = native.load(tmp_path / cc)
+            assert copies is not None, reason
+            break
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None
+    monkeypatch.setenv("CC", f"{compiler} -O2")
+    copies, reason = native.load(tmp_path / "with-args")
+    assert copies is not None, reason
+
+
+@needs_native
+def test_a_buffer_inside_the_pool_is_refused_on_every_path() -> None:
+    fast, slow = twins("mha-lines", torch.bfloat16, 1)
+    for pool in (fast, slow):
+        stack = pool.layer_buffers()[0].view(torch.uint8)
+        inside = stack.reshape(-1)[: 2 * pool.page_size_bytes].view(2, pool.page_size_bytes)
+        before = flat_pages(pool, range(pool.num_pages))
+        with pytest.raises(BufferMismatch, match="overlaps"):
+            pool.read_pages(torch.tensor([3, 4]), inside)
+        with pytest.raises(BufferMismatch, match="overlaps"):
+            pool.write_pages(torch.tensor([3, 4]), inside)
+        assert torch.equal(flat_pages(pool, range(pool.num_pages)), before)

@@ -12,6 +12,10 @@
 
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define KV_FALLBACK (-1)
 #define KV_FREE (-1)
 
@@ -21,6 +25,9 @@ int64_t kv_alloc_decode(const int64_t *seq, const int64_t *loc, int64_t n, int64
                         int32_t *marks, int64_t num_pages, const int64_t *stack, int64_t head,
                         int64_t capacity, int64_t *out) {
     const int64_t mask = ((int64_t)1 << shift) - 1;
+    if (head < 0 || head > capacity || shift < 1 || shift > 40) {
+        return KV_FALLBACK; /* a state the NumPy path must judge (or a corrupt one) */
+    }
     int64_t num_new = 0;
     for (int64_t i = 0; i < n; i++) {
         if (seq[i] < 1) {
@@ -65,8 +72,8 @@ int64_t kv_alloc_decode(const int64_t *seq, const int64_t *loc, int64_t n, int64
    handed out (marks >= 0) and is marked FREE. */
 int64_t kv_free_slots(const int64_t *slots, int64_t m, int64_t shift, int32_t *marks,
                       int64_t num_pages, int64_t checked, int64_t *stack, int64_t head) {
-    if (m > head) {
-        return KV_FALLBACK; /* more pages than were handed out: a double free */
+    if (m > head || head > num_pages - 1 || shift < 1 || shift > 40) {
+        return KV_FALLBACK; /* more pages than were handed out (a double free), or a bad state */
     }
     for (int64_t i = 0; i < m; i++) {
         int64_t page = slots[i] >> shift;
@@ -94,3 +101,7 @@ int64_t kv_free_slots(const int64_t *slots, int64_t m, int64_t shift, int32_t *m
     }
     return base;
 }
+
+#ifdef __cplusplus
+}
+#endif

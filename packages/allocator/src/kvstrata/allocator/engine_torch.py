@@ -319,8 +319,13 @@ class TorchPageEngine(PageEngine[torch.Tensor]):
     def _merge_released(self) -> None:
         live = torch.cat((self._stack[self._head :], self._released[: self._num_released]))
         live = torch.sort(live).values
-        self._head = self.capacity - len(live)
-        self._stack[self._head :] = live
+        head = self.capacity - len(live)
+        if head < 0:  # only an unchecked allocator gets here: it does not see double frees
+            raise IntegrityError(
+                f"{len(live)} free pages in a pool of {self.capacity}: a page was freed twice"
+            )
+        self._stack[head:] = live
+        self._head = head
         self._num_released = 0
 
     def _set_free(self, pages: torch.Tensor, *, free: bool) -> None:

@@ -98,7 +98,7 @@ def check_index_range(
         return
     duplicate = False
     if ids.device.type == "cpu":
-        values = ids.numpy()
+        values = ids.numpy().reshape(-1)
         if distinct and len(values) > 1:
             ordered = np.sort(values)
             lo, hi = int(ordered[0]), int(ordered[-1])
@@ -121,7 +121,7 @@ def check_distinct(ids: torch.Tensor, *, what: str) -> None:
     if ids.numel() < 2:
         return
     if ids.device.type == "cpu":
-        ordered = np.sort(ids.numpy())
+        ordered = np.sort(ids.numpy().reshape(-1))
         duplicate = bool(np.count_nonzero(ordered[1:] == ordered[:-1]))
     else:
         duplicate = torch.unique(ids).numel() != ids.numel()
@@ -278,6 +278,15 @@ class DevicePool(ABC):
             raise BufferMismatch(
                 f"{what} rows must each be contiguous and not overlap; strides {buf.stride()}"
             )
+        if n and buf.device == self.device:
+            # A buffer inside the pool's own memory would copy pages onto themselves: refused
+            # (the copy routines assume source and destination do not overlap).
+            lo = buf.data_ptr()
+            hi = lo + (n - 1) * buf.stride(0) + self.page_size_bytes
+            for stack in self._pages.stack_tensors():
+                start = stack.data_ptr()
+                if lo < start + stack.numel() * stack.element_size() and start < hi:
+                    raise BufferMismatch(f"{what} overlaps the pool's own memory")
 
     # --- integrity -----------------------------------------------------------------------------
 

@@ -24,7 +24,9 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -138,14 +140,21 @@ def native_copies() -> NativeCopies | None:
         return None
     with _lock:
         if _copies is None:
-            _copies = NativeCopies(made.library, made.path)
+            try:
+                _copies = NativeCopies(made.library, made.path)
+            except AttributeError:  # no such symbol: see native_status
+                return None
         return _copies
 
 
 def native_status() -> str:
     """Either `native: <library path>` or `numpy: <why the compiled copies are not used>`."""
     made = native_library(SOURCE)
-    return f"native: {made.path}" if made.library is not None else f"numpy: {made.reason}"
+    if made.library is None:
+        return f"numpy: {made.reason}"
+    if native_copies() is None:
+        return f"numpy: {made.path} lacks kv_gather / kv_scatter (built as C++?)"
+    return f"native: {made.path}"
 
 
 @contextmanager
@@ -177,26 +186,42 @@ def load(cache_dir: Path | None = None) -> tuple[NativeCopies | None, str]:
 
 def build(source: Path, cache_dir: Path | None = None) -> NativeBuild:
     """Compile `source` (plain C) into a shared library in the cache folder, unless a build of
-    the same source, compiler and machine is there, and load it. Never raises for a missing
-    compiler, a failed build or a library that will not load: the reason is returned."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return NativeBuild(None, None, f"turned off by {ENV_SWITCH}=0")
+    the same source, compiler and machine is there, and load it. A cached file that will not
+    load is rebuilt once. Never raises for a missing compiler, a failed build, a cache folder
+    others can write to, or a library that will not load: the reason is returned."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in _OFF:
+        return NativeBuild(None, None, f"turned off by {ENV_SWITCH}")
     compiler = _compiler()
     if compiler is None:
         return NativeBuild(None, None, "no C compiler ($CC, cc, gcc or clang) on PATH")
     folder = cache_dir if cache_dir is not None else _cache_dir()
     try:
-        path = _build(source, compiler, folder)
+        path = library_path(source, compiler, folder)
+        _private_folder(path.parent)
+        if path.exists():
+            try:
+                return NativeBuild(ctypes.CDLL(str(path)), path, "")
+            except OSError:
+                path.unlink()  # corrupt or truncated: build it again
+        _compile(source, compiler, path)
         return NativeBuild(ctypes.CDLL(str(path)), path, "")
-    except (OSError, subprocess.SubprocessError) as exc:
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
         return NativeBuild(None, None, f"could not build or load {source.name}: {exc}")
 
 
-def _compiler() -> str | None:
-    named = os.environ.get("CC")
+#: Values of KVSTRATA_NATIVE that turn the compiled paths off.
+_OFF = frozenset({"0", "false", "no", "off"})
+
+
+def _compiler() -> list[str] | None:
+    """The compiler command: `$CC` split like a shell would (`ccache gcc` works), else the
+    first of cc, gcc, clang on PATH; None when there is none."""
+    named = shlex.split(os.environ.get("CC", ""))
     if named:
-        return shutil.which(named)
-    return shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        found = shutil.which(named[0])
+        return [found, *named[1:]] if found else None
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return [found] if found else None
 
 
 def _cache_dir() -> Path:
@@ -207,34 +232,41 @@ def _cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvstrata"
 
 
-def library_path(source: Path, compiler: str, folder: Path) -> Path:
+def _private_folder(folder: Path) -> None:
+    """Create `folder` (mode 0700) and refuse one that another user owns or others may write
+    to: whatever library sits in it gets loaded into this process."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(
+            f"cache folder {folder} is not private to this user (owner {info.st_uid}, "
+            f"mode {stat.S_IMODE(info.st_mode):o}); set {ENV_CACHE} to one that is"
+        )
+
+
+def library_path(source: Path, compiler: list[str], folder: Path) -> Path:
     """Where the library built from `source` (as it reads now) by `compiler` lives."""
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), compiler.encode(), " ".join(_FLAGS).encode()):
+    for part in (source.read_bytes(), " ".join(compiler).encode(), " ".join(_FLAGS).encode()):
         digest.update(part)
     digest.update(f"{platform.system()}-{platform.machine()}".encode())
     return folder / "native" / f"{source.stem}-{digest.hexdigest()[:20]}.so"
 
 
-def _build(source: Path, compiler: str, folder: Path) -> Path:
-    path = library_path(source, compiler, folder)
-    if path.exists():
-        return path
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+def _compile(source: Path, compiler: list[str], path: Path) -> None:
     fd, partial = tempfile.mkstemp(dir=path.parent, prefix=".building-", suffix=".so")
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *_FLAGS, "-o", partial, str(source)],
+            [*compiler, *_FLAGS, "-o", partial, str(source)],
             capture_output=True,
             text=True,
             timeout=120,
             check=False,
         )
         if result.returncode != 0:
-            raise OSError(f"{compiler} failed: {result.stderr.strip()[:500]}")
+            raise OSError(f"{' '.join(compiler)} failed: {result.stderr.strip()[:500]}")
         os.replace(partial, path)  # atomic: a concurrent build ends with one of two equal files
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
-    return path

@@ -21,6 +21,10 @@
 #define KV_STREAM 1
 #endif
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 #define PREFETCH_AHEAD 8
 /* Lines of a piece the gather prefetches: past the first ones the hardware streamer follows. */
 #define PREFETCH_BYTES 2048
@@ -93,3 +97,7 @@ void kv_scatter(uint8_t *stack, int64_t num_pages, int64_t w, int64_t nb, const 
     }
     fence((int)stream);
 }
+
+#ifdef __cplusplus
+}
+#endif
