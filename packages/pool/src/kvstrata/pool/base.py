@@ -155,6 +155,8 @@ class DevicePool(ABC):
         self.store_dtype = store_dtype(dtype)
         self.counters = PageIOCounters()
         self._layout: PageLayout | None = None
+        self._page_size_bytes = 0  # set once the buffers are bound
+        self._stack_spans: list[tuple[int, int]] = []
 
     def _bind_stacks(self, stacks: Sequence[BufferStack]) -> None:
         """Called once by the subclass after allocating its buffer stacks."""
@@ -163,6 +165,12 @@ class DevicePool(ABC):
             f"buffers hold {self._layout.page_size_bytes} bytes a page, the spec says "
             f"{self.page_size_bytes}: the subclass allocated the wrong shapes"
         )
+        self._page_size_bytes = self._layout.page_size_bytes
+        #: [start, end) addresses of each buffer stack (for the caller-buffer overlap check).
+        self._stack_spans = [
+            (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+            for t in self._layout.stack_tensors()
+        ]
 
     @property
     def _pages(self) -> PageLayout:
@@ -178,8 +186,10 @@ class DevicePool(ABC):
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes of one flat page: bytes_per_token * page_size."""
-        return self.bytes_per_token * self.page_size
+        """Bytes of one flat page: bytes_per_token * page_size (kept once the buffers exist:
+        every page I/O call reads it several times)."""
+        known = self._page_size_bytes
+        return known if known else self.bytes_per_token * self.page_size
 
     @property
     def size_bytes(self) -> int:
@@ -283,9 +293,8 @@ class DevicePool(ABC):
             # (the copy routines assume source and destination do not overlap).
             lo = buf.data_ptr()
             hi = lo + (n - 1) * buf.stride(0) + self.page_size_bytes
-            for stack in self._pages.stack_tensors():
-                start = stack.data_ptr()
-                if lo < start + stack.numel() * stack.element_size() and start < hi:
+            for start, end in self._stack_spans:
+                if lo < end and start < hi:
                     raise BufferMismatch(f"{what} overlaps the pool's own memory")
 
     # --- integrity -----------------------------------------------------------------------------

@@ -54,54 +54,22 @@ _PTR = ctypes.c_void_p
 
 
 class NativeCopies:
-    """The compiled `kv_gather` / `kv_scatter` (see `page_copy.c` for the exact contract).
-    Arguments are raw addresses and byte counts: callers pass validated, live buffers."""
+    """The compiled `kv_gather` / `kv_scatter` (see `page_copy.c` for the exact contract), as
+    ctypes functions taking raw addresses and byte counts, positionally:
+
+        gather(out, row, offset, stride, stack, num_pages, width, num_buffers, ids, n, stream)
+        scatter(stack, num_pages, width, num_buffers, src, row, offset, stride, ids, n, stream)
+
+    piece (b, ids[i]) of `stack` <-> `out/src + i * row + offset + b * stride`. Callers pass
+    validated, live buffers: the C code trusts them."""
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self._gather = library.kv_gather
-        self._scatter = library.kv_scatter
-        self._gather.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64]
-        self._scatter.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64]
-        self._gather.restype = self._scatter.restype = None
-
-    def gather(
-        self,
-        *,
-        out: int,
-        row: int,
-        offset: int,
-        stride: int,
-        stack: int,
-        num_pages: int,
-        width: int,
-        num_buffers: int,
-        ids: int,
-        n: int,
-        stream: bool,
-    ) -> None:
-        """Piece (b, ids[i]) of `stack` -> `out + i * row + offset + b * stride`."""
-        self._gather(out, row, offset, stride, stack, num_pages, width, num_buffers, ids, n, stream)
-
-    def scatter(
-        self,
-        *,
-        stack: int,
-        num_pages: int,
-        width: int,
-        num_buffers: int,
-        src: int,
-        row: int,
-        offset: int,
-        stride: int,
-        ids: int,
-        n: int,
-        stream: bool,
-    ) -> None:
-        """`src + i * row + offset + b * stride` -> piece (b, ids[i]) of `stack`."""
-        self._scatter(
-            stack, num_pages, width, num_buffers, src, row, offset, stride, ids, n, stream
-        )
+        self.gather = library.kv_gather
+        self.scatter = library.kv_scatter
+        self.gather.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64]
+        self.scatter.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64]
+        self.gather.restype = self.scatter.restype = None
 
 
 class NativeBuild(NamedTuple):

@@ -128,6 +128,19 @@ class PageLayout:
         cpu = self._stacks[0].tensor.device.type == "cpu"
         self._numpy_views = [v.numpy() for v in self._page_views] if cpu else None
         self._native = native_copies() if cpu else None
+        # Per stack, the C copies' fixed arguments: address, pages, piece width, buffers,
+        # and where its pieces sit in a flat page (offset, stride).
+        self._native_stacks = [
+            (
+                s.tensor.data_ptr(),
+                self.num_pages,
+                w,
+                s.tensor.shape[0],
+                s.page_offset,
+                s.page_stride,
+            )
+            for s, w in zip(self._stacks, self._widths, strict=True)
+        ]
         # The one-piece path needs the flat page to be one stack's pieces in buffer order.
         self._pieces: _Pieces | None = None
         if cpu and len(self._stacks) == 1:
@@ -219,24 +232,18 @@ class PageLayout:
         native = self._native
         assert native is not None, "_native_copy without the compiled copies"
         ids = page_ids.contiguous()  # kept alive across the calls: they read its memory
-        n = ids.numel()
+        n = ids.shape[0]
         stream = n * self.page_size_bytes >= STREAM_MIN_BYTES
-        for s, width in zip(self._stacks, self._widths, strict=True):
-            geometry = {
-                "num_pages": self.num_pages,
-                "width": width,
-                "num_buffers": s.tensor.shape[0],
-                "row": flat.stride(0),
-                "offset": s.page_offset,
-                "stride": s.page_stride,
-                "ids": ids.data_ptr(),
-                "n": n,
-                "stream": stream,
-            }
+        ids_at, flat_at, row = ids.data_ptr(), flat.data_ptr(), flat.stride(0)
+        for at, num_pages, width, buffers, offset, stride in self._native_stacks:
             if gather:
-                native.gather(out=flat.data_ptr(), stack=s.tensor.data_ptr(), **geometry)
+                native.gather(
+                    flat_at, row, offset, stride, at, num_pages, width, buffers, ids_at, n, stream
+                )
             else:
-                native.scatter(src=flat.data_ptr(), stack=s.tensor.data_ptr(), **geometry)
+                native.scatter(
+                    at, num_pages, width, buffers, flat_at, row, offset, stride, ids_at, n, stream
+                )
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
