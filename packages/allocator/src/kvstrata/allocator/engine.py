@@ -175,6 +175,17 @@ class PageEngine(ABC, Generic[A]):
     def num_pending_pages(self) -> int:
         return self._num_pending
 
+    def _merged_head(self, num_live: int) -> int:
+        """Where the stack starts once `num_live` free pages are merged onto it (sorted reuse);
+        IntegrityError, before any change, when more pages are free than the pool holds (only
+        an unchecked allocator, which does not see double frees, gets there)."""
+        head = self.capacity - num_live
+        if head < 0:
+            raise IntegrityError(
+                f"{num_live} free pages in a pool of {self.capacity}: a page was freed twice"
+            )
+        return head
+
     @property
     def group_open(self) -> bool:
         return self._pending is not None

@@ -319,11 +319,7 @@ class TorchPageEngine(PageEngine[torch.Tensor]):
     def _merge_released(self) -> None:
         live = torch.cat((self._stack[self._head :], self._released[: self._num_released]))
         live = torch.sort(live).values
-        head = self.capacity - len(live)
-        if head < 0:  # only an unchecked allocator gets here: it does not see double frees
-            raise IntegrityError(
-                f"{len(live)} free pages in a pool of {self.capacity}: a page was freed twice"
-            )
+        head = self._merged_head(len(live))
         self._stack[head:] = live
         self._head = head
         self._num_released = 0
