@@ -17,7 +17,7 @@ from kvstrata.pool import (
     InvalidArgument,
     ReservedIndex,
 )
-from kvstrata.pool.base import DevicePool
+from kvstrata.pool.base import DevicePool, check_distinct, check_index_range
 from kvstrata.testkit.pools import (
     POOL_DTYPES,
     fill_random_bytes,
@@ -346,3 +346,16 @@ def test_page_id_checks_keep_their_order_on_every_id_dtype_and_layout() -> None:
     out = torch.empty_like(src)
     pool.read_pages(torch.tensor([2, 2, 1], dtype=torch.int32), out)  # reads may repeat
     assert torch.equal(out[0], out[1])
+
+
+def test_id_checks_see_every_entry_of_a_multi_dimensional_tensor() -> None:
+    # check_distinct sorts the flattened ids: a repeat across rows is still a repeat.
+    with pytest.raises(DuplicateIndex):
+        check_distinct(torch.tensor([[1, 2], [3, 2]]), what="ids")
+    with pytest.raises(DuplicateIndex):
+        check_index_range(
+            torch.tensor([[1, 2], [3, 2]]), limit=9, what="ids", allow_zero=False, distinct=True
+        )
+    with pytest.raises(IndexOutOfRange):
+        check_index_range(torch.tensor(12), limit=9, what="ids", allow_zero=False, distinct=True)
+    check_distinct(torch.tensor([[1, 2], [3, 4]]), what="ids")
