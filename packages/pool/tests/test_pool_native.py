@@ -5,6 +5,7 @@ and the loader (build once into the cache, reuse, the off switch, no compiler)."
 from __future__ import annotations
 
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -222,3 +223,27 @@ def test_a_buffer_inside_the_pool_is_refused_on_every_path() -> None:
         with pytest.raises(BufferMismatch, match="overlaps"):
             pool.write_pages(torch.tensor([3, 4]), inside)
         assert torch.equal(flat_pages(pool, range(pool.num_pages)), before)
+
+
+def test_no_home_and_an_open_parent_folder_fall_back_with_a_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(native.ENV_CACHE, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    made = native.build(native.SOURCE)
+    assert made.library is None and "home directory" in made.reason
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)  # no sticky bit: "native" below it could be swapped
+    made = native.build(native.SOURCE, open_parent)
+    assert made.library is None and "sticky" in made.reason
+    open_parent.chmod(0o777 | stat.S_ISVTX)  # like /tmp: fine
+    made = native.build(native.SOURCE, open_parent)
+    if native.native_copies() is not None:  # this machine has a compiler
+        assert made.library is not None, made.reason

@@ -303,7 +303,9 @@ class DevicePool(ABC):
         """Assert the buffer geometry this pool promises (shapes, dtypes, device, page size).
         Reads no buffer contents; mutates nothing."""
         layout = self._pages
-        assert layout.page_size_bytes == self.page_size_bytes, "flat page size drifted"
+        assert layout.page_size_bytes == self.bytes_per_token * self.page_size, (
+            "flat page size drifted"
+        )
         for i, buf in enumerate(layout.buffers):
             assert buf.shape[0] == self.num_rows, f"buffer {i} has {buf.shape[0]} rows"
             assert buf.device == self.device, f"buffer {i} is on {buf.device}"

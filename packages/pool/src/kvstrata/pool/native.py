@@ -162,8 +162,8 @@ def build(source: Path, cache_dir: Path | None = None) -> NativeBuild:
     compiler = _compiler()
     if compiler is None:
         return NativeBuild(None, None, "no C compiler ($CC, cc, gcc or clang) on PATH")
-    folder = cache_dir if cache_dir is not None else _cache_dir()
     try:
+        folder = cache_dir if cache_dir is not None else _cache_dir()
         path = library_path(source, compiler, folder)
         _private_folder(path.parent)
         if path.exists():
@@ -173,7 +173,8 @@ def build(source: Path, cache_dir: Path | None = None) -> NativeBuild:
                 path.unlink()  # corrupt or truncated: build it again
         _compile(source, compiler, path)
         return NativeBuild(ctypes.CDLL(str(path)), path, "")
-    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+    except (OSError, subprocess.SubprocessError, ValueError, RuntimeError) as exc:
+        # RuntimeError: Path.home() with neither $HOME nor a passwd entry.
         return NativeBuild(None, None, f"could not build or load {source.name}: {exc}")
 
 
@@ -196,8 +197,9 @@ def _cache_dir() -> Path:
     explicit = os.environ.get(ENV_CACHE)
     if explicit:
         return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvstrata"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec: a relative value is invalid and ignored.
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "kvstrata"
 
 
 def _private_folder(folder: Path) -> None:
@@ -209,6 +211,14 @@ def _private_folder(folder: Path) -> None:
         raise ValueError(
             f"cache folder {folder} is not private to this user (owner {info.st_uid}, "
             f"mode {stat.S_IMODE(info.st_mode):o}); set {ENV_CACHE} to one that is"
+        )
+    # Whoever may write to the folder above could rename this one away and put another in its
+    # place; a sticky folder (like /tmp) lets only the owner do that.
+    above = folder.parent.stat()
+    if above.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not above.st_mode & stat.S_ISVTX:
+        raise ValueError(
+            f"{folder.parent} is writable by others without the sticky bit, so {folder.name} "
+            f"could be replaced; set {ENV_CACHE} to a private folder"
         )
 
 
