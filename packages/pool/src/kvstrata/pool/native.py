@@ -5,17 +5,21 @@ places (one per page and layer buffer), and every NumPy or torch gather copies t
 `memcpy` at a time, each waiting on its own cache misses: 0.5-0.65 of a contiguous copy of the
 same bytes on the 2-core benchmark machine, whatever the call. The C loop keeps misses in
 flight (software prefetch of the piece 8 positions ahead) and writes large copies with
-non-temporal stores (no read of the destination lines first): 1.0-1.2 of that copy at page
-sizes 1, 16 and 64 (`kvstrata bench pageio`).
+non-temporal stores (no read of the destination lines first): at page size 1 about 1.0 of
+that copy for reads and 0.8 for writes, 1.0-1.7 at page sizes 16 and 64 (medians of
+`kvstrata bench pageio`; the pool README has the runs).
 
-How it is built: the system C compiler (`$CC`, else `cc`, `gcc` or `clang`) compiles
-`page_copy.c` with `-O3` once per machine into a cache folder (`$KVSTRATA_CACHE_DIR`, else
-`$XDG_CACHE_HOME/kvstrata`, else `~/.cache/kvstrata`; created private to the user), named by
-a hash of the source, compiler and machine, written to a temporary name and renamed, so
-concurrent first uses agree. Plain C, no Python headers: the library is loaded with ctypes,
-whose calls release the GIL. Set `KVSTRATA_NATIVE=0` to turn it off. When there is no
-compiler or the build fails, `native_copies()` is None, `native_status()` says why, and the
-pools keep their NumPy / torch paths (same bytes, slower at small pages).
+How it is built: the system C compiler (`$CC`, which may carry arguments, else `cc`, `gcc` or
+`clang`) compiles the source with `-O3` once per machine into a cache folder
+(`$KVSTRATA_CACHE_DIR`, else `$XDG_CACHE_HOME/kvstrata`, else `~/.cache/kvstrata`; the
+`native` folder in it must be the user's own and closed to others, as must its parent unless
+sticky), named by a hash of the source, compiler and machine, written to a temporary name and
+renamed, so concurrent first uses agree; a cached file that will not load is rebuilt. Plain C
+(`extern "C"` for C++ compilers), no Python headers: the library is loaded with ctypes, whose
+calls release the GIL. `KVSTRATA_NATIVE=0` (or off / false / no) turns it off. When there is
+no compiler or the build fails, `native_copies()` is None, `native_status()` says why, and
+the pools keep their NumPy / torch paths (same bytes, slower at small pages).
+`native_library(source)` builds other packages' C the same way (the allocator's decode round).
 """
 
 from __future__ import annotations
