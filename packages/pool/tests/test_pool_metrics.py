@@ -6,7 +6,7 @@ import prometheus_client
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvstrata.pool import PoolCollector
+from kvstrata.pool import PoolCollector, native
 from kvstrata.testkit.pools import (
     make_mamba_pool,
     make_mha_pool,
@@ -34,6 +34,8 @@ def test_collector_reads_the_pools_at_scrape_time() -> None:
     assert value("kvstrata_pool_size_bytes", pool="kv") == kv.size_bytes
     assert value("kvstrata_pool_size_bytes", pool="req") == table.size_bytes
     assert value("kvstrata_pool_page_size_bytes", pool="mamba") == mamba.page_size_bytes
+    assert value("kvstrata_pool_native_page_copies", pool="kv") == int(kv.native_page_copies)
+    assert kv.native_page_copies == (native.native_copies() is not None)
     assert value("kvstrata_pool_page_io_bytes_total", pool="kv", direction="read") == 0
 
     out = torch.empty((3, kv.page_size_bytes), dtype=torch.uint8)

@@ -14,6 +14,7 @@ Families (label `pool` = the name given to the collector; an SWAKVPool named "x"
     kvstrata_pool_page_io_pages_total{pool,direction}   pages moved by read_pages / write_pages
     kvstrata_pool_page_io_bytes_total{pool,direction}   bytes moved by them
     kvstrata_pool_request_rows{pool,state}          request table rows, state = used | free
+    kvstrata_pool_native_page_copies{pool}          1 when page I/O runs the compiled copies
 
 `direction` is "read" (pool -> caller buffer) or "write" (caller buffer -> pool).
 """
@@ -42,6 +43,7 @@ class _Families(NamedTuple):
     pages_moved: CounterMetricFamily
     bytes_moved: CounterMetricFamily
     rows: GaugeMetricFamily
+    native: GaugeMetricFamily
 
 
 class PoolCollector(Collector):
@@ -97,7 +99,13 @@ class PoolCollector(Collector):
             "Rows of a request-to-token table by state (used, free).",
             labels=["pool", "state"],
         )
-        return _Families(tokens, slots, size, page, pages_moved, bytes_moved, rows)
+        native = GaugeMetricFamily(
+            "kvstrata_pool_native_page_copies",
+            "1 when the pool's page I/O runs the compiled copies, 0 on the NumPy / torch path "
+            "(no C compiler, KVSTRATA_NATIVE=0, or a GPU pool).",
+            labels=["pool"],
+        )
+        return _Families(tokens, slots, size, page, pages_moved, bytes_moved, rows, native)
 
     def collect(self) -> Iterator[Metric]:
         f = self._families()
@@ -108,6 +116,7 @@ class PoolCollector(Collector):
             capacity.add_metric([name], pool.size)
             size.add_metric([name], pool.size_bytes)
             page.add_metric([name], pool.page_size_bytes)
+            f.native.add_metric([name], int(pool.native_page_copies))
             c = pool.counters
             pages_moved.add_metric([name, "read"], c.pages_read)
             pages_moved.add_metric([name, "write"], c.pages_written)
