@@ -14,7 +14,7 @@ import torch
 
 from kvstrata.pool import native, page_io
 from kvstrata.pool.base import DevicePool
-from kvstrata.pool.errors import BufferMismatch, PoolError
+from kvstrata.pool.errors import BufferMismatch, DuplicateIndex, PoolError, ReservedIndex
 from kvstrata.testkit.pools import (
     fill_random_bytes,
     flat_pages,
@@ -65,13 +65,15 @@ def twins(family: str, dtype: torch.dtype, page_size: int) -> tuple[DevicePool, 
 
 
 @needs_native
-@pytest.mark.parametrize("stream", [False, True], ids=["cached", "streamed"])
+@pytest.mark.parametrize("stream", [0, 1, 2], ids=["cached", "sse2", "best"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=str)
 @pytest.mark.parametrize(("family", "page_size"), CASES)
 def test_compiled_copies_move_the_same_bytes_as_the_fallback(
-    family: str, page_size: int, dtype: torch.dtype, stream: bool, monkeypatch: pytest.MonkeyPatch
+    family: str, page_size: int, dtype: torch.dtype, stream: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Plain stores, SSE2 streaming stores, and the best this CPU has (AVX2 here)."""
     monkeypatch.setattr(page_io, "STREAM_MIN_BYTES", 0 if stream else 1 << 62)
+    monkeypatch.setattr(page_io, "STREAM_MODE", stream)
     fast, slow = twins(family, dtype, page_size)
     gen = torch.Generator().manual_seed(7)
     ids = torch.randperm(fast.num_pages - 1, generator=gen)[:9] + 1
@@ -247,3 +249,28 @@ def test_no_home_and_an_open_parent_folder_fall_back_with_a_reason(
     made = native.build(native.SOURCE, open_parent)
     if native.native_copies() is not None:  # this machine has a compiler
         assert made.library is not None, made.reason
+
+
+@needs_native
+@pytest.mark.parametrize("n", [2, 31, 513, 900])
+def test_the_c_id_checks_accept_distinct_ids_and_refuse_a_repeat(n: int) -> None:
+    """Ids are checked in C on the fast path (a hash set on the stack up to 512 ids, on the
+    heap past it); a refusal falls back to the Python checks, which raise."""
+    pool = make_mha_pool(head_dim=32, size=1024, page_size=1)
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randperm(pool.num_pages - 1, generator=gen)[:n] + 1
+    src = torch.randint(0, 256, (n, pool.page_size_bytes), generator=gen, dtype=torch.uint8)
+    pool.write_pages(ids, src)
+    back = torch.empty_like(src)
+    pool.read_pages(ids.flip(0), back)
+    assert torch.equal(back, src.flip(0))
+    repeated = ids.clone()
+    repeated[-1] = ids[(n - 1) // 2]
+    before = flat_pages(pool, range(pool.num_pages))
+    with pytest.raises(DuplicateIndex):
+        pool.write_pages(repeated, src)
+    with pytest.raises(ReservedIndex):
+        pool.read_pages(torch.cat((ids[:-1], torch.tensor([0]))), back)
+    pool.read_pages(torch.cat((ids[:-1], torch.tensor([0]))), back, allow_dummy=True)
+    assert torch.equal(flat_pages(pool, range(pool.num_pages)), before)
+    assert pool.counters.pages_written == n and pool.counters.pages_read == 2 * n

@@ -48,6 +48,7 @@ from kvstrata.allocator.engine import (
 from kvstrata.allocator.errors import IntegrityError, InvalidRequest
 from kvstrata.allocator.native import FALLBACK, NativeDecode, native_decode
 from kvstrata.allocator.scratch import OutputSlab, Scratch
+from kvstrata.pool.base import is_plain_index
 
 __all__ = ["NumpyPageEngine"]
 
@@ -80,17 +81,6 @@ def _native(value: torch.Tensor, name: str) -> Ints:
             if view.dtype is _INT64 and view.ndim == 1:
                 return view
     return as_index_tensor(value, name).to(device="cpu", dtype=torch.int64).numpy()
-
-
-def _plain(value: torch.Tensor) -> bool:
-    """A 1-D contiguous int64 CPU tensor (what the compiled paths read in place)."""
-    return (
-        type(value) is torch.Tensor
-        and value.dtype is torch.int64
-        and value.is_cpu
-        and value.dim() == 1
-        and value.is_contiguous()
-    )
 
 
 class NumpyPageEngine(PageEngine[Ints]):
@@ -381,7 +371,7 @@ class NumpyPageEngine(PageEngine[Ints]):
         """The decode round in one C call (`decode.c`) for plain inputs (1-D contiguous int64
         CPU tensors); None, with nothing changed, when the inputs or the round need the NumPy
         path (a check fails, the stack runs short): it then raises or copes as it always did."""
-        if not _plain(seq_lens) or (last_loc is not None and not _plain(last_loc)):
+        if not is_plain_index(seq_lens) or (last_loc is not None and not is_plain_index(last_loc)):
             return None
         n = seq_lens.shape[0]
         if last_loc is not None and last_loc.shape[0] != n:
@@ -412,7 +402,7 @@ class NumpyPageEngine(PageEngine[Ints]):
         """A small free in one C call (`decode.c`): slots in distinct pages, plain input, no
         free group, no sorted reuse. False, with nothing changed, when the NumPy path must run
         (a check fails, a page repeats, the input or the state is not the plain case)."""
-        if self._pending is not None or self.sorted_reuse or not _plain(indices):
+        if self._pending is not None or self.sorted_reuse or not is_plain_index(indices):
             return False
         m = indices.shape[0]
         if m < 2 or m >= RUN_COLLAPSE_MIN:

@@ -116,6 +116,17 @@ def check_index_range(
         raise DuplicateIndex(f"{what} lists the same index more than once")
 
 
+def is_plain_index(value: object) -> bool:
+    """A 1-D contiguous int64 CPU tensor: what compiled code may read in place."""
+    return (
+        type(value) is torch.Tensor
+        and value.dtype is torch.int64
+        and value.is_cpu
+        and value.dim() == 1
+        and value.is_contiguous()
+    )
+
+
 def check_distinct(ids: torch.Tensor, *, what: str) -> None:
     """DuplicateIndex when an id repeats (a sort: NumPy on the CPU, torch.unique elsewhere)."""
     if ids.numel() < 2:
@@ -226,6 +237,11 @@ class DevicePool(ABC):
         device and copied once; `non_blocking` makes that copy asynchronous (CUDA, pinned `out`):
         synchronise the current stream before reading `out`. An empty `page_ids` is a no-op.
         """
+        moved = self._checked_native(page_ids, out, gather=True, allow_dummy=allow_dummy)
+        if moved is not None:
+            self.counters.pages_read += moved
+            self.counters.bytes_read += moved * self.page_size_bytes
+            return
         ids = self._page_ids(page_ids, allow_dummy=allow_dummy, distinct=False)
         self._check_flat(out, ids.numel(), "out")
         n = ids.numel()
@@ -257,6 +273,11 @@ class DevicePool(ABC):
         first; `non_blocking` makes that copy asynchronous: do not change `src` until the
         current stream has passed it. An empty `page_ids` is a no-op.
         """
+        moved = self._checked_native(page_ids, src, gather=False, allow_dummy=allow_dummy)
+        if moved is not None:
+            self.counters.pages_written += moved
+            self.counters.bytes_written += moved * self.page_size_bytes
+            return
         ids = self._page_ids(page_ids, allow_dummy=allow_dummy, distinct=True)
         self._check_flat(src, ids.numel(), "src")
         n = ids.numel()
@@ -277,17 +298,19 @@ class DevicePool(ABC):
         return ids.to(device=self.device, dtype=torch.int64)
 
     def _check_flat(self, buf: torch.Tensor, n: int, what: str) -> None:
+        problem = self._flat_problem(buf, n, what)
+        if problem is not None:
+            raise BufferMismatch(problem)
+
+    def _flat_problem(self, buf: object, n: int, what: str) -> str | None:
+        """Why `buf` cannot be the flat buffer of `n` pages, or None when it can."""
         if not isinstance(buf, torch.Tensor):
-            raise BufferMismatch(f"{what} must be a torch.Tensor, got {type(buf).__name__}")
+            return f"{what} must be a torch.Tensor, got {type(buf).__name__}"
         want = (n, self.page_size_bytes)
         if buf.dtype != torch.uint8 or tuple(buf.shape) != want:
-            raise BufferMismatch(
-                f"{what} must be uint8 {list(want)}, got {buf.dtype} {list(buf.shape)}"
-            )
+            return f"{what} must be uint8 {list(want)}, got {buf.dtype} {list(buf.shape)}"
         if n and (buf.stride(1) != 1 or (n > 1 and buf.stride(0) < self.page_size_bytes)):
-            raise BufferMismatch(
-                f"{what} rows must each be contiguous and not overlap; strides {buf.stride()}"
-            )
+            return f"{what} rows must each be contiguous and not overlap; strides {buf.stride()}"
         if n and buf.device == self.device:
             # A buffer inside the pool's own memory would copy pages onto themselves: refused
             # (the copy routines assume source and destination do not overlap).
@@ -295,7 +318,27 @@ class DevicePool(ABC):
             hi = lo + (n - 1) * buf.stride(0) + self.page_size_bytes
             for start, end in self._stack_spans:
                 if lo < end and start < hi:
-                    raise BufferMismatch(f"{what} overlaps the pool's own memory")
+                    return f"{what} overlaps the pool's own memory"
+        return None
+
+    def _checked_native(
+        self, page_ids: torch.Tensor, flat: torch.Tensor, *, gather: bool, allow_dummy: bool
+    ) -> int | None:
+        """The compiled fast path of read_pages / write_pages: plain ids (1-D contiguous int64
+        CPU) and a valid CPU buffer, checked and copied in one C call. The number of pages
+        moved, or None when the ids or buffer need the checked Python path (which raises the
+        specific error, or copies other id dtypes); nothing has moved then."""
+        layout = self._pages
+        if not (layout.native and is_plain_index(page_ids)):
+            return None
+        n = page_ids.shape[0]
+        if self._flat_problem(flat, n, "flat") is not None or not flat.is_cpu:
+            return None
+        return (
+            n
+            if layout.copy_checked(page_ids, flat, gather=gather, allow_zero=allow_dummy)
+            else None
+        )
 
     # --- integrity -----------------------------------------------------------------------------
 

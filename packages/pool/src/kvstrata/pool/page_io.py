@@ -61,7 +61,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstrata.pool.native import STREAM_MIN_BYTES, native_copies
+from kvstrata.pool.native import STREAM_MIN_BYTES, STREAM_MODE, native_copies
 
 #: A (transparent) huge page on x86-64 Linux: huge-page stacks start at a multiple of it.
 HUGE_PAGE_BYTES = 2 << 20
@@ -226,24 +226,49 @@ class PageLayout:
         """Whether page copies run the compiled path (see the module docstring)."""
         return self._native is not None
 
-    def _native_copy(self, page_ids: torch.Tensor, flat: torch.Tensor, *, gather: bool) -> None:
-        """`gather` / `scatter` through `page_copy.c`: one call per stack. `flat` is a CPU
-        uint8 [n, page_size_bytes] with inner stride 1 (any row stride)."""
+    def copy_checked(
+        self, page_ids: torch.Tensor, flat: torch.Tensor, *, gather: bool, allow_zero: bool
+    ) -> bool:
+        """`gather` / `scatter` through `page_copy.c`, the page ids checked in C first (range,
+        page 0 unless `allow_zero`, and for a scatter no repeats). False, with nothing moved,
+        when the check refuses them. Needs the compiled copies, plain int64 ids and a valid
+        CPU buffer (the pool has checked it)."""
+        return self._native_copy(page_ids, flat, gather=gather, check=True, allow_zero=allow_zero)
+
+    def _native_copy(
+        self,
+        page_ids: torch.Tensor,
+        flat: torch.Tensor,
+        *,
+        gather: bool,
+        check: bool = False,
+        allow_zero: bool = True,
+    ) -> bool:
+        """One C call per stack; with `check` the first one checks the ids before copying.
+        `flat` is a CPU uint8 [n, page_size_bytes] with inner stride 1 (any row stride)."""
         native = self._native
         assert native is not None, "_native_copy without the compiled copies"
         ids = page_ids.contiguous()  # kept alive across the calls: they read its memory
         n = ids.shape[0]
-        stream = n * self.page_size_bytes >= STREAM_MIN_BYTES
+        stream = STREAM_MODE if n * self.page_size_bytes >= STREAM_MIN_BYTES else 0
         ids_at, flat_at, row = ids.data_ptr(), flat.data_ptr(), flat.stride(0)
+        first = check
         for at, num_pages, width, buffers, offset, stride in self._native_stacks:
             if gather:
-                native.gather(
-                    flat_at, row, offset, stride, at, num_pages, width, buffers, ids_at, n, stream
-                )
+                refused = native.gather(
+                    flat_at, row, offset, stride, at, num_pages, width, buffers, ids_at, n,
+                    stream, first, allow_zero,
+                )  # fmt: skip
             else:
-                native.scatter(
-                    at, num_pages, width, buffers, flat_at, row, offset, stride, ids_at, n, stream
-                )
+                refused = native.scatter(
+                    at, num_pages, width, buffers, flat_at, row, offset, stride, ids_at, n,
+                    stream, first, allow_zero,
+                )  # fmt: skip
+            if refused:
+                assert first, "the C copies refused ids they were not asked to check"
+                return False
+            first = False
+        return True
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
