@@ -25,6 +25,8 @@ from kvstrata.unified_radix_cache.policies import LeafHeap
 from kvstrata.unified_radix_cache.results import InsertResult, MatchResult
 
 if TYPE_CHECKING:
+    import torch
+
     from kvstrata.unified_radix_cache.components.base import ComponentInsert
     from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
@@ -97,13 +99,7 @@ class HostWalks:
         last_host = host_nodes[-1] if host_nodes else None
         if touch:
             self._touch(path, last, last_host)
-        device_len = sum(len(n.value) for n in device_nodes)
-        host_len = sum(n.num_tokens for n in host_nodes)
-        if count:
-            tree.hit_tokens += device_len
-            tree.host_hit_tokens += host_len
-        slots = np.concatenate([n.value for n in device_nodes]) if device_nodes else _NO_SLOTS
-        return MatchResult(device_len, self._full.to_device(slots), last, host_len, last_host)
+        return self._result(device_nodes, host_nodes, last, last_host, count=count)
 
     def _match_mamba(
         self,
@@ -139,16 +135,8 @@ class HostWalks:
             for item in device_nodes:
                 mamba.on_access(item)
             self._touch(path, last, last_host)
-        device_len = sum(len(n.value) for n in device_nodes)
-        host_len = sum(n.num_tokens for n in host_nodes)
-        if count:
-            tree.hit_tokens += device_len
-            tree.host_hit_tokens += host_len
-        slots = np.concatenate([n.value for n in device_nodes]) if device_nodes else _NO_SLOTS
-        states = {mamba.name: copied} if copied is not None else {}
-        return MatchResult(
-            device_len, self._full.to_device(slots), last, host_len, last_host, states
-        )
+        states = {mamba.name: copied} if copied is not None else None
+        return self._result(device_nodes, host_nodes, last, last_host, count=count, states=states)
 
     def _match_swa(
         self, swa: SWAComponent, path: list[TreeNode], on_device: int, count: bool, touch: bool
@@ -169,13 +157,31 @@ class HostWalks:
             for item in path[:on_device]:
                 swa.on_access(item)
             self._touch(path, last, last_host)
+        return self._result(device_nodes, host_nodes, last, last_host, count=count)
+
+    def _result(
+        self,
+        device_nodes: list[TreeNode],
+        host_nodes: list[TreeNode],
+        last: TreeNode,
+        last_host: TreeNode | None,
+        *,
+        count: bool,
+        states: Mapping[str, torch.Tensor] | None = None,
+    ) -> MatchResult:
+        """The MatchResult of a walk split into its device and host hits (counted into the
+        tree's hit counters when `count`)."""
+        tree = self.tree
         device_len = sum(len(n.value) for n in device_nodes)
         host_len = sum(n.num_tokens for n in host_nodes)
         if count:
             tree.hit_tokens += device_len
             tree.host_hit_tokens += host_len
         slots = np.concatenate([n.value for n in device_nodes]) if device_nodes else _NO_SLOTS
-        return MatchResult(device_len, self._full.to_device(slots), last, host_len, last_host)
+        device = self._full.to_device(slots)
+        if states is None:
+            return MatchResult(device_len, device, last, host_len, last_host)
+        return MatchResult(device_len, device, last, host_len, last_host, states)
 
     def _touch(self, path: list[TreeNode], last: TreeNode, last_host: TreeNode | None) -> None:
         """A counted access of the matched `path`: new access time and one more hit on each
