@@ -7,7 +7,7 @@ snapshot taken at insert proves the KV came back bit-identical, page for page.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -23,14 +23,6 @@ from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 P = 4
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Hierarchy]]:
-    made: list[Hierarchy] = []
-    yield made
-    for h in made:
-        h.cache.controller.close()
 
 
 def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:

@@ -5,7 +5,6 @@ one hit per node per request, and the integrity checks that catch a slot held tw
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -20,14 +19,6 @@ from kvstrata.unified_radix_cache.tier_core import PendingBackup
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 P = 4
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Hierarchy]]:
-    made: list[Hierarchy] = []
-    yield made
-    for h in made:
-        h.cache.controller.close()
 
 
 def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:

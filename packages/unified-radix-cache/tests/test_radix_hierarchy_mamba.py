@@ -5,8 +5,6 @@ faults (no host or device state slot) leave a shorter hit, never a wrong one."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -33,14 +31,6 @@ from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 P = 4
-
-
-@pytest.fixture
-def closing() -> Iterator[list[MambaHierarchy]]:
-    made: list[MambaHierarchy] = []
-    yield made
-    for h in made:
-        h.cache.controller.close()
 
 
 def _build(closing: list[MambaHierarchy], **kw: object) -> MambaHierarchy:

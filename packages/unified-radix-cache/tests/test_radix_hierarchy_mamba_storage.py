@@ -6,8 +6,6 @@ state gives a shorter hit, never a wrong one."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from kvstrata.hybrid_cache import PrefetchPolicy
@@ -20,14 +18,6 @@ from kvstrata.unified_radix_cache.tiers import TierParams
 
 P = 4
 PARAMS = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
-
-
-@pytest.fixture
-def closing() -> Iterator[list[MambaHierarchy]]:
-    made: list[MambaHierarchy] = []
-    yield made
-    for h in made:
-        h.cache.controller.close()
 
 
 def _build(closing: list[MambaHierarchy], storage: Storage, **kw: object) -> MambaHierarchy:

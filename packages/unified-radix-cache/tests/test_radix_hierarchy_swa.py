@@ -6,8 +6,6 @@ slots on both pools of both tiers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from kvstrata.allocator import SWAAllocator
@@ -25,14 +23,6 @@ from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import WritePolicy
 
 P = 4
-
-
-@pytest.fixture
-def closing() -> Iterator[list[SWAHierarchy]]:
-    made: list[SWAHierarchy] = []
-    yield made
-    for h in made:
-        h.cache.controller.close()
 
 
 def _build(closing: list[SWAHierarchy], **kw: object) -> SWAHierarchy:

@@ -6,8 +6,6 @@ hit ends only where the window is restorable. Round trips through storage are bi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from kvstrata.hybrid_cache import PrefetchPolicy
@@ -19,14 +17,6 @@ from kvstrata.unified_radix_cache.tiers import TierParams
 
 P = 4
 PARAMS = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
-
-
-@pytest.fixture
-def closing() -> Iterator[list[SWAHierarchy]]:
-    made: list[SWAHierarchy] = []
-    yield made
-    for h in made:
-        h.cache.controller.close()
 
 
 def _build(closing: list[SWAHierarchy], storage: Storage, **kw: object) -> SWAHierarchy:

@@ -3,8 +3,6 @@ device-leaf eviction, the per-layer load-back handle, and counting each query on
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -18,14 +16,6 @@ from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 P = 4
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Hierarchy]]:
-    made: list[Hierarchy] = []
-    yield made
-    for h in made:
-        h.cache.controller.close()
 
 
 def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:
