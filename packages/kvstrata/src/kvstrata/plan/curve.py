@@ -226,8 +226,8 @@ def _run_bases(
     """Stack distance of the first page of every warm run, in order.
 
     A Fenwick tree over requests holds `alive[k]`, the pages whose latest access is request k;
-    a run of request r from request k starts `sum(alive[k+1 .. r-1])` deep, then moves its pages
-    from k to r. Plain lists and ints: the loop is the pass's only Python-level work."""
+    a run of request r from request k starts `sum(alive[k+1 .. r-1])` deep (counted before
+    request r moved anything), then moves its pages from k to r. Plain lists and ints: the loop is the pass's only Python-level work."""
     num_requests = len(lengths)
     tree = [0] * (num_requests + 1)
     total = 0
@@ -236,6 +236,9 @@ def _run_bases(
     run = 0
     num_runs = len(run_request)
     for request, length in enumerate(lengths):
+        # Pages this request already took from later sources: they still rank above this run
+        # (its sources only get older along the prompt), though the tree no longer counts them.
+        moved = 0
         while run < num_runs and run_request[run] == request:
             source = run_from[run]
             size = run_size[run]
@@ -244,7 +247,8 @@ def _run_bases(
             while i:
                 older += tree[i]
                 i &= i - 1
-            append(total - older)
+            append(total - older + moved)
+            moved += size
             i = source + 1
             while i <= num_requests:
                 tree[i] -= size
