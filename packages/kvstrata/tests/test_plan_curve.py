@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstrata.bench.radix import replay as tree_replay
+from kvstrata.bench.radix import SlotCounter
 from kvstrata.plan import (
     BlockTrace,
     HitCurve,
@@ -24,6 +24,7 @@ from kvstrata.plan import (
 )
 from kvstrata.replay import TraceFormatError
 from kvstrata.testkit import WORKSPACE_ROOT
+from kvstrata.unified_radix_cache import EvictRequest, FullComponent, RadixKey, UnifiedRadixCache
 
 SHARED_TRACE = WORKSPACE_ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
@@ -74,20 +75,26 @@ def reference_hits(chains: list[list[int]], capacity: int) -> int:
 
 
 def tree_hits(chains: list[list[int]], capacity: int, *, page_size: int = 1) -> int:
-    """Block hits of kvstrata's UnifiedRadixCache (LRU) driven as `bench radix` drives it."""
+    """Block hits of kvstrata's UnifiedRadixCache (LRU) driven as `bench radix` drives it: match
+    the whole key, lock the match, evict what the new pages need beyond `capacity` blocks,
+    insert, unlock. The tree never holds more than `capacity` blocks."""
     t = page_size
-    keys = [array("q", [b * t + j for b in chain for j in range(t)]) for chain in chains]
-    result = tree_replay(
-        keys,
-        page_size=t,
-        capacity_blocks=capacity,
-        tokens_per_block=t,
-        policy="lru",
-        values="numpy",
-    )
-    assert result["over_capacity_inserts"] == 0
-    assert result["hit_tokens"] % t == 0
-    return result["hit_tokens"] // t
+    sink = SlotCounter()
+    tree = UnifiedRadixCache([FullComponent(sink)], page_size=t, eviction_policy="lru")
+    limit = capacity * t
+    hits = 0
+    for chain in chains:
+        key = RadixKey(array("q", [b * t + j for b in chain for j in range(t)]))
+        match = tree.match_prefix(key)
+        hits += match.prefix_len // t
+        receipt = tree.lock(match.last_node)
+        excess = tree.total_size() + len(key) - match.prefix_len - limit
+        if excess > 0:
+            tree.evict(EvictRequest.full(excess))
+        tree.insert(key, sink.take_numpy(len(key)))
+        tree.unlock(receipt)
+        assert tree.total_size() <= limit
+    return hits
 
 
 @st.composite
@@ -104,11 +111,7 @@ def chained_traces(draw: st.DrawFn) -> list[list[int]]:
         extra = draw(st.integers(0 if prefix else 1, 5))
         chains.append(prefix + list(range(next_id, next_id + extra)))
         next_id += extra
-    names = draw(
-        st.lists(
-            st.integers(0, 2**40), min_size=next_id, max_size=next_id, unique=True
-        )
-    )
+    names = draw(st.lists(st.integers(0, 2**40), min_size=next_id, max_size=next_id, unique=True))
     return [[names[b] for b in chain] for chain in chains]
 
 
@@ -130,9 +133,7 @@ def test_a_request_drawing_on_two_earlier_ones() -> None:
     # run's pages rank below the first run's, which the third request touches first.
     chains = [[0, 1], [0, 2], [0, 1]]
     curve = lru_curve(BlockTrace.from_chains(chains))
-    assert [curve.hit_blocks(c) for c in range(4)] == [
-        reference_hits(chains, c) for c in range(4)
-    ]
+    assert [curve.hit_blocks(c) for c in range(4)] == [reference_hits(chains, c) for c in range(4)]
     assert curve.hits.tolist() == [0, 2, 2, 3]
 
 
