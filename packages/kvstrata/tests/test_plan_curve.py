@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from array import array
 from collections import OrderedDict
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -165,7 +166,7 @@ def test_leaf_first_lru_has_the_inclusion_property(chains: list[list[int]]) -> N
     for chain in chains:
         for cache in caches:
             cache.step(chain)
-        for smaller, larger in zip(caches, caches[1:], strict=False):
+        for smaller, larger in pairwise(caches):
             assert set(smaller.pages) <= set(larger.pages)
         for cache in caches:
             assert all(parent[p] in cache.pages for p in cache.pages if p in parent)
