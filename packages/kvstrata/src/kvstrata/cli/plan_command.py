@@ -238,7 +238,7 @@ def _plan_table(plan: TierPlan) -> Table:
             f"device + host >= {spec.host_target:.2%}); inclusive LRU levels"
         )
     )
-    table.add_column("combination")
+    table.add_column("combination", no_wrap=True)
     for level in ("device", "host", "storage"):
         table.add_column(level, justify="right")
     table.add_column("hit rate", justify="right")

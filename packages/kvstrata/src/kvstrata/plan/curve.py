@@ -227,7 +227,8 @@ def _run_bases(
 
     A Fenwick tree over requests holds `alive[k]`, the pages whose latest access is request k;
     a run of request r from request k starts `sum(alive[k+1 .. r-1])` deep (counted before
-    request r moved anything), then moves its pages from k to r. Plain lists and ints: the loop is the pass's only Python-level work."""
+    request r moved anything), then moves its pages from k to r. Plain lists and ints: the
+    loop is the pass's only Python-level work."""
     num_requests = len(lengths)
     tree = [0] * (num_requests + 1)
     total = 0
