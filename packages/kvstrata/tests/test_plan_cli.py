@@ -45,6 +45,8 @@ def test_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert record["requests"] == 30 and record["distinct_blocks"] == curve.num_distinct
     assert record["ideal_hit_rate"] == round(curve.ideal_hit_rate, 6)
     assert [row["capacity_blocks"] for row in record["curve"]] == [1, 8, 20]
+    assert curve.max_request_blocks == 7
+    assert [row["page_lru_only"] for row in record["curve"]] == [True, False, False]
     assert [row["hit_blocks"] for row in record["curve"]] == [
         curve.hit_blocks(c) for c in (1, 8, 20)
     ]

@@ -137,7 +137,13 @@ def run_plan(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
         "ideal_hit_rate": round(curve.ideal_hit_rate, 6),
         "curve_seconds": round(curve_seconds, 4),
         "curve": [
-            {"capacity_blocks": c, "hit_blocks": curve.hit_blocks(c), "hit_rate": round(r, 6)}
+            {
+                "capacity_blocks": c,
+                "hit_blocks": curve.hit_blocks(c),
+                "hit_rate": round(r, 6),
+                # Below the longest request a tree cannot run the trace: the page LRU's figure.
+                "page_lru_only": c < curve.max_request_blocks,
+            }
             for c, r in zip(capacities, curve.hit_rates(capacities).tolist(), strict=True)
         ],
         "plan": plan.to_json(),
@@ -219,12 +225,17 @@ def _curve_table(
     rows = record["curve"]
     assert isinstance(rows, list)
     for row in rows:
+        mark = " *" if row["page_lru_only"] else ""
         table.add_row(
-            _size(row["capacity_blocks"], tokens_per_block, bytes_per_block),
+            _size(row["capacity_blocks"], tokens_per_block, bytes_per_block) + mark,
             f"{row['hit_blocks']:,}",
             f"{row['hit_rate']:.2%}",
         )
     table.add_row("unbounded", f"{int(curve.hits[-1]):,}", f"{curve.ideal_hit_rate:.2%}")
+    table.caption = (
+        f"* below the longest request ({curve.max_request_blocks:,} blocks): no tree can run "
+        "the trace there; the figure is the page LRU's"
+    )
     return table
 
 
