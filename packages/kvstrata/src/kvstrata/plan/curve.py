@@ -40,8 +40,9 @@ prompt, as a parent is never older than its child) starting at depth a has dista
 so a Fenwick tree over requests gives each run's base in O(log R), and the histogram is built
 from runs by a difference array. Cost: O(B log B) for the numpy sort of the B block references,
 plus O(runs x log R) Python steps (16,708 runs over 12,031 requests on the shared trace).
-Measured on the shared trace (288,500 references, 2 shared cores): about 0.5 s from the
-parsed requests, against about 1 s for one direct replay of the tree (`kvstrata bench plan`).
+Measured on the shared trace (288,500 references, 2 shared cores, `kvstrata bench plan`): 0.43 s
+from the parsed requests for all 182,791 capacities, against 8.4 s for three direct replays of
+the tree (ratio 19), which it matches hit for hit.
 """
 
 from __future__ import annotations
