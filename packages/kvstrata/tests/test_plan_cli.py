@@ -57,6 +57,7 @@ def test_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     captured = capsys.readouterr()
     assert "(recommended)" in captured.out and "unbounded" in captured.out
+    assert "below the longest request" in captured.out.replace("\n", " ")
     assert "device+host+storage" in captured.out
 
 

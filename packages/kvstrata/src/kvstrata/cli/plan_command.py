@@ -149,7 +149,7 @@ def run_plan(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
         "plan": plan.to_json(),
     }
     assert tuple(record) == JSON_KEYS, f"JSON_KEYS is stale: {tuple(record)}"
-    console = Console(file=out, width=max(100, Console(file=out).width))
+    console = Console(file=out, width=max(120, Console(file=out).width))
     console.print(_curve_table(record, curve, spec.tokens_per_block, spec.bytes_per_block))
     console.print(_plan_table(plan))
     try:
@@ -232,10 +232,11 @@ def _curve_table(
             f"{row['hit_rate']:.2%}",
         )
     table.add_row("unbounded", f"{int(curve.hits[-1]):,}", f"{curve.ideal_hit_rate:.2%}")
-    table.caption = (
-        f"* below the longest request ({curve.max_request_blocks:,} blocks): no tree can run "
-        "the trace there; the figure is the page LRU's"
-    )
+    if any(row["page_lru_only"] for row in rows):
+        table.caption = (
+            f"* below the longest request ({curve.max_request_blocks:,} blocks): no tree can "
+            "run the trace there; the figure is the page LRU's"
+        )
     return table
 
 
@@ -259,12 +260,13 @@ def _plan_table(plan: TierPlan) -> Table:
         cells: list[str] = []
         for name in ("device", "host", "storage"):
             level = combination.level(name)
-            cells.append(
-                "-"
-                if level is None
-                else f"{_size(level.blocks, spec.tokens_per_block, per_block)}\n"
-                f"hits {level.hit_rate:.2%}"
-            )
+            if level is None:
+                cells.append("-")
+                continue
+            size = f"{level.blocks:,} blocks"
+            if per_block is not None:
+                size += f"\n{level.blocks * per_block / 1e9:,.1f} GB"
+            cells.append(f"{size}\nhits {level.hit_rate:.2%}")
         mark = " (recommended)" if combination is plan.recommended else ""
         cost = "-" if combination.cost is None else f"{combination.cost:,.2f}"
         table.add_row(combination.combination + mark, *cells, f"{combination.hit_rate:.2%}", cost)
