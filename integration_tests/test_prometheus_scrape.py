@@ -209,7 +209,7 @@ def test_prometheus_agrees_with_the_replay_summary(
         )
         assert _value(base, f"kvstrata_replay_requests_total{{{job}}}") == record["requests"] == 120
         for tier in ("device", "host", "storage"):
-            expr = f'kvstrata_replay_tier_hit_tokens_total{{{job},tier="{tier}"}}'
+            expr = f'kvstrata_replay_hit_tokens_total{{{job},tier="{tier}"}}'
             assert _value(base, expr) == record[f"{tier}_hit_tokens"], tier
         assert record["host_hit_tokens"] > 0 and record["storage_hit_tokens"] > 0
         for direction in ("d2h", "h2d", "storage_get", "storage_set"):

@@ -139,7 +139,7 @@ def test_metrics_server_serves_every_layer_under_the_config_label() -> None:
 
     assert value("kvstrata_replay_requests_total") == 30
     for tier in ("device", "host", "storage"):
-        assert value("kvstrata_replay_tier_hit_tokens_total", tier=tier) == getattr(
+        assert value("kvstrata_replay_hit_tokens_total", tier=tier) == getattr(
             tiers, f"{tier}_hit_tokens"
         )
     for direction in ("d2h", "h2d", "storage_get", "storage_set"):
