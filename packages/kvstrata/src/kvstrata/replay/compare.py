@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from prometheus_client.registry import Collector
+
 from kvstrata.build import build_memory_system
 from kvstrata.build.tiers import build_tiers
 from kvstrata.hybrid_cache import PrefetchPolicy
@@ -97,7 +99,8 @@ class Sample:
 
 @dataclass(frozen=True, kw_only=True)
 class ConfigRun:
-    """What one configuration's replay gave: its stats, the samples, and how it was built."""
+    """What one configuration's replay gave: its stats, the samples, how it was built, and the
+    collectors of its layers (they keep reading the finished system)."""
 
     config: TierConfig
     stats: ReplayStats
@@ -108,7 +111,7 @@ class ConfigRun:
     host_swa_tokens: int | None
     wall_seconds: float
     device: str
-    extra: dict[str, object] = field(default_factory=dict)
+    collectors: list[Collector] = field(default_factory=list)
 
 
 def default_configs(
@@ -181,10 +184,9 @@ def run_configuration(
     try:
         engine = ReplayEngine(system, verify=verify, tiers=tiers)
         engine.check_fits(requests)
+        collectors = replay_collectors(engine, system, tiers)
         if registry is not None:
-            registry.register(
-                ConfigCollector(replay_collectors(engine, system, tiers), {"config": config.name})
-            )
+            registry.register(ConfigCollector(collectors, {"config": config.name}))
 
         def progress(done: int) -> None:
             samples.append(_sample(done, engine, system, tiers))
@@ -214,6 +216,7 @@ def run_configuration(
         host_swa_tokens=None if tiers is None else tiers.host_swa_tokens,
         wall_seconds=wall_seconds,
         device=str(system.device),
+        collectors=collectors,
     )
 
 
