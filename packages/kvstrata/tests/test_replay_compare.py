@@ -161,3 +161,34 @@ def test_metrics_server_refuses_bad_addresses() -> None:
         MetricsServer(CollectorRegistry(), port=0, addr="not-an-ip")
     with pytest.raises(ReplayOptionError, match=r"0\.\.65535"):
         MetricsServer(CollectorRegistry(), port=-1)
+
+
+def test_cli_serves_while_holding_then_frees_the_port(tmp_path: Path) -> None:
+    import socket
+    import threading
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    out = tmp_path / "one.json"
+    argv = ["replay", "--unbounded", "--limit", "5", "--no-progress", "--json", str(out)]
+    argv += ["--metrics-port", str(port), "--metrics-hold", "3"]
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(main(argv)))
+    started = time.monotonic()
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        samples = _scrape(f"http://127.0.0.1:{port}/metrics")  # the run is over: holding
+        assert thread.is_alive()
+        key = ("kvstrata_replay_requests_total", (("config", "device"),))
+        assert samples[key] == 5
+    finally:
+        thread.join(timeout=60)
+    assert codes == [0]
+    assert time.monotonic() - started >= 3
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)

@@ -3,7 +3,8 @@
 One figure, two rows of one panel per tier (device, host, storage): on top the hit rate of each
 sampling window (hit tokens from that tier / prompt tokens of the window's requests), below the
 share of the tier's capacity in use after the window. Each configuration that has a tier draws
-one line in that tier's panels, in the same colour everywhere. Rendered with matplotlib's Agg
+one line in that tier's panels, in the same colour and dash everywhere (later configurations
+thinner, so coinciding lines stay visible). Rendered with matplotlib's Agg
 backend (no display needed).
 """
 
@@ -41,7 +42,11 @@ def plot_runs(runs: Sequence[ConfigRun], path: Path, *, dpi: int = 100) -> Figur
 
     figure = Figure(figsize=(15, 8), dpi=dpi, layout="constrained")
     axes = figure.subplots(2, len(TIERS), sharex=True)
-    colours = [f"C{i}" for i in range(len(runs))]
+    # Configurations often coincide on a tier (the device sees the same requests with or without
+    # tiers below it): later lines are thinner and dashed, so the ones beneath stay visible.
+    styles = [
+        (f"C{i}", ("-", "--", ":", "-.")[i % 4], max(2.8 - 0.8 * i, 0.8)) for i in range(len(runs))
+    ]
     for column, tier in enumerate(TIERS):
         hit_ax, use_ax = axes[0][column], axes[1][column]
         hit_ax.set_title(f"{tier}: hit rate per window")
@@ -49,7 +54,7 @@ def plot_runs(runs: Sequence[ConfigRun], path: Path, *, dpi: int = 100) -> Figur
         hit_ax.set_ylim(0.0, 1.0)
         use_ax.set_ylim(0.0, 1.05)
         use_ax.set_xlabel("requests")
-        for run, colour in zip(runs, colours, strict=True):
+        for run, (colour, style, width) in zip(runs, styles, strict=True):
             if tier not in run.config.tiers or not run.samples:
                 continue
             x = [s.requests for s in run.samples]
@@ -61,8 +66,9 @@ def plot_runs(runs: Sequence[ConfigRun], path: Path, *, dpi: int = 100) -> Figur
                 rates.append(hit / prompt if prompt else 0.0)
                 previous_prompt, previous_hit = s.prompt_tokens, s.hit_tokens[tier]
             used = [s.used_share[tier] or 0.0 for s in run.samples]
-            hit_ax.plot(x, rates, color=colour, label=run.config.name, linewidth=1.2)
-            use_ax.plot(x, used, color=colour, label=run.config.name, linewidth=1.2)
+            line = {"color": colour, "linestyle": style, "linewidth": width}
+            hit_ax.plot(x, rates, label=run.config.name, **line)
+            use_ax.plot(x, used, label=run.config.name, **line)
         if hit_ax.lines:
             hit_ax.legend(loc="lower right", fontsize="small")
     axes[0][0].set_ylabel("hit tokens / prompt tokens")
