@@ -88,7 +88,9 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
     folder = tmp_path_factory.mktemp("prometheus")
     replay_port, web_port = _free_port(), _free_port()
     discovery = folder / "discovery.json"
-    discovery.write_text("[]\n", encoding="utf-8")
+    # What Ray's head writes: one "<node ip>:<metrics export port>" per node, job="ray".
+    ray_targets = [{"labels": {"job": "ray"}, "targets": ["127.0.0.1:8080"]}]
+    discovery.write_text(json.dumps(ray_targets) + "\n", encoding="utf-8")
     source = yaml.safe_load(CONFIG.read_text(encoding="utf-8"))
     config = rewrite_config(
         source, replay_target=f"127.0.0.1:{replay_port}", discovery_file=discovery
@@ -128,6 +130,24 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
             process.kill()
             process.wait(timeout=10)
         log.close()
+
+
+def test_ray_discovery_file_becomes_one_target_per_service(prometheus: tuple[str, int]) -> None:
+    base, _ = prometheus
+
+    def targets() -> dict[str, dict[str, str]]:
+        with urllib.request.urlopen(f"{base}/api/v1/targets", timeout=10) as response:
+            active = json.load(response)["data"]["activeTargets"]
+        return {t["labels"]["job"]: t["labels"] for t in active if "service" in t["labels"]}
+
+    found = _wait("the discovered targets", lambda: len(targets()) >= 3 and targets(), timeout=30)
+    for job, port, service in (
+        ("kvstrata-l3-store", "9401", "l3-store"),
+        ("kvstrata-prefix-index", "9402", "prefix-index"),
+    ):
+        assert found[job]["instance"] == f"127.0.0.1:{port}"
+        assert found[job]["node"] == "127.0.0.1" and found[job]["service"] == service
+    assert found["kvstrata-replay"]["service"] == "engine"
 
 
 def _query(base: str, expr: str) -> list[dict[str, Any]]:
