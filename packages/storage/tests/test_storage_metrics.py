@@ -30,11 +30,11 @@ def test_collector_exports_counters_gauges_and_histograms(tmp_path: Path) -> Non
     assert value("kvstrata_storage_written_bytes_total", storage="l3-mem") == 120
     assert value("kvstrata_storage_read_pages_total", storage="l3-mem") == 1
     assert value("kvstrata_storage_read_bytes_total", storage="l3-mem") == 40
-    assert value("kvstrata_storage_hits_total", storage="l3-mem") == 1
-    assert value("kvstrata_storage_misses_total", storage="l3-mem") == 1
-    assert value("kvstrata_storage_evictions_total", storage="l3-mem") == 1
+    assert value("kvstrata_storage_hit_pages_total", storage="l3-mem") == 1
+    assert value("kvstrata_storage_missed_pages_total", storage="l3-mem") == 1
+    assert value("kvstrata_storage_evicted_pages_total", storage="l3-mem") == 1
     assert value("kvstrata_storage_corrupt_pages_total", storage="l3-mem") == 0
-    assert value("kvstrata_storage_write_failures_total", storage="l3-mem") == 0
+    assert value("kvstrata_storage_failed_write_pages_total", storage="l3-mem") == 0
     assert value("kvstrata_storage_pages", storage="l3-file") == 1
     assert value("kvstrata_storage_operation_seconds_count", storage="l3-mem", operation="get") == 1
     assert (
@@ -47,7 +47,7 @@ def test_collector_exports_counters_gauges_and_histograms(tmp_path: Path) -> Non
     assert 'kvstrata_storage_operation_seconds_bucket{le="1e-05",operation="set"' in text
     # Read at scrape time: later work shows without re-registering.
     memory.batch_get([b"c"], [bytearray(40)])
-    assert value("kvstrata_storage_hits_total", storage="l3-mem") == 2
+    assert value("kvstrata_storage_hit_pages_total", storage="l3-mem") == 2
 
 
 def test_histogram_buckets_are_upper_bounds() -> None:

@@ -3,13 +3,14 @@
 Nothing here registers anything: the application builds `HostPoolCollector(...)` and registers it
 with the registry it serves (`registry.register(collector)`).
 
-    kvstrata_host_d2h_bytes_total / _calls_total / _pages_total     backup (device -> host)
-    kvstrata_host_h2d_bytes_total / _calls_total / _pages_total     load (host -> device)
-    kvstrata_host_d2h_seconds, kvstrata_host_h2d_seconds            latency histograms
+    kvstrata_host_transfer_bytes_total / _calls_total / _pages_total{direction}
+        direction d2h: backup (device -> host), h2d: layer loads (host -> device)
+    kvstrata_host_transfer_seconds{direction}                       latency histogram
     kvstrata_host_pool_capacity_bytes, kvstrata_host_pool_capacity_tokens
     kvstrata_host_pool_free_tokens, kvstrata_host_pool_used_tokens  (pools given an allocator)
 
-Labels: `pool` (the name the application gives each pool), `family`, `layout`.
+Labels: `pool` (the name the application gives each pool), `family`, `layout`, and `direction`
+(the same values as the tier controller's and the tiered cache's `direction`).
 """
 
 from __future__ import annotations
@@ -136,23 +137,18 @@ class HostPoolCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["pool", "family", "layout"]
+        moved = [*labels, "direction"]
         fams = {
-            name: CounterMetricFamily(f"kvstrata_host_{name}", doc, labels=labels)
+            name: CounterMetricFamily(f"kvstrata_host_transfer_{name}", doc, labels=moved)
             for name, doc in (
-                ("d2h_bytes", "Bytes copied device -> host by backup"),
-                ("d2h_calls", "Backup calls (device -> host)"),
-                ("d2h_pages", "Pages copied device -> host"),
-                ("h2d_bytes", "Bytes copied host -> device by layer loads"),
-                ("h2d_calls", "Layer load calls (host -> device)"),
-                ("h2d_pages", "Page-layers copied host -> device (one per page per layer load)"),
+                ("bytes", "Bytes copied: d2h by backup, h2d by layer loads"),
+                ("calls", "Copy calls: d2h backups, h2d layer loads"),
+                ("pages", "Pages copied (h2d: one per page per layer load)"),
             )
         }
-        hist = {
-            d: HistogramMetricFamily(
-                f"kvstrata_host_{d}_seconds", f"Latency of one {d} call", labels=labels
-            )
-            for d in ("d2h", "h2d")
-        }
+        hist = HistogramMetricFamily(
+            "kvstrata_host_transfer_seconds", "Latency of one copy call", labels=moved
+        )
         cap_bytes = GaugeMetricFamily(
             "kvstrata_host_pool_capacity_bytes", "Bytes of host memory held", labels=labels
         )
@@ -169,11 +165,11 @@ class HostPoolCollector(Collector):
             stats = pool.stats()
             values = [pool_name, stats.family, stats.layout]
             for direction, counters in (("d2h", stats.d2h), ("h2d", stats.h2d)):
-                fams[f"{direction}_bytes"].add_metric(values, counters.bytes)
-                fams[f"{direction}_calls"].add_metric(values, counters.calls)
-                fams[f"{direction}_pages"].add_metric(values, counters.pages)
-                hist[direction].add_metric(
-                    values,
+                fams["bytes"].add_metric([*values, direction], counters.bytes)
+                fams["calls"].add_metric([*values, direction], counters.calls)
+                fams["pages"].add_metric([*values, direction], counters.pages)
+                hist.add_metric(
+                    [*values, direction],
                     buckets=_histogram_buckets(counters.latency),
                     sum_value=counters.latency.sum_seconds,
                 )
@@ -185,5 +181,5 @@ class HostPoolCollector(Collector):
                 free_tokens.add_metric(values, free)
                 used_tokens.add_metric(values, allocator.size - free)
         yield from fams.values()
-        yield from hist.values()
+        yield hist
         yield from (cap_bytes, cap_tokens, free_tokens, used_tokens)

@@ -101,11 +101,11 @@ class StorageCollector(Collector):
             "bytes_read": ("kvstrata_storage_read_bytes", "Payload bytes read."),
             "pages_written": ("kvstrata_storage_written_pages", "Pages written."),
             "bytes_written": ("kvstrata_storage_written_bytes", "Payload bytes written."),
-            "hits": ("kvstrata_storage_hits", "batch_get pages found."),
-            "misses": ("kvstrata_storage_misses", "batch_get pages not found or unreadable."),
+            "hits": ("kvstrata_storage_hit_pages", "batch_get pages found."),
+            "misses": ("kvstrata_storage_missed_pages", "batch_get pages not found or unreadable."),
             "corrupt_pages": ("kvstrata_storage_corrupt_pages", "Pages that failed a check."),
-            "evictions": ("kvstrata_storage_evictions", "Pages evicted for capacity."),
-            "write_failures": ("kvstrata_storage_write_failures", "Pages refused or failed."),
+            "evictions": ("kvstrata_storage_evicted_pages", "Pages evicted for capacity."),
+            "write_failures": ("kvstrata_storage_failed_write_pages", "Pages refused or failed."),
         }
         counter_families = {
             field: CounterMetricFamily(name, doc, labels=label)
