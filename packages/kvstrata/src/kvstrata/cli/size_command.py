@@ -190,7 +190,7 @@ def _print_table(plan: MemoryPlan, out: TextIO) -> None:
             f"free {format_bytes(host.free_host_bytes)}",
         )
     table.add_row("L3 page", f"{plan.page_size} tokens", format_bytes(plan.page_bytes), "")
-    console = Console(file=out, width=100)
+    console = Console(file=out, width=120)
     console.print(table)
     console.print(
         f"max concurrent requests at {plan.context_len:,} tokens: "
