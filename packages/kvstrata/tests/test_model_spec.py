@@ -8,6 +8,8 @@ qk_rope_head_dim) x dtype bytes x layers; states as in `hf_hybrid`'s docstring.
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 
 from kvstrata.build import InvalidModel, MissingConfigField, ModelMemorySpec, UnknownArchitecture
@@ -27,6 +29,9 @@ from kvstrata.testkit.hf_configs import (
     QWEN3_8B,
     QWEN3_NEXT_80B,
 )
+
+#: Gemma-3's nested text config, typed for the tests that edit it.
+GEMMA_3_TEXT = cast("dict[str, object]", GEMMA_3_27B["text_config"])
 
 # (name, config, kwargs, full B/token, swa B/token, window, state B/request)
 CASES: list[tuple[str, dict[str, object], dict[str, object], int, int, int | None, int]] = [
@@ -145,7 +150,7 @@ def test_layer_kinds_follow_each_family_pattern() -> None:
 
 def test_layer_types_take_precedence_over_patterns() -> None:
     # Gemma-3 with both: the explicit list wins.
-    text = dict(GEMMA_3_27B["text_config"])  # pyright: ignore[reportArgumentType, reportCallIssue]
+    text = dict(GEMMA_3_TEXT)
     text["num_hidden_layers"] = 4
     text["layer_types"] = [
         "full_attention",
@@ -205,16 +210,15 @@ def _without(config: dict[str, object], field: str) -> dict[str, object]:
         (
             {
                 **GEMMA_3_27B,
-                "text_config": _without(GEMMA_3_27B["text_config"], "head_dim")
-                | {"hidden_size": None},
-            },  # pyright: ignore[reportArgumentType]
+                "text_config": _without(GEMMA_3_TEXT, "head_dim") | {"hidden_size": None},
+            },
             "text_config.hidden_size",
         ),
         (
             {
                 **GEMMA_3_27B,
-                "text_config": _without(GEMMA_3_27B["text_config"], "sliding_window_pattern"),
-            },  # pyright: ignore[reportArgumentType]
+                "text_config": _without(GEMMA_3_TEXT, "sliding_window_pattern"),
+            },
             "text_config.sliding_window_pattern",
         ),
     ],

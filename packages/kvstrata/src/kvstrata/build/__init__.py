@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvstrata.build.assembly import BuildOptions, BuiltSystem, build, build_with_plan
 from kvstrata.build.errors import (
     BudgetTooSmall,
     BuildError,
@@ -28,8 +29,10 @@ __all__ = [
     "FAMILIES",
     "POLICIES",
     "BudgetTooSmall",
+    "BuildOptions",
     "BuildError",
     "BuildParams",
+    "BuiltSystem",
     "DeviceUnavailable",
     "HostMemoryExceeded",
     "HostPlan",
@@ -48,7 +51,9 @@ __all__ = [
     "UnknownArchitecture",
     "UnknownFamily",
     "UnknownPolicy",
+    "build",
     "build_memory_system",
     "build_tiers",
+    "build_with_plan",
     "plan_memory",
 ]
