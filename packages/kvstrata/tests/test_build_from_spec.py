@@ -10,11 +10,13 @@ from kvstrata.build import (
     BudgetTooSmall,
     BuildOptions,
     DeviceUnavailable,
+    InvalidCapacity,
     InvalidModel,
     ModelMemorySpec,
     SizingParams,
     UnknownPolicy,
     build,
+    build_tiered,
     build_with_plan,
 )
 from kvstrata.pool import MambaPool, MHAKVPool, MLAKVPool, SWAKVPool
@@ -139,3 +141,34 @@ def test_fractional_budget_uses_the_given_free_memory() -> None:
     built = build_with_plan(spec, "50%", options)
     assert built.plan.budget_bytes == 16 * MiB
     assert built.plan.used_bytes <= 16 * MiB
+
+
+def test_tiered_build_adds_the_plans_host_tier_and_storage() -> None:
+    spec = ModelMemorySpec.from_hf_config(QWEN3_NEXT_80B, tp_size=8)
+    options = BuildOptions(
+        sizing=SizingParams(context_len=256, max_running_requests=4, host_ratio=1.0),
+        free_host_bytes=1 << 40,
+        storage_url="memory://?capacity_bytes=100000000",
+    )
+    tiered = build_tiered(spec, 96 * MiB, options)
+    try:
+        plan = build_with_plan(spec, 96 * MiB, options).plan
+        assert plan.host is not None
+        assert tiered.host_tokens == plan.host.full_tokens == tiered.system.capacity_tokens
+        assert tiered.host_state_slots == plan.mamba_slots
+        assert tiered.storage is not None
+        tiered.check_integrity()
+    finally:
+        tiered.close()
+
+
+def test_tiered_build_refusals() -> None:
+    llama = ModelMemorySpec.from_hf_config(LLAMA_3_1_8B, tp_size=8)
+    with pytest.raises(InvalidCapacity, match="needs a host tier"):
+        build_tiered(llama, "8MiB", _options())
+    deepseek = ModelMemorySpec.from_hf_config(DEEPSEEK_V3, tp_size=8, kv_dtype="fp8_e4m3")
+    options = BuildOptions(
+        sizing=SizingParams(context_len=256, max_running_requests=4, host_ratio=1.0)
+    )
+    with pytest.raises(InvalidModel, match="no host mirror"):
+        build_tiered(deepseek, "16MiB", options)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from kvstrata.build.assembly import BuildOptions, BuiltSystem, build, build_with_plan
+from kvstrata.build.assembly import (
+    BuildOptions,
+    BuiltSystem,
+    build,
+    build_tiered,
+    build_with_plan,
+)
 from kvstrata.build.errors import (
     BudgetTooSmall,
     BuildError,
@@ -53,6 +59,7 @@ __all__ = [
     "UnknownPolicy",
     "build",
     "build_memory_system",
+    "build_tiered",
     "build_tiers",
     "build_with_plan",
     "plan_memory",

@@ -14,8 +14,10 @@ Not buildable yet, refused by name before anything is allocated: a layer holding
 Mamba state at once (Falcon-H1: the layer router gives each layer id one pool), and models with
 sliding-window and Mamba layers together (no tree family has both).
 
-Host and storage tiers go on top with `build_tiers(system, host_tokens=plan.host.full_tokens)`
-(the plan's host mirror keeps the device proportions, as `build_tiers` does).
+`build_tiered` adds the host tier the plan sized (`SizingParams.host_ratio` / `host_bytes`,
+checked against the free host memory) and, with `BuildOptions.storage_url`, storage, through
+`build_tiers(system, host_tokens=plan.host.full_tokens)`: its mirrors keep the device
+proportions, as the plan's do.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from kvstrata.allocator import PagedAllocator
 from kvstrata.build.budget import free_device_memory, is_fraction
-from kvstrata.build.errors import InvalidModel, UnknownPolicy
+from kvstrata.build.errors import InvalidCapacity, InvalidModel, UnknownPolicy
 from kvstrata.build.factory import POLICIES, check_device
 from kvstrata.build.hf_layout import AttentionShape, LatentShape, StateShape
 from kvstrata.build.mamba import MambaModel, build_mamba_system
@@ -35,6 +37,7 @@ from kvstrata.build.model_spec import ModelMemorySpec
 from kvstrata.build.sizing import MemoryPlan, SizingParams, plan_memory
 from kvstrata.build.swa import SWAModel, build_swa_system
 from kvstrata.build.system import BuildParams, MemorySystem
+from kvstrata.build.tiers import TieredSystem, build_tiers
 from kvstrata.hybrid_cache import HybridPool
 from kvstrata.pool import MLAKVPool, MLASpec, ReqToTokenPool
 from kvstrata.unified_radix_cache import FullComponent, UnifiedRadixCache
@@ -52,8 +55,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 @dataclass(frozen=True, kw_only=True)
 class BuildOptions:
     """How to build: the sizing knobs (`SizingParams`), the tree's eviction policy, the device,
-    KV events. `free_device_bytes` / `free_host_bytes`: what a fractional budget and the host
-    check refer to (None: measured on `device` / read from /proc/meminfo when needed)."""
+    KV events, the L3 `storage_url` (`build_tiered`). `free_device_bytes` / `free_host_bytes`:
+    what a fractional budget and the host check refer to (None: measured on `device` / read
+    from /proc/meminfo when needed)."""
 
     sizing: SizingParams = field(default_factory=SizingParams)
     policy: str = "lru"
@@ -61,6 +65,7 @@ class BuildOptions:
     enable_events: bool = False
     free_device_bytes: int | None = None
     free_host_bytes: int | None = None
+    storage_url: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -115,6 +120,26 @@ def build_with_plan(
     system = _build_family(spec, params)
     table = ReqToTokenPool(plan.max_running_requests, plan.context_len, device)
     return BuiltSystem(system=replace(system, req_to_token=table), plan=plan)
+
+
+def build_tiered(
+    spec: ModelMemorySpec, budget: str | int | float, options: BuildOptions | None = None
+) -> TieredSystem:
+    """`build`, then the host tier of the plan (`options.sizing.host_ratio` or `host_bytes`,
+    required) and storage at `options.storage_url` under it: pools, allocators, tree, host
+    mirrors, transfer controller and hierarchical cache. `close()` it when done. Raises what
+    `build` and `build_tiers` raise (InvalidCapacity without a host size, InvalidModel for
+    an MLA model, whose latent pool has no host mirror yet)."""
+    options = BuildOptions() if options is None else options
+    sizing = options.sizing
+    if sizing.host_ratio is None and sizing.host_bytes is None:
+        raise InvalidCapacity("build_tiered needs a host tier: set sizing.host_ratio or host_bytes")
+    if spec.is_mla:
+        raise InvalidModel(f"{spec.architecture}: MLA pools have no host mirror yet")
+    built = build_with_plan(spec, budget, options)
+    host = built.plan.host
+    assert host is not None, "plan_memory sizes a host tier when asked (checked above)"
+    return build_tiers(built.system, host_tokens=host.full_tokens, storage_url=options.storage_url)
 
 
 def _check_buildable(spec: ModelMemorySpec) -> None:
