@@ -40,7 +40,7 @@ def test_json_matches_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str
     record = json.loads(capsys.readouterr().out)
     spec = ModelMemorySpec.from_hf_config(LLAMA_3_1_8B, kv_dtype="fp8_e4m3", tp_size=8)
     plan = plan_memory(spec, "80GiB", SizingParams(context_len=32768))
-    assert record == plan.to_json()
+    assert record == {**plan.to_json(), "l3": None}
     # 2 x 1 KV head x 128 x 1 B x 32 layers
     assert record["full_kv_bytes_per_token"] == 8192
     assert record["full_tokens"] % 16 == 0
@@ -62,10 +62,14 @@ def test_table_shows_every_pool(tmp_path: Path, capsys: pytest.CaptureFixture[st
             "32768",
             "--host-ratio",
             "0.01",
+            "--l3-bytes",
+            "1GiB",
         ]
     )
     assert code == 0
     out = capsys.readouterr().out
+    # 1 GiB / (16 x 24_576 B a page) = 2730 pages
+    assert "L3 storage" in out and "43,680 tokens" in out
     assert "full KV (12 layers)" in out
     assert "Mamba state (36 layers, ssm float32)" in out
     assert "77,266,944 B/request" in out
@@ -76,8 +80,10 @@ def test_table_shows_every_pool(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_swa_table_and_host_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = _write(tmp_path, GPT_OSS_120B)
     args = ["size", "--model", str(model), "--device-memory", "20GiB", "--context-len", "8192"]
-    assert main([*args, "--host-bytes", "100MiB", "--json"]) == 0
+    assert main([*args, "--host-bytes", "100MiB", "--l3-bytes", "1TB", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
+    # 10**12 B / (16 x 73_728 B a page) = 847_710 pages
+    assert record["l3"] == {"size_bytes": 10**12, "tokens": 847_710 * 16}
     assert record["swa_tokens"] > 0 and record["sliding_window"] == 128
     assert record["host"]["size_bytes"] <= 100 << 20
     assert main(args) == 0

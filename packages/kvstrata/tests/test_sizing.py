@@ -291,3 +291,12 @@ def test_plans_stay_within_budget_whole_pages_and_monotone(
         else:
             assert large.full_tokens >= small.full_tokens
             assert large.swa_tokens >= small.swa_tokens
+
+
+def test_storage_tokens_are_whole_pages() -> None:
+    plan = plan_memory(ModelMemorySpec.from_hf_config(LLAMA_3_1_8B), "80GiB")
+    assert plan.page_bytes == 16 * 131_072
+    assert plan.storage_tokens(GiB) == GiB // (16 * 131_072) * 16 == 8192
+    assert plan.storage_tokens(16 * 131_072 - 1) == 0
+    with pytest.raises(InvalidCapacity, match="storage size must be >= 0"):
+        plan.storage_tokens(-1)

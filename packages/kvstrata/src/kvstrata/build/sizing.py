@@ -123,6 +123,13 @@ class MemoryPlan:
         (a page's Mamba state, where it ends one, is `spec.state_bytes_per_request` more)."""
         return self.page_size * self.spec.kv_bytes_per_token
 
+    def storage_tokens(self, size_bytes: int) -> int:
+        """Tokens an L3 store of `size_bytes` holds in whole pages of `page_bytes` (Mamba
+        states stored beside them not counted)."""
+        if size_bytes < 0:
+            raise InvalidCapacity(f"storage size must be >= 0, got {size_bytes}")
+        return size_bytes // self.page_bytes * self.page_size
+
     def request_needs(self, context_len: int) -> tuple[int, int]:
         """(full tokens, SWA tokens) one request of `context_len` tokens holds at its peak."""
         pages = _pages(context_len, self.page_size)

@@ -80,6 +80,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     host.add_argument("--host-ratio", type=float, help="host (L2) tier: ratio of each device pool")
     host.add_argument("--host-bytes", help="host (L2) tier: a size (e.g. 200GiB)")
     parser.add_argument(
+        "--l3-bytes", help="L3 (storage) size, e.g. 2TB: prints the tokens it holds"
+    )
+    parser.add_argument(
         "--device",
         default="cuda",
         help="device whose free memory a fractional budget refers to (default cuda)",
@@ -121,17 +124,22 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if is_fraction(args.device_memory):
             free = free_device_memory(args.device)
         plan = plan_memory(spec, args.device_memory, params, free_device_bytes=free)
+        l3_bytes = None if args.l3_bytes is None else parse_size(args.l3_bytes)
     except BuildError as exc:
         print(f"kvstrata size: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan.to_json()), file=stream)
+        record = plan.to_json()
+        record["l3"] = None
+        if l3_bytes is not None:
+            record["l3"] = {"size_bytes": l3_bytes, "tokens": plan.storage_tokens(l3_bytes)}
+        print(json.dumps(record), file=stream)
     else:
-        _print_table(plan, stream)
+        _print_table(plan, l3_bytes, stream)
     return 0
 
 
-def _print_table(plan: MemoryPlan, out: TextIO) -> None:
+def _print_table(plan: MemoryPlan, l3_bytes: int | None, out: TextIO) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -190,6 +198,9 @@ def _print_table(plan: MemoryPlan, out: TextIO) -> None:
             f"free {format_bytes(host.free_host_bytes)}",
         )
     table.add_row("L3 page", f"{plan.page_size} tokens", format_bytes(plan.page_bytes), "")
+    if l3_bytes is not None:
+        tokens = plan.storage_tokens(l3_bytes)
+        table.add_row("L3 storage", f"{tokens:,} tokens", format_bytes(l3_bytes), "")
     console = Console(file=out, width=120)
     console.print(table)
     console.print(
