@@ -269,3 +269,20 @@ def test_bad_configs_and_arguments_are_refused(
 def test_config_must_be_a_dict() -> None:
     with pytest.raises(InvalidModel, match="must be a dict"):
         ModelMemorySpec.from_hf_config(["llama"])  # pyright: ignore[reportArgumentType]
+
+
+def test_a_wrapper_around_a_known_text_model_reads_the_text_model() -> None:
+    # A vision-language wrapper (unknown top-level type) around Llama-3.1-8B's text model.
+    text = {k: v for k, v in LLAMA_3_1_8B.items() if k not in ("architectures", "torch_dtype")}
+    wrapper: dict[str, object] = {
+        "model_type": "llava",
+        "architectures": ["LlavaForConditionalGeneration"],
+        "torch_dtype": "bfloat16",
+        "text_config": text,
+    }
+    spec = ModelMemorySpec.from_hf_config(wrapper)
+    assert spec.architecture == "llama"
+    assert spec.full_kv_bytes_per_token == 131_072
+    # Unknown at both levels: the error names the top level's type.
+    with pytest.raises(UnknownArchitecture, match="'llava'"):
+        ModelMemorySpec.from_hf_config({**wrapper, "text_config": {"model_type": "mystery"}})

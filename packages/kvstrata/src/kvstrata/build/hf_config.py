@@ -89,19 +89,20 @@ def read_layout(config: Mapping[str, object], *, tp_size: int) -> ModelLayout:
     the wrong type or an inconsistent layout, a tp_size that does not divide the state)."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise InvalidModel(f"tp_size must be a positive int, got {tp_size!r}")
-    model_type = _model_type(config)
     text = config.get("text_config")
     if isinstance(text, Mapping):
         text_config: Mapping[str, object] = {str(k): v for k, v in text.items()}
         for name in ("torch_dtype", "dtype"):
             if text_config.get(name) is None and config.get(name) is not None:
                 text_config = {**text_config, name: config[name]}
+        # The text model's own type names the reader (a vision-language wrapper around a
+        # known text model is read as that model); else the top level's.
         inner = text_config.get("model_type")
-        if isinstance(inner, str) and inner in READERS:
-            model_type = inner
+        model_type = inner if isinstance(inner, str) and inner in READERS else _model_type(config)
         cfg = ConfigReader(text_config, architecture=model_type, prefix="text_config.")
     else:
-        cfg = ConfigReader(config, architecture=model_type)
+        cfg = ConfigReader(config, architecture=_model_type(config))
+    model_type = cfg.architecture
     return READERS[model_type](cfg, tp_size)
 
 
