@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import cast
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstrata.build import InvalidModel, MissingConfigField, ModelMemorySpec, UnknownArchitecture
 from kvstrata.testkit.hf_configs import (
@@ -20,6 +22,7 @@ from kvstrata.testkit.hf_configs import (
     GEMMA_2_2B,
     GEMMA_3_27B,
     GPT_OSS_120B,
+    HF_CONFIGS,
     JAMBA_V0_1,
     KIMI_K2,
     LLAMA_3_1_8B,
@@ -286,3 +289,37 @@ def test_a_wrapper_around_a_known_text_model_reads_the_text_model() -> None:
     # Unknown at both levels: the error names the top level's type.
     with pytest.raises(UnknownArchitecture, match="'llava'"):
         ModelMemorySpec.from_hf_config({**wrapper, "text_config": {"model_type": "mystery"}})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(sorted(HF_CONFIGS)),
+    tp=st.sampled_from([1, 2, 4, 8]),
+    ssm=st.sampled_from(["float32", "bfloat16", "float16"]),
+)
+def test_dtype_and_tp_scale_every_figure(name: str, tp: int, ssm: str) -> None:
+    config = HF_CONFIGS[name]
+    try:
+        wide = ModelMemorySpec.from_hf_config(config, kv_dtype="bfloat16", tp_size=tp)
+    except InvalidModel:
+        return  # this tp does not divide the model's state (tested above)
+    narrow = ModelMemorySpec.from_hf_config(
+        config, kv_dtype="fp8_e4m3", tp_size=tp, mamba_ssm_dtype=ssm
+    )
+    # One byte an element instead of two, every attention layer.
+    assert wide.full_kv_bytes_per_token == 2 * narrow.full_kv_bytes_per_token
+    assert wide.swa_kv_bytes_per_token == 2 * narrow.swa_kv_bytes_per_token
+    assert wide.layer_kinds == narrow.layer_kinds
+    # More ranks never cost a rank more; MLA latents are replicated, so they cost the same.
+    single = ModelMemorySpec.from_hf_config(config, kv_dtype="bfloat16")
+    assert wide.full_kv_bytes_per_token <= single.full_kv_bytes_per_token
+    assert wide.state_bytes_per_request <= single.state_bytes_per_request
+    if single.is_mla:
+        assert wide.full_kv_bytes_per_token == single.full_kv_bytes_per_token
+    if ssm == "float32":
+        assert narrow.state_bytes_per_request == wide.state_bytes_per_request
+    else:
+        assert narrow.state_bytes_per_request <= wide.state_bytes_per_request
+    kinds = set(wide.layer_kinds)
+    assert (wide.state_bytes_per_request > 0) == bool(kinds & {"mamba", "full+mamba"})
+    assert (wide.swa_kv_bytes_per_token > 0) == ("swa" in kinds)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvstrata.build import ModelMemorySpec, SizingParams, plan_memory
 from kvstrata.cli.main import main
@@ -135,3 +136,12 @@ def test_unreadable_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture
     missing = tmp_path / "absent.json"
     assert main(["size", "--model", str(missing), "--device-memory", "1GiB"]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_fraction_without_the_device_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = _write(tmp_path, LLAMA_3_1_8B)
+    assert main(["size", "--model", str(model), "--device-memory", "90%"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

@@ -77,15 +77,7 @@ class ModelMemorySpec:
             raise InvalidModel(
                 f"config must be a dict (a parsed config.json), got {type(config).__name__}"
             )
-        if kv_dtype is not None and kv_dtype != "auto" and kv_dtype not in KV_DTYPE_BYTES:
-            raise InvalidModel(
-                f"unknown kv_dtype {kv_dtype!r}; choose from auto, {', '.join(KV_DTYPE_BYTES)}"
-            )
-        if mamba_ssm_dtype not in SSM_DTYPE_BYTES:
-            raise InvalidModel(
-                f"unknown mamba_ssm_dtype {mamba_ssm_dtype!r}; choose from "
-                f"{', '.join(SSM_DTYPE_BYTES)}"
-            )
+        _check_dtypes(kv_dtype, mamba_ssm_dtype)
         layout = read_layout(config, tp_size=tp_size)
         return cls.from_layout(
             layout, kv_dtype=kv_dtype, mamba_ssm_dtype=mamba_ssm_dtype, tp_size=tp_size
@@ -100,7 +92,9 @@ class ModelMemorySpec:
         mamba_ssm_dtype: str,
         tp_size: int,
     ) -> ModelMemorySpec:
-        """Price an already-read layout (dtypes validated as in `from_hf_config`)."""
+        """Price an already-read layout (InvalidModel for an unknown dtype, or a model dtype
+        the layout needs and lacks)."""
+        _check_dtypes(kv_dtype, mamba_ssm_dtype)
         resolved_kv = _resolve_kv_dtype(layout, kv_dtype)
         kv_bytes = KV_DTYPE_BYTES[resolved_kv]
         kinds = layout.layer_kinds
@@ -166,6 +160,18 @@ class ModelMemorySpec:
         return KV_DTYPE_BYTES[self.kv_dtype]
 
 
+def _check_dtypes(kv_dtype: str | None, mamba_ssm_dtype: str) -> None:
+    if kv_dtype is not None and kv_dtype != "auto" and kv_dtype not in KV_DTYPE_BYTES:
+        raise InvalidModel(
+            f"unknown kv_dtype {kv_dtype!r}; choose from auto, {', '.join(KV_DTYPE_BYTES)}"
+        )
+    if mamba_ssm_dtype not in SSM_DTYPE_BYTES:
+        raise InvalidModel(
+            f"unknown mamba_ssm_dtype {mamba_ssm_dtype!r}; choose from "
+            f"{', '.join(SSM_DTYPE_BYTES)}"
+        )
+
+
 def _model_dtype(layout: ModelLayout, *, why: str) -> str:
     dtype = layout.model_dtype
     if dtype is None:
@@ -183,8 +189,4 @@ def _model_dtype(layout: ModelLayout, *, why: str) -> str:
 def _resolve_kv_dtype(layout: ModelLayout, kv_dtype: str | None) -> str:
     if kv_dtype is None or kv_dtype == "auto":
         return _model_dtype(layout, why="no kv_dtype was given")
-    if kv_dtype not in KV_DTYPE_BYTES:
-        raise InvalidModel(
-            f"unknown kv_dtype {kv_dtype!r}; choose from auto, {', '.join(KV_DTYPE_BYTES)}"
-        )
     return kv_dtype
