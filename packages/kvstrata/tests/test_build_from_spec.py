@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvstrata.build import (
     BudgetTooSmall,
@@ -18,6 +19,7 @@ from kvstrata.build import (
     build,
     build_tiered,
     build_with_plan,
+    collectors,
 )
 from kvstrata.pool import MambaPool, MHAKVPool, MLAKVPool, SWAKVPool
 from kvstrata.testkit.hf_configs import (
@@ -172,3 +174,35 @@ def test_tiered_build_refusals() -> None:
     )
     with pytest.raises(InvalidModel, match="no host mirror"):
         build_tiered(deepseek, "16MiB", options)
+
+
+def test_collectors_export_every_wired_part() -> None:
+    spec = ModelMemorySpec.from_hf_config(QWEN3_NEXT_80B, tp_size=8)
+    options = BuildOptions(
+        sizing=SizingParams(context_len=256, max_running_requests=4, host_ratio=1.0),
+        free_host_bytes=1 << 40,
+        storage_url="memory://?capacity_bytes=100000000",
+    )
+    tiered = build_tiered(spec, 96 * MiB, options)
+    try:
+        registry = CollectorRegistry()
+        for collector in collectors(tiered.system, tiered):
+            registry.register(collector)
+        text = generate_latest(registry).decode()
+        for prefix in (
+            "kvstrata_pool_",
+            "kvstrata_allocator_",
+            "kvstrata_radix_",
+            "kvstrata_host_",
+            "kvstrata_tier_",
+            "kvstrata_storage_",
+            "kvstrata_tiered_cache_",
+        ):
+            assert prefix in text, prefix
+        assert 'pool="req_to_token"' in text and 'pool="mamba"' in text
+    finally:
+        tiered.close()
+    device_only = collectors(
+        build(ModelMemorySpec.from_hf_config(LLAMA_3_1_8B, tp_size=8), "8MiB", _options())
+    )
+    assert len(device_only) == 3

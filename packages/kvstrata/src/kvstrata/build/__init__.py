@@ -24,6 +24,7 @@ from kvstrata.build.errors import (
 )
 from kvstrata.build.factory import FAMILIES, POLICIES, build_memory_system
 from kvstrata.build.mamba import MambaModel
+from kvstrata.build.metrics import collectors
 from kvstrata.build.mha import MHAModel
 from kvstrata.build.model_spec import ModelMemorySpec
 from kvstrata.build.sizing import HostPlan, MemoryPlan, SizingParams, plan_memory
@@ -62,5 +63,6 @@ __all__ = [
     "build_tiered",
     "build_tiers",
     "build_with_plan",
+    "collectors",
     "plan_memory",
 ]

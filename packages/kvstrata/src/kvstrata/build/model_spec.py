@@ -167,8 +167,7 @@ def _check_dtypes(kv_dtype: str | None, mamba_ssm_dtype: str) -> None:
         )
     if mamba_ssm_dtype not in SSM_DTYPE_BYTES:
         raise InvalidModel(
-            f"unknown mamba_ssm_dtype {mamba_ssm_dtype!r}; choose from "
-            f"{', '.join(SSM_DTYPE_BYTES)}"
+            f"unknown mamba_ssm_dtype {mamba_ssm_dtype!r}; choose from {', '.join(SSM_DTYPE_BYTES)}"
         )
 
 
