@@ -126,6 +126,9 @@ def test_refusals_exit_2_with_the_reason(
     model = _write(tmp_path, config)
     assert main(["size", "--model", str(model), *extra]) == 2
     assert message in capsys.readouterr().err
+    # The model's directory names the same config.json.
+    assert main(["size", "--model", str(tmp_path), *extra]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_unreadable_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -133,6 +136,7 @@ def test_unreadable_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture
     bad.write_text("{not json")
     assert main(["size", "--model", str(bad), "--device-memory", "1GiB"]) == 2
     assert "cannot read" in capsys.readouterr().err
+    assert main(["size", "--model", str(tmp_path / "empty"), "--device-memory", "1GiB"]) == 2
     missing = tmp_path / "absent.json"
     assert main(["size", "--model", str(missing), "--device-memory", "1GiB"]) == 2
     assert "cannot read" in capsys.readouterr().err

@@ -43,7 +43,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "pools, a request table of SGLang's default size)."
         ),
     )
-    parser.add_argument("--model", type=Path, required=True, help="the model's config.json")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        required=True,
+        help="the model's config.json (or the model's directory holding it)",
+    )
     parser.add_argument(
         "--device-memory",
         required=True,
@@ -99,10 +104,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from kvstrata.build.sizing import SizingParams, plan_memory
 
     stream = sys.stdout if out is None else out
+    path = Path(args.model)
+    if path.is_dir():
+        path = path / "config.json"
     try:
-        config = json.loads(Path(args.model).read_text())
+        config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        print(f"kvstrata size: cannot read {args.model}: {exc}", file=sys.stderr)
+        print(f"kvstrata size: cannot read {path}: {exc}", file=sys.stderr)
         return 2
     try:
         spec = ModelMemorySpec.from_hf_config(
