@@ -98,6 +98,8 @@ class MemorySystem:
         self.kv_pool.check_integrity()
         if self.mamba_pool is not None:
             self.mamba_pool.check_integrity()
+        if self.req_to_token is not None:
+            self.req_to_token.check_integrity()
         self.tree.check_integrity()
 
     def reset(self) -> None:
