@@ -14,7 +14,7 @@ import torch
 
 from kvstrata.pool import native, page_io
 from kvstrata.pool.base import DevicePool
-from kvstrata.pool.errors import BufferMismatch, DuplicateIndex, PoolError, ReservedIndex
+from kvstrata.pool.errors import BufferMismatch, DuplicateIndex, IndexOutOfRange, ReservedIndex
 from kvstrata.testkit.pools import (
     fill_random_bytes,
     flat_pages,
@@ -118,8 +118,13 @@ def test_errors_leave_the_pool_unchanged_on_the_compiled_path() -> None:
     fast, _ = twins("mha-lines", torch.bfloat16, 4)
     before = flat_pages(fast, range(fast.num_pages))
     src = torch.ones((2, fast.page_size_bytes), dtype=torch.uint8)
-    for bad in (torch.tensor([1, fast.num_pages]), torch.tensor([0, 2]), torch.tensor([3, 3])):
-        with pytest.raises(PoolError):
+    refusals = (
+        (torch.tensor([1, fast.num_pages]), IndexOutOfRange),
+        (torch.tensor([0, 2]), ReservedIndex),
+        (torch.tensor([3, 3]), DuplicateIndex),
+    )
+    for bad, error in refusals:
+        with pytest.raises(error):
             fast.write_pages(bad, src)
     assert torch.equal(flat_pages(fast, range(fast.num_pages)), before)
 

@@ -26,7 +26,6 @@ from kvstrata.hybrid_cache.group import PoolGroup
 from kvstrata.hybrid_cache.metrics import ControllerStats, Direction
 from kvstrata.hybrid_cache.ops import AckStatus, OpKind, PageMove
 from kvstrata.pool_host import LayerCompletion, LayerLoad
-from kvstrata.pool_host.errors import LayerLoadFailed as HostLayerLoadFailed
 from kvstrata.pool_host.errors import LayerWaitTimeout
 
 logger = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ class LoadHandle:
             self._completion.wait(layer_id, timeout_s)
         except LayerWaitTimeout:
             return False
-        except HostLayerLoadFailed as exc:
+        except LayerLoadFailed as exc:
             raise LayerLoadFailed(
                 f"load op {self.op_id} failed before layer {layer_id} arrived"
             ) from (self._error or exc)
