@@ -16,6 +16,7 @@ from kvstrata.core.errors import (
     DoubleFree,
     DuplicateIndex,
     IndexOutOfRange,
+    IntegrityError,
     LayerLoadFailed,
     MisalignedIndex,
     ReservedIndex,
@@ -32,6 +33,7 @@ __all__ = [
     "IndexLengthMismatch",
     "IndexOutOfRange",
     "InsufficientHostMemory",
+    "IntegrityError",
     "InvalidHostPoolSize",
     "InvalidIndices",
     "LayerAlreadyLoaded",
@@ -125,9 +127,10 @@ class HostAllocatorError(HostPoolError):
     """Base of the errors of HostSlotAllocator."""
 
 
-class DoubleAllocation(HostAllocatorError):
-    """A page about to be handed out is already allocated: the free list is corrupt."""
-
-
 class SizeNotPageAligned(HostAllocatorError):
     """A token count or index set that is not whole pages was given to the page allocator."""
+
+
+#: A page on the free list that is already allocated (the list was corrupted from outside): the
+#: shared `IntegrityError`, which `kvstrata.core.free_ids.FreeIds.take` raises. The old name stays.
+DoubleAllocation = IntegrityError
