@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 from kvstrata.pool import (
@@ -25,6 +26,15 @@ from kvstrata.pool import (
     SWASpec,
 )
 from kvstrata.pool.base import DevicePool
+
+#: Devices to parametrise a test over: the CPU, and CUDA marked `cuda` (skipped without a GPU).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as a CPU uint8 tensor: compares NaN payloads of random bit patterns exactly."""
+    return t.contiguous().view(torch.uint8).cpu()
+
 
 #: Every dtype a pool can hold, for parametrised tests.
 POOL_DTYPES: tuple[torch.dtype, ...] = (
