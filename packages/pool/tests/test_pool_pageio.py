@@ -20,6 +20,7 @@ from kvstrata.pool import (
 from kvstrata.pool.base import DevicePool, check_distinct, check_index_range
 from kvstrata.testkit.pools import (
     POOL_DTYPES,
+    check_page_round_trip,
     fill_random_bytes,
     flat_pages,
     make_mamba_pool,
@@ -67,25 +68,7 @@ def test_round_trip_random_pages(family: str, page_size: int, dtype: torch.dtype
         pool.page_size_bytes
         == sum(b[0].numel() * b.element_size() for b in pool.layer_buffers()) * page_size
     )
-
-    ids = torch.randperm(pool.num_pages - 1, generator=gen)[:5] + 1
-    out = torch.empty((5, pool.page_size_bytes), dtype=torch.uint8)
-    pool.read_pages(ids, out)
-    assert torch.equal(out, flat_pages(pool, ids.tolist()))
-
-    before = _all_pages(pool)
-    targets = torch.randperm(pool.num_pages - 1, generator=gen)[:4] + 1
-    src = torch.randint(0, 256, (4, pool.page_size_bytes), generator=gen, dtype=torch.uint8)
-    pool.write_pages(targets, src)
-    after = _all_pages(pool)
-    assert torch.equal(after[targets], src)
-    untouched = torch.ones(pool.num_pages, dtype=torch.bool)
-    untouched[targets] = False
-    assert torch.equal(after[untouched], before[untouched]), "a page outside the ids changed"
-
-    back = torch.empty_like(src)
-    pool.read_pages(targets, back)
-    assert torch.equal(back, src)
+    check_page_round_trip(pool, torch.randperm(pool.num_pages - 1, generator=gen)[:5] + 1, seed=3)
     pool.check_integrity()
 
 

@@ -17,6 +17,7 @@ from kvstrata.pool import native, page_io
 from kvstrata.pool.base import DevicePool
 from kvstrata.testkit.pools import (
     POOL_DTYPES,
+    check_page_round_trip,
     fill_random_bytes,
     flat_pages,
     make_mamba_pool,
@@ -91,23 +92,7 @@ def test_one_piece_round_trip_is_bit_identical(
     layout = _layout(pool)
     assert (layout._pieces is not None) == FAMILIES[family][1]
     gen = torch.Generator().manual_seed(5)
-    ids = torch.randperm(pool.num_pages - 1, generator=gen)[:6] + 1
-
-    out = torch.empty((6, pool.page_size_bytes), dtype=torch.uint8)
-    pool.read_pages(ids, out)
-    assert torch.equal(out, flat_pages(pool, ids.tolist()))
-
-    before = flat_pages(pool, range(pool.num_pages))
-    src = torch.randint(0, 256, out.shape, generator=gen, dtype=torch.uint8)
-    pool.write_pages(ids, src)
-    after = flat_pages(pool, range(pool.num_pages))
-    assert torch.equal(after[ids], src)
-    untouched = torch.ones(pool.num_pages, dtype=torch.bool)
-    untouched[ids] = False
-    assert torch.equal(after[untouched], before[untouched]), "a page outside the ids changed"
-    back = torch.zeros_like(src)
-    pool.read_pages(ids, back)
-    assert torch.equal(back, src)
+    check_page_round_trip(pool, torch.randperm(pool.num_pages - 1, generator=gen)[:6] + 1, seed=5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)

@@ -167,3 +167,24 @@ def flat_pages(pool: DevicePool, page_ids: Sequence[int]) -> torch.Tensor:
         buf.reshape(pool.num_pages, -1).view(torch.uint8).cpu() for buf in pool.layer_buffers()
     ]
     return torch.cat(per_buffer, dim=1)[list(page_ids)]
+
+
+def check_page_round_trip(pool: DevicePool, page_ids: torch.Tensor, seed: int) -> None:
+    """Read `page_ids` (must equal `flat_pages`), write random pages there, and check that
+    exactly those pages changed (against `flat_pages` of the whole pool) and read back
+    bit-identical. The one page-I/O round trip of the pool tests (both copy paths)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.empty((len(page_ids), pool.page_size_bytes), dtype=torch.uint8)
+    pool.read_pages(page_ids, out)
+    assert torch.equal(out, flat_pages(pool, page_ids.tolist()))
+    before = flat_pages(pool, range(pool.num_pages))
+    src = torch.randint(0, 256, out.shape, generator=gen, dtype=torch.uint8)
+    pool.write_pages(page_ids, src)
+    after = flat_pages(pool, range(pool.num_pages))
+    assert torch.equal(after[page_ids], src)
+    untouched = torch.ones(pool.num_pages, dtype=torch.bool)
+    untouched[page_ids] = False
+    assert torch.equal(after[untouched], before[untouched]), "a page outside the ids changed"
+    back = torch.zeros_like(src)
+    pool.read_pages(page_ids, back)
+    assert torch.equal(back, src)
