@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvstrata.hybrid_cache import (
+    Ack,
     AckStatus,
     BackupOp,
     ControllerParams,
@@ -216,31 +217,25 @@ def test_swa_and_mamba_prefetch_only_what_restores_the_boundary() -> None:
     with TierController(tiers.group, storage=storage) as controller:
         write_and_back_up(controller, tiers, keys, [1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5])
         window = tiers.group.rules["swa"].window_pages
-        swa_pages: list[int | None] = [None] * (N - window) + [20 + i for i in range(window)]
-        op = controller.submit_prefetch(
-            PrefetchOp(
-                keys=keys,
-                host_pages={"full": [10, 11, 12, 13, 14, 15], "swa": swa_pages},
-                num_tokens=N * tiers.page_size,
-            )
-        )
-        assert op is not None
-        ack = controller.wait(op, TIMEOUT_S)
-        assert ack is not None and ack.status is AckStatus.DONE and ack.num_pages_done == N
-        assert controller.stats.snapshot().pages[Direction.STORAGE_GET] == N + window
 
-        # Without the window's pages the prefix cannot be resumed at its end: 0 pages.
-        short: list[int | None] = [None] * (N - 1) + [20]
-        op = controller.submit_prefetch(
-            PrefetchOp(
-                keys=keys,
-                host_pages={"full": [10, 11, 12, 13, 14, 15], "swa": short},
-                num_tokens=N * tiers.page_size,
+        def prefetch(swa_pages: list[int | None]) -> Ack:
+            op = controller.submit_prefetch(
+                PrefetchOp(
+                    keys=keys,
+                    host_pages={"full": [10, 11, 12, 13, 14, 15], "swa": swa_pages},
+                    num_tokens=N * tiers.page_size,
+                )
             )
-        )
-        assert op is not None
-        ack = controller.wait(op, TIMEOUT_S)
-        assert ack is not None and ack.status is AckStatus.PARTIAL
+            assert op is not None
+            ack = controller.wait(op, TIMEOUT_S)
+            assert ack is not None
+            return ack
+
+        ack = prefetch([None] * (N - window) + [20 + i for i in range(window)])
+        assert ack.status is AckStatus.DONE and ack.num_pages_done == N
+        assert controller.stats.snapshot().pages[Direction.STORAGE_GET] == N + window
+        # Without the window's pages the prefix cannot be resumed at its end: 0 pages.
+        assert prefetch([None] * (N - 1) + [20]).status is AckStatus.PARTIAL
 
 
 def test_missing_pages_end_the_prefetch_at_the_stored_prefix() -> None:

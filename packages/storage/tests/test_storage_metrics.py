@@ -22,18 +22,21 @@ def test_collector_exports_counters_gauges_and_histograms(tmp_path: Path) -> Non
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, labels)
 
-    assert value("kvstrata_storage_pages", storage="l3-mem") == 2
-    assert value("kvstrata_storage_used_bytes", storage="l3-mem") == 80
-    assert value("kvstrata_storage_capacity_bytes", storage="l3-mem") == 100
-    assert value("kvstrata_storage_written_pages_total", storage="l3-mem") == 3
-    assert value("kvstrata_storage_written_bytes_total", storage="l3-mem") == 120
-    assert value("kvstrata_storage_read_pages_total", storage="l3-mem") == 1
-    assert value("kvstrata_storage_read_bytes_total", storage="l3-mem") == 40
-    assert value("kvstrata_storage_hits_total", storage="l3-mem") == 1
-    assert value("kvstrata_storage_misses_total", storage="l3-mem") == 1
-    assert value("kvstrata_storage_evictions_total", storage="l3-mem") == 1
-    assert value("kvstrata_storage_corrupt_pages_total", storage="l3-mem") == 0
-    assert value("kvstrata_storage_write_failures_total", storage="l3-mem") == 0
+    expected_mem = {
+        "kvstrata_storage_pages": 2,
+        "kvstrata_storage_used_bytes": 80,
+        "kvstrata_storage_capacity_bytes": 100,
+        "kvstrata_storage_written_pages_total": 3,
+        "kvstrata_storage_written_bytes_total": 120,
+        "kvstrata_storage_read_pages_total": 1,
+        "kvstrata_storage_read_bytes_total": 40,
+        "kvstrata_storage_hits_total": 1,
+        "kvstrata_storage_misses_total": 1,
+        "kvstrata_storage_evictions_total": 1,
+        "kvstrata_storage_corrupt_pages_total": 0,
+        "kvstrata_storage_write_failures_total": 0,
+    }
+    assert {name: value(name, storage="l3-mem") for name in expected_mem} == expected_mem
     assert value("kvstrata_storage_pages", storage="l3-file") == 1
     assert value("kvstrata_storage_operation_seconds_count", storage="l3-mem", operation="get") == 1
     assert (
