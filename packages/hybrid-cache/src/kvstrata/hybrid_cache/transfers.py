@@ -129,8 +129,7 @@ class TransferRunner:
                     "merged write of %d ops failed; retrying each", len(tasks), exc_info=True
                 )
             else:
-                for t in tasks:
-                    self._finish(t.op_id, AckStatus.DONE, t.num_pages, None)
+                self._done(*tasks)
                 return
         for t in tasks:
             try:
@@ -139,7 +138,11 @@ class TransferRunner:
                 logger.warning("write op %d failed", t.op_id, exc_info=True)
                 self._finish(t.op_id, AckStatus.FAILED, 0, exc)
             else:
-                self._finish(t.op_id, AckStatus.DONE, t.num_pages, None)
+                self._done(t)
+
+    def _done(self, *tasks: WriteTask | LoadTask) -> None:
+        for t in tasks:
+            self._finish(t.op_id, AckStatus.DONE, t.num_pages, None)
 
     def run_loads(self, tasks: list[LoadTask]) -> None:
         self._stats.count_merged(OpKind.LOAD, len(tasks) - 1)
@@ -156,8 +159,7 @@ class TransferRunner:
                 )
                 start = stop.position
             else:
-                for t in tasks:
-                    self._finish(t.op_id, AckStatus.DONE, t.num_pages, None)
+                self._done(*tasks)
                 return
         for t in tasks:
             try:
@@ -168,7 +170,7 @@ class TransferRunner:
                 t.handle.fail(error)
                 self._finish(t.op_id, AckStatus.FAILED, 0, error)
             else:
-                self._finish(t.op_id, AckStatus.DONE, t.num_pages, None)
+                self._done(t)
 
     def _write(self, moves: dict[str, PageMove]) -> None:
         start = time.perf_counter()
