@@ -2,8 +2,8 @@
 
 `pool` and `storage` are siblings at the bottom of the layers and may not import each other, so
 what both (and the layers above) need lives here: the index and free-list error classes, the
-fixed-bucket latency histogram and the host free-id list. Each member re-exports the classes from its own `errors.py` /
-`metrics.py`, so callers keep importing them from the layer they use.
+fixed-bucket latency histogram and the host free-id list. Each member re-exports the classes
+from its own `errors.py` / `metrics.py`, so callers keep importing them from the layer they use.
 """
 
 from __future__ import annotations
