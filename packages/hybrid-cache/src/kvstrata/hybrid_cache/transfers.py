@@ -176,13 +176,7 @@ class TransferRunner:
         start = time.perf_counter()
         for name, move in moves.items():
             self._group.backup(name, move.device, move.host)
-        num_pages, num_bytes = self._group.volume(moves)
-        self._stats.count_transfer(
-            Direction.D2H,
-            num_pages=num_pages,
-            num_bytes=num_bytes,
-            seconds=time.perf_counter() - start,
-        )
+        self._count(Direction.D2H, moves, start)
 
     def _load(self, moves: dict[str, PageMove], tasks: list[LoadTask], first: int) -> None:
         """Load the layers from position `first` on (`moves` is the merge of the tasks'),
@@ -213,9 +207,12 @@ class TransferRunner:
         # copy (copies of one stream complete in order). A no-op on CPU.
         for done in last.values():
             done.wait()
+        self._count(Direction.H2D, moves, start)
+
+    def _count(self, direction: Direction, moves: dict[str, PageMove], start: float) -> None:
         num_pages, num_bytes = self._group.volume(moves)
         self._stats.count_transfer(
-            Direction.H2D,
+            direction,
             num_pages=num_pages,
             num_bytes=num_bytes,
             seconds=time.perf_counter() - start,
