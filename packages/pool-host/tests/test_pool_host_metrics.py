@@ -7,7 +7,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvstrata.pool_host import HostLayout, HostPoolCollector, MHAHostPool
 from kvstrata.pool_host.errors import UnknownPoolName
-from kvstrata.pool_host.metrics import LatencyHistogram
 from kvstrata.testkit.host_pools import make_device_pool, page_tokens
 
 
@@ -61,13 +60,3 @@ def test_nothing_is_registered_globally() -> None:
     host = MHAHostPool(make_device_pool("mha"), size=8)
     HostPoolCollector({"l2": host})  # built but never registered by the library itself
     assert not [m for m in REGISTRY.collect() if m.name.startswith("kvstrata_host")]
-
-
-def test_latency_histogram_buckets() -> None:
-    hist = LatencyHistogram((0.001, 0.01))
-    for seconds in (0.0005, 0.001, 0.005, 3.0):
-        hist.observe(seconds)
-    snap = hist.snapshot()
-    assert snap.counts == (2, 1, 1)
-    assert snap.count == 4
-    assert abs(snap.sum_seconds - 3.0065) < 1e-9

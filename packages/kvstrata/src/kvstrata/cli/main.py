@@ -15,6 +15,7 @@ from kvstrata.cli import plan_command, replay_command, size_command
 
 #: Distributions of the workspace, in layer order (bottom first), as `kvstrata version` lists them.
 DISTRIBUTIONS: tuple[str, ...] = (
+    "kvstrata-core",
     "kvstrata-pool",
     "kvstrata-storage",
     "kvstrata-allocator",

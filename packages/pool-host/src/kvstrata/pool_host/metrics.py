@@ -15,108 +15,30 @@ Labels: `pool` (the name the application gives each pool), `family`, `layout`, a
 
 from __future__ import annotations
 
-import bisect
-import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+# Re-exported: the counters live in `stats` (which base.py fills), the histogram in kvstrata.core.
+from kvstrata.core.histogram import HistogramSnapshot, LatencyHistogram
+from kvstrata.pool_host.base import HostPool
 from kvstrata.pool_host.errors import UnknownPoolName
+from kvstrata.pool_host.slots import HostSlotAllocator
+from kvstrata.pool_host.stats import LATENCY_BOUNDS, HostPoolStats, TransferCounters
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from kvstrata.pool_host.base import HostPool
-    from kvstrata.pool_host.slots import HostSlotAllocator
-
-#: Upper bounds (seconds) of the latency buckets: 10 us .. 10 s, roughly x3 apart.
-LATENCY_BOUNDS: tuple[float, ...] = (
-    1e-5,
-    3e-5,
-    1e-4,
-    3e-4,
-    1e-3,
-    3e-3,
-    1e-2,
-    3e-2,
-    0.1,
-    0.3,
-    1.0,
-    3.0,
-    10.0,
-)
-
-
-@dataclass(frozen=True, kw_only=True)
-class HistogramSnapshot:
-    """Cumulative-free bucket counts (counts[i] = observations <= bounds[i] and > bounds[i-1];
-    the last count is the +Inf overflow), their sum and total count."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[int, ...]
-    sum_seconds: float
-    count: int
-
-
-class LatencyHistogram:
-    """Fixed-bucket histogram: observe() is a bisect and two integer adds under a lock."""
-
-    def __init__(self, bounds: tuple[float, ...] = LATENCY_BOUNDS) -> None:
-        assert list(bounds) == sorted(bounds), "histogram bounds must ascend"
-        self._bounds = bounds
-        self._counts = [0] * (len(bounds) + 1)
-        self._sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, seconds: float) -> None:
-        slot = bisect.bisect_left(self._bounds, seconds)
-        with self._lock:
-            self._counts[slot] += 1
-            self._sum += seconds
-
-    def snapshot(self) -> HistogramSnapshot:
-        with self._lock:
-            return HistogramSnapshot(
-                bounds=self._bounds,
-                counts=tuple(self._counts),
-                sum_seconds=self._sum,
-                count=sum(self._counts),
-            )
-
-
-@dataclass(frozen=True, kw_only=True)
-class TransferCounters:
-    """Totals of one direction of copies since the pool was built."""
-
-    calls: int
-    pages: int
-    bytes: int
-    latency: HistogramSnapshot
-
-
-@dataclass(frozen=True, kw_only=True)
-class HostPoolStats:
-    """What a host pool reports at scrape time."""
-
-    family: str
-    layout: str
-    page_size: int
-    capacity_tokens: int
-    capacity_bytes: int
-    d2h: TransferCounters
-    h2d: TransferCounters
-
-
-def _histogram_buckets(snap: HistogramSnapshot) -> list[tuple[str, float]]:
-    buckets: list[tuple[str, float]] = []
-    running = 0
-    for bound, count in zip((*snap.bounds, float("inf")), snap.counts, strict=True):
-        running += count
-        buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
-    return buckets
+__all__ = [
+    "LATENCY_BOUNDS",
+    "HistogramSnapshot",
+    "HostPoolCollector",
+    "HostPoolStats",
+    "LatencyHistogram",
+    "TransferCounters",
+]
 
 
 class HostPoolCollector(Collector):
@@ -170,7 +92,7 @@ class HostPoolCollector(Collector):
                 fams["pages"].add_metric([*values, direction], counters.pages)
                 hist.add_metric(
                     [*values, direction],
-                    buckets=_histogram_buckets(counters.latency),
+                    buckets=counters.latency.cumulative(),
                     sum_value=counters.latency.sum_seconds,
                 )
             cap_bytes.add_metric(values, stats.capacity_bytes)
