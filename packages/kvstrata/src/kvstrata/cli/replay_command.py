@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from kvstrata.cli.errors import print_error
+
 if TYPE_CHECKING:
     from rich.table import Table
 
@@ -176,7 +178,6 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
     from kvstrata.storage.errors import StorageError
 
     out = stdout if stdout is not None else sys.stdout
-    err = Console(file=sys.stderr)
     try:
         if args.threads < 1:
             raise ReplayError(f"--threads must be >= 1, got {args.threads}")
@@ -227,10 +228,10 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
         else:
             system.check_integrity()
     except KVMismatch as exc:
-        err.print(f"[red]verification failed:[/] {exc}", highlight=False)
+        print_error(str(exc), label="verification failed")
         return 1
     except (ReplayError, BuildError, HostPoolError, StorageError, OSError) as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False)
+        print_error(str(exc))
         return 2
     record: dict[str, object] = {
         "source": source,
@@ -260,7 +261,7 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
         try:
             args.json.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         except OSError as exc:
-            err.print(f"[red]error:[/] cannot write {args.json}: {exc}", highlight=False)
+            print_error(f"cannot write {args.json}: {exc}")
             return 2
     return 0
 
