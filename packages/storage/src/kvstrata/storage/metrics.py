@@ -104,6 +104,10 @@ class StorageCollector(Collector):
             "hits": ("kvstrata_storage_hits", "batch_get pages found."),
             "misses": ("kvstrata_storage_misses", "batch_get pages not found or unreadable."),
             "corrupt_pages": ("kvstrata_storage_corrupt_pages", "Pages that failed a check."),
+            "race_misses": (
+                "kvstrata_storage_race_misses",
+                "Misses because another process removed or replaced a page while it was read.",
+            ),
             "evictions": ("kvstrata_storage_evictions", "Pages evicted for capacity."),
             "write_failures": ("kvstrata_storage_write_failures", "Pages refused or failed."),
         }
