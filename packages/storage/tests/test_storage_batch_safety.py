@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.storage import FileStorage
+from kvstrata.storage import FileStorage, file_format
 from kvstrata.storage import file as file_module
-from kvstrata.storage import file_format
 from kvstrata.storage.parallel import BatchRunner
 from kvstrata.testkit.storage import page_payload
 

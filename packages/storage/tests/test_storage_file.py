@@ -20,8 +20,8 @@ import pytest
 import xxhash
 
 from kvstrata.storage import FileStorage
-from kvstrata.storage.base import WriteResult
 from kvstrata.storage import file as file_module
+from kvstrata.storage.base import WriteResult
 from kvstrata.storage.errors import InvalidKey, InvalidParameter, StorageDirectoryError
 from kvstrata.storage.file import (
     FORMAT_VERSION,
@@ -361,7 +361,7 @@ def test_scan_removes_orphaned_and_timed_out_temp_files_only(tmp_path: Path) -> 
     """With the directory open elsewhere, an opener removes temp files of dead writers and
     those unchanged for longer than the write timeout (issue 17 item 5: even a live pid's)."""
     holder = FileStorage(tmp_path, capacity_bytes=1 << 20)
-    sub = Path(holder._page_path(b"\xab\xcd")).parent  # pyright: ignore[reportPrivateUsage]
+    sub = Path(holder._page_path(b"\xab\xcd")).parent
     sub.mkdir(parents=True)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, check=True)  # fmt: skip

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.storage import FileStorage, open_storage
+from kvstrata.storage import FileStorage, file_format, open_storage
 from kvstrata.storage import file as file_module
-from kvstrata.storage import file_format
 from kvstrata.storage.errors import BufferSizeMismatch, InvalidParameter, InvalidStorageURL
 from kvstrata.storage.parallel import BatchRunner
 from kvstrata.testkit.storage import page_payload
@@ -207,7 +206,7 @@ def test_parallel_faults_fail_only_the_pages_concerned(
     monkeypatch.undo()
     assert ok == [i not in (1, 13) for i in range(16)]
     assert list(tmp_path.rglob(".*.tmp")) == []
-    page = Path(storage._page_path(keys[9]))  # pyright: ignore[reportPrivateUsage]
+    page = Path(storage._page_path(keys[9]))
     raw = bytearray(page.read_bytes())
     raw[-1] ^= 0xFF
     page.write_bytes(bytes(raw))
@@ -227,7 +226,7 @@ def test_a_page_renamed_in_but_not_yet_indexed_is_not_adopted_by_a_reader(
     keys = [b"a", b"b", b"c", b"d"]
     seen: list[bytes | None] = []
     real_rename = file_module.rename_noreplace
-    target = storage._page_path(b"a")  # pyright: ignore[reportPrivateUsage]
+    target = storage._page_path(b"a")
 
     def rename_then_read(src: str, dst: str) -> None:
         real_rename(src, dst)
@@ -290,7 +289,7 @@ def test_reads_that_would_wait_go_to_the_io_threads(
     storage = FileStorage(tmp_path, capacity_bytes=1 << 22, io_threads=4)
     # The kernel's answers are faked below: the path runs even where the file system (tmpfs
     # with --basetemp=/dev/shm/...) made the storage turn RWF_NOWAIT off.
-    storage._nowait = True  # pyright: ignore[reportPrivateUsage]
+    storage._nowait = True
     keys = [f"k{i}".encode() for i in range(16)]
     assert all(storage.batch_set(keys, pages(keys)))
     assert read_all(storage, keys) == pages(keys)  # warm: no blocking read at all
@@ -320,7 +319,7 @@ def test_a_warm_batch_is_read_in_the_calling_thread(
 
     monkeypatch.setattr(os, "preadv", spy)
     assert read_all(storage, keys) == pages(keys)
-    if not storage._nowait:  # pyright: ignore[reportPrivateUsage]
+    if not storage._nowait:
         pytest.skip("RWF_NOWAIT is not supported on this file system: reads use the threads")
     assert threads == {threading.current_thread().name}
 
@@ -343,7 +342,7 @@ def test_nowait_is_turned_off_where_the_file_system_refuses_it(
 
     monkeypatch.setattr(os, "preadv", refuse)
     storage = FileStorage(tmp_path, capacity_bytes=1 << 22, io_threads=4)
-    assert not storage._nowait  # pyright: ignore[reportPrivateUsage]
+    assert not storage._nowait
     keys = [f"k{i}".encode() for i in range(8)]
     assert all(storage.batch_set(keys, pages(keys)))
     flagged.clear()

@@ -271,7 +271,7 @@ class FileStorage(Storage):
 
     def _get_into(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
         paths = [self._page_path(key) for key in keys]
-        probes: list[_Probe | None] = [None] * len(keys)
+        probes: list[Probe | None] = [None] * len(keys)
         read_ok = [False] * len(keys)
         # With several threads, this thread first reads what the page cache holds, asking the
         # kernel not to wait (RWF_NOWAIT); only what would wait goes to the I/O threads. A warm
@@ -399,6 +399,7 @@ class FileStorage(Storage):
                 continue
             size = HEADER_BYTES + view.nbytes
             temp_path = self._temp_path(key, path)
+            recycled = False
             with self._lock:
                 while True:
                     with self._ledger:
@@ -992,7 +993,7 @@ def _check_arguments(
         raise InvalidParameter(f"write_timeout_s must be a number > 0, got {timeout!r}")
     if not isinstance(path, str | os.PathLike):
         raise InvalidParameter(f"path must be a str or path, got {type(path).__name__}")
-    root = Path(path)  # pyright: ignore[reportUnknownArgumentType]
+    root = Path(path)
     if not root.is_absolute():
         raise InvalidParameter(f"FileStorage path must be absolute, got {str(root)!r}")
     return root

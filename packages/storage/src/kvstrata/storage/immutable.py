@@ -7,11 +7,12 @@ refuses such a tensor before writing anything (`InvalidBuffer`).
 
 A `bytes` object keeps its data at a fixed offset after its header (`ob_refcnt`, `ob_type`,
 `ob_size`, `ob_shash`), so for a tensor made over a whole `bytes` object the header sits right
-before the tensor's data, and its `ob_type` word is the address of the `bytes` type. The check reads that word only when it lies in the same memory
-page as the data (which is mapped, since the tensor's data is), so it can never fault; a
-`bytes` object whose data starts exactly on a page boundary goes undetected (the check is a
-guard against a mistake, not a security boundary). No other allocation starts right after a
-word holding the address of the `bytes` type.
+before the tensor's data, and its `ob_type` word is the address of the `bytes` type. The check
+reads that word only when it lies in the same memory page as the data (which is mapped, since
+the tensor's data is), so it can never fault; a `bytes` object whose data starts exactly on a
+page boundary, or a tensor starting inside one, goes undetected (the check is a guard against
+a mistake, not a security boundary). No other allocation starts right after a word holding the
+address of the `bytes` type.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ bytes of page and temp files in the directory from above at every instant: bytes
 file into place moves bytes from "in flight" to "page" and changes nothing.
 
 The process that opens the directory while no other storage has it open (it gets `.kvstrata-open`
-exclusively, under the ledger lock) rebuilds `used` from a scan of the files, which undoes what a
-killed process left counted (its reservations in flight). A flock is released by the kernel when its process
-dies, so a killed process never blocks the others.
+exclusively, under the ledger lock) rebuilds `used` from a scan of the files, which undoes what
+a killed process left counted (its reservations in flight). A flock is released by the kernel
+when its process dies, so a killed process never blocks the others.
 """
 
 from __future__ import annotations
