@@ -48,7 +48,7 @@ def test_an_unexpected_exception_mid_batch_leaks_no_room_file_or_descriptor(
         storage.batch_set(keys, pages(keys))
     monkeypatch.undo()
     assert storage._reserved_bytes == 0
-    assert storage._writing == {}
+    assert storage._pages.writing == {}
     assert list(tmp_path.rglob(".*.tmp")) == []
     assert open_fds() == fds
     storage.check_integrity()

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from kvstrata.storage.errors import StorageDirectoryError
+from kvstrata.storage.errors import InvalidParameter, StorageDirectoryError
 from kvstrata.storage.file_format import RWF_NOWAIT
 
 PAGE_SUFFIX = ".page"
@@ -155,15 +155,6 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass  # already gone: another process removed it
-    except OSError as exc:
-        _log.warning("cannot remove %s: %s", path, exc)
-
-
 def probe_writable(root: Path) -> bool:
     """Create and remove a file: permission bits lie for root and read-only mounts. Whether a
     read with RWF_NOWAIT works on this file system (tried on the probe file, in the page
@@ -191,3 +182,32 @@ def nowait_works(fd: int) -> bool:
     except OSError as exc:  # EAGAIN: supported, the byte just is not cached
         return exc.errno == errno.EAGAIN  # EOPNOTSUPP, EINVAL: not on this file system
     return True
+
+
+def check_arguments(
+    path: object,
+    capacity_bytes: object,
+    namespace: object,
+    fsync: object,
+    timeout: object,
+    fsync_policies: tuple[str, ...],
+) -> Path:
+    """The storage's root, once every argument checks out (InvalidParameter otherwise)."""
+    if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool):
+        raise InvalidParameter(
+            f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}"
+        )
+    if capacity_bytes < 0:
+        raise InvalidParameter(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+    if fsync not in fsync_policies:
+        raise InvalidParameter(f"fsync must be one of {fsync_policies}, got {fsync!r}")
+    if not isinstance(namespace, bytes | str):
+        raise InvalidParameter(f"namespace must be bytes or str, got {type(namespace).__name__}")
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+        raise InvalidParameter(f"write_timeout_s must be a number > 0, got {timeout!r}")
+    if not isinstance(path, str | os.PathLike):
+        raise InvalidParameter(f"path must be a str or path, got {type(path).__name__}")
+    root = Path(path)
+    if not root.is_absolute():
+        raise InvalidParameter(f"FileStorage path must be absolute, got {str(root)!r}")
+    return root

@@ -14,12 +14,9 @@ still at its path and fails again when read afresh; a file that another process 
 recycled or replaced while it was read is a miss counted as a race, never as corruption.
 
 A write that has to evict reuses the evicted page's file as its temp file (renamed, rewritten
-in place, truncated if the sizes differ) instead of unlinking one inode and allocating another:
-creating and unlinking are the costly file system operations (~0.1-3 ms each on the ext4 this
-was measured on, against ~50 us for a rename and ~30 us to rewrite 64 KiB), so a full tier
-writes at rename speed. The key id in the header is what makes that safe: a reader that opened
-the victim before it was recycled reads another key's header or a payload that fails its
-checksum (a miss, a race), never another page's bytes as its own.
+in place, cut to length) instead of unlinking one inode and creating another, the costly file
+system operations (README: "Recycling"); the key id in the header keeps a reader of the old file
+from taking the new page's bytes as its own.
 """
 
 from __future__ import annotations
@@ -29,50 +26,41 @@ import logging
 import os
 import stat
 import threading
-import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal, NamedTuple, TypeAlias
 
 from kvstrata.storage.base import Occupancy, Storage, WriteResult
 from kvstrata.storage.directory import (
     PAGE_SUFFIX,
-    PageFile,
+    check_arguments,
     fsync_dir,
     fsync_dirs,
-    is_orphan,
     key_of,
-    legacy_files,
     namespace_dir,
     probe_writable,
     scan,
-    unlink_quietly,
 )
 from kvstrata.storage.errors import (
     BufferSizeMismatch,
-    InvalidParameter,
     StorageDirectoryError,
 )
 from kvstrata.storage.file_format import (
-    BIN8,
-    CHECKSUM_AT,
     FORMAT_VERSION,
     HEADER_BYTES,
-    KEY_ID_AT,
-    LENGTH_AT,
     MAGIC,
+    PageCodec,
     Probe,
     encode_header,
     key_id,
     namespace_fingerprint,
     page_checksum,
-    pread_nowait,
-    write_all,
+    unlink_quietly,
+    write_temp,
 )
 from kvstrata.storage.file_format import read_payload as _read_payload
+from kvstrata.storage.file_index import PageIndex
 from kvstrata.storage.ledger import DirectoryLedger, rename_noreplace
 from kvstrata.storage.parallel import BatchRunner
 
@@ -102,8 +90,6 @@ DEFAULT_WRITE_TIMEOUT_S = 600.0
 DEFAULT_IO_THREADS = 4
 #: 2 hex characters per key byte plus the suffix must fit in a 255-byte file name.
 MAX_KEY_BYTES = 120
-#: At most one rescan of the directory this often, when this process's index cannot make room.
-RESCAN_INTERVAL_S = 0.05
 
 _log = logging.getLogger(__name__)
 
@@ -113,14 +99,6 @@ class _Temp(NamedTuple):
 
     fd: int
     path: str
-
-
-class _Room(NamedTuple):
-    """What `_make_room_locked` found: whether the bytes fit once the victims are gone, and
-    the victims (already out of the index; the caller unlinks or recycles their files)."""
-
-    fits: bool
-    victims: list[tuple[str, int]]  # (page path, file bytes)
 
 
 class _Job(NamedTuple):
@@ -173,21 +151,15 @@ class FileStorage(Storage):
       evict and its own index cannot make room (a rescan). Evictions take least recently used
       pages of this process's view, of any namespace.
     - `namespace` is the layout fingerprint; it is part of every page's path.
-    - `fsync`: "never" (the OS decides; a machine crash may lose or damage recent pages, and
-      the header checks turn damaged ones into misses), "page" (each page is fsynced with its
-      directory before the call returns), "batch" (all pages of a batch are fsynced, then
-      renamed, then their directories fsynced once).
+    - `fsync`: "never" (the OS decides; damaged pages after a crash are misses), "page" (each
+      page and its directory before the call returns), "batch" (all, then the directories).
     - `io_threads`: how many threads (the caller's included) a batch call spreads its pages'
       file I/O and checksums over; 1 does everything in the calling thread (see the README).
     - `write_timeout_s`: a temp file unchanged this long is reclaimed by the next scan, even
       if its writer runs.
 
-    Costs per page (syscalls): exists = open + fstat + header pread + close; get = open +
-    header pread + one preadv straight into the caller's buffer + close, then an xxh3_64 pass
-    over that buffer; set = open attempt (absent page) + xxh3_64 + create the temp file + one
-    writev + close + rename (+ fsyncs by policy), and two flocks of the ledger; a set of a page
-    already there reads and checks it like a get (PRESENT only for a page this storage can
-    read back).
+    Costs per page: see the README's operation table (a set of a page already there reads and
+    checks it like a get: PRESENT only for a page this storage reads back).
     """
 
     max_key_bytes = MAX_KEY_BYTES
@@ -202,7 +174,9 @@ class FileStorage(Storage):
         io_threads: int = DEFAULT_IO_THREADS,
         write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
     ) -> None:
-        root = _check_arguments(path, capacity_bytes, namespace, fsync, write_timeout_s)
+        root = check_arguments(
+            path, capacity_bytes, namespace, fsync, write_timeout_s, FSYNC_POLICIES
+        )
         if not root.is_dir():
             what = "is not a directory" if root.exists() else "does not exist"
             raise StorageDirectoryError(f"FileStorage directory {root} {what}")
@@ -220,38 +194,38 @@ class FileStorage(Storage):
         self.fsync: FsyncPolicy = fsync
         self.write_timeout_s = float(write_timeout_s)
         self._fingerprint = namespace_fingerprint(namespace)
-        # The first KEY_ID_AT bytes of every page file of this storage: compared, not decoded.
-        self._header_prefix = encode_header(self._fingerprint, b"", 0, 0)[:KEY_ID_AT]
+        self._codec = PageCodec(self._fingerprint)
         self._root = str(root)
         self._space = namespace_dir(self._root, self._fingerprint)
         self._lock = threading.Lock()
         # Notified whenever reserved bytes are indexed or released (see `_admit`).
         self._room_freed = threading.Condition(self._lock)
-        self._index: OrderedDict[str, int] = OrderedDict()  # page path -> bytes, LRU first
-        self._indexed_bytes = 0
         self._reserved_bytes = 0  # writes of this storage in flight (also in the ledger)
-        # Paths a batch_set of ours is writing (admitted, not yet indexed) -> how many batches:
-        # a reader that finds such a page already renamed into place leaves it to the writer.
-        self._writing: dict[str, int] = {}
         self._temp_tag = f"{id(self):x}"
         self._temp_seq = itertools.count()
-        self._last_rescan = 0.0
         self._ledger = DirectoryLedger(self._root)
         weakref.finalize(self, self._ledger.close)
+        self._pages = PageIndex(
+            self._root,
+            capacity_bytes=capacity_bytes,
+            ledger=self._ledger,
+            write_timeout_s=self.write_timeout_s,
+        )
         with self._lock:
-            alone = self._ledger.open(capacity_bytes, self._rebuild_locked)
+            alone = self._ledger.open(capacity_bytes, self._pages.rebuild_locked)
             if not alone:
-                self._scan_locked()
+                self._pages.scan_locked()
             with self._ledger:
-                room = self._make_room_locked(0, protect=frozenset(), rescan=False)
-                self._take_room_locked(room, 0, temp=None)
+                room = self._pages.make_room_locked(0, protect=frozenset(), rescan=False)
+                self._pages.take_room_locked(room, 0, temp=None)
+        self._count_evictions(len(room.victims))
 
     # ------------------------------------------------------------------ hooks
 
     def _exists_prefix(self, keys: Sequence[bytes]) -> int:
         for i, key in enumerate(keys):
             path = self._page_path(key)
-            probe = self._open(key, path)
+            probe = self._codec.open(key, path)
             if probe is None:
                 self._forget_if_missing(path)
                 return i
@@ -281,13 +255,13 @@ class FileStorage(Storage):
 
         def open_range(lo: int, hi: int) -> None:
             for i in range(lo, hi):
-                probes[i] = self._open(keys[i], paths[i])
+                probes[i] = self._codec.open(keys[i], paths[i])
 
         def header_list(indices: list[int]) -> None:
             for i in indices:
                 probe = probes[i]
                 assert probe is not None and probe.pending, "only pending headers are re-read"
-                probes[i] = self._read_header(keys[i], paths[i], probe.fd)
+                probes[i] = self._codec.read_header(keys[i], paths[i], probe.fd)
 
         def read_list(indices: Sequence[int]) -> None:
             spare = bytearray(1)  # catches a file longer than its header says, in the same read
@@ -301,7 +275,7 @@ class FileStorage(Storage):
             # written and any page touched.
             if cache_first:
                 for i, (key, path) in enumerate(zip(keys, paths, strict=True)):
-                    probes[i] = self._open(key, path, nowait=True)
+                    probes[i] = self._codec.open(key, path, nowait=True)
                 waits = [i for i, p in enumerate(probes) if p is not None and p.pending]
                 self._io.run(len(waits), lambda lo, hi: header_list(waits[lo:hi]))
             else:
@@ -403,11 +377,12 @@ class FileStorage(Storage):
             with self._lock:
                 while True:
                     with self._ledger:
-                        room = self._make_room_locked(size, protect=batch.paths)
+                        room = self._pages.make_room_locked(size, protect=batch.paths)
                         if room.fits:
+                            self._count_evictions(len(room.victims))
                             # Under both locks, like every eviction: once the victims' files
                             # are gone or renamed, no thread or process can adopt them back.
-                            recycled = self._take_room_locked(room, size, temp=temp_path)
+                            recycled = self._pages.take_room_locked(room, size, temp=temp_path)
                             break
                         blocked = self._others_in_the_way_locked(size, held, batch.paths)
                     if not blocked:
@@ -418,7 +393,7 @@ class FileStorage(Storage):
                 if room.fits:
                     self._reserved_bytes += size
                     held += size
-                    self._writing[path] = self._writing.get(path, 0) + 1
+                    self._pages.mark_writing_locked(path)
             if room.fits:
                 batch.first_job[key] = len(batch.jobs)
                 batch.jobs.append(_Job(position, key, view, path, temp_path, recycled))
@@ -432,7 +407,7 @@ class FileStorage(Storage):
         others = self._reserved_bytes - held
         if others <= 0:
             return False
-        evictable = sum(b for p, b in self._index.items() if p not in protect)
+        evictable = self._pages.evictable_bytes_locked(protect)
         return self._ledger.used_bytes + size - evictable - others <= self.capacity_bytes
 
     def _write_jobs(self, batch: _Batch, lo: int) -> None:
@@ -444,7 +419,7 @@ class FileStorage(Storage):
         def write_range(a: int, b: int) -> None:
             for j in range(lo + a, lo + b):
                 job = jobs[j]
-                header = self._header(job.key, job.view.nbytes, page_checksum(job.view))
+                header = self._codec.header(job.key, job.view.nbytes, page_checksum(job.view))
                 temp = self._write_temp(
                     job.path, job.temp_path, header, job.view, recycled=job.recycled
                 )
@@ -488,7 +463,7 @@ class FileStorage(Storage):
             with self._ledger:
                 self._ledger.add(-job.size)
             self._reserved_bytes -= job.size
-            self._unmark_writing_locked(job.path)
+            self._pages.unmark_writing_locked(job.path)
             self._room_freed.notify_all()
 
     def _finish_jobs(self, batch: _Batch) -> None:
@@ -504,8 +479,8 @@ class FileStorage(Storage):
             # Under both locks: our writers index what they rename in under the first, and
             # every process accounts what it unlinks under the second.
             with self._lock, self._ledger:
-                self._forget_locked(path)
-                if self._remove_locked(path, same_as=None):
+                self._pages.forget_locked(path)
+                if self._pages.remove_locked(path, same_as=None):
                     removed += 1
         return removed
 
@@ -513,13 +488,13 @@ class FileStorage(Storage):
         with self._lock, self._ledger:
             pages, _temps = scan(self._root)
             for page in pages:
-                self._remove_locked(page.path, same_as=None)
-            self._index.clear()
-            self._indexed_bytes = 0
+                self._pages.remove_locked(page.path, same_as=None)
+            self._pages.entries.clear()
+            self._pages.indexed_bytes = 0
 
     def _occupancy(self) -> Occupancy:
         with self._lock, self._ledger:
-            return Occupancy(len(self._index), self._ledger.used_bytes, self.capacity_bytes)
+            return Occupancy(len(self._pages.entries), self._ledger.used_bytes, self.capacity_bytes)
 
     # ------------------------------------------------------------------ public helpers
 
@@ -539,7 +514,9 @@ class FileStorage(Storage):
         """Indexed keys of this storage's namespace, least to most recently used (a copy; for
         tests and debugging)."""
         with self._lock:
-            paths = [p for p in self._index if os.path.dirname(os.path.dirname(p)) == self._space]
+            paths = [
+                p for p in self._pages.entries if os.path.dirname(os.path.dirname(p)) == self._space
+            ]
         return [k for k in map(key_of, paths) if k is not None]
 
     def check_integrity(self) -> None:
@@ -548,9 +525,9 @@ class FileStorage(Storage):
         disk has its indexed size. An indexed page that is gone is allowed (another process
         evicted it; the entry is dropped when next met). Cost: one stat per indexed page."""
         with self._lock:
-            total = sum(self._index.values())
-            assert total == self._indexed_bytes, (
-                f"indexed_bytes {self._indexed_bytes} != sum of page sizes {total}"
+            total = sum(self._pages.entries.values())
+            assert total == self._pages.indexed_bytes, (
+                f"indexed_bytes {self._pages.indexed_bytes} != sum of page sizes {total}"
             )
             assert self._reserved_bytes >= 0, "a write released more than it reserved"
             with self._ledger:
@@ -562,7 +539,7 @@ class FileStorage(Storage):
                 f"directory used {used} > capacity {self.capacity_bytes}: an eviction made "
                 "too little room, or a storage with a larger capacity shares the directory"
             )
-            for path, size in self._index.items():
+            for path, size in self._pages.entries.items():
                 try:
                     on_disk = os.lstat(path).st_size
                 except FileNotFoundError:
@@ -574,77 +551,6 @@ class FileStorage(Storage):
     def _page_path(self, key: bytes) -> str:
         name = key.hex()
         return os.path.join(self._space, name[:2], name + PAGE_SUFFIX)
-
-    def _header(self, key: bytes, payload_bytes: int, checksum: int) -> bytes:
-        """encode_header(fingerprint, key, ...), from the precomputed prefix."""
-        return b"".join(
-            (
-                self._header_prefix,
-                key_id(key),
-                BIN8,
-                payload_bytes.to_bytes(8, "little"),
-                BIN8,
-                checksum.to_bytes(8, "little"),
-            )
-        )
-
-    def _open(self, key: bytes, path: str, *, nowait: bool = False) -> Probe | None:
-        """Open a page file and check its header; None when it is missing or unreadable
-        (O_NONBLOCK: a FIFO at the path opens at once and its read fails, instead of waiting
-        for a writer). The file's length is not checked here: `_read_payload` catches a short
-        or long file in the read it does anyway, which saves an fstat per page."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            _log.warning("cannot open page %s: %s", path, exc)
-            return None
-        return self._read_header(key, path, fd, nowait=nowait)
-
-    def _read_header(self, key: bytes, path: str, fd: int, *, nowait: bool = False) -> Probe | None:
-        """Read and check the header of the open page file `fd`; None (and `fd` closed) when it
-        cannot be read (also a FIFO, socket or directory: pread fails on them). With `nowait`,
-        a header that is not in the page cache is not waited for: the probe comes back
-        `pending` (fd open) for a blocking call later."""
-        try:
-            head = pread_nowait(fd, HEADER_BYTES) if nowait else os.pread(fd, HEADER_BYTES, 0)
-        except OSError as exc:
-            os.close(fd)
-            _log.warning("cannot read page %s: %s", path, exc)
-            return None
-        if head is None:
-            return Probe(fd, False, 0, 0, pending=True)
-        # A header of another version or namespace fails the prefix comparison (a version 1
-        # header differs from byte 7 on, the version field); a file of another key (a recycled
-        # inode read through an old descriptor, a misplaced file) fails the key id.
-        if (
-            len(head) == HEADER_BYTES
-            and head.startswith(self._header_prefix)
-            and head[KEY_ID_AT : KEY_ID_AT + 16] == key_id(key)
-            and head[LENGTH_AT - 2 : LENGTH_AT] == BIN8
-            and head[CHECKSUM_AT - 2 : CHECKSUM_AT] == BIN8
-        ):
-            payload_bytes = int.from_bytes(head[LENGTH_AT : LENGTH_AT + 8], "little")
-            checksum = int.from_bytes(head[CHECKSUM_AT:], "little")
-            return Probe(fd, True, payload_bytes, checksum)
-        return Probe(fd, False, 0, 0)
-
-    def _reads_back(self, key: bytes, path: str, payload_bytes: int | None) -> bool | None:
-        """Read the page at `path` afresh and check it whole (header, length, checksum; and
-        its payload length when given). None when no regular file can be opened there."""
-        probe = self._open(key, path)
-        if probe is None:
-            return None
-        try:
-            if not stat.S_ISREG(os.fstat(probe.fd).st_mode):
-                return None
-            if not probe.valid or payload_bytes not in (None, probe.payload_bytes):
-                return False
-            scratch = memoryview(bytearray(probe.payload_bytes))
-            return bool(_read_payload(probe, scratch, bytearray(1)))
-        finally:
-            os.close(probe.fd)
 
     def _failed_check(self, key: bytes, path: str, fd: int) -> None:
         """After the page file `fd` opened at `path` failed a check: a race (another process
@@ -671,33 +577,9 @@ class FileStorage(Storage):
             try:
                 current = os.lstat(path)
             except FileNotFoundError:
-                self._forget_locked(path)
+                self._pages.forget_locked(path)
                 return False
         return (current.st_ino, current.st_dev) == (opened.st_ino, opened.st_dev)
-
-    def _remove_locked(self, path: str, *, same_as: os.stat_result | None) -> bool:
-        """Under both locks: unlink the regular file at `path` (only if it is `same_as`, when
-        given) and take its bytes off the ledger; whether it did."""
-        try:
-            current = os.lstat(path)
-        except FileNotFoundError:
-            return False
-        if not stat.S_ISREG(current.st_mode):
-            return False
-        if same_as is not None and (current.st_ino, current.st_dev) != (
-            same_as.st_ino,
-            same_as.st_dev,
-        ):
-            return False
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return False  # removed by a process outside the ledger
-        except OSError as exc:
-            _log.warning("cannot remove %s: %s", path, exc)
-            return False
-        self._ledger.add(-min(current.st_size, self._ledger.used_bytes))
-        return True
 
     def _present(self, key: bytes, path: str, *, again: bool = True) -> WriteResult | None:
         """Whether a batch_set may skip the page: PRESENT when a page of this key that this
@@ -706,7 +588,7 @@ class FileStorage(Storage):
         damaged page, removed here and counted corrupt); FAILED when something that cannot be
         a page is in the way (a directory, a FIFO). A file that changed while it was checked
         (another process's eviction) is a race: checked once more."""
-        probe = self._open(key, path)
+        probe = self._codec.open(key, path)
         if probe is None:
             try:
                 st = os.lstat(path)
@@ -735,47 +617,28 @@ class FileStorage(Storage):
         """A page this storage could not read back sits at `path`: unless it reads back whole
         when read afresh (then it changed meanwhile: a race), remove it if it is still that
         file (counted corrupt). Whether the path is free now."""
-        if self._reads_back(key, path, None):
+        if self._codec.reads_back(key, path, None):
             self._count_races(1)
             return False
         with self._lock, self._ledger:
-            if self._remove_locked(path, same_as=opened):
-                self._forget_locked(path)
+            if self._pages.remove_locked(path, same_as=opened):
+                self._pages.forget_locked(path)
                 self._count_corrupt(1)
                 return True
             return not os.path.lexists(path)
-
-    def _forget_locked(self, path: str) -> None:
-        """Under the lock: drop an index entry (the caller removes or has removed its file)."""
-        size = self._index.pop(path, None)
-        if size is not None:
-            self._indexed_bytes -= size
 
     def _forget_if_missing(self, path: str) -> None:
         """Drop an index entry whose file a reader found missing, if it is still missing:
         checked under the lock (where our writers index what they rename in, as `_adopt`
         does), so a page another thread of ours has just written is not dropped."""
         with self._lock:
-            if path in self._index and not os.path.exists(path):
-                self._forget_locked(path)
+            if path in self._pages.entries and not os.path.exists(path):
+                self._pages.forget_locked(path)
 
     def _adopt(self, path: str, size: int, *, touch: bool) -> None:
-        """Index a page found on disk (no bytes change hands: the ledger counted it when it
-        was reserved)."""
+        """Index a page a reader found on disk (see `PageIndex.adopt_locked`)."""
         with self._lock:
-            if path in self._index:
-                if touch:
-                    self._index.move_to_end(path)
-                return
-            if path in self._writing:  # its writer (a batch of ours) indexes it when done
-                return
-            # A reader adopts after its read; a writer may have evicted (unlinked or
-            # recycled) the page since. Evictions of ours run under this lock, so one stat
-            # here keeps the index from naming a file that is gone. Only on this uncommon path.
-            if not os.path.exists(path):
-                return
-            self._index[path] = size
-            self._indexed_bytes += size
+            self._pages.adopt_locked(path, size, touch=touch)
 
     def _temp_path(self, key: bytes, path: str) -> str:
         name = f".{key.hex()[:32]}.{os.getpid()}.{self._temp_tag}-{next(self._temp_seq)}.tmp"
@@ -784,40 +647,10 @@ class FileStorage(Storage):
     def _write_temp(
         self, path: str, temp: str, header: bytes, view: memoryview, *, recycled: bool
     ) -> _Temp | None:
-        """Write header + payload to the temp file `temp` beside `path`: a fresh file, or, when
-        `recycled`, an evicted page's file already renamed there (rewritten from offset 0 and
-        cut to length). (fd, temp path), or None on an I/O error (then nothing is left)."""
-        try:
-            if recycled:
-                fd = os.open(temp, os.O_WRONLY)
-            else:
-                try:
-                    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                except FileNotFoundError:  # the fan-out directory, made on first use
-                    os.makedirs(os.path.dirname(temp), exist_ok=True)
-                    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError as exc:
-            _log.warning("cannot create %s: %s", temp, exc)
-            if recycled:
-                unlink_quietly(temp)
-            return None
-        try:
-            write_all(fd, header, view)
-            if recycled:
-                size = len(header) + view.nbytes
-                if os.fstat(fd).st_size != size:
-                    os.ftruncate(fd, size)
-            if self.fsync == "page":
-                os.fsync(fd)
-        except BaseException as exc:
-            # Also on MemoryError or KeyboardInterrupt: no descriptor or temp file outlives it.
-            os.close(fd)
-            unlink_quietly(temp)
-            if not isinstance(exc, OSError):
-                raise
-            _log.warning("cannot write page %s: %s", path, exc)
-            return None
-        return _Temp(fd, temp)
+        """`write_temp` (file_format.py) under this storage's fsync policy."""
+        fsync = self.fsync == "page"
+        fd = write_temp(path, temp, header, view, recycled=recycled, fsync=fsync)
+        return None if fd is None else _Temp(fd, temp)
 
     def _publish(self, job: _Job, temp: _Temp) -> int:
         """Make a written temp file the page, without replacing anything (fsync first under
@@ -834,7 +667,7 @@ class FileStorage(Storage):
             rename_noreplace(temp.path, job.path)
         except FileExistsError:
             self._finish_job(job, None)
-            found = self._reads_back(job.key, job.path, None)
+            found = self._codec.reads_back(job.key, job.path, None)
             return _FOUND if found else _RELEASED
         except OSError as exc:
             _log.warning("cannot publish page %s: %s", job.path, exc)
@@ -842,24 +675,15 @@ class FileStorage(Storage):
             return _RELEASED
         with self._lock:
             self._reserved_bytes -= job.size  # the ledger's bytes stay: now a page's
-            self._unmark_writing_locked(job.path)
+            self._pages.unmark_writing_locked(job.path)
             # A delete of ours may have unlinked the page between the rename and here (every
             # unlink of ours runs under this lock): then it is written but not indexed.
             if os.path.exists(job.path):
-                self._forget_locked(job.path)
-                self._index[job.path] = job.size
-                self._indexed_bytes += job.size
+                self._pages.put_locked(job.path, job.size)
             self._room_freed.notify_all()
         if self.fsync == "page":
             fsync_dir(os.path.dirname(job.path))
         return _PUBLISHED
-
-    def _unmark_writing_locked(self, path: str) -> None:
-        left = self._writing[path] - 1
-        if left:
-            self._writing[path] = left
-        else:
-            del self._writing[path]
 
     def _touch_batch(self, keys: Sequence[bytes], results: list[WriteResult]) -> None:
         """After a batch_set, under the lock once and in batch order (so LRU order follows
@@ -872,128 +696,5 @@ class FileStorage(Storage):
         ]
         with self._lock:
             for path in paths:
-                if path in self._index:
-                    self._index.move_to_end(path)
-
-    def _make_room_locked(
-        self, size: int, *, protect: frozenset[str], rescan: bool = True
-    ) -> _Room:
-        """Under both locks: find least recently used pages not in `protect` whose files free
-        enough bytes for `size` more in the directory (each one stat'ed: a page another process
-        removed frees nothing, and its entry is dropped), and take them out of the index.
-        Evicts nothing when that cannot make enough room; then, if this process's index ran
-        out, rescans the directory once (at most every RESCAN_INTERVAL_S) and tries again."""
-        need = self._ledger.used_bytes + size - self.capacity_bytes
-        if need <= 0:
-            return _Room(True, [])
-        if size > self.capacity_bytes:
-            return _Room(False, [])
-        victims: list[tuple[str, int]] = []
-        gone: list[str] = []
-        for path in self._index:
-            if path in protect:
-                continue
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                gone.append(path)
-                continue
-            victims.append((path, st.st_size))
-            need -= st.st_size
-            if need <= 0:
-                break
-        for path in gone:
-            self._forget_locked(path)
-        if need > 0:
-            if rescan and time.monotonic() - self._last_rescan >= RESCAN_INTERVAL_S:
-                self._last_rescan = time.monotonic()
-                if self._scan_locked():
-                    return self._make_room_locked(size, protect=protect, rescan=False)
-            return _Room(False, [])
-        for path, _size in victims:
-            self._forget_locked(path)
-        self._count_evictions(len(victims))
-        return _Room(True, victims)
-
-    def _take_room_locked(self, room: _Room, size: int, *, temp: str | None) -> bool:
-        """Under both locks: evict `room.victims` and reserve `size` bytes in the ledger. The
-        first victim no larger than the new page is recycled (renamed to `temp`, the new page's
-        temp file, which then never holds more bytes than reserved); the others are unlinked.
-        Whether a file now sits at `temp`."""
-        freed = 0
-        recycled = False
-        for path, victim_bytes in room.victims:
-            if temp is not None and not recycled and victim_bytes <= size:
-                try:
-                    try:
-                        os.rename(path, temp)
-                    except FileNotFoundError:
-                        if not os.path.lexists(path):
-                            continue  # removed by a process outside the ledger
-                        os.makedirs(os.path.dirname(temp), exist_ok=True)  # first use
-                        os.rename(path, temp)
-                    recycled = True
-                    freed += victim_bytes
-                    continue
-                except OSError as exc:
-                    _log.warning("cannot recycle %s: %s", path, exc)
-            if self._remove_locked(path, same_as=None):
-                continue  # _remove_locked took its bytes off the ledger
-        self._ledger.add(size - freed)
-        return recycled
-
-    def _rebuild_locked(self) -> int:
-        """Under both locks, for the first storage to open the directory: remove every temp
-        file (no other storage has the directory open, so none is being written) and the files
-        of the old layout, index every page, and return their bytes (the ledger's new value)."""
-        for path in legacy_files(self._root):
-            unlink_quietly(path)
-        pages, temps = scan(self._root)
-        for temp in temps:
-            unlink_quietly(temp.path)
-        self._index_found(pages)
-        return sum(page.size for page in pages)
-
-    def _scan_locked(self) -> bool:
-        """Under the lock: index the pages on disk this process does not know (at the least
-        recently used end, oldest first: pages this process never used go first), and reclaim
-        orphaned temp files (their bytes stay in the ledger until the next rebuild: a killed
-        writer's reservation cannot be told apart from a live one's). Whether it found any."""
-        pages, temps = scan(self._root)
-        now = time.time()
-        for temp in temps:
-            if is_orphan(temp.path, now, self.write_timeout_s):
-                unlink_quietly(temp.path)
-        new = [p for p in pages if p.path not in self._index and p.path not in self._writing]
-        self._index_found(new)
-        return bool(new)
-
-    def _index_found(self, pages: list[PageFile]) -> None:
-        for page in sorted(pages, key=lambda p: p.used_at, reverse=True):
-            self._index[page.path] = page.size
-            self._index.move_to_end(page.path, last=False)
-            self._indexed_bytes += page.size
-
-
-def _check_arguments(
-    path: object, capacity_bytes: object, namespace: object, fsync: object, timeout: object
-) -> Path:
-    """The storage's root, once every argument checks out (InvalidParameter otherwise)."""
-    if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool):
-        raise InvalidParameter(
-            f"capacity_bytes must be an int, got {type(capacity_bytes).__name__}"
-        )
-    if capacity_bytes < 0:
-        raise InvalidParameter(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-    if fsync not in FSYNC_POLICIES:
-        raise InvalidParameter(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
-    if not isinstance(namespace, bytes | str):
-        raise InvalidParameter(f"namespace must be bytes or str, got {type(namespace).__name__}")
-    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
-        raise InvalidParameter(f"write_timeout_s must be a number > 0, got {timeout!r}")
-    if not isinstance(path, str | os.PathLike):
-        raise InvalidParameter(f"path must be a str or path, got {type(path).__name__}")
-    root = Path(path)
-    if not root.is_absolute():
-        raise InvalidParameter(f"FileStorage path must be absolute, got {str(root)!r}")
-    return root
+                if path in self._pages.entries:
+                    self._pages.entries.move_to_end(path)

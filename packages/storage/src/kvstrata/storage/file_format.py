@@ -21,6 +21,7 @@ import hashlib
 import logging
 import mmap
 import os
+import stat
 from typing import NamedTuple
 
 import msgpack
@@ -169,3 +170,132 @@ def write_all(fd: int, header: bytes, view: memoryview) -> None:
             else:
                 pending[0] = pending[0][n:]
                 n = 0
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # already gone: another process removed it
+    except OSError as exc:
+        _log.warning("cannot remove %s: %s", path, exc)
+
+
+def write_temp(
+    path: str, temp: str, header: bytes, view: memoryview, *, recycled: bool, fsync: bool
+) -> int | None:
+    """Write header + payload to the temp file `temp` beside `path`: a fresh file, or, when
+    `recycled`, an evicted page's file already renamed there (rewritten from offset 0 and
+    cut to length); `fsync`: fsync it. The open fd, or None on an I/O error (then nothing is
+    left)."""
+    try:
+        if recycled:
+            fd = os.open(temp, os.O_WRONLY)
+        else:
+            try:
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:  # the fan-out directory, made on first use
+                os.makedirs(os.path.dirname(temp), exist_ok=True)
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as exc:
+        _log.warning("cannot create %s: %s", temp, exc)
+        if recycled:
+            unlink_quietly(temp)
+        return None
+    try:
+        write_all(fd, header, view)
+        if recycled:
+            size = len(header) + view.nbytes
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
+        if fsync:
+            os.fsync(fd)
+    except BaseException as exc:
+        # Also on MemoryError or KeyboardInterrupt: no descriptor or temp file outlives it.
+        os.close(fd)
+        unlink_quietly(temp)
+        if not isinstance(exc, OSError):
+            raise
+        _log.warning("cannot write page %s: %s", path, exc)
+        return None
+    return fd
+
+
+class PageCodec:
+    """Writes headers and opens and checks page files for one namespace fingerprint."""
+
+    def __init__(self, fingerprint: bytes) -> None:
+        self.fingerprint = fingerprint
+        # The first KEY_ID_AT bytes of every page file of this namespace: compared, not decoded.
+        self.header_prefix = encode_header(fingerprint, b"", 0, 0)[:KEY_ID_AT]
+
+    def header(self, key: bytes, payload_bytes: int, checksum: int) -> bytes:
+        """encode_header(fingerprint, key, ...), from the precomputed prefix."""
+        return b"".join(
+            (
+                self.header_prefix,
+                key_id(key),
+                BIN8,
+                payload_bytes.to_bytes(8, "little"),
+                BIN8,
+                checksum.to_bytes(8, "little"),
+            )
+        )
+
+    def open(self, key: bytes, path: str, *, nowait: bool = False) -> Probe | None:
+        """Open a page file and check its header; None when it is missing or unreadable
+        (O_NONBLOCK: a FIFO at the path opens at once and its read fails, instead of waiting
+        for a writer). The file's length is not checked here: `_read_payload` catches a short
+        or long file in the read it does anyway, which saves an fstat per page."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            _log.warning("cannot open page %s: %s", path, exc)
+            return None
+        return self.read_header(key, path, fd, nowait=nowait)
+
+    def read_header(self, key: bytes, path: str, fd: int, *, nowait: bool = False) -> Probe | None:
+        """Read and check the header of the open page file `fd`; None (and `fd` closed) when it
+        cannot be read (also a FIFO, socket or directory: pread fails on them). With `nowait`,
+        a header that is not in the page cache is not waited for: the probe comes back
+        `pending` (fd open) for a blocking call later."""
+        try:
+            head = pread_nowait(fd, HEADER_BYTES) if nowait else os.pread(fd, HEADER_BYTES, 0)
+        except OSError as exc:
+            os.close(fd)
+            _log.warning("cannot read page %s: %s", path, exc)
+            return None
+        if head is None:
+            return Probe(fd, False, 0, 0, pending=True)
+        # A header of another version or namespace fails the prefix comparison (a version 1
+        # header differs from byte 7 on, the version field); a file of another key (a recycled
+        # inode read through an old descriptor, a misplaced file) fails the key id.
+        if (
+            len(head) == HEADER_BYTES
+            and head.startswith(self.header_prefix)
+            and head[KEY_ID_AT : KEY_ID_AT + 16] == key_id(key)
+            and head[LENGTH_AT - 2 : LENGTH_AT] == BIN8
+            and head[CHECKSUM_AT - 2 : CHECKSUM_AT] == BIN8
+        ):
+            payload_bytes = int.from_bytes(head[LENGTH_AT : LENGTH_AT + 8], "little")
+            checksum = int.from_bytes(head[CHECKSUM_AT:], "little")
+            return Probe(fd, True, payload_bytes, checksum)
+        return Probe(fd, False, 0, 0)
+
+    def reads_back(self, key: bytes, path: str, payload_bytes: int | None) -> bool | None:
+        """Read the page at `path` afresh and check it whole (header, length, checksum; and
+        its payload length when given). None when no regular file can be opened there."""
+        probe = self.open(key, path)
+        if probe is None:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(probe.fd).st_mode):
+                return None
+            if not probe.valid or payload_bytes not in (None, probe.payload_bytes):
+                return False
+            scratch = memoryview(bytearray(probe.payload_bytes))
+            return bool(read_payload(probe, scratch, bytearray(1)))
+        finally:
+            os.close(probe.fd)
