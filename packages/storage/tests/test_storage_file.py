@@ -4,6 +4,7 @@ a writer killed mid-write, disk full, fsync policies, the startup scan."""
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import xxhash
 
 from kvstrata.storage import FileStorage
 from kvstrata.storage import file as file_module
+from kvstrata.storage.base import WriteResult
 from kvstrata.storage.errors import InvalidKey, InvalidParameter, StorageDirectoryError
 from kvstrata.storage.file import (
     FORMAT_VERSION,
@@ -34,8 +36,16 @@ from kvstrata.testkit.storage import page_payload
 SIZE = 256
 
 
-def page_file(root: Path, key: bytes) -> Path:
-    return root / key.hex()[:2] / f"{key.hex()}.page"
+def page_file(root: Path, key: bytes, namespace: bytes | str = b"") -> Path:
+    space = f"ns-{namespace_fingerprint(namespace)[:8].hex()}"
+    return root / space / key.hex()[:2] / f"{key.hex()}.page"
+
+
+def restart(storage: FileStorage) -> None:
+    """Drop the last reference to `storage`, as a process exit would: it leaves the directory,
+    so the next storage opened is the first (and rebuilds the ledger from the files)."""
+    del storage
+    gc.collect()
 
 
 def store(storage: FileStorage, *keys: bytes, size: int = SIZE) -> list[bool]:
@@ -106,7 +116,7 @@ def test_key_longer_than_a_file_name_allows_is_refused(tmp_path: Path) -> None:
 def test_page_file_holds_a_msgpack_header_then_the_payload(tmp_path: Path) -> None:
     storage = FileStorage(tmp_path, capacity_bytes=1 << 20, namespace="ns")
     store(storage, b"\xab\x01")
-    raw = page_file(tmp_path, b"\xab\x01").read_bytes()
+    raw = page_file(tmp_path, b"\xab\x01", "ns").read_bytes()
     assert len(raw) == storage.page_file_bytes(SIZE)
     assert raw.endswith(page_payload(b"\xab\x01", SIZE))
     assert b"KVSP" in raw[: len(raw) - SIZE]
@@ -117,7 +127,7 @@ def test_header_is_fixed_width_msgpack_with_an_xxh3_checksum(tmp_path: Path) -> 
     storage = FileStorage(tmp_path, capacity_bytes=1 << 20, namespace="ns")
     for key, size in ((b"\x01small", 3), (b"\x02big", 70_000)):
         store(storage, key, size=size)
-        raw = page_file(tmp_path, key).read_bytes()
+        raw = page_file(tmp_path, key, "ns").read_bytes()
         payload = page_payload(key, size)
         assert raw[HEADER_BYTES:] == payload
         assert msgpack.unpackb(raw[:HEADER_BYTES]) == [
@@ -175,10 +185,11 @@ def test_page_of_another_format_version_is_a_miss_and_is_removed(
 ) -> None:
     storage = FileStorage(tmp_path, capacity_bytes=1 << 20, namespace="ns")
     store(storage, b"good")
-    path = page_file(tmp_path, b"old")
+    path = page_file(tmp_path, b"old", "ns")
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(make_page("ns", page_payload(b"old", SIZE)))
     # A restart indexes it like any page file (it takes disk space until it is found out).
+    storage = restart(storage)
     storage = FileStorage(tmp_path, capacity_bytes=1 << 20, namespace="ns")
     assert sorted(storage.lru_keys()) == [b"good", b"old"]
     if op == "get":
@@ -298,13 +309,23 @@ def test_exists_removes_a_page_with_a_bad_header(tmp_path: Path) -> None:
     assert storage.stats().corrupt_pages == 1
 
 
-def test_foreign_namespace_page_is_a_miss_and_is_removed(tmp_path: Path) -> None:
-    writer = FileStorage(tmp_path, capacity_bytes=1 << 20, namespace="llama-8b/bf16/p64")
-    store(writer, b"k")
-    reader = FileStorage(tmp_path, capacity_bytes=1 << 20, namespace="llama-8b/fp8/p64")
-    assert read(reader, b"k") is None
-    assert not page_file(tmp_path, b"k").exists()
-    assert reader.stats().corrupt_pages == 1
+def test_another_namespace_on_one_directory_neither_sees_nor_removes_a_page(
+    tmp_path: Path,
+) -> None:
+    """Issue 17 item 2: B's set of a key A wrote was PRESENT without writing, and B's get then
+    deleted A's valid page. The namespace is part of the path: each has its own page."""
+    a = FileStorage(tmp_path, capacity_bytes=1 << 20, namespace="llama-8b/bf16/p64")
+    b = FileStorage(tmp_path, capacity_bytes=1 << 20, namespace="llama-8b/fp8/p64")
+    store(a, b"k")
+    assert read(b, b"k") is None and b.batch_exists([b"k"]) == 0
+    assert b.batch_set_results([b"k"], [page_payload(b"k2", SIZE)]) == [WriteResult.WRITTEN]
+    assert read(b, b"k") == page_payload(b"k2", SIZE)
+    assert read(a, b"k") == page_payload(b"k", SIZE)
+    assert page_file(tmp_path, b"k", "llama-8b/bf16/p64").exists()
+    assert a.stats().corrupt_pages == b.stats().corrupt_pages == 0
+    assert a.stats().used_bytes == 2 * a.page_file_bytes(SIZE)  # one directory, one ledger
+    a.check_integrity()
+    b.check_integrity()
 
 
 # ---------------------------------------------------------------------- persistence and scan
@@ -339,20 +360,38 @@ def test_reopening_with_a_smaller_capacity_evicts_the_oldest(tmp_path: Path) -> 
     small.check_integrity()
 
 
-def test_scan_removes_orphaned_temp_files_only(tmp_path: Path) -> None:
-    sub = tmp_path / "ab"
-    sub.mkdir()
+def test_scan_removes_orphaned_and_timed_out_temp_files_only(tmp_path: Path) -> None:
+    """With the directory open elsewhere, an opener removes temp files of dead writers and
+    those unchanged for longer than the write timeout (issue 17 item 5: even a live pid's)."""
+    holder = FileStorage(tmp_path, capacity_bytes=1 << 20)
+    sub = Path(holder._page_path(b"\xab\xcd")).parent
+    sub.mkdir(parents=True)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, check=True)  # fmt: skip
+    old = sub / f".abcd.{os.getpid()}.1.tmp"
+    old.write_bytes(b"partial")
+    time.sleep(0.3)
     orphan = sub / f".abcd.{int(dead.stdout)}.0.tmp"
     live = sub / f".abcd.{os.getpid()}.0.tmp"
-    old = sub / f".abcd.{os.getpid()}.1.tmp"
-    for p in (orphan, live, old):
+    for p in (orphan, live):
         p.write_bytes(b"partial")
-    os.utime(old, (time.time() - 7200, time.time() - 7200))
-    storage = FileStorage(tmp_path, capacity_bytes=1 << 20)
+    storage = FileStorage(tmp_path, capacity_bytes=1 << 20, write_timeout_s=0.2)
     assert not orphan.exists() and not old.exists() and live.exists()
     assert storage.stats().num_pages == 0
+
+
+def test_the_first_opener_removes_every_temp_file_and_the_old_layout(tmp_path: Path) -> None:
+    legacy = tmp_path / "ab"
+    legacy.mkdir()
+    (legacy / "abcd.page").write_bytes(b"a page of the layout without namespaces")
+    (legacy / f".abcd.{os.getpid()}.0.tmp").write_bytes(b"partial")
+    space = tmp_path / f"ns-{namespace_fingerprint(b'')[:8].hex()}" / "ab"
+    space.mkdir(parents=True)
+    live = space / f".abcd.{os.getpid()}.0.tmp"
+    live.write_bytes(b"partial")  # no storage has the directory open: nobody writes it
+    storage = FileStorage(tmp_path, capacity_bytes=1 << 20)
+    assert list(legacy.iterdir()) == [] and not live.exists()
+    assert storage.stats().used_bytes == 0
 
 
 # ---------------------------------------------------------------------- several processes

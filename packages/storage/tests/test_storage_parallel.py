@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.storage import FileStorage, open_storage
+from kvstrata.storage import FileStorage, file_format, open_storage
 from kvstrata.storage import file as file_module
 from kvstrata.storage.errors import BufferSizeMismatch, InvalidParameter, InvalidStorageURL
 from kvstrata.storage.parallel import BatchRunner
@@ -206,7 +206,7 @@ def test_parallel_faults_fail_only_the_pages_concerned(
     monkeypatch.undo()
     assert ok == [i not in (1, 13) for i in range(16)]
     assert list(tmp_path.rglob(".*.tmp")) == []
-    page = tmp_path / keys[9].hex()[:2] / f"{keys[9].hex()}.page"
+    page = Path(storage._page_path(keys[9]))
     raw = bytearray(page.read_bytes())
     raw[-1] ^= 0xFF
     page.write_bytes(bytes(raw))
@@ -225,15 +225,15 @@ def test_a_page_renamed_in_but_not_yet_indexed_is_not_adopted_by_a_reader(
     storage = FileStorage(tmp_path, capacity_bytes=1 << 22, io_threads=2)
     keys = [b"a", b"b", b"c", b"d"]
     seen: list[bytes | None] = []
-    real_replace = os.replace
-    target = storage._page_path(b"a")  # pyright: ignore[reportPrivateUsage]
+    real_rename = file_module.rename_noreplace
+    target = storage._page_path(b"a")
 
-    def replace_then_read(src: str, dst: str) -> None:
-        real_replace(src, dst)
+    def rename_then_read(src: str, dst: str) -> None:
+        real_rename(src, dst)
         if dst == target and not seen:
             seen.extend(read_all(storage, [b"a"]))
 
-    monkeypatch.setattr(os, "replace", replace_then_read)
+    monkeypatch.setattr(file_module, "rename_noreplace", rename_then_read)
     assert all(storage.batch_set(keys, pages(keys)))
     assert seen == pages([b"a"])
     assert storage.lru_keys() == keys  # indexed by the writer, in batch order
@@ -281,7 +281,7 @@ class _NoWaitReads:
         raise OSError(code, os.strerror(code))
 
 
-@pytest.mark.skipif(file_module._RWF_NOWAIT is None, reason="no RWF_NOWAIT on this platform")  # pyright: ignore[reportPrivateUsage]
+@pytest.mark.skipif(file_format.RWF_NOWAIT is None, reason="no RWF_NOWAIT on this platform")
 @pytest.mark.parametrize("mode", ["eagain", "unsupported", "partial"])
 def test_reads_that_would_wait_go_to_the_io_threads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
@@ -289,7 +289,7 @@ def test_reads_that_would_wait_go_to_the_io_threads(
     storage = FileStorage(tmp_path, capacity_bytes=1 << 22, io_threads=4)
     # The kernel's answers are faked below: the path runs even where the file system (tmpfs
     # with --basetemp=/dev/shm/...) made the storage turn RWF_NOWAIT off.
-    storage._nowait = True  # pyright: ignore[reportPrivateUsage]
+    storage._nowait = True
     keys = [f"k{i}".encode() for i in range(16)]
     assert all(storage.batch_set(keys, pages(keys)))
     assert read_all(storage, keys) == pages(keys)  # warm: no blocking read at all
@@ -319,7 +319,7 @@ def test_a_warm_batch_is_read_in_the_calling_thread(
 
     monkeypatch.setattr(os, "preadv", spy)
     assert read_all(storage, keys) == pages(keys)
-    if not storage._nowait:  # pyright: ignore[reportPrivateUsage]
+    if not storage._nowait:
         pytest.skip("RWF_NOWAIT is not supported on this file system: reads use the threads")
     assert threads == {threading.current_thread().name}
 
@@ -329,7 +329,7 @@ def test_nowait_is_turned_off_where_the_file_system_refuses_it(
 ) -> None:
     """tmpfs on some kernels answers RWF_NOWAIT with EOPNOTSUPP: the storage remembers it and
     reads as without the flag (on the I/O threads), correctly."""
-    if file_module._RWF_NOWAIT is None:  # pyright: ignore[reportPrivateUsage]
+    if file_format.RWF_NOWAIT is None:
         pytest.skip("no RWF_NOWAIT on this platform")
     real_preadv = os.preadv
     flagged: list[int] = []
@@ -342,7 +342,7 @@ def test_nowait_is_turned_off_where_the_file_system_refuses_it(
 
     monkeypatch.setattr(os, "preadv", refuse)
     storage = FileStorage(tmp_path, capacity_bytes=1 << 22, io_threads=4)
-    assert not storage._nowait  # pyright: ignore[reportPrivateUsage]
+    assert not storage._nowait
     keys = [f"k{i}".encode() for i in range(8)]
     assert all(storage.batch_set(keys, pages(keys)))
     flagged.clear()

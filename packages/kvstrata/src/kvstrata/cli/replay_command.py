@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from kvstrata.cli.errors import print_error
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -225,11 +227,11 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
 
             plot_runs(runs, args.plot)
     except KVMismatch as exc:
-        err.print(f"[red]verification failed:[/] {exc}", highlight=False)
+        print_error(str(exc), label="verification failed")
         _close(server, hold=0.0)
         return 1
     except (ReplayError, BuildError, HostPoolError, StorageError, OSError) as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False)
+        print_error(str(exc))
         _close(server, hold=0.0)
         return 2
     records = [_record(args, run, source) for run in runs]
@@ -250,7 +252,7 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
         try:
             args.json.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
         except OSError as exc:
-            err.print(f"[red]error:[/] cannot write {args.json}: {exc}", highlight=False)
+            print_error(f"cannot write {args.json}: {exc}")
             status = 2
     if args.plot is not None:
         err.print(f"plot written to {args.plot}", highlight=False)

@@ -11,6 +11,7 @@ from kvstrata.replay.engine import (
 )
 from kvstrata.replay.errors import (
     CapacityTooSmall,
+    EmptyTrace,
     KVMismatch,
     ReplayError,
     ReplayOptionError,
@@ -25,6 +26,7 @@ from kvstrata.replay.workload import WorkloadSpec, generate_workload
 
 __all__ = [
     "CapacityTooSmall",
+    "EmptyTrace",
     "KVMismatch",
     "ProgressCallback",
     "ReplayCollector",

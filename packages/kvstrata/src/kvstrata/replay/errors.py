@@ -27,6 +27,14 @@ class TraceFormatError(ReplayError, ValueError):
         self.reason = reason
 
 
+class EmptyTrace(ReplayError, ValueError):
+    """A trace file holds no request (it is empty or has only blank lines)."""
+
+    def __init__(self, path: Path | str) -> None:
+        super().__init__(f"no requests in {path}")
+        self.path = str(path)
+
+
 class CapacityTooSmall(ReplayError, ValueError):
     """The device cache cannot hold the longest request even with everything else evicted.
 

@@ -15,7 +15,8 @@ is what the hit rate is a share of (not `input_length`, whose last block the tra
 
 `hash_ids` is required (a non-empty list of non-negative integers). `timestamp`,
 `input_length` and `output_length` are optional, but when present they must be non-negative
-integers. Blank lines are skipped. Anything else is a `TraceFormatError` naming the line.
+integers. Blank lines are skipped. Anything else is a `TraceFormatError` naming the line,
+including a line that is not UTF-8; a file with no request at all is an `EmptyTrace`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from kvstrata.replay.errors import ReplayOptionError, TraceFormatError
+from kvstrata.replay.errors import EmptyTrace, ReplayOptionError, TraceFormatError
 from kvstrata.replay.request import ReplayRequest
 
 _OPTIONAL_INTS = ("timestamp", "input_length", "output_length")
@@ -90,24 +91,40 @@ def iter_trace(
 ) -> Iterator[ReplayRequest]:
     """The requests of a trace file in file order, at most `limit` of them (None: all).
 
-    Validates the options before opening the file. A malformed line raises `TraceFormatError`
-    when the iteration reaches it; the requests before it have been yielded.
+    Validates the options before opening the file. A malformed line (not UTF-8, not JSON, not a
+    request) raises `TraceFormatError` when the iteration reaches it; the requests before it
+    have been yielded. A file that holds no request at all (empty, or only blank lines) raises
+    `EmptyTrace` at its end, unless `limit` is 0.
     """
     if tokens_per_block < 1:
         raise ReplayOptionError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
     if limit is not None and limit < 0:
         raise ReplayOptionError(f"limit must be >= 0, got {limit}")
+    if limit == 0:
+        return
     count = 0
-    with Path(path).open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
+    # Bytes, decoded a line at a time: a line that is not UTF-8 is then an error naming its
+    # line, not a UnicodeDecodeError from inside the file object.
+    with Path(path).open("rb") as lines:
+        for line_number, raw in enumerate(lines, start=1):
             if limit is not None and count >= limit:
                 return
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceFormatError(
+                    path,
+                    line_number,
+                    f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})",
+                ) from exc
             request = parse_trace_line(
                 line, tokens_per_block=tokens_per_block, line_number=line_number, path=path
             )
             if request is not None:
                 count += 1
                 yield request
+    if count == 0:
+        raise EmptyTrace(path)
 
 
 def read_trace(

@@ -19,6 +19,7 @@ from typing import NamedTuple, Protocol, TypeAlias
 
 from kvstrata.core.histogram import HistogramSnapshot, LatencyHistogram
 from kvstrata.storage.errors import BatchLengthMismatch, InvalidBuffer, InvalidKey
+from kvstrata.storage.immutable import inside_bytes_object
 
 #: The batch operations that are timed, one latency histogram each.
 OPERATIONS: tuple[str, ...] = ("exists", "get", "set", "delete")
@@ -87,6 +88,11 @@ def page_view(buffer: PageBuffer, *, writable: bool) -> memoryview:
             raise InvalidBuffer("page tensors must be contiguous")
         if tensor.nbytes == 0:
             return memoryview(bytearray())
+        if writable and inside_bytes_object(tensor.data_ptr(), tensor.nbytes):
+            raise InvalidBuffer(
+                "batch_get needs writable buffers, got a tensor over an immutable bytes object "
+                "(torch.frombuffer of bytes)"
+            )
         raw = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
         return memoryview(raw).cast("B")
     raise InvalidBuffer(f"{type(buffer).__name__} is neither a buffer nor a CPU tensor")
@@ -124,7 +130,9 @@ class StorageStats:
     `hits`/`misses` count pages of `batch_get`; `pages_read`/`bytes_read` the hits' payloads;
     `pages_written`/`bytes_written` pages actually written (not those skipped as present);
     `write_failures` pages `batch_set` returned False for; `corrupt_pages` pages that failed a
-    check on read and were dropped; `latency` one histogram per operation in OPERATIONS.
+    check on read and were dropped; `race_misses` pages that were misses because another
+    process removed, recycled or replaced the file while it was read (not corruption: nothing
+    is dropped); `latency` one histogram per operation in OPERATIONS.
     """
 
     num_pages: int
@@ -140,6 +148,7 @@ class StorageStats:
     evictions: int
     write_failures: int
     latency: dict[str, HistogramSnapshot]
+    race_misses: int = 0
 
 
 class Storage(ABC):
@@ -158,6 +167,7 @@ class Storage(ABC):
         self._pages_read = self._bytes_read = self._hits = self._misses = 0
         self._pages_written = self._bytes_written = self._write_failures = 0
         self._corrupt_pages = self._evictions = 0
+        self._race_misses = 0
         self._latency = {op: LatencyHistogram(LATENCY_BUCKETS_S) for op in OPERATIONS}
 
     # ------------------------------------------------------------------ public batch calls
@@ -259,6 +269,7 @@ class Storage(ABC):
                 evictions=self._evictions,
                 write_failures=self._write_failures,
                 latency={op: h.snapshot() for op, h in self._latency.items()},
+                race_misses=self._race_misses,
             )
 
     @abstractmethod
@@ -274,6 +285,10 @@ class Storage(ABC):
     def _count_corrupt(self, num_pages: int) -> None:
         with self._counters_lock:
             self._corrupt_pages += num_pages
+
+    def _count_races(self, num_pages: int) -> None:
+        with self._counters_lock:
+            self._race_misses += num_pages
 
     @abstractmethod
     def _exists_prefix(self, keys: Sequence[bytes]) -> int: ...

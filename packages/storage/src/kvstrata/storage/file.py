@@ -1,130 +1,97 @@
 """FileStorage: one file per page under a directory, shared by every process that opens it.
 
-Layout (`ab` = first byte of the key in hex, fan-out so no directory holds millions of files):
+Layout (`directory.py`): `<root>/ns-<namespace>/ab/<key>.page`, a page being written at
+`.../ab/.<key>.<pid>.<n>.tmp`. The namespace is part of the path, so storages of two namespaces
+on one directory never open, report or remove each other's pages. Page format and the reads and
+writes of one file: `file_format.py`. The byte accounting every process on the directory shares:
+`ledger.py`.
 
-    <root>/ab/ab12...ef.page             a complete page: header + payload
-    <root>/ab/.ab12...ef.<pid>.<n>.tmp   a page being written (never read)
-
-Page file = a 64-byte msgpack header `[b"KVSP", FORMAT_VERSION, namespace fingerprint (16 bytes),
-key id (16 bytes: xxh3_128 of the key), payload length (8 bytes LE), xxh3_64 of the payload
-(8 bytes LE)]`, then the payload. Every field has a fixed width, so the header has one length and
-its fields sit at fixed offsets: a reader compares the constant prefix (magic, version,
-namespace) and the key id, and slices the two integers out, without running a msgpack decoder
-per page (any msgpack reader still decodes it). A page is written to its temp file and renamed
-over its final name, so a reader sees either no page or a whole one; a page whose header, key,
-length or checksum does not check out (including a page of another format version) is removed
-and is a miss.
+A page is written to its temp file and renamed into place without replacing anything
+(renameat2 RENAME_NOREPLACE), so a reader sees either no page or a whole one, and a file at a
+page path is never swapped for another in place. A page whose header, key, length or checksum
+does not check out is a miss; it is removed (and counted corrupt) only when the same file is
+still at its path and fails again when read afresh; a file that another process removed,
+recycled or replaced while it was read is a miss counted as a race, never as corruption.
 
 A write that has to evict reuses the evicted page's file as its temp file (renamed, rewritten
-in place, truncated if the sizes differ) instead of unlinking one inode and allocating another:
-creating and unlinking are the costly file system operations (~0.1-3 ms each on the ext4 this
-was measured on, against ~50 us for a rename and ~30 us to rewrite 64 KiB), so a full tier
-writes at rename speed. The key id is what makes that safe: a reader that opened the victim
-before it was recycled reads another key's header (a miss) or a payload that fails its
-checksum (a miss), never another page's bytes as its own.
-
-The checksum is xxh3_64 (the `xxhash` package): it guards against torn and damaged files, not
-against someone who can write the directory (they could write a valid checksum too), so a
-cryptographic hash would buy nothing. xxh3 runs at ~10-14 GB/s here against ~2-3.5 GB/s for
-zlib.crc32 and ~1.2 GB/s for sha256, which matters because the checksum pass is the one CPU cost
-of a read that plain file I/O does not have.
+in place, cut to length) instead of unlinking one inode and creating another, the costly file
+system operations (README: "Recycling"); the key id in the header keeps a reader of the old file
+from taking the new page's bytes as its own.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import itertools
 import logging
-import mmap
 import os
+import stat
 import threading
-import time
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal, NamedTuple, TypeAlias
 
-import msgpack
-import xxhash
-
 from kvstrata.storage.base import Occupancy, Storage, WriteResult
+from kvstrata.storage.directory import (
+    PAGE_SUFFIX,
+    check_arguments,
+    fsync_dir,
+    fsync_dirs,
+    key_of,
+    namespace_dir,
+    probe_writable,
+    scan,
+)
 from kvstrata.storage.errors import (
     BufferSizeMismatch,
-    InvalidParameter,
     StorageDirectoryError,
 )
+from kvstrata.storage.file_format import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    MAGIC,
+    PageCodec,
+    Probe,
+    encode_header,
+    key_id,
+    namespace_fingerprint,
+    page_checksum,
+    unlink_quietly,
+    write_temp,
+)
+from kvstrata.storage.file_format import read_payload as _read_payload
+from kvstrata.storage.file_index import PageIndex
+from kvstrata.storage.ledger import DirectoryLedger, rename_noreplace
 from kvstrata.storage.parallel import BatchRunner
+
+__all__ = [
+    "DEFAULT_IO_THREADS",
+    "DEFAULT_WRITE_TIMEOUT_S",
+    "FORMAT_VERSION",
+    "FSYNC_POLICIES",
+    "HEADER_BYTES",
+    "MAGIC",
+    "MAX_KEY_BYTES",
+    "FileStorage",
+    "FsyncPolicy",
+    "encode_header",
+    "key_id",
+    "namespace_fingerprint",
+    "page_checksum",
+]
 
 FsyncPolicy: TypeAlias = Literal["never", "page", "batch"]
 FSYNC_POLICIES: tuple[str, ...] = ("never", "page", "batch")
 
-MAGIC = b"KVSP"
-#: 1: variable-width header with a crc32; 2: fixed-width header with an xxh3_64. A page of any
-#: other version is a miss and is removed (its key simply gets written again).
-FORMAT_VERSION = 2
-_SUFFIX = ".page"
-#: A temp file this old is an orphan even if its pid looks alive (pids are reused).
-STALE_TEMP_S = 3600.0
+#: A temp file unchanged for this long is reclaimed, even if its writer's pid runs (a hung
+#: writer, or a reused pid): writing one page never takes this long.
+DEFAULT_WRITE_TIMEOUT_S = 600.0
 #: Threads a batch call spreads its pages' file I/O over (the caller's included).
 DEFAULT_IO_THREADS = 4
 #: 2 hex characters per key byte plus the suffix must fit in a 255-byte file name.
 MAX_KEY_BYTES = 120
 
 _log = logging.getLogger(__name__)
-
-
-def namespace_fingerprint(namespace: bytes | str) -> bytes:
-    """16 bytes naming the layout a page was written for (model, dtype, page size, ...)."""
-    data = namespace.encode("utf-8") if isinstance(namespace, str) else bytes(namespace)
-    return hashlib.sha256(b"kvstrata.storage.file-namespace\x00" + data).digest()[:16]
-
-
-def page_checksum(payload: bytes | bytearray | memoryview) -> int:
-    """The checksum a page file carries for `payload` (xxh3_64, seed 0). Holds the GIL (the
-    xxhash package does not release it), unlike the file system calls around it."""
-    return xxhash.xxh3_64_intdigest(payload)
-
-
-def key_id(key: bytes) -> bytes:
-    """The 16 bytes a page file carries to name its key (xxh3_128 of the key)."""
-    return xxhash.xxh3_128_digest(key)
-
-
-def encode_header(fingerprint: bytes, key: bytes, payload_bytes: int, checksum: int) -> bytes:
-    """The header of a page file: always HEADER_BYTES long for a 16-byte fingerprint."""
-    packed = msgpack.packb(
-        [
-            MAGIC,
-            FORMAT_VERSION,
-            fingerprint,
-            key_id(key),
-            payload_bytes.to_bytes(8, "little"),
-            checksum.to_bytes(8, "little"),
-        ]
-    )
-    assert isinstance(packed, bytes), "msgpack.packb returns bytes without a stream"
-    return packed
-
-
-HEADER_BYTES = len(encode_header(bytes(16), b"", 0, 0))
-#: msgpack's markers of a 16-byte and an 8-byte bin, in front of the fields of those widths.
-_BIN16, _BIN8 = b"\xc4\x10", b"\xc4\x08"
-#: Field offsets: [marker, magic, version, fingerprint, _BIN16][key id][_BIN8][length][_BIN8][sum]
-_CHECKSUM_AT = HEADER_BYTES - 8
-_LENGTH_AT = _CHECKSUM_AT - len(_BIN8) - 8
-_KEY_ID_AT = _LENGTH_AT - len(_BIN8) - 16
-
-
-def _check_layout() -> None:
-    head = encode_header(bytes(16), b"", 0, 0)
-    assert head[_KEY_ID_AT - 2 : _KEY_ID_AT] == _BIN16, "header layout: key id marker"
-    assert head[_LENGTH_AT - 2 : _LENGTH_AT] == _BIN8, "header layout: length marker"
-    assert head[_CHECKSUM_AT - 2 : _CHECKSUM_AT] == _BIN8, "header layout: checksum marker"
-
-
-_check_layout()
 
 
 class _Temp(NamedTuple):
@@ -134,19 +101,12 @@ class _Temp(NamedTuple):
     path: str
 
 
-class _Room(NamedTuple):
-    """What `_make_room_locked` did: whether the bytes fit now, and the evicted pages (already
-    out of the index; their files are still there for the caller to unlink or recycle)."""
-
-    fits: bool
-    victims: list[tuple[bytes, int]]  # (key, file bytes)
-
-
 class _Job(NamedTuple):
     """A page of a batch_set admitted (room reserved; an evicted page's file already renamed
     to `temp_path` when `recycled`). Its state: _RESERVED -> _STAGED (temp file written, fd
     open) -> _PUBLISHED (renamed into place and indexed), or -> _RELEASED (failed or unwound:
-    temp file removed, reservation released)."""
+    temp file removed, reservation released), or -> _FOUND (another writer put the page in
+    place first: temp file removed, reservation released, the page is PRESENT)."""
 
     position: int  # in the batch
     key: bytes
@@ -161,7 +121,7 @@ class _Job(NamedTuple):
         return HEADER_BYTES + self.view.nbytes
 
 
-_RESERVED, _STAGED, _PUBLISHED, _RELEASED = range(4)
+_RESERVED, _STAGED, _PUBLISHED, _RELEASED, _FOUND = range(5)
 
 
 @dataclass(eq=False)
@@ -169,7 +129,7 @@ class _Batch:
     """One batch_set's jobs and their states (a job's entries are only touched by the thread
     running its range, and by the caller once the runner has returned)."""
 
-    keys: frozenset[bytes]
+    paths: frozenset[str]  # the batch's page paths: never evicted for the batch itself
     jobs: list[_Job] = field(default_factory=list[_Job])
     state: list[int] = field(default_factory=list[int])
     staged: list[_Temp | None] = field(default_factory=list[_Temp | None])  # fsync "batch"
@@ -177,48 +137,29 @@ class _Batch:
     repeats: list[tuple[int, int]] = field(default_factory=list[tuple[int, int]])  # (pos, job)
 
 
-class _Probe(NamedTuple):
-    """An open page file whose header was read. `valid` is False when any header check failed
-    (then the other fields are zero). `pending`: the header is not read yet, because it was not
-    in the page cache and the read asked not to wait (`valid` is False meanwhile)."""
-
-    fd: int
-    valid: bool
-    payload_bytes: int
-    checksum: int
-    pending: bool = False
-
-
 class FileStorage(Storage):
-    """Pages as files under `path`, with a byte capacity over this process's view of them.
+    """Pages as files under `path` (absolute), with a byte capacity for the whole directory.
 
-    - `capacity_bytes` counts whole files (header included). The index of pages (LRU order) is
-      rebuilt at construction by scanning the directory, oldest `max(atime, mtime)` first, and
-      pages found beyond the capacity are evicted then. Pages written by another process join
-      this index when this process sees them (exists or get).
-    - `namespace` is the layout fingerprint: a page written under another namespace is a miss
-      and is removed.
-    - `fsync`: "never" (the OS decides; a machine crash may lose or damage recent pages, and
-      the header checks turn damaged ones into misses), "page" (each page is fsynced with its
-      directory before the call returns), "batch" (all pages of a batch are fsynced, then
-      renamed, then their directories fsynced once).
+    - `capacity_bytes` counts whole files (header included) of every process and namespace on
+      the directory: a ledger shared through the directory (`ledger.py`, flock'ed) accounts
+      every byte added or freed, so page and temp files never exceed it. Every storage on one
+      directory should be given the same capacity (each enforces its own against the shared
+      bytes). The first storage to open the directory rebuilds the ledger from a scan.
+    - The index (LRU order) of this process is built at construction by scanning the
+      directory, oldest `max(atime, mtime)` first (pages beyond the capacity are evicted then).
+      Pages other processes write join it when this process reads them, or when it has to
+      evict and its own index cannot make room (a rescan). Evictions take least recently used
+      pages of this process's view, of any namespace.
+    - `namespace` is the layout fingerprint; it is part of every page's path.
+    - `fsync`: "never" (the OS decides; damaged pages after a crash are misses), "page" (each
+      page and its directory before the call returns), "batch" (all, then the directories).
     - `io_threads`: how many threads (the caller's included) a batch call spreads its pages'
-      file I/O and checksums over; 1 does everything in the calling thread. Each batch runs in
-      phases with a barrier between them: get = open + header checks of all pages (so a wrong
-      buffer size raises before any buffer is written), then payload reads + checksums, then
-      the index updates in the caller in batch order (in both read phases the caller reads
-      what the page cache holds itself, with RWF_NOWAIT, and hands the threads only the
-      reads that would wait for the disk); set = admission in the caller in batch
-      order (presence, eviction, reservation), then checksum + temp file + rename per page in
-      parallel (under "batch": write all, then fsync + rename all, then the directories).
+      file I/O and checksums over; 1 does everything in the calling thread (see the README).
+    - `write_timeout_s`: a temp file unchanged this long is reclaimed by the next scan, even
+      if its writer runs.
 
-    Costs per page (syscalls): exists = open + fstat + header pread + close; get = open +
-    header pread + one preadv straight into the caller's buffer + close, then an xxh3_64 pass
-    over that buffer; set = stat + xxh3_64 + create the temp file + one writev + close + rename
-    (+ fsyncs by policy). A set that evicts renames the victim's file to its temp file and
-    rewrites it (no inode created or freed); other evictions unlink. A reader that already
-    opened an evicted page reads it whole if it was unlinked, and gets a miss if it was
-    recycled (the key id and checksum in the header catch it).
+    Costs per page: see the README's operation table (a set of a page already there reads and
+    checks it like a get: PRESENT only for a page this storage reads back).
     """
 
     max_key_bytes = MAX_KEY_BYTES
@@ -231,17 +172,16 @@ class FileStorage(Storage):
         namespace: bytes | str = b"",
         fsync: FsyncPolicy = "never",
         io_threads: int = DEFAULT_IO_THREADS,
+        write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
     ) -> None:
-        if capacity_bytes < 0:
-            raise InvalidParameter(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        if fsync not in FSYNC_POLICIES:
-            raise InvalidParameter(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
-        root = Path(path)
+        root = check_arguments(
+            path, capacity_bytes, namespace, fsync, write_timeout_s, FSYNC_POLICIES
+        )
         if not root.is_dir():
             what = "is not a directory" if root.exists() else "does not exist"
             raise StorageDirectoryError(f"FileStorage directory {root} {what}")
         io = BatchRunner(io_threads, name="kvstrata-file-io")  # validates io_threads
-        nowait = _probe_writable(root)
+        nowait = probe_writable(root)
         super().__init__()
         self._io = io
         # Whether reads may ask not to wait (RWF_NOWAIT): off where the file system refuses
@@ -252,39 +192,50 @@ class FileStorage(Storage):
         self.capacity_bytes = capacity_bytes
         self.namespace = namespace
         self.fsync: FsyncPolicy = fsync
+        self.write_timeout_s = float(write_timeout_s)
         self._fingerprint = namespace_fingerprint(namespace)
-        # The first _KEY_ID_AT bytes of every page file of this storage: compared, not decoded.
-        self._header_prefix = encode_header(self._fingerprint, b"", 0, 0)[:_KEY_ID_AT]
+        self._codec = PageCodec(self._fingerprint)
         self._root = str(root)
+        self._space = namespace_dir(self._root, self._fingerprint)
         self._lock = threading.Lock()
         # Notified whenever reserved bytes are indexed or released (see `_admit`).
         self._room_freed = threading.Condition(self._lock)
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, LRU first
-        self._indexed_bytes = 0
-        self._reserved_bytes = 0  # writes of this process in flight
-        # Keys a batch_set of ours is writing (admitted, not yet indexed) -> how many batches:
-        # a reader that finds such a page already renamed into place leaves it to the writer.
-        self._writing: dict[bytes, int] = {}
+        self._reserved_bytes = 0  # writes of this storage in flight (also in the ledger)
+        self._temp_tag = f"{id(self):x}"
         self._temp_seq = itertools.count()
+        self._ledger = DirectoryLedger(self._root)
+        weakref.finalize(self, self._ledger.close)
+        self._pages = PageIndex(
+            self._root,
+            capacity_bytes=capacity_bytes,
+            ledger=self._ledger,
+            write_timeout_s=self.write_timeout_s,
+        )
         with self._lock:
-            self._scan()
-            self._unlink_locked(self._make_room_locked(0, protect=frozenset()).victims)
+            alone = self._ledger.open(capacity_bytes, self._pages.rebuild_locked)
+            if not alone:
+                self._pages.scan_locked()
+            with self._ledger:
+                room = self._pages.make_room_locked(0, protect=frozenset(), rescan=False)
+                self._pages.take_room_locked(room, 0, temp=None)
+        self._count_evictions(len(room.victims))
 
     # ------------------------------------------------------------------ hooks
 
     def _exists_prefix(self, keys: Sequence[bytes]) -> int:
         for i, key in enumerate(keys):
             path = self._page_path(key)
-            probe = self._open(key, path)
+            probe = self._codec.open(key, path)
             if probe is None:
-                self._forget_if_missing(key)
+                self._forget_if_missing(path)
                 return i
             try:
                 size = HEADER_BYTES + probe.payload_bytes
-                if not probe.valid or os.fstat(probe.fd).st_size != size:
-                    self._drop_corrupt(key, path, probe.fd)
+                st = os.fstat(probe.fd)
+                if not probe.valid or not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                    self._failed_check(key, path, probe.fd)
                     return i
-                self._adopt(key, size, touch=False)
+                self._adopt(path, size, touch=False)
             except OSError as exc:
                 _log.warning("cannot stat page %s: %s", path, exc)
                 return i
@@ -294,7 +245,7 @@ class FileStorage(Storage):
 
     def _get_into(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
         paths = [self._page_path(key) for key in keys]
-        probes: list[_Probe | None] = [None] * len(keys)
+        probes: list[Probe | None] = [None] * len(keys)
         read_ok = [False] * len(keys)
         # With several threads, this thread first reads what the page cache holds, asking the
         # kernel not to wait (RWF_NOWAIT); only what would wait goes to the I/O threads. A warm
@@ -304,13 +255,13 @@ class FileStorage(Storage):
 
         def open_range(lo: int, hi: int) -> None:
             for i in range(lo, hi):
-                probes[i] = self._open(keys[i], paths[i])
+                probes[i] = self._codec.open(keys[i], paths[i])
 
         def header_list(indices: list[int]) -> None:
             for i in indices:
                 probe = probes[i]
                 assert probe is not None and probe.pending, "only pending headers are re-read"
-                probes[i] = self._read_header(keys[i], paths[i], probe.fd)
+                probes[i] = self._codec.read_header(keys[i], paths[i], probe.fd)
 
         def read_list(indices: Sequence[int]) -> None:
             spare = bytearray(1)  # catches a file longer than its header says, in the same read
@@ -324,7 +275,7 @@ class FileStorage(Storage):
             # written and any page touched.
             if cache_first:
                 for i, (key, path) in enumerate(zip(keys, paths, strict=True)):
-                    probes[i] = self._open(key, path, nowait=True)
+                    probes[i] = self._codec.open(key, path, nowait=True)
                 waits = [i for i, p in enumerate(probes) if p is not None and p.pending]
                 self._io.run(len(waits), lambda lo, hi: header_list(waits[lo:hi]))
             else:
@@ -352,14 +303,14 @@ class FileStorage(Storage):
             found: list[bool] = []
             for key, path, probe, ok in zip(keys, paths, probes, read_ok, strict=True):
                 if probe is None:
-                    self._forget_if_missing(key)
+                    self._forget_if_missing(path)
                     found.append(False)
                 elif ok:
-                    self._adopt(key, HEADER_BYTES + probe.payload_bytes, touch=True)
+                    self._adopt(path, HEADER_BYTES + probe.payload_bytes, touch=True)
                     found.append(True)
                 else:
                     assert not probe.pending, "a header left unread would pass for corrupt"
-                    self._drop_corrupt(key, path, probe.fd)
+                    self._failed_check(key, path, probe.fd)
                     found.append(False)
             return found
         finally:
@@ -369,7 +320,7 @@ class FileStorage(Storage):
 
     def _set_from(self, keys: Sequence[bytes], views: list[memoryview]) -> list[WriteResult]:
         results = [WriteResult.FAILED] * len(keys)
-        batch = _Batch(frozenset(keys))
+        batch = _Batch(frozenset(self._page_path(key) for key in keys))
         # Admission in this thread and batch order (presence, eviction of least recently used
         # pages, reservation), then the admitted pages written on the I/O threads; a page is
         # indexed as soon as it is renamed into place, so other batches can evict it. When a
@@ -390,9 +341,11 @@ class FileStorage(Storage):
             for job, state in zip(batch.jobs, batch.state, strict=True):
                 if state == _PUBLISHED:
                     results[job.position] = WriteResult.WRITTEN
+                elif state == _FOUND:
+                    results[job.position] = WriteResult.PRESENT
             for position, j in batch.repeats:
-                published = batch.state[j] == _PUBLISHED
-                results[position] = WriteResult.PRESENT if published else WriteResult.FAILED
+                stored = batch.state[j] in (_PUBLISHED, _FOUND)
+                results[position] = WriteResult.PRESENT if stored else WriteResult.FAILED
             self._touch_batch(keys, results)
         return results
 
@@ -404,9 +357,9 @@ class FileStorage(Storage):
         batch: _Batch,
         results: list[WriteResult],
     ) -> int:
-        """Admit pages from `position` on, in batch order, into `batch.jobs` (room reserved);
-        the position where admission stopped: len(keys), or a page that must wait until the
-        pages admitted before it are written."""
+        """Admit pages from `position` on, in batch order, into `batch.jobs` (room reserved in
+        the ledger); the position where admission stopped: len(keys), or a page that must wait
+        until the pages admitted before it are written."""
         held = 0  # bytes this call reserved (earlier chunks are all published or released)
         for position in range(position, len(keys)):  # noqa: B020 - the return value
             key, view = keys[position], views[position]
@@ -414,15 +367,25 @@ class FileStorage(Storage):
                 batch.repeats.append((position, batch.first_job[key]))
                 continue
             path = self._page_path(key)
-            if self._is_present(key, path):
-                results[position] = WriteResult.PRESENT
+            present = self._present(key, path)
+            if present is not None:
+                results[position] = present
                 continue
             size = HEADER_BYTES + view.nbytes
             temp_path = self._temp_path(key, path)
+            recycled = False
             with self._lock:
                 while True:
-                    room = self._make_room_locked(size, protect=batch.keys)
-                    if room.fits or not self._others_in_the_way_locked(size, held, batch.keys):
+                    with self._ledger:
+                        room = self._pages.make_room_locked(size, protect=batch.paths)
+                        if room.fits:
+                            self._count_evictions(len(room.victims))
+                            # Under both locks, like every eviction: once the victims' files
+                            # are gone or renamed, no thread or process can adopt them back.
+                            recycled = self._pages.take_room_locked(room, size, temp=temp_path)
+                            break
+                        blocked = self._others_in_the_way_locked(size, held, batch.paths)
+                    if not blocked:
                         break
                     if held:
                         return position  # write what is admitted, then come back here
@@ -430,10 +393,7 @@ class FileStorage(Storage):
                 if room.fits:
                     self._reserved_bytes += size
                     held += size
-                    self._writing[key] = self._writing.get(key, 0) + 1
-                # Under the lock, like every eviction: once the victims' files are gone or
-                # renamed, no thread of ours can find them and adopt them back.
-                recycled = self._recycle_locked(room.victims, temp_path)
+                    self._pages.mark_writing_locked(path)
             if room.fits:
                 batch.first_job[key] = len(batch.jobs)
                 batch.jobs.append(_Job(position, key, view, path, temp_path, recycled))
@@ -441,14 +401,14 @@ class FileStorage(Storage):
                 batch.staged.append(None)
         return len(keys)
 
-    def _others_in_the_way_locked(self, size: int, held: int, protect: frozenset[bytes]) -> bool:
-        """Under the lock, after `_make_room_locked` found no room: whether the page would fit
-        but for other batches' reservations (which become evictable pages once written)."""
+    def _others_in_the_way_locked(self, size: int, held: int, protect: frozenset[str]) -> bool:
+        """Under both locks, after `_make_room_locked` found no room: whether the page would fit
+        but for other batches' reservations of this storage (pages, evictable, once written)."""
         others = self._reserved_bytes - held
         if others <= 0:
             return False
-        evictable = sum(b for k, b in self._index.items() if k not in protect)
-        return self._indexed_bytes - evictable + held + size <= self.capacity_bytes
+        evictable = self._pages.evictable_bytes_locked(protect)
+        return self._ledger.used_bytes + size - evictable - others <= self.capacity_bytes
 
     def _write_jobs(self, batch: _Batch, lo: int) -> None:
         """Write the admitted jobs `lo..` (checksum, temp file, rename, indexing) on the I/O
@@ -459,7 +419,7 @@ class FileStorage(Storage):
         def write_range(a: int, b: int) -> None:
             for j in range(lo + a, lo + b):
                 job = jobs[j]
-                header = self._header(job.key, job.view.nbytes, page_checksum(job.view))
+                header = self._codec.header(job.key, job.view.nbytes, page_checksum(job.view))
                 temp = self._write_temp(
                     job.path, job.temp_path, header, job.view, recycled=job.recycled
                 )
@@ -490,17 +450,20 @@ class FileStorage(Storage):
                     if state[j] == _PUBLISHED
                 }
             )
-            self._io.run(len(dirs), lambda a, b: _fsync_dirs(dirs[a:b]))
+            self._io.run(len(dirs), lambda a, b: fsync_dirs(dirs[a:b]))
 
     def _finish_job(self, job: _Job, temp: _Temp | None) -> None:
         """Undo what a job not published holds: its open temp file (closed and removed, or
-        the recycled file at its temp path removed), its reservation and its writing mark."""
+        the recycled file at its temp path removed), its reservation (here and in the ledger)
+        and its writing mark."""
         if temp is not None:
             os.close(temp.fd)
-        _unlink_quietly(job.temp_path)
+        unlink_quietly(job.temp_path)
         with self._lock:
+            with self._ledger:
+                self._ledger.add(-job.size)
             self._reserved_bytes -= job.size
-            self._unmark_writing_locked(job.key)
+            self._pages.unmark_writing_locked(job.path)
             self._room_freed.notify_all()
 
     def _finish_jobs(self, batch: _Batch) -> None:
@@ -509,515 +472,229 @@ class FileStorage(Storage):
                 self._finish_job(job, batch.staged[j])
                 batch.state[j], batch.staged[j] = _RELEASED, None
 
-    def _unmark_writing_locked(self, key: bytes) -> None:
-        left = self._writing[key] - 1
-        if left:
-            self._writing[key] = left
-        else:
-            del self._writing[key]
-
-    def _touch_batch(self, keys: Sequence[bytes], results: list[WriteResult]) -> None:
-        """After a batch_set, under the lock once and in batch order (so LRU order follows
-        the batch whatever thread wrote which page): touch the pages written or found present
-        that are still indexed."""
-        with self._lock:
-            for key, result in zip(keys, results, strict=True):
-                if result is not WriteResult.FAILED and key in self._index:
-                    self._index.move_to_end(key)
-
     def _delete(self, keys: Sequence[bytes]) -> int:
         removed = 0
         for key in keys:
             path = self._page_path(key)
-            try:
-                # Under the lock, where our writers index what they rename in: unlinking
-                # outside it could remove a page indexed in between, leaving the index stale.
-                with self._lock:
-                    self._forget_locked(key)
-                    os.unlink(path)
-                removed += 1
-            except FileNotFoundError:
-                pass  # deleted by another process, or never stored
-            except OSError as exc:
-                _log.warning("cannot remove page %s: %s", path, exc)
+            # Under both locks: our writers index what they rename in under the first, and
+            # every process accounts what it unlinks under the second.
+            with self._lock, self._ledger:
+                self._pages.forget_locked(path)
+                if self._pages.remove_locked(path, same_as=None):
+                    removed += 1
         return removed
 
     def _clear(self) -> None:
-        with self._lock:
-            for _key, path, _stat in self._page_files():
-                _unlink_quietly(path)
-            self._index.clear()
-            self._indexed_bytes = 0
+        with self._lock, self._ledger:
+            pages, _temps = scan(self._root)
+            for page in pages:
+                self._pages.remove_locked(page.path, same_as=None)
+            self._pages.entries.clear()
+            self._pages.indexed_bytes = 0
 
     def _occupancy(self) -> Occupancy:
-        with self._lock:
-            used = self._indexed_bytes + self._reserved_bytes
-            return Occupancy(len(self._index), used, self.capacity_bytes)
+        with self._lock, self._ledger:
+            return Occupancy(len(self._pages.entries), self._ledger.used_bytes, self.capacity_bytes)
 
     # ------------------------------------------------------------------ public helpers
 
-    def page_file_bytes(self, payload_bytes: int) -> int:
+    @staticmethod
+    def page_file_bytes(payload_bytes: int) -> int:
         """Bytes a page of `payload_bytes` takes against the capacity (header included)."""
         return HEADER_BYTES + payload_bytes
 
     def close(self) -> None:
         """Stop the I/O threads (after the batches in flight). Pages, index and counters are
         kept, and the storage stays usable: the next batch of several pages starts them again.
-        Optional: the threads also stop when the storage is garbage collected."""
+        Optional: the threads also stop when the storage is garbage collected (which is also
+        when it leaves the directory's ledger)."""
         self._io.close()
 
     def lru_keys(self) -> list[bytes]:
-        """Indexed keys from least to most recently used (a copy; for tests and debugging)."""
+        """Indexed keys of this storage's namespace, least to most recently used (a copy; for
+        tests and debugging)."""
         with self._lock:
-            return list(self._index)
+            paths = [
+                p for p in self._pages.entries if os.path.dirname(os.path.dirname(p)) == self._space
+            ]
+        return [k for k in map(key_of, paths) if k is not None]
 
     def check_integrity(self) -> None:
-        """Assert the accounting, and that every indexed page is on disk at its indexed size.
-        Files on disk that are not indexed are allowed (another process may have written them).
-        Cost: one stat per indexed page."""
+        """Assert the accounting: the index sums, the reservations of this storage are in the
+        ledger, the directory's bytes are within the capacity, and every indexed page still on
+        disk has its indexed size. An indexed page that is gone is allowed (another process
+        evicted it; the entry is dropped when next met). Cost: one stat per indexed page."""
         with self._lock:
-            total = sum(self._index.values())
-            assert total == self._indexed_bytes, (
-                f"indexed_bytes {self._indexed_bytes} != sum of page sizes {total}"
+            total = sum(self._pages.entries.values())
+            assert total == self._pages.indexed_bytes, (
+                f"indexed_bytes {self._pages.indexed_bytes} != sum of page sizes {total}"
             )
             assert self._reserved_bytes >= 0, "a write released more than it reserved"
-            used = self._indexed_bytes + self._reserved_bytes
-            assert used <= self.capacity_bytes, (
-                f"used {used} > capacity {self.capacity_bytes}: _make_room_locked made too "
-                "little room"
+            with self._ledger:
+                used = self._ledger.used_bytes
+            assert used >= self._reserved_bytes, (
+                f"ledger used {used} < this storage's writes in flight {self._reserved_bytes}"
             )
-            for key, size in self._index.items():
-                on_disk = os.stat(self._page_path(key)).st_size
-                assert on_disk == size, f"page {key.hex()} is {on_disk} bytes, indexed {size}"
+            assert used <= self.capacity_bytes, (
+                f"directory used {used} > capacity {self.capacity_bytes}: an eviction made "
+                "too little room, or a storage with a larger capacity shares the directory"
+            )
+            for path, size in self._pages.entries.items():
+                try:
+                    on_disk = os.lstat(path).st_size
+                except FileNotFoundError:
+                    continue
+                assert on_disk == size, f"page {path} is {on_disk} bytes, indexed {size}"
 
     # ------------------------------------------------------------------ internals
 
     def _page_path(self, key: bytes) -> str:
         name = key.hex()
-        return os.path.join(self._root, name[:2], name + _SUFFIX)
+        return os.path.join(self._space, name[:2], name + PAGE_SUFFIX)
 
-    def _header(self, key: bytes, payload_bytes: int, checksum: int) -> bytes:
-        """encode_header(fingerprint, key, ...), from the precomputed prefix."""
-        return b"".join(
-            (
-                self._header_prefix,
-                key_id(key),
-                _BIN8,
-                payload_bytes.to_bytes(8, "little"),
-                _BIN8,
-                checksum.to_bytes(8, "little"),
-            )
-        )
-
-    def _open(self, key: bytes, path: str, *, nowait: bool = False) -> _Probe | None:
-        """Open a page file and check its header; None when it is missing or unreadable. The
-        file's length is not checked here: `_read_payload` catches a short or long file in the
-        read it does anyway, which saves an fstat per page. `nowait`: see `_read_header`."""
+    def _failed_check(self, key: bytes, path: str, fd: int) -> None:
+        """After the page file `fd` opened at `path` failed a check: a race (another process
+        removed, recycled or replaced it meanwhile, or it passes when read afresh) is counted
+        apart; corruption (the same file, failing again) is removed and counted corrupt. Not a
+        regular file (a FIFO, a directory): a miss, left alone."""
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
+            opened = os.fstat(fd)
         except OSError as exc:
-            _log.warning("cannot open page %s: %s", path, exc)
-            return None
-        return self._read_header(key, path, fd, nowait=nowait)
-
-    def _read_header(
-        self, key: bytes, path: str, fd: int, *, nowait: bool = False
-    ) -> _Probe | None:
-        """Read and check the header of the open page file `fd`; None (and `fd` closed) when it
-        cannot be read. With `nowait`, a header that is not in the page cache is not waited
-        for: the probe comes back `pending` (fd open) for a blocking call later."""
-        try:
-            head = _pread_nowait(fd, HEADER_BYTES) if nowait else os.pread(fd, HEADER_BYTES, 0)
-        except OSError as exc:
-            os.close(fd)
-            _log.warning("cannot read page %s: %s", path, exc)
-            return None
-        if head is None:
-            return _Probe(fd, False, 0, 0, pending=True)
-        # A header of another version or namespace fails the prefix comparison (a version 1
-        # header differs from byte 7 on, the version field); a file of another key (a recycled
-        # inode read through an old descriptor, a misplaced file) fails the key id.
-        if (
-            len(head) == HEADER_BYTES
-            and head.startswith(self._header_prefix)
-            and head[_KEY_ID_AT : _KEY_ID_AT + 16] == key_id(key)
-            and head[_LENGTH_AT - 2 : _LENGTH_AT] == _BIN8
-            and head[_CHECKSUM_AT - 2 : _CHECKSUM_AT] == _BIN8
-        ):
-            payload_bytes = int.from_bytes(head[_LENGTH_AT : _LENGTH_AT + 8], "little")
-            checksum = int.from_bytes(head[_CHECKSUM_AT:], "little")
-            return _Probe(fd, True, payload_bytes, checksum)
-        return _Probe(fd, False, 0, 0)
-
-    def _drop_corrupt(self, key: bytes, path: str, fd: int) -> None:
-        """Remove a page that failed a check, unless another writer has replaced the file
-        since we opened it (then the new file is not ours to judge)."""
-        opened = os.fstat(fd)
-        with self._lock:  # our writers rename in and index under it: no swap in between
-            try:
-                current = os.stat(path)
-            except FileNotFoundError:
-                current = None
-            if current is None:
-                self._forget_locked(key)
-            elif (current.st_ino, current.st_dev) == (opened.st_ino, opened.st_dev):
-                _unlink_quietly(path)
-                self._forget_locked(key)
-        self._count_corrupt(1)
-
-    def _is_present(self, key: bytes, path: str) -> bool:
-        """Whether the page file exists (the disk, not the index, is the truth: another
-        process may have written or evicted it)."""
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            self._forget_if_missing(key)
-            return False
-        except OSError as exc:  # the write that follows will fail and report it
             _log.warning("cannot stat page %s: %s", path, exc)
+            return
+        if not stat.S_ISREG(opened.st_mode):
+            _log.warning("%s is not a regular file: a miss", path)
+            return
+        if not self._same_file_at(path, opened):
+            self._count_races(1)
+            return
+        self._remove_damaged(key, path, opened)
+
+    def _same_file_at(self, path: str, opened: os.stat_result) -> bool:
+        """Whether the file at `path` is `opened` (drops the index entry when nothing is
+        there: checked under the lock, where our writers index what they rename in)."""
+        with self._lock:
+            try:
+                current = os.lstat(path)
+            except FileNotFoundError:
+                self._pages.forget_locked(path)
+                return False
+        return (current.st_ino, current.st_dev) == (opened.st_ino, opened.st_dev)
+
+    def _present(self, key: bytes, path: str, *, again: bool = True) -> WriteResult | None:
+        """Whether a batch_set may skip the page: PRESENT when a page of this key that this
+        storage reads back whole (header, key, length, checksum; any length: a key names its
+        content) is at `path`; None when the page must be written (nothing there, or a
+        damaged page, removed here and counted corrupt); FAILED when something that cannot be
+        a page is in the way (a directory, a FIFO). A file that changed while it was checked
+        (another process's eviction) is a race: checked once more."""
+        probe = self._codec.open(key, path)
+        if probe is None:
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                self._forget_if_missing(path)
+                return None
+            if stat.S_ISREG(st.st_mode):  # unreadable: damaged, and ours to replace
+                return None if self._remove_damaged(key, path, st) else WriteResult.FAILED
+            return WriteResult.FAILED
+        try:
+            opened = os.fstat(probe.fd)
+            if not stat.S_ISREG(opened.st_mode):
+                return WriteResult.FAILED
+            scratch = memoryview(bytearray(probe.payload_bytes if probe.valid else 0))
+            if probe.valid and _read_payload(probe, scratch, bytearray(1)):
+                self._adopt(path, opened.st_size, touch=True)
+                return WriteResult.PRESENT
+        finally:
+            os.close(probe.fd)
+        if not self._same_file_at(path, opened):
+            self._count_races(1)
+            return self._present(key, path, again=False) if again else WriteResult.FAILED
+        return None if self._remove_damaged(key, path, opened) else WriteResult.FAILED
+
+    def _remove_damaged(self, key: bytes, path: str, opened: os.stat_result) -> bool:
+        """A page this storage could not read back sits at `path`: unless it reads back whole
+        when read afresh (then it changed meanwhile: a race), remove it if it is still that
+        file (counted corrupt). Whether the path is free now."""
+        if self._codec.reads_back(key, path, None):
+            self._count_races(1)
             return False
-        self._adopt(key, size, touch=True)
-        return True
+        with self._lock, self._ledger:
+            if self._pages.remove_locked(path, same_as=opened):
+                self._pages.forget_locked(path)
+                self._count_corrupt(1)
+                return True
+            return not os.path.lexists(path)
 
-    def _forget_locked(self, key: bytes) -> None:
-        """Under the lock: drop an index entry (the caller removes or has removed its file)."""
-        size = self._index.pop(key, None)
-        if size is not None:
-            self._indexed_bytes -= size
-
-    def _forget_if_missing(self, key: bytes) -> None:
+    def _forget_if_missing(self, path: str) -> None:
         """Drop an index entry whose file a reader found missing, if it is still missing:
         checked under the lock (where our writers index what they rename in, as `_adopt`
         does), so a page another thread of ours has just written is not dropped."""
         with self._lock:
-            if key in self._index and not os.path.exists(self._page_path(key)):
-                self._forget_locked(key)
+            if path in self._pages.entries and not os.path.exists(path):
+                self._pages.forget_locked(path)
 
-    def _adopt(self, key: bytes, size: int, *, touch: bool) -> None:
+    def _adopt(self, path: str, size: int, *, touch: bool) -> None:
+        """Index a page a reader found on disk (see `PageIndex.adopt_locked`)."""
         with self._lock:
-            if key in self._index:
-                if touch:
-                    self._index.move_to_end(key)
-                return
-            if key in self._writing:  # its writer (a batch of ours) indexes it when done
-                return
-            # A reader adopts after its read; a writer of this process may have evicted (unlinked
-            # or recycled) the page since. Evictions run under this lock, so one stat here keeps
-            # the index from naming a file that is gone. Only on this uncommon path.
-            if not os.path.exists(self._page_path(key)):
-                return
-            self._index[key] = size
-            self._indexed_bytes += size
-            self._unlink_locked(self._make_room_locked(0, protect=frozenset((key,))).victims)
+            self._pages.adopt_locked(path, size, touch=touch)
 
     def _temp_path(self, key: bytes, path: str) -> str:
-        name = f".{key.hex()[:32]}.{os.getpid()}.{next(self._temp_seq)}.tmp"
+        name = f".{key.hex()[:32]}.{os.getpid()}.{self._temp_tag}-{next(self._temp_seq)}.tmp"
         return os.path.join(os.path.dirname(path), name)
 
     def _write_temp(
         self, path: str, temp: str, header: bytes, view: memoryview, *, recycled: bool
     ) -> _Temp | None:
-        """Write header + payload to the temp file `temp` beside `path`: a fresh file, or, when
-        `recycled`, an evicted page's file already renamed there (rewritten from offset 0 and
-        cut to length). (fd, temp path), or None on an I/O error (then nothing is left)."""
-        try:
-            if recycled:
-                fd = os.open(temp, os.O_WRONLY)
-            else:
-                try:
-                    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                except FileNotFoundError:  # the fan-out directory, made on first use
-                    os.makedirs(os.path.dirname(temp), exist_ok=True)
-                    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError as exc:
-            _log.warning("cannot create %s: %s", temp, exc)
-            if recycled:
-                _unlink_quietly(temp)
-            return None
-        try:
-            _write_all(fd, header, view)
-            if recycled:
-                size = len(header) + view.nbytes
-                if os.fstat(fd).st_size != size:
-                    os.ftruncate(fd, size)
-            if self.fsync == "page":
-                os.fsync(fd)
-        except BaseException as exc:
-            # Also on MemoryError or KeyboardInterrupt: no descriptor or temp file outlives it.
-            os.close(fd)
-            _unlink_quietly(temp)
-            if not isinstance(exc, OSError):
-                raise
-            _log.warning("cannot write page %s: %s", path, exc)
-            return None
-        return _Temp(fd, temp)
+        """`write_temp` (file_format.py) under this storage's fsync policy."""
+        fsync = self.fsync == "page"
+        fd = write_temp(path, temp, header, view, recycled=recycled, fsync=fsync)
+        return None if fd is None else _Temp(fd, temp)
 
     def _publish(self, job: _Job, temp: _Temp) -> int:
-        """Make a written temp file the page (fsync first under "batch", its directory after
-        under "page") and index it at once, so other batches can evict it (LRU order is set
-        in batch order by `_touch_batch` at the end of the batch). _PUBLISHED, or _RELEASED
-        on failure (temp file removed, reservation released)."""
+        """Make a written temp file the page, without replacing anything (fsync first under
+        "batch", its directory after under "page"), and index it at once, so other batches
+        can evict it (LRU order is set in batch order by `_touch_batch` at the end of the
+        batch). _PUBLISHED; _FOUND when another writer put the page there first (our copy is
+        dropped); _RELEASED on failure (temp file removed, reservation released)."""
         fd = temp.fd
         try:
             if self.fsync == "batch":
                 os.fsync(fd)
             os.close(fd)
             fd = -1
-            os.replace(temp.path, job.path)
+            rename_noreplace(temp.path, job.path)
+        except FileExistsError:
+            self._finish_job(job, None)
+            found = self._codec.reads_back(job.key, job.path, None)
+            return _FOUND if found else _RELEASED
         except OSError as exc:
             _log.warning("cannot publish page %s: %s", job.path, exc)
             self._finish_job(job, temp if fd >= 0 else None)
             return _RELEASED
         with self._lock:
-            self._reserved_bytes -= job.size
-            self._unmark_writing_locked(job.key)
+            self._reserved_bytes -= job.size  # the ledger's bytes stay: now a page's
+            self._pages.unmark_writing_locked(job.path)
             # A delete of ours may have unlinked the page between the rename and here (every
             # unlink of ours runs under this lock): then it is written but not indexed.
             if os.path.exists(job.path):
-                old = self._index.pop(job.key, None)  # another batch of ours wrote it too
-                if old is not None:
-                    self._indexed_bytes -= old
-                self._index[job.key] = job.size
-                self._indexed_bytes += job.size
+                self._pages.put_locked(job.path, job.size)
             self._room_freed.notify_all()
         if self.fsync == "page":
-            _fsync_dir(os.path.dirname(job.path))
+            fsync_dir(os.path.dirname(job.path))
         return _PUBLISHED
 
-    def _make_room_locked(self, size: int, *, protect: frozenset[bytes]) -> _Room:
-        """Under the lock: take least recently used pages not in `protect` out of the index
-        until `size` more bytes fit. Evicts nothing when that cannot make enough room. The
-        caller unlinks or recycles the victims' files (still under the lock)."""
-        need = self._indexed_bytes + self._reserved_bytes + size - self.capacity_bytes
-        if need <= 0:
-            return _Room(True, [])
-        victims: list[tuple[bytes, int]] = []
-        for key, page_bytes in self._index.items():
-            if key not in protect:
-                victims.append((key, page_bytes))
-                need -= page_bytes
-                if need <= 0:
-                    break
-        if need > 0:
-            return _Room(False, [])
-        for key, page_bytes in victims:
-            del self._index[key]
-            self._indexed_bytes -= page_bytes
-        self._count_evictions(len(victims))
-        return _Room(True, victims)
-
-    def _unlink_locked(self, victims: list[tuple[bytes, int]]) -> None:
-        for key, _size in victims:
-            _unlink_quietly(self._page_path(key))
-
-    def _recycle_locked(self, victims: list[tuple[bytes, int]], temp: str) -> bool:
-        """Rename the first victim's file to `temp` (the new page's temp file) and unlink the
-        others; whether a file now sits at `temp`. A victim removed by another process
-        meanwhile is skipped (the next one is tried)."""
-        recycled = False
-        for key, _size in victims:
-            path = self._page_path(key)
-            if not recycled:
-                try:
-                    try:
-                        os.rename(path, temp)
-                    except FileNotFoundError:
-                        if not os.path.lexists(path):
-                            continue  # removed by another process
-                        os.makedirs(os.path.dirname(temp), exist_ok=True)  # first use
-                        os.rename(path, temp)
-                    recycled = True
-                    continue
-                except OSError as exc:
-                    _log.warning("cannot recycle %s: %s", path, exc)
-            _unlink_quietly(path)
-        return recycled
-
-    def _scan(self) -> None:
-        """Rebuild the index from the directory, oldest first; remove orphaned temp files."""
-        found: list[tuple[float, bytes, int]] = []
-        for key, _path, st in self._page_files(remove_orphans=True):
-            found.append((max(st.st_atime, st.st_mtime), key, st.st_size))
-        found.sort()
-        for _when, key, size in found:
-            self._index[key] = size
-            self._indexed_bytes += size
-
-    def _page_files(
-        self, *, remove_orphans: bool = False
-    ) -> Iterator[tuple[bytes, str, os.stat_result]]:
-        now = time.time()
-        with os.scandir(self._root) as top:
-            subdirs = [e.path for e in top if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
-        for subdir in subdirs:
-            with os.scandir(subdir) as entries:
-                for entry in entries:
-                    name = entry.name
-                    if name.endswith(_SUFFIX) and not name.startswith("."):
-                        try:
-                            key = bytes.fromhex(name[: -len(_SUFFIX)])
-                            st = entry.stat(follow_symlinks=False)
-                        except (ValueError, FileNotFoundError):
-                            continue  # not one of ours, or removed by another process
-                        yield key, entry.path, st
-                    elif (
-                        remove_orphans
-                        and name.startswith(".")
-                        and name.endswith(".tmp")
-                        and _is_orphan(name, entry.path, now)
-                    ):
-                        _unlink_quietly(entry.path)
-
-
-#: preadv flag: fail with EAGAIN instead of waiting for the disk (Linux >= 4.14); None elsewhere.
-_RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
-#: What a read with _RWF_NOWAIT raises when it would wait, or when the file system or kernel
-#: does not support the flag: either way, the page takes the blocking path.
-_WOULD_WAIT = frozenset((errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL))
-#: The granularity at which the page cache holds file data (a nowait read stops only there).
-_MEMORY_PAGE = mmap.PAGESIZE
-
-
-def _pread_nowait(fd: int, size: int) -> bytes | None:
-    """`os.pread(fd, size, 0)` if the bytes are in the page cache, else None (never waits)."""
-    assert _RWF_NOWAIT is not None, "only called where RWF_NOWAIT exists"
-    buf = bytearray(size)
-    try:
-        got = os.preadv(fd, [buf], 0, _RWF_NOWAIT)
-    except OSError as exc:
-        if exc.errno in _WOULD_WAIT:
-            return None
-        raise
-    return bytes(buf[:got])
-
-
-def _read_payload(
-    probe: _Probe, view: memoryview, spare: bytearray, *, nowait: bool = False
-) -> bool | None:
-    """Read the payload into `view` and check its length and checksum. `spare` takes the byte
-    after the payload in the same preadv, so a file longer than its header says costs no
-    extra call; a short file hits end of file first. With `nowait` (RWF_NOWAIT), None as soon
-    as a read would wait for the disk (`view` then holds part of the payload): the caller
-    reads the page again without the flag."""
-    done, end = 0, probe.payload_bytes
-    flags = _RWF_NOWAIT if nowait and _RWF_NOWAIT is not None else 0
-    try:
-        spare_tried = False  # whether a read reached for the byte after the payload
-        while done < end:
-            n = os.preadv(probe.fd, [view[done:], spare], HEADER_BYTES + done, flags)
-            if n == 0:
-                return False  # shorter than its header says: truncated
-            # A blocking read stops short of the spare byte only at end of file. A nowait read
-            # also stops where the page cache runs out, which is always a memory-page
-            # boundary: stopping anywhere else is end of file too. Only a stop exactly on a
-            # boundary is ambiguous and costs the probe below (a file ends on one only when
-            # header + payload is a multiple of the page size).
-            off_boundary = (HEADER_BYTES + done + n) % _MEMORY_PAGE != 0
-            spare_tried = not flags or n > end - done or off_boundary
-            done += n
-        if done > end:
-            return False  # longer than its header says
-        if not spare_tried and os.preadv(probe.fd, [spare], HEADER_BYTES + end, flags):
-            return False  # longer than its header says
-    except OSError as exc:
-        if flags and exc.errno in _WOULD_WAIT:
-            return None
-        _log.warning("cannot read page payload: %s", exc)
-        return False
-    return page_checksum(view) == probe.checksum
-
-
-def _write_all(fd: int, header: bytes, view: memoryview) -> None:
-    """writev until everything is written (a regular file may take a short write)."""
-    pending = [v for v in (memoryview(header), view) if v.nbytes]
-    while pending:
-        n = os.writev(fd, pending)
-        if n == 0:
-            raise OSError(errno.EIO, "writev wrote nothing")
-        while n:
-            if n >= pending[0].nbytes:
-                n -= pending.pop(0).nbytes
-            else:
-                pending[0] = pending[0][n:]
-                n = 0
-
-
-def _fsync_dirs(directories: list[str]) -> None:
-    for directory in directories:
-        _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError as exc:
-        _log.warning("cannot open %s to fsync it: %s", directory, exc)
-        return
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        _log.warning("cannot fsync %s: %s", directory, exc)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass  # already gone: another process removed it
-    except OSError as exc:
-        _log.warning("cannot remove %s: %s", path, exc)
-
-
-def _is_orphan(name: str, path: str, now: float) -> bool:
-    """A temp file whose writer is gone: its pid no longer runs, or it is very old."""
-    try:
-        pid = int(name.split(".")[2])
-    except (IndexError, ValueError):
-        return False  # not a temp file of ours
-    try:
-        if now - os.stat(path).st_mtime > STALE_TEMP_S:
-            return True
-    except FileNotFoundError:
-        return False
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, owned by another user
-    return False
-
-
-def _probe_writable(root: Path) -> bool:
-    """Create and remove a file: permission bits lie for root and read-only mounts. Whether a
-    read with RWF_NOWAIT works on this file system (tried on the probe file, in the page
-    cache as it was just written)."""
-    probe = os.path.join(root, f".probe.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    except OSError as exc:
-        read_only = exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
-        reason = "read-only" if read_only else "unusable"
-        raise StorageDirectoryError(f"FileStorage directory {root} is {reason}: {exc}") from exc
-    try:
-        return _nowait_works(fd)
-    finally:
-        os.close(fd)
-        os.unlink(probe)
-
-
-def _nowait_works(fd: int) -> bool:
-    if _RWF_NOWAIT is None:
-        return False
-    try:
-        os.write(fd, b"\0")
-        os.preadv(fd, [bytearray(1)], 0, _RWF_NOWAIT)
-    except OSError as exc:  # EAGAIN: supported, the byte just is not cached
-        return exc.errno == errno.EAGAIN  # EOPNOTSUPP, EINVAL: not on this file system
-    return True
+    def _touch_batch(self, keys: Sequence[bytes], results: list[WriteResult]) -> None:
+        """After a batch_set, under the lock once and in batch order (so LRU order follows
+        the batch whatever thread wrote which page): touch the pages written or found present
+        that are still indexed."""
+        paths = [
+            self._page_path(key)
+            for key, result in zip(keys, results, strict=True)
+            if result is not WriteResult.FAILED
+        ]
+        with self._lock:
+            for path in paths:
+                if path in self._pages.entries:
+                    self._pages.entries.move_to_end(path)

@@ -37,14 +37,21 @@ class _Hasher(Protocol):
     def digest(self) -> bytes: ...
 
 
-def _field(value: bytes | str | None) -> bytes:
-    """Type tag + 8-byte length + data: None, b"" and "" all encode differently."""
+def _field(name: str, value: object) -> bytes:
+    """Type tag + 8-byte length + data: None, b"" and "" all encode differently. Anything but
+    None, str and bytes-like is refused (`bytes(3)` is three zero bytes and `bytes([1, 2])` is
+    b"\\x01\\x02": taking them would let an int or a list collide with bytes)."""
     if value is None:
         return b"\x00"
     if isinstance(value, str):
         data = value.encode("utf-8")
         return b"\x02" + struct.pack("<Q", len(data)) + data
-    return b"\x01" + struct.pack("<Q", len(value)) + bytes(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        data = bytes(value)
+        return b"\x01" + struct.pack("<Q", len(data)) + data
+    raise InvalidParameter(
+        f"{name} must be bytes, str or None, got {type(value).__name__} {value!r:.40}"
+    )
 
 
 class PageKeyer:
@@ -66,10 +73,11 @@ class PageKeyer:
     def __init__(
         self, *, page_size: int, namespace: bytes | str = b"", hash: HashName = "sha256"
     ) -> None:
-        if page_size < 1:
-            raise InvalidParameter(f"page_size must be >= 1, got {page_size}")
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+            raise InvalidParameter(f"page_size must be an integer >= 1, got {page_size!r}")
         if hash not in KEY_BYTES:
             raise InvalidParameter(f"hash must be one of {sorted(KEY_BYTES)}, got {hash!r}")
+        self._namespace_field = _field("namespace", namespace)  # checked before any state
         self.page_size = page_size
         self.namespace = namespace
         self.hash: HashName = hash
@@ -85,14 +93,15 @@ class PageKeyer:
     def seed(
         self, *, extra_key: bytes | str | None = None, cache_salt: bytes | str | None = None
     ) -> bytes:
-        """The chain's starting value for this namespace, adapter and salt (key_bytes long)."""
+        """The chain's starting value for this namespace, adapter and salt (key_bytes long).
+        `extra_key` and `cache_salt` must be bytes, str or None (InvalidParameter otherwise)."""
         material = (
             _DOMAIN
-            + _field(self.hash)
+            + _field("hash", self.hash)
             + struct.pack("<Q", self.page_size)
-            + _field(self.namespace)
-            + _field(extra_key)
-            + _field(cache_salt)
+            + self._namespace_field
+            + _field("extra_key", extra_key)
+            + _field("cache_salt", cache_salt)
         )
         return self._digest(material).digest()
 
@@ -110,6 +119,11 @@ class PageKeyer:
         and `extra_key`/`cache_salt` are ignored (the parent already folds them in). Token ids
         may be a list of ints, a numpy array or a CPU torch tensor, 1-D, int64 range. Pure.
         """
+        # Checked even when `parent` makes them unused: a bad value is a caller's bug either way.
+        _field("extra_key", extra_key)
+        _field("cache_salt", cache_salt)
+        if parent is not None and type(parent) is not bytes:
+            raise InvalidParameter(f"parent must be bytes, got {type(parent).__name__}")
         tokens = self._tokens(token_ids)
         num_pages = tokens.size // self.page_size
         if parent is not None and len(parent) != self.key_bytes:

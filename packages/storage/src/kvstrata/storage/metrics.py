@@ -56,6 +56,10 @@ class StorageCollector(Collector):
             "hits": ("kvstrata_storage_hit_pages", "batch_get pages found."),
             "misses": ("kvstrata_storage_missed_pages", "batch_get pages not found or unreadable."),
             "corrupt_pages": ("kvstrata_storage_corrupt_pages", "Pages that failed a check."),
+            "race_misses": (
+                "kvstrata_storage_race_missed_pages",
+                "Misses because another process removed or replaced a page while it was read.",
+            ),
             "evictions": ("kvstrata_storage_evicted_pages", "Pages evicted for capacity."),
             "write_failures": ("kvstrata_storage_failed_write_pages", "Pages refused or failed."),
         }
