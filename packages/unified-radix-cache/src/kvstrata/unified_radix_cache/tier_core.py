@@ -308,15 +308,23 @@ class TierCore(ABC):
         self._mamba.give_back(slot)
 
     def _alloc_device(self, num_tokens: int) -> torch.Tensor | None:
+        """Device KV slots, evicting when short: Full through the write policy
+        (`evict_device`), then every other token component (SWA, allocated in step) its own
+        shortfall. None when even that leaves no room."""
         allocator = self._device_full.allocator
-        short = num_tokens - self._device_full.free_size()
-        if short > 0:
-            self.evict_device(short)
-        swa = self._swa
-        if swa is not None and num_tokens > swa.free_size():
-            # SWA slots are allocated in step with the full ones: free SWA-only data too.
-            self.device_tree.evict(EvictRequest(targets={SWA: num_tokens - swa.free_size()}))
         alloc = getattr(allocator, "alloc", None)
-        assert alloc is not None, "the device tree's allocator must allocate (SlotAllocator)"
+        assert alloc is not None, "the device tree's allocator must allocate (SlotSource)"
         slots = alloc(num_tokens)
+        if not isinstance(slots, torch.Tensor):
+            short = num_tokens - self._device_full.free_size()
+            if short > 0:
+                self.evict_device(short)
+            rest = {
+                c.name: num_tokens - free
+                for c in self.device_tree.components[1:]
+                if c.unit == "tokens" and (free := c.free_size()) < num_tokens
+            }
+            if rest:
+                self.device_tree.evict(EvictRequest(targets=rest))
+            slots = alloc(num_tokens)
         return slots if isinstance(slots, torch.Tensor) else None

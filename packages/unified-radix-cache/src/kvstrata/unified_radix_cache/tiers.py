@@ -18,7 +18,6 @@ from kvstrata.hybrid_cache import LoadHandle, PrefetchPolicy, PrefetchTimeout
 from kvstrata.unified_radix_cache.errors import InvalidConfig
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.policies import POLICIES
-from kvstrata.unified_radix_cache.request import CacheRequest
 from kvstrata.unified_radix_cache.results import MatchResult
 
 HOST_TIER = "host"
@@ -91,17 +90,6 @@ class TieredMatch(NamedTuple):
     def prefix_len(self) -> int:
         """Tokens usable after a load-back: the device hit plus the host hit."""
         return self.device.prefix_len + self.host_hit_len
-
-
-class TieredRequest(NamedTuple):
-    """`HierarchicalCache.begin_request`: the running request (its lock and its
-    `kv_indices[:cached_len]` on the device) and how many of its cached tokens were already on
-    the device, came back from the host, and came from storage through the host."""
-
-    request: CacheRequest
-    device_hit_len: int
-    host_hit_len: int
-    storage_hit_len: int
 
 
 class LoadBack(NamedTuple):
