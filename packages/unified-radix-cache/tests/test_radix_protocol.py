@@ -14,9 +14,7 @@ from kvstrata.unified_radix_cache.errors import InvalidConfig
 P = 4
 
 
-def _serve(
-    cache: PrefixCache, tokens: list[int], *, state: bool = False
-) -> tuple[int, int, int]:
+def _serve(cache: PrefixCache, tokens: list[int], *, state: bool = False) -> tuple[int, int, int]:
     """One request the way an engine runs it (with its own Mamba state when `state`); returns
     the (device, host, storage) hit lengths."""
     req = cache.begin_request(RadixKey(tokens))
