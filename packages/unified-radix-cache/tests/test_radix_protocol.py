@@ -6,10 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstrata.hybrid_cache import PrefetchPolicy
+from kvstrata.storage import MemoryStorage
 from kvstrata.testkit.tiers import Hierarchy, make_hierarchy
 from kvstrata.testkit.trees import TREE_FAMILIES, make_tree
 from kvstrata.unified_radix_cache import DeviceCache, PrefixCache, RadixKey
 from kvstrata.unified_radix_cache.errors import InvalidConfig
+from kvstrata.unified_radix_cache.tiers import TierParams
 
 P = 4
 
@@ -130,4 +133,60 @@ def test_tiered_begin_request_hands_out_a_layer_handle(closing: list[Hierarchy])
     assert req.receipt is not None
     assert torch.equal(req.kv_indices, h.tree.prefix_slots(req.receipt.anchor))
     h.cache.abort_request(req)
+    h.cache.check_integrity()
+
+
+def test_host_writes_go_out_in_batches(closing: list[Hierarchy]) -> None:
+    """write_through queues each finished request's write (host slots and locks taken) and
+    submits `write_batch` of them together; a queue that waited that many requests goes too."""
+    h = make_hierarchy(
+        page_size=P, device_pages=64, host_pages=64, params=TierParams(write_batch=3)
+    )
+    closing.append(h)
+    for i in range(2):
+        _serve(h.cache, list(range(100 * i + 1, 100 * i + 2 * P + 2)))
+    assert h.cache.num_pending == 2 and h.cache.counters.written_tokens == 0
+    assert h.cache.counters.writes_submitted == 0
+    assert h.cache.controller.num_pending() == 0, "nothing submitted yet"
+    h.cache.check_integrity()  # queued writes hold their host slots and one host lock each
+    _serve(h.cache, list(range(201, 201 + 2 * P + 1)))  # the third: the batch goes
+    c = h.cache.counters
+    assert (c.write_batches, c.writes_submitted) == (1, 3)
+    h.cache.drain()
+    assert h.cache.counters.written_tokens == 6 * P and h.cache.num_pending == 0
+    # One write, then requests that write nothing (repeats: device hits). It waits three
+    # requests and goes out at the start of the fourth.
+    _serve(h.cache, list(range(301, 301 + 2 * P + 1)))
+    for _ in range(3):
+        _serve(h.cache, list(range(1, 2 * P + 1)))
+        assert (c.write_batches, c.writes_submitted) == (1, 3)
+    _serve(h.cache, list(range(1, 2 * P + 1)))
+    assert (c.write_batches, c.writes_submitted) == (2, 4)
+    h.cache.drain()
+    assert h.cache.counters.written_tokens == 8 * P
+    h.cache.check_integrity()
+
+
+def test_write_batch_must_be_positive() -> None:
+    with pytest.raises(InvalidConfig, match="write_batch"):
+        TierParams(write_batch=0)
+
+
+@pytest.mark.parametrize(
+    ("policy", "started"), [(PrefetchPolicy.WAIT_COMPLETE, 0), (PrefetchPolicy.BEST_EFFORT, 1)]
+)
+def test_a_waited_prefetch_of_nothing_is_not_started(
+    closing: list[Hierarchy], policy: PrefetchPolicy, started: int
+) -> None:
+    """When the request waits for its prefetch, the cache asks storage first: pages it does not
+    hold start no prefetch (no host slots taken, no worker round trip)."""
+    params = TierParams(prefetch_threshold=P, prefetch_policy=policy)
+    h = make_hierarchy(page_size=P, storage=MemoryStorage(capacity_bytes=1 << 24), params=params)
+    closing.append(h)
+    m = h.cache.match_prefix(RadixKey(list(range(1, 4 * P + 1))))
+    assert (m.prefetch_id is not None) == bool(started)
+    assert h.cache.counters.prefetches_started == started
+    assert h.cache.counters.prefetches_skipped == 1 - started
+    if m.prefetch_id is not None:
+        assert h.cache.finish_prefetch(m.prefetch_id) == 0
     h.cache.check_integrity()

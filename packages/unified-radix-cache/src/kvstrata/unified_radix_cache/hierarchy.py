@@ -60,6 +60,7 @@ from kvstrata.hybrid_cache import (
     AckStatus,
     OpKind,
     TierController,
+    WriteOp,
 )
 from kvstrata.pool_host import HostSlotAllocator
 from kvstrata.storage.keys import PageKeyer
@@ -218,6 +219,10 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         self._swa_page_bytes = 0 if swa is None else controller.group.page_bytes(SWA)
         self._backups = self.params.backup_to_storage and controller.storage is not None
         self._pending: dict[int, Pending] = {}
+        self._unsent: list[tuple[int, WriteOp]] = []
+        self._unsent_ids = 0
+        self._num_requests = 0
+        self._unsent_since = 0
         self._events: list[KVEvent] = []
         # Mamba / SWA + storage: page keys whose boundary state (Mamba) or SWA page (SWA) a
         # backup stored (oldest first, at most `params.known_stored_states`). The nodes that
@@ -309,6 +314,9 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         failed load leaves the shorter device hit)."""
         usable = len(key) - 1
         tree = self.device_tree
+        self._num_requests += 1
+        if self._unsent and self._num_requests - self._unsent_since > self.params.write_batch:
+            self._flush_writes()
         match = self.match_prefix(key, max_len=usable)
         device_len, host_len = match.device.prefix_len, match.prefix_len
         final = match.device
@@ -444,7 +452,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             node = heap.peek()
             if node is None:
                 break
-            op_id = self._write(key_of(tree, node), node)
+            op_id = self._write(key_of(tree, node), node, now=True)
             if op_id is not None:
                 began = time.perf_counter()
                 ack = self.controller.wait(op_id, self.params.transfer_timeout_s)
@@ -482,6 +490,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             OpKind.PREFETCH: PendingPrefetch,
             OpKind.LOAD: PendingLoad,
         }
+        self._flush_writes()
         began = time.perf_counter()
         while True:
             ids = [

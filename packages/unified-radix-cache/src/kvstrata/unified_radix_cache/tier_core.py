@@ -27,6 +27,7 @@ import torch
 from kvstrata.hybrid_cache import (
     Ack,
     TierController,
+    WriteOp,
 )
 from kvstrata.pool_host import HostSlotAllocator
 from kvstrata.storage.keys import PageKeyer
@@ -146,6 +147,14 @@ class TierCore(ABC):
     _swa_page_bytes: int
     _backups: bool
     _pending: dict[int, Pending]
+    # Writes queued for the next batch (tier_writes.py): temporary id (negative, also the key
+    # of their record in `_pending`) and the op to submit.
+    _unsent: list[tuple[int, WriteOp]]
+    _unsent_ids: int
+    # Requests begun so far, and how many had begun when the oldest queued write was queued
+    # (a queue that waited `write_batch` requests is sent even when short of a batch).
+    _num_requests: int
+    _unsent_since: int
     _events: list[KVEvent]
     _stored_states: OrderedDict[bytes, None]
     # Prefetches a poll committed before their finish_prefetch: op id -> tokens committed,
@@ -155,6 +164,10 @@ class TierCore(ABC):
     @abstractmethod
     def evict_device(self, num_tokens: int) -> int:
         """Free at least `num_tokens` device tokens (see `HierarchicalCache.evict_device`)."""
+
+    @abstractmethod
+    def _flush_writes(self) -> dict[int, int]:
+        """Submit the queued host writes (see `TierWrites._flush_writes`)."""
 
     @abstractmethod
     def _on_ack(self, ack: Ack) -> None:
