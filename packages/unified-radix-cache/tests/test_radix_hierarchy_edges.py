@@ -226,13 +226,13 @@ def test_a_request_counts_one_hit_per_node(closing: list[Hierarchy]) -> None:
     assert node is not None
     before = node.hit_count
     t = c.begin_request(query)
-    h.tree.abort_request(t.request)
+    h.tree.abort_request(t)
     assert node.hit_count - before == 1
     c.evict_device(3 * P)
     before = node.hit_count
     t = c.begin_request(query)
-    assert t.host_hit_len == 3 * P
-    h.tree.abort_request(t.request)
+    assert t.hit.host_len == 3 * P
+    h.tree.abort_request(t)
     assert node.hit_count - before == 1
     c.check_integrity()
 

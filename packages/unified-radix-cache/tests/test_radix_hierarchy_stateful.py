@@ -52,10 +52,9 @@ class TwoTierMachine(RuleBasedStateMachine):
         assert h is not None
         cache = h.cache
         tokens = torch.tensor(prefix + suffix, dtype=torch.int64)
-        began = cache.begin_request(RadixKey(tokens))
-        req = began.request
+        req = cache.begin_request(RadixKey(tokens))
         hit = req.cached_len
-        assert hit == began.device_hit_len + began.host_hit_len + began.storage_hit_len
+        assert hit == req.hit.total_len
         assert_prefix_kv(h.device_pool, cache.keyer, tokens, req.kv_indices[:hit], what="hit")
         need = len(tokens) - hit
         if need > h.allocator.available_size():

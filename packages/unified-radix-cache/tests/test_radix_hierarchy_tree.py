@@ -188,14 +188,14 @@ def test_begin_request_counts_a_query_once(closing: list[Hierarchy]) -> None:
     h.cache.evict_device(P)
     tree, counters = h.tree, h.cache.counters
     before = (tree.queried_tokens, tree.hit_tokens, tree.host_hit_tokens)
-    began = h.cache.begin_request(key)
-    assert (began.device_hit_len, began.host_hit_len) == (2 * P, P)
+    req = h.cache.begin_request(key)
+    assert (req.hit.device_len, req.hit.host_len) == (2 * P, P)
     assert tree.queried_tokens - before[0] == len(key)
     assert tree.hit_tokens - before[1] == 2 * P
     assert tree.host_hit_tokens - before[2] == P
     assert (counters.queried_tokens, counters.device_hit_tokens) == (len(key), 2 * P)
     assert counters.host_hit_tokens == P
-    h.tree.abort_request(began.request)
+    h.tree.abort_request(req)
     h.cache.check_integrity()
 
 

@@ -16,13 +16,14 @@ module holds what they share: the parameters of a build and the system they retu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from kvstrata.allocator import MambaSlotAllocator, PagedAllocator, SWAAllocator
 from kvstrata.hybrid_cache import HybridPool, LayerKind
 from kvstrata.pool import MambaPool, MHAKVPool, MLAKVPool, ReqToTokenPool, SWAKVPool
-from kvstrata.unified_radix_cache import UnifiedRadixCache
+from kvstrata.unified_radix_cache import DeviceCache, UnifiedRadixCache
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +67,14 @@ class MemorySystem:
     tree: UnifiedRadixCache
     #: The request-to-token table (`build` from a model spec sizes one; None otherwise).
     req_to_token: ReqToTokenPool | None = None
+
+    @cached_property
+    def cache(self) -> DeviceCache:
+        """The engine-facing prefix cache (`unified_radix_cache.PrefixCache`) of this system
+        without lower tiers: the tree and the allocators it frees into (one per system)."""
+        return DeviceCache(
+            self.tree, kv_allocator=self.kv_allocator, state_allocator=self.mamba_allocator
+        )
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:

@@ -1,22 +1,26 @@
 """`ReplayEngine`: drive requests through a memory system the way an inference engine does.
 
-Per request, one at a time (a scheduler with a batch of one):
+The engine holds one `unified_radix_cache.PrefixCache` (`system.cache`, or `tiers.cache` with a
+host tier and storage) and never asks which it is. Per request, one at a time (a scheduler
+with a batch of one):
 
-    1. match    tree.begin_request(key): match at most N-1 tokens (an engine computes at least
-                one token, so an N-token prompt reuses at most N-1 tokens, in whole pages) and
-    2. lock     lock the match, so the hit cannot be evicted under the request. With Mamba
-                layers the matched state is copied into the request's own slot.
-    3. alloc    KV slots for the N - hit new tokens, in whole pages; when the allocator is
-                short, evict the shortfall from the tree and retry (never the locked hit).
+    1. match    cache.begin_request(key): match at most N-1 tokens (an engine computes at least
+    2. lock     one token, so an N-token prompt reuses at most N-1 tokens, in whole pages) on
+                every tier, bring lower-tier hits to the device and lock the match, so the hit
+                cannot be evicted under the request. With Mamba layers the matched state is
+                copied into the request's own slot.
+    3. alloc    cache.alloc_tokens: KV slots for the N - hit new tokens, in whole pages,
+                evicting the shortfall (never the locked hit) when the allocator is short.
     4. forward  write K and V of the new tokens into every attention layer (and the Mamba
                 state at the last page boundary): real pool writes of deterministic values.
-    5. finish   free the slots of the last partial page (the tree keeps whole pages only),
-                then tree.cache_finished_request: insert the whole pages, free the duplicates
-                of what the tree already had, unlock.
+    5. finish   cache.release the slots of the last partial page (the cache keeps whole pages
+                only), then cache.cache_finished_request: insert the whole pages, free the
+                duplicates of what the cache already had, unlock (and, with tiers, apply the
+                write policy).
 
 A Mamba state can be cached only where a node ends, so the stand-in forward checkpoints the
 state at the last page boundary. A prompt of whole pages is prefilled as two chunks, with
-tree.cache_unfinished_request at N - P, so that a repeat of the prompt (which may reuse only
+cache.cache_unfinished_request at N - P, so that a repeat of the prompt (which may reuse only
 N - P tokens) finds a state there too. Sliding-window layers keep all their SWA slots until
 the tree evicts them: the replay prefills and does not decode, so nothing slides out of the
 window while a request runs.
@@ -39,16 +43,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
-import torch
-
 from kvstrata.build import MemorySystem
 from kvstrata.build.tiers import TieredSystem
 from kvstrata.replay.errors import CapacityTooSmall, ReplayOptionError
 from kvstrata.replay.forward import StandInForward
 from kvstrata.replay.request import ReplayRequest
 from kvstrata.replay.stats import ReplayStats, TierStats
-from kvstrata.unified_radix_cache import EvictRequest, RadixKey
-from kvstrata.unified_radix_cache.paths import node_at
+from kvstrata.unified_radix_cache import PrefixCache, RadixKey, TierCounters
 
 #: What `run` calls every `progress_every` requests and at the end: requests done so far.
 ProgressCallback = Callable[[int], None]
@@ -105,12 +106,13 @@ class ReplayEngine:
             raise ReplayOptionError("the tiers were built over another memory system")
         self.system = system
         self.tiers = tiers
+        # The one object the replay drives, whatever tiers exist (unified_radix_cache.protocol).
+        self.cache: PrefixCache = (tiers or system).cache
         self.forward = StandInForward(system)
         if verify:
             self.forward.check_exact()
         self.verify = verify
         self._page_size = system.page_size
-        self._full = system.tree.component("full")
         self._has_mamba = bool(system.mamba_layer_ids)
         self.reset_counters()
 
@@ -130,8 +132,8 @@ class ReplayEngine:
         self.device_hit_tokens = 0
         self.host_hit_tokens = 0
         self.storage_hit_tokens = 0
-        if self.tiers is not None:
-            self._tier_base = replace(self.tiers.cache.counters)
+        counters = self.cache.transfer_counters()
+        self._tier_base: TierCounters | None = None if counters is None else replace(counters)
 
     def stats(self) -> ReplayStats:
         """A snapshot of the counters. O(1); mutates nothing."""
@@ -147,9 +149,9 @@ class ReplayEngine:
         )
 
     def _tier_stats(self) -> TierStats | None:
-        if self.tiers is None:
+        now, base = self.cache.transfer_counters(), self._tier_base
+        if now is None or base is None:
             return None
-        now, base = self.tiers.cache.counters, self._tier_base
         return TierStats(
             device_hit_tokens=self.device_hit_tokens,
             host_hit_tokens=self.host_hit_tokens,
@@ -215,66 +217,66 @@ class ReplayEngine:
         what it had minus what was evicted. With `verify`, raises KVMismatch when a hit reads
         back other KV than was written for its tokens.
         """
-        tree = self.system.tree
+        cache = self.cache
         page = self._page_size
         tokens = request.token_ids
         n = int(tokens.size)
         stored = n - n % page  # the tree keeps whole pages only
         usable = (n - 1) // page * page  # the longest hit a repeat of this prompt may use
-        evicted_before = self._full.evicted_total
+        evicted_before = cache.evicted_tokens
 
         start = time.perf_counter()
-        if self.tiers is not None:
-            began = self.tiers.cache.begin_request(RadixKey(tokens))
-            req = began.request
-            self.device_hit_tokens += began.device_hit_len
-            self.host_hit_tokens += began.host_hit_len
-            self.storage_hit_tokens += began.storage_hit_len
-        else:
-            req = tree.begin_request(RadixKey(tokens), copy_state=self._has_mamba)
+        req = cache.begin_request(RadixKey(tokens))
+        self.device_hit_tokens += req.hit.device_len
+        self.host_hit_tokens += req.hit.host_len
+        self.storage_hit_tokens += req.hit.storage_len
         hit = req.cached_len  # <= usable <= stored
         new = n - hit
-        kv: torch.Tensor | None = None
-        try:
-            kv = self._alloc_kv(-(-new // page) * page)
-            if self._has_mamba and req.state_slot is None:
-                req.state_slot = self._alloc_state_slot()
-        except CapacityTooSmall:
-            if kv is not None:
-                self.system.kv_allocator.free(kv)
-            tree.abort_request(req)
-            raise
+        need = -(-new // page) * page
+        if self.system.kv_allocator.available_size() < need:
+            self.evict_calls += 1  # the allocation below evicts first
+        kv = cache.alloc_tokens(need)
+        if kv is None:
+            cache.abort_request(req)
+            raise self._too_small(self.system.capacity_tokens, need)
+        if self._has_mamba and req.state_slot is None:
+            self._count_state_eviction()
+            req.state_slot = cache.alloc_state()
+            if req.state_slot is None:
+                cache.release(kv)
+                cache.abort_request(req)
+                mamba = self.system.mamba_allocator
+                raise self._too_small(0 if mamba is None else mamba.size, 1)
         start = self._lap(start, forward=False)
 
         if self.verify:
+            # Every loaded layer has arrived (the stand-in forward reads them all at once).
+            load = req.hit.load
+            if load is not None:
+                for layer_id in self.system.attention_layer_ids:
+                    load.wait_layer(layer_id)
             self.forward.verify_hit(
                 tokens, hit, req.kv_indices, req.state_slot, request_index=self.requests
             )
         self.forward.write_kv(tokens, hit, kv[:new])
         start = self._lap(start, forward=True)
 
-        # The tree keeps whole pages: the last partial page (and the padding after it) is freed
-        # now; the rest is handed over below.
+        # The tree keeps whole pages: the last partial page (and the padding after it) is given
+        # back now; the rest is handed over below.
         tail = kv[stored - hit :]
         if tail.numel():
-            tree.free_slots("full", tail)
+            cache.release(tail)
         if req.state_slot is not None and hit < usable < stored:
             # A prompt of whole pages: its repeat may reuse only `usable` = n - page tokens, and
             # a Mamba match must end where a state was cached. So the prefill runs as two chunks
-            # and the tree keeps a copy of the state at the chunk boundary as well.
+            # and the cache keeps a copy of the state at the chunk boundary as well (its write
+            # policy sees the chunk too, so that state can reach the host).
             start = self._lap(start, forward=False)
             self.forward.write_state(tokens, usable, req.state_slot)
             start = self._lap(start, forward=True)
-            self._ensure_state_slot()
             req.extend(kv[: usable - hit])
-            tree.cache_unfinished_request(req)
-            if self.tiers is not None:
-                # The write policy sees the chunk too, so the state at its boundary can reach
-                # the host (a repeat's host hit ends there).
-                chunk = req.key[:usable]
-                node = node_at(tree, chunk)
-                if node is not None:
-                    self.tiers.cache.inserted(chunk, node)
+            self._count_state_eviction()
+            cache.cache_unfinished_request(req)
             start = self._lap(start, forward=False)
             self.forward.write_state(tokens, stored, req.state_slot)
             start = self._lap(start, forward=True)
@@ -286,13 +288,10 @@ class ReplayEngine:
                 self.forward.write_state(tokens, stored, req.state_slot)
                 start = self._lap(start, forward=True)
             req.extend(kv[: stored - hit])
-        if self.tiers is not None:
-            self.tiers.cache.cache_finished_request(req)
-        else:
-            tree.cache_finished_request(req)
+        cache.cache_finished_request(req)
         self._lap(start, forward=False)
 
-        evicted = self._full.evicted_total - evicted_before
+        evicted = cache.evicted_tokens - evicted_before
         self.requests += 1
         self.prompt_tokens += n
         self.hit_tokens += hit
@@ -300,6 +299,17 @@ class ReplayEngine:
         self.evicted_tokens += evicted
         return StepResult(
             prompt_tokens=n, hit_tokens=hit, computed_tokens=new, evicted_tokens=evicted
+        )
+
+    def _count_state_eviction(self) -> None:
+        """Count the eviction the cache makes when the Mamba state pool is out."""
+        mamba = self.system.mamba_allocator
+        if mamba is not None and mamba.available_size() < 1:
+            self.evict_calls += 1
+
+    def _too_small(self, capacity: int, needed: int) -> CapacityTooSmall:
+        return CapacityTooSmall(
+            capacity_tokens=capacity, needed_tokens=needed, request_index=self.requests
         )
 
     def _lap(self, start: float, *, forward: bool) -> float:
@@ -310,76 +320,3 @@ class ReplayEngine:
         else:
             self.cache_seconds += now - start
         return now
-
-    # ------------------------------------------------------------------------------------------
-    # Allocation with eviction
-    # ------------------------------------------------------------------------------------------
-    def _alloc_kv(self, need: int) -> torch.Tensor:
-        allocator = self.system.kv_allocator
-        slots = allocator.alloc(need)
-        if slots is not None:
-            return slots
-        swa = self.system.swa_allocator
-        if swa is not None and self.tiers is not None:
-            # Device eviction frees full and SWA slots together, so the SWA shortfall is
-            # known only after it: full first (through the write policy, so write_back copies
-            # a leaf with its live window before it goes), then SWA alone.
-            self._evict({"full": max(0, need - swa.full_available_size())})
-            short = need - swa.swa_available_size()
-            if short > 0:
-                self._evict({"swa": short})
-        else:
-            if swa is not None:
-                targets = {
-                    "full": max(0, need - swa.full_available_size()),
-                    "swa": max(0, need - swa.swa_available_size()),
-                }
-            else:
-                targets = {"full": need - allocator.available_size()}
-            self._evict(targets)
-        slots = allocator.alloc(need)
-        if slots is None:
-            raise CapacityTooSmall(
-                capacity_tokens=self.system.capacity_tokens,
-                needed_tokens=need,
-                request_index=self.requests,
-            )
-        return slots
-
-    def _ensure_state_slot(self) -> None:
-        """Make one state slot free (for the tree's copy at a chunk boundary), evicting another
-        cached state if needed; the request's own slot and its locked match are never taken."""
-        mamba = self.system.mamba_allocator
-        assert mamba is not None, "Mamba layers without a Mamba allocator"
-        if mamba.available_size() < 1:
-            self._evict({"mamba": 1})
-
-    def _alloc_state_slot(self) -> torch.Tensor:
-        mamba = self.system.mamba_allocator
-        assert mamba is not None, "Mamba layers without a Mamba allocator"
-        slot = mamba.alloc(1)
-        if slot is None:
-            self._evict({"mamba": 1})
-            slot = mamba.alloc(1)
-        if slot is None:
-            raise CapacityTooSmall(
-                capacity_tokens=mamba.size, needed_tokens=1, request_index=self.requests
-            )
-        return slot
-
-    def _evict(self, targets: dict[str, int]) -> None:
-        # Evicted tokens are read off FullComponent.evicted_total in step(): it also counts
-        # the evictions the tree makes on its own (a Mamba copy-on-write making room).
-        if self.tiers is not None:
-            # Full pages go through the write policy (which decides what the eviction backs
-            # up first); Mamba states and SWA slots are dropped by the tree, which keeps a
-            # node that has a host copy (its state or window is tombstoned on the device).
-            full = targets.get("full", 0)
-            if full > 0:
-                self.tiers.cache.evict_device(full)
-            rest = {name: n for name, n in targets.items() if name != "full" and n > 0}
-            if rest:
-                self.system.tree.evict(EvictRequest(targets=rest))
-        else:
-            self.system.tree.evict(EvictRequest(targets=targets))
-        self.evict_calls += 1

@@ -356,10 +356,9 @@ def serve_mamba(h: MambaHierarchy, tokens: list[int], *, check: bool = True) -> 
     hit length (device + host + storage)."""
     cache = h.cache
     ids = torch.tensor(tokens, dtype=torch.int64)
-    began = cache.begin_request(RadixKey(ids))
-    req = began.request
+    req = cache.begin_request(RadixKey(ids))
     hit = req.cached_len
-    assert hit == began.device_hit_len + began.host_hit_len + began.storage_hit_len
+    assert hit == req.hit.total_len
     assert_prefix_kv(h.device_pool, cache.keyer, ids, req.kv_indices[:hit], what="hit KV")
     if hit:
         assert req.state_slot is not None, "a hit always comes with the request's state copy"
@@ -452,10 +451,9 @@ def serve_swa(h: SWAHierarchy, tokens: list[int], *, check: bool = True) -> int:
     transfer. Returns the hit length (device + host + storage)."""
     cache = h.cache
     ids = torch.tensor(tokens, dtype=torch.int64)
-    began = cache.begin_request(RadixKey(ids))
-    req = began.request
+    req = cache.begin_request(RadixKey(ids))
     hit = req.cached_len
-    assert hit == began.device_hit_len + began.host_hit_len + began.storage_hit_len
+    assert hit == req.hit.total_len
     hit_slots = req.kv_indices[:hit]
     assert_prefix_kv(h.full_pool, cache.keyer, ids, hit_slots, what="hit full KV")
     lo = max(hit - h.window, 0)

@@ -6,6 +6,7 @@ from kvstrata.unified_radix_cache.components.base import ComponentInsert, SlotSi
 from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.components.mamba import MambaComponent, MambaInsert
 from kvstrata.unified_radix_cache.components.swa import SWAComponent, SWAInsert
+from kvstrata.unified_radix_cache.device_cache import DeviceCache, SlotSource
 from kvstrata.unified_radix_cache.events import (
     EVENT_FORMAT_VERSION,
     AllBlocksCleared,
@@ -21,6 +22,7 @@ from kvstrata.unified_radix_cache.key import Namespace, RadixKey
 from kvstrata.unified_radix_cache.metrics import RadixCacheCollector
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.policies import POLICIES
+from kvstrata.unified_radix_cache.protocol import LayerWait, PrefixCache, PrefixHit
 from kvstrata.unified_radix_cache.request import CacheRequest
 from kvstrata.unified_radix_cache.results import (
     EvictRequest,
@@ -34,7 +36,6 @@ from kvstrata.unified_radix_cache.tiers import (
     LoadBack,
     TierCounters,
     TieredMatch,
-    TieredRequest,
     TierLoad,
     TierParams,
     WritePolicy,
@@ -42,8 +43,12 @@ from kvstrata.unified_radix_cache.tiers import (
 from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 __all__ = [
+    "PrefixCache",
+    "PrefixHit",
+    "LayerWait",
+    "DeviceCache",
+    "SlotSource",
     "WritePolicy",
-    "TieredRequest",
     "TieredMatch",
     "TierParams",
     "TierCounters",

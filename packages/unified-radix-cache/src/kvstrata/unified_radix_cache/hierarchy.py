@@ -60,6 +60,7 @@ from kvstrata.hybrid_cache import (
     AckStatus,
     OpKind,
     TierController,
+    WriteOp,
 )
 from kvstrata.pool_host import HostSlotAllocator
 from kvstrata.storage.keys import PageKeyer
@@ -72,7 +73,8 @@ from kvstrata.unified_radix_cache.events import KVEvent
 from kvstrata.unified_radix_cache.host_tier import HostTier
 from kvstrata.unified_radix_cache.key import RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
-from kvstrata.unified_radix_cache.paths import key_of, node_at
+from kvstrata.unified_radix_cache.paths import key_of
+from kvstrata.unified_radix_cache.protocol import PrefixHit
 from kvstrata.unified_radix_cache.request import CacheRequest
 from kvstrata.unified_radix_cache.results import (
     EvictRequest,
@@ -96,7 +98,7 @@ from kvstrata.unified_radix_cache.tier_writes import TierWrites
 from kvstrata.unified_radix_cache.tiers import (
     TierCounters,
     TieredMatch,
-    TieredRequest,
+    TierLoad,
     TierParams,
     WritePolicy,
 )
@@ -217,6 +219,10 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         self._swa_page_bytes = 0 if swa is None else controller.group.page_bytes(SWA)
         self._backups = self.params.backup_to_storage and controller.storage is not None
         self._pending: dict[int, Pending] = {}
+        self._unsent: list[tuple[int, WriteOp]] = []
+        self._unsent_ids = 0
+        self._num_requests = 0
+        self._unsent_since = 0
         self._events: list[KVEvent] = []
         # Mamba / SWA + storage: page keys whose boundary state (Mamba) or SWA page (SWA) a
         # backup stored (oldest first, at most `params.known_stored_states`). The nodes that
@@ -289,57 +295,117 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             self._write(key[: device.prefix_len], node)
         return None
 
-    def begin_request(self, key: RadixKey, *, priority: int = 0) -> TieredRequest:
-        """Start a request the way an engine without a layer-wise forward does: match at most
-        `len(key) - 1` tokens on both tiers (counted once), take a prefetch from storage when
-        one started (by the prefetch policy), load the host part back to the device and wait
-        for all of it, then lock the device prefix. Returns the request and where its hit came
-        from. A failed or refused load leaves the shorter device hit."""
+    # ------------------------------------------------------------------------------------------
+    # The engine-facing protocol (protocol.PrefixCache)
+    # ------------------------------------------------------------------------------------------
+    @property
+    def evicted_tokens(self) -> int:
+        """Full-attention tokens evicted from the device so far (off-device host copies and
+        nodes that left the tree alike)."""
+        return self._device_full.evicted_total
+
+    def begin_request(self, key: RadixKey, *, priority: int = 0) -> CacheRequest:
+        """Start a request (`PrefixCache.begin_request`): match at most `len(key) - 1` tokens
+        on both tiers in one counted walk, take a prefetch from storage when one started (by
+        the prefetch policy), load the host part back to the device, then lock the device
+        prefix. `req.hit` says where the hit came from; its `load` is the load's per-layer
+        handle (committed before this returns: every layer has arrived). The key is walked
+        again only when a prefetch added host nodes or a load could not be made (a refused or
+        failed load leaves the shorter device hit)."""
         usable = len(key) - 1
         tree = self.device_tree
+        self._num_requests += 1
+        if self._unsent and self._num_requests - self._unsent_since > self.params.write_batch:
+            self._flush_writes()
         match = self.match_prefix(key, max_len=usable)
         device_len, host_len = match.device.prefix_len, match.prefix_len
-        host_node = match.device.last_host_node
+        final = match.device
         if match.prefetch_id is not None:
             self.finish_prefetch(match.prefetch_id)
-            host_node = self.tier.match_key(key, usable).last_host_node
+            final = self.tier.match_key(key, usable)
+        host_node = final.last_host_node
+        load: TierLoad | None = None
         if host_node is not None:
-            self.load_back(host_node)
-        final = self.tier.match_key(key, usable)
+            load = self.start_load_back(host_node)
+            back = load.wait(self.params.transfer_timeout_s)
+            if back is None:
+                self.counters.transfer_timeouts += 1
+            if back is not None and back.loaded_len:
+                final = back.match
+            else:
+                final = self.tier.match_key(key, usable)
         state_slot = None
-        if self._mamba is not None:
-            # The request advances its own copy of the boundary state (copy-on-write).
-            state_slot = self._mamba.finalize_match(final.last_node, True)
-        req = CacheRequest(
+        last = final.last_node
+        for component in tree.components[1:]:
+            # A state component gives the request its own copy of the boundary state.
+            copied = component.finalize_match(last, True)
+            if copied is not None:
+                state_slot = copied
+        hit = final.prefix_len
+        from_device = min(hit, device_len)
+        from_host = max(min(hit, host_len) - from_device, 0)
+        return CacheRequest(
             key=key,
             kv_indices=final.device_indices,
-            cached_len=final.prefix_len,
-            hit_len=final.prefix_len,
-            receipt=tree.lock(final.last_node),
+            cached_len=hit,
+            hit_len=hit,
+            receipt=tree.lock(last),
             state_slot=state_slot,
             priority=priority,
             page_size=self.page_size,
+            hit=PrefixHit(
+                device_len=from_device,
+                host_len=from_host,
+                storage_len=hit - from_device - from_host,
+                load=load,
+            ),
         )
-        hit = req.cached_len
-        from_device = min(hit, device_len)
-        from_host = max(min(hit, host_len) - from_device, 0)
-        return TieredRequest(
-            request=req,
-            device_hit_len=from_device,
-            host_hit_len=from_host,
-            storage_hit_len=hit - from_device - from_host,
-        )
+
+    def alloc_tokens(self, num_tokens: int) -> torch.Tensor | None:
+        """Allocate-or-evict (`PrefixCache.alloc_tokens`): Full pages go through the write
+        policy (`evict_device`: write_back copies a leaf before it goes), then the other token
+        components (SWA) drop their own shortfall."""
+        return self._alloc_device(num_tokens)
+
+    def alloc_state(self) -> torch.Tensor | None:
+        """One device state slot, evicting an unlocked cached state when the pool is out."""
+        if self._mamba is None:
+            raise InvalidConfig("alloc_state on a tree without a state component")
+        return self._alloc_device_state()
+
+    def cache_unfinished_request(self, req: CacheRequest) -> None:
+        """The device tree's `cache_unfinished_request` (one state slot made free first for
+        the chunk's state copy), then the write policy for the chunk: under write_through the
+        part the host lacks is queued for a host write, so the state at the chunk's end can
+        reach the host too."""
+        mamba = self._mamba
+        if mamba is not None and req.state_slot is not None and mamba.free_size() < 1:
+            self.device_tree.evict(EvictRequest(targets={mamba.name: 1}))
+        node = self.device_tree.cache_unfinished_request(req)
+        self._written(req.key[: req.cached_len], node)
 
     def cache_finished_request(self, req: CacheRequest) -> None:
         """`device_tree.cache_finished_request(req)`, then the write policy for what the tree
         now holds of the request (write_through: queue the host write)."""
         num_kv = len(req.kv_indices)
         key = req.key[: num_kv - num_kv % self.page_size]
-        self.device_tree.cache_finished_request(req)
-        if self.params.write_policy is WritePolicy.WRITE_THROUGH and len(key):
-            node = node_at(self.device_tree, key)
-            if node is not None:
-                self._write(key, node)
+        node = self.device_tree.cache_finished_request(req)
+        self._written(key, node)
+
+    def abort_request(self, req: CacheRequest) -> None:
+        """Drop the request without inserting: free its own slots and state, unlock."""
+        self.device_tree.abort_request(req)
+
+    def release(self, slots: torch.Tensor) -> None:
+        """Give back KV slots from `alloc_tokens` that no request holds."""
+        self._device_full.give_back(slots)
+
+    def transfer_counters(self) -> TierCounters:
+        return self.counters
+
+    def _written(self, key: RadixKey, node: TreeNode) -> None:
+        if self.params.write_policy is WritePolicy.WRITE_THROUGH and len(key) and node.parent:
+            self._write(key, node)
 
     def insert(
         self,
@@ -356,15 +422,8 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         `result.duplicates(value)`, and its state slot unless "mamba" is in
         `result.adopted_states`)."""
         result = self.device_tree.insert(key, value, cached_len=cached_len, inputs=inputs)
-        self.inserted(key[: result.prefix_len + result.inserted_len], result.last_node)
+        self._written(key[: result.prefix_len + result.inserted_len], result.last_node)
         return result
-
-    def inserted(self, key: RadixKey, node: TreeNode) -> None:
-        """Tell the cache the device tree now holds `key` ending at device node `node` (for
-        callers that insert through the device tree's request life cycle). Under write_through
-        the part not on the host is queued for a host write; otherwise nothing happens."""
-        if self.params.write_policy is WritePolicy.WRITE_THROUGH and len(key):
-            self._write(key, node)
 
     def evict_device(self, num_tokens: int) -> int:
         """Free at least `num_tokens` device tokens (or all that is evictable), from the device
@@ -393,7 +452,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             node = heap.peek()
             if node is None:
                 break
-            op_id = self._write(key_of(tree, node), node)
+            op_id = self._write(key_of(tree, node), node, now=True)
             if op_id is not None:
                 began = time.perf_counter()
                 ack = self.controller.wait(op_id, self.params.transfer_timeout_s)
@@ -431,6 +490,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             OpKind.PREFETCH: PendingPrefetch,
             OpKind.LOAD: PendingLoad,
         }
+        self._flush_writes()
         began = time.perf_counter()
         while True:
             ids = [

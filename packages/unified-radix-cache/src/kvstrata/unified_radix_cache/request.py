@@ -27,7 +27,11 @@ from kvstrata.unified_radix_cache.components.mamba import MambaComponent, MambaI
 from kvstrata.unified_radix_cache.components.swa import SWAInsert
 from kvstrata.unified_radix_cache.errors import InvalidInsert, RequestFinished
 from kvstrata.unified_radix_cache.key import RadixKey
+from kvstrata.unified_radix_cache.protocol import PrefixHit
 from kvstrata.unified_radix_cache.results import LockReceipt
+
+#: The hit of a request built by hand (not through `begin_request`): nothing matched.
+NO_HIT = PrefixHit(0)
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.node import TreeNode
@@ -42,6 +46,8 @@ class CacheRequest:
     finishes); the rest are the request's own. `state_slot`: the request's own Mamba state slot
     (its copy-on-write copy, or one the engine allocated), None without Mamba.
     `swa_evicted_len`: the engine has freed the SWA slots of tokens before this position.
+    `hit`: where the `hit_len` tokens matched at `begin_request` came from (device, host,
+    storage) and the per-layer handle of their load.
     """
 
     key: RadixKey
@@ -54,6 +60,7 @@ class CacheRequest:
     priority: int = 0
     page_size: int = 1
     finished: bool = False
+    hit: PrefixHit = NO_HIT
 
     def extend(self, slots: torch.Tensor, token_ids: list[int] | None = None) -> None:
         """Append the slots of the next tokens' KV; with `token_ids`, also append those tokens
@@ -99,6 +106,7 @@ def begin_request(
         state_slot=match.states.get("mamba"),
         priority=priority,
         page_size=tree.page_size,
+        hit=PrefixHit(match.prefix_len),
     )
 
 
@@ -148,7 +156,7 @@ def _insert(
     return held, "mamba" in result.adopted_states, last
 
 
-def cache_unfinished_request(tree: UnifiedRadixCache, req: CacheRequest) -> None:
+def cache_unfinished_request(tree: UnifiedRadixCache, req: CacheRequest) -> TreeNode:
     if req.finished:
         raise RequestFinished("the request was already finished")
     state_copy: torch.Tensor | None = None
@@ -171,17 +179,19 @@ def cache_unfinished_request(tree: UnifiedRadixCache, req: CacheRequest) -> None
     own = req.kv_indices[held:]
     req.kv_indices = torch.cat([tree.prefix_slots(anchor), own.to(tree.full_device)])
     req.cached_len = held
+    return anchor
 
 
-def cache_finished_request(tree: UnifiedRadixCache, req: CacheRequest) -> None:
+def cache_finished_request(tree: UnifiedRadixCache, req: CacheRequest) -> TreeNode:
     state = None if req.state_slot is None else int(req.state_slot.reshape(-1)[0].item())
-    held, adopted, _ = _insert(tree, req, state)
+    held, adopted, last = _insert(tree, req, state)
     tail = req.kv_indices[held:]
     if len(tail):
         tree.free_slots("full", tail)
     if req.state_slot is not None and not adopted:
         tree.free_slots("mamba", req.state_slot)
     _close(tree, req)
+    return last
 
 
 def abort_request(tree: UnifiedRadixCache, req: CacheRequest) -> None:

@@ -27,6 +27,7 @@ import torch
 from kvstrata.hybrid_cache import (
     Ack,
     TierController,
+    WriteOp,
 )
 from kvstrata.pool_host import HostSlotAllocator
 from kvstrata.storage.keys import PageKeyer
@@ -146,6 +147,14 @@ class TierCore(ABC):
     _swa_page_bytes: int
     _backups: bool
     _pending: dict[int, Pending]
+    # Writes queued for the next batch (tier_writes.py): temporary id (negative, also the key
+    # of their record in `_pending`) and the op to submit.
+    _unsent: list[tuple[int, WriteOp]]
+    _unsent_ids: int
+    # Requests begun so far, and how many had begun when the oldest queued write was queued
+    # (a queue that waited `write_batch` requests is sent even when short of a batch).
+    _num_requests: int
+    _unsent_since: int
     _events: list[KVEvent]
     _stored_states: OrderedDict[bytes, None]
     # Prefetches a poll committed before their finish_prefetch: op id -> tokens committed,
@@ -155,6 +164,10 @@ class TierCore(ABC):
     @abstractmethod
     def evict_device(self, num_tokens: int) -> int:
         """Free at least `num_tokens` device tokens (see `HierarchicalCache.evict_device`)."""
+
+    @abstractmethod
+    def _flush_writes(self) -> dict[int, int]:
+        """Submit the queued host writes (see `TierWrites._flush_writes`)."""
 
     @abstractmethod
     def _on_ack(self, ack: Ack) -> None:
@@ -308,15 +321,23 @@ class TierCore(ABC):
         self._mamba.give_back(slot)
 
     def _alloc_device(self, num_tokens: int) -> torch.Tensor | None:
+        """Device KV slots, evicting when short: Full through the write policy
+        (`evict_device`), then every other token component (SWA, allocated in step) its own
+        shortfall. None when even that leaves no room."""
         allocator = self._device_full.allocator
-        short = num_tokens - self._device_full.free_size()
-        if short > 0:
-            self.evict_device(short)
-        swa = self._swa
-        if swa is not None and num_tokens > swa.free_size():
-            # SWA slots are allocated in step with the full ones: free SWA-only data too.
-            self.device_tree.evict(EvictRequest(targets={SWA: num_tokens - swa.free_size()}))
         alloc = getattr(allocator, "alloc", None)
-        assert alloc is not None, "the device tree's allocator must allocate (SlotAllocator)"
+        assert alloc is not None, "the device tree's allocator must allocate (SlotSource)"
         slots = alloc(num_tokens)
+        if not isinstance(slots, torch.Tensor):
+            short = num_tokens - self._device_full.free_size()
+            if short > 0:
+                self.evict_device(short)
+            rest = {
+                c.name: num_tokens - free
+                for c in self.device_tree.components[1:]
+                if c.unit == "tokens" and (free := c.free_size()) < num_tokens
+            }
+            if rest:
+                self.device_tree.evict(EvictRequest(targets=rest))
+            slots = alloc(num_tokens)
         return slots if isinstance(slots, torch.Tensor) else None

@@ -100,6 +100,7 @@ class TierLoads(TierCore):
                     device=self._swa.allocator.translate(slots[swa_from - start :]),
                     host=self._host_swa_slots(node, end, swa_from),
                 )
+            self._flush_writes()  # the worker wakes for the load: the queued writes ride along
             try:
                 handle = self.controller.submit_load(LoadOp(moves=moves))
             except QueueFull:

@@ -115,6 +115,11 @@ class TierPrefetches(TierCore):
                 return None
             keys = keys[:num_pages]
             swa_first = max(0, num_pages - self._window_pages())
+        num_pages = self._stored_pages(keys, num_pages)
+        if num_pages == 0:
+            self.counters.prefetches_skipped += 1
+            return None
+        keys = keys[:num_pages]
         receipt = self.tier.lock(anchor)
         slots = self._alloc_host(num_pages * page)
         host_state = None
@@ -150,6 +155,7 @@ class TierPrefetches(TierCore):
             policy=self.params.prefetch_policy,
             timeout=self.params.prefetch_timeout,
         )
+        self._flush_writes()  # the controller wakes for the prefetch: send the writes along
         try:
             op_id = self.controller.submit_prefetch(op)
         except QueueFull:
@@ -176,6 +182,22 @@ class TierPrefetches(TierCore):
             swa_keys=tuple(keys[swa_first:]) if host_swa is not None else (),
         )
         return op_id
+
+    def _stored_pages(self, keys: list[bytes], num_pages: int) -> int:
+        """How many of the `num_pages` pages to prefetch. When the request will wait for the
+        prefetch anyway (wait_complete, timeout), ask storage here how many leading full pages
+        it holds: none, and no prefetch starts (no host slots taken, no worker round trip for
+        nothing); fewer, and a Full-only tree fetches only those (the worker would stop at the
+        first missing page). The worker checks again (and the checksums). Under best_effort the
+        request does not wait, so neither does this: the worker asks."""
+        storage = self.controller.storage
+        if storage is None or self.params.prefetch_policy is PrefetchPolicy.BEST_EFFORT:
+            return num_pages
+        group = self.controller.group
+        found = storage.batch_exists([group.storage_key(FULL, k) for k in keys[:num_pages]])
+        if found == 0 or (self._mamba is None and self._swa is None):
+            return found
+        return num_pages
 
     def _swa_prefetch_pages(self, anchor: TreeNode, start: int, keys: list[bytes]) -> int:
         """SWA: the longest run of `keys` (the pages after the host prefix ending at `anchor`,

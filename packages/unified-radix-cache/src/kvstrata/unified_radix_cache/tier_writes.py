@@ -44,10 +44,13 @@ from kvstrata.unified_radix_cache.tiers import (
 class TierWrites(TierCore):
     """The write and backup transfers of a `HierarchicalCache`."""
 
-    def _write(self, key: RadixKey, node: TreeNode) -> int | None:
+    def _write(self, key: RadixKey, node: TreeNode, *, now: bool = False) -> int | None:
         """Queue a host write of the part of `key` (ending at device node `node`) the host
-        lacks. Returns the op id, or None when nothing is queued (already there, host full,
-        queue full)."""
+        lacks: host slots and both locks are taken now, the op is submitted with the next
+        batch (`params.write_batch` queued writes, or before anything waits on a transfer or
+        submits another kind). With `now`, submit at once and return the controller's op id
+        (None when nothing was queued: already there, host full, queue full); otherwise the
+        id is a temporary negative one."""
         anchor = self.tier.host_prefix(node)
         start, end = prefix_len(anchor), len(key)
         mamba = self._mamba
@@ -84,19 +87,7 @@ class TierWrites(TierCore):
             moves[MAMBA] = PageMove(
                 device=torch.tensor([device_state], dtype=torch.int64), host=host_state
             )
-        try:
-            op_id = self.controller.submit_write(WriteOp(moves=moves))
-        except QueueFull:
-            self.device_tree.unlock(device_receipt)
-            self.tier.unlock(host_receipt)
-            if len(slots):
-                self.host_allocator.free(slots)
-            if host_state is not None:
-                self._free_host_state(host_state)
-            if host_swa is not None:
-                self._free_host_swa(host_swa)
-            return None
-        self._pending[op_id] = PendingWrite(
+        pending = PendingWrite(
             key=key,
             start=start,
             host_slots=slots,
@@ -106,7 +97,48 @@ class TierWrites(TierCore):
             host_swa=host_swa,
             swa_ranges=swa_ranges,
         )
-        return op_id
+        # Queued, not yet submitted: a temporary negative id until `_flush_writes` hands the
+        # batch to the controller (one wake-up of its worker for the whole batch).
+        self._unsent_ids -= 1
+        temp_id = self._unsent_ids
+        if not self._unsent:
+            self._unsent_since = self._num_requests
+        self._pending[temp_id] = pending
+        self._unsent.append((temp_id, WriteOp(moves=moves)))
+        if now or len(self._unsent) >= self.params.write_batch:
+            return self._flush_writes().get(temp_id)
+        return temp_id
+
+    def _flush_writes(self) -> dict[int, int]:
+        """Submit every queued write, oldest first, in one burst (the controller's worker wakes
+        once and merges them). A write the queue refuses is rolled back: its locks released,
+        its host slots freed. Returns temporary id -> op id of the writes submitted."""
+        unsent, self._unsent = self._unsent, []
+        submitted: dict[int, int] = {}
+        if unsent:
+            self.counters.write_batches += 1
+        for temp_id, op in unsent:
+            pending = self._pending.pop(temp_id)
+            assert isinstance(pending, PendingWrite), "a queued write id names a write"
+            try:
+                op_id = self.controller.submit_write(op)
+            except QueueFull:
+                self._roll_back_write(pending)
+                continue
+            self._pending[op_id] = pending
+            submitted[temp_id] = op_id
+        self.counters.writes_submitted += len(submitted)
+        return submitted
+
+    def _roll_back_write(self, pending: PendingWrite) -> None:
+        self.device_tree.unlock(pending.device_receipt)
+        self.tier.unlock(pending.host_receipt)
+        if len(pending.host_slots):
+            self.host_allocator.free(pending.host_slots)
+        if pending.host_state is not None:
+            self._free_host_state(pending.host_state)
+        if pending.host_swa is not None:
+            self._free_host_swa(pending.host_swa)
 
     def _write_in_flight(self, node: TreeNode) -> bool:
         """Whether a write in flight covers `node` (its source reaches through it)."""
@@ -124,6 +156,7 @@ class TierWrites(TierCore):
         stopping (the rest left in flight) at the first one not acknowledged in time. Returns
         whether any write committed (so a retry of the eviction may free more)."""
         acked = False
+        self._flush_writes()
         began = time.perf_counter()
         while True:
             op_id = next((i for i, p in self._pending.items() if isinstance(p, PendingWrite)), None)

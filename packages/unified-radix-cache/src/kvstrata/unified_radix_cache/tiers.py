@@ -18,7 +18,6 @@ from kvstrata.hybrid_cache import LoadHandle, PrefetchPolicy, PrefetchTimeout
 from kvstrata.unified_radix_cache.errors import InvalidConfig
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.policies import POLICIES
-from kvstrata.unified_radix_cache.request import CacheRequest
 from kvstrata.unified_radix_cache.results import MatchResult
 
 HOST_TIER = "host"
@@ -51,6 +50,11 @@ class TierParams:
     """Back host pages up to storage after each host write (needs a controller with storage)."""
     transfer_timeout_s: float = 60.0
     """Longest wait for one synchronous transfer (load-back, write-back eviction)."""
+    write_batch: int = 16
+    """Host writes queued before they are submitted together (the controller's worker wakes
+    once per batch; a queued write already holds its host slots and both locks). The queue is
+    also sent when its oldest write has waited this many `begin_request`s, before anything
+    waits on a transfer, and with every load or prefetch submitted. 1: each write at once."""
     known_stored_states: int = 1 << 16
     """Mamba and SWA trees with storage: how many page keys of stored boundary states (Mamba)
     or SWA pages (SWA) the cache remembers (oldest forgotten first) to choose how far a
@@ -64,6 +68,8 @@ class TierParams:
             )
         if self.prefetch_threshold < 1:
             raise InvalidConfig(f"prefetch_threshold must be >= 1, got {self.prefetch_threshold}")
+        if self.write_batch < 1:
+            raise InvalidConfig(f"write_batch must be >= 1, got {self.write_batch}")
         if self.known_stored_states < 1:
             raise InvalidConfig(f"known_stored_states must be >= 1, got {self.known_stored_states}")
         if not self.transfer_timeout_s > 0:
@@ -91,17 +97,6 @@ class TieredMatch(NamedTuple):
     def prefix_len(self) -> int:
         """Tokens usable after a load-back: the device hit plus the host hit."""
         return self.device.prefix_len + self.host_hit_len
-
-
-class TieredRequest(NamedTuple):
-    """`HierarchicalCache.begin_request`: the running request (its lock and its
-    `kv_indices[:cached_len]` on the device) and how many of its cached tokens were already on
-    the device, came back from the host, and came from storage through the host."""
-
-    request: CacheRequest
-    device_hit_len: int
-    host_hit_len: int
-    storage_hit_len: int
 
 
 class LoadBack(NamedTuple):
@@ -177,6 +172,9 @@ class TierCounters:
     """Host -> device tokens committed by load-backs."""
     written_tokens: int = 0
     """Device -> host tokens committed by write acks."""
+    writes_submitted: int = 0
+    """Host writes handed to the controller (queued ones go in batches: `write_batches`)."""
+    write_batches: int = 0
     backed_up_tokens: int = 0
     """Host -> storage tokens the storage acknowledged."""
     bytes_d2h: int = 0

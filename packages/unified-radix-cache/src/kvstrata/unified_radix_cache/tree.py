@@ -920,18 +920,20 @@ class UnifiedRadixCache:
         slots for `key[cached_len:]` and appends them with `req.extend(slots)`."""
         return request_ops.begin_request(self, key, priority=priority, copy_state=copy_state)
 
-    def cache_unfinished_request(self, req: CacheRequest) -> None:
+    def cache_unfinished_request(self, req: CacheRequest) -> TreeNode:
         """Chunked prefill: insert the whole pages that have KV so far, free the request's
         duplicate slots, move its lock to the new prefix and replace `req.kv_indices[:cached_len]`
         by the tree's slots (write them into your req-to-token table). With Mamba and an aligned
-        length, the tree keeps a copy of the request's state. The request keeps running."""
-        request_ops.cache_unfinished_request(self, req)
+        length, the tree keeps a copy of the request's state. The request keeps running.
+        Returns the node ending at the new `cached_len` (the one the request now locks)."""
+        return request_ops.cache_unfinished_request(self, req)
 
-    def cache_finished_request(self, req: CacheRequest) -> None:
+    def cache_finished_request(self, req: CacheRequest) -> TreeNode:
         """The request is done: insert its whole pages (and its Mamba state when its length is
         aligned), free its duplicate slots and unaligned tail (and its state if not adopted),
-        unlock. `req` is finished afterwards (RequestFinished on reuse)."""
-        request_ops.cache_finished_request(self, req)
+        unlock. `req` is finished afterwards (RequestFinished on reuse). Returns the node ending
+        at the whole pages the tree now holds of the request (the root when none)."""
+        return request_ops.cache_finished_request(self, req)
 
     def abort_request(self, req: CacheRequest) -> None:
         """Drop the request without inserting: free its own slots and state, unlock."""
