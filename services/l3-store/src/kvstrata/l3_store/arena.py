@@ -15,11 +15,14 @@ free O(log runs) + O(runs) list insert.
 from __future__ import annotations
 
 import bisect
+import logging
 import mmap
 import os
 from pathlib import Path
 
 from kvstrata.l3_store.errors import ArenaMismatch, InvalidStoreConfig
+
+_log = logging.getLogger(__name__)
 
 #: Pages start on this boundary: memcpy runs at full speed on aligned rows, and a page never
 #: shares a cache line with its neighbour.
@@ -122,8 +125,14 @@ class ArenaFile:
         self.view = memoryview(self.map)
 
     def close(self) -> None:
-        self.view.release()
-        self.map.close()
+        """Unmap. A slice of `view` still alive elsewhere keeps the mapping until it is
+        collected (mmap refuses to close under exported buffers); the mapping then goes with
+        the last slice."""
+        try:
+            self.view.release()
+            self.map.close()
+        except BufferError:
+            _log.debug("arena %s still has live slices; unmapped when they go", self.path)
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)
