@@ -10,12 +10,12 @@ import json
 import sys
 
 sys.path.insert(0, sys.argv[2])  # the peer benchmark folder, for peer_env
-import peer_env  # noqa: E402, F401  (must precede sglang)
-import torch  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+import peer_env  # noqa: F401  (must precede sglang)
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 url, PAGE, N = sys.argv[1], 4, 5
 kv = MHATokenToKVPool(
@@ -71,11 +71,12 @@ out = {"class": type(backend).__name__, "exists_before": backend.batch_exists(ke
 out["set"] = backend.batch_set_v1(keys, src)
 want = [host.get_data_page(int(src[i * PAGE]), flat=True).clone() for i in range(N)]
 out["exists_after"] = backend.batch_exists(keys)
-out["exists_gap"] = backend.batch_exists(keys[:2] + ["f" * 64] + keys[2:])
+out["exists_gap"] = backend.batch_exists([*keys[:2], "f" * 64, *keys[2:]])
 out["get"] = backend.batch_get_v1(keys, dst)
 got = [host.get_data_page(int(dst[i * PAGE]), flat=True) for i in range(N)]
 out["identical"] = [
-    bool(torch.equal(g.view(torch.uint8), w.view(torch.uint8))) for g, w in zip(got, want, strict=True)
+    bool(torch.equal(g.view(torch.uint8), w.view(torch.uint8)))
+    for g, w in zip(got, want, strict=True)
 ]
 out["distinct"] = not torch.equal(want[0], want[1])
 out["missing_get"] = backend.batch_get_v1(["e" * 64], dst[:PAGE])
