@@ -100,7 +100,8 @@ def reconcile(config: StoreConfig, *, timeout_s: float = 60.0) -> Reconciled:
         try:
             info: StoreInfo = ray.get(handle.info.remote(), timeout=timeout_s)
             assert info.node_id == node_id, f"store for {node_id} landed on {info.node_id}"
-        except (RayError, GetTimeoutError):
+        except (RayError, GetTimeoutError) as exc:
+            _log.warning("l3 store on node %s did not start: %s", node_id, exc)
             failed.append(node_id)
     return Reconciled(created=sorted(set(created) - set(failed)), failed=failed)
 
