@@ -217,8 +217,9 @@ def down(namespace: str, *, arena_dir: str = "/dev/shm", timeout_s: float = 30.0
     ]
     ray.get(sweeps, timeout=timeout_s)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(
-        _store(n, namespace) is not None for n in alive_nodes()
+    while time.monotonic() < deadline and (
+        _named(SUPERVISOR, namespace) is not None
+        or any(_store(n, namespace) is not None for n in alive_nodes())
     ):
         time.sleep(0.05)  # ray.kill is asynchronous: wait until the names are free
     return gone
