@@ -29,7 +29,7 @@ def _site_packages() -> Path:
     return Path(msgpack.__file__).parent.parent
 
 
-def _run(url: str, shim: Path) -> dict[str, object]:
+def _run(urls: list[str], shim: Path) -> list[dict[str, object]]:
     python = PEER_VENV / "bin" / "python"
     if not python.exists():
         pytest.fail(f"no SGLang peer venv at {PEER_VENV}: run `bash {PEER_DIR}/setup.sh` first")
@@ -40,24 +40,30 @@ def _run(url: str, shim: Path) -> dict[str, object]:
     path = [shim, WORKSPACE_ROOT / "packages/storage/src", WORKSPACE_ROOT / "services/l3-store/src"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, path))}
     done = subprocess.run(
-        [str(python), str(SCRIPT), url, str(PEER_DIR)],
+        [str(python), str(SCRIPT), " ".join(urls), str(PEER_DIR)],
         env=env, capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(urls) :]]
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
+    """One peer process (importing SGLang costs seconds) runs the round trip for both URLs."""
+    tmp = tmp_path_factory.mktemp("sglang")
+    (tmp / "shim").mkdir()
+    (tmp / "pages").mkdir()
+    urls = {"memory": "memory://?capacity_bytes=16MiB",
+            "file": f"file://{tmp / 'pages'}?capacity_bytes=16MiB"}  # fmt: skip
+    return dict(zip(urls, _run(list(urls.values()), tmp / "shim"), strict=True))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["memory", "file"])
-def test_sglang_factory_loads_adapter_and_pages_round_trip(tmp_path: Path, scheme: str) -> None:
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    if scheme == "memory":
-        url = "memory://?capacity_bytes=16MiB"
-    else:
-        (tmp_path / "pages").mkdir()
-        url = f"file://{tmp_path / 'pages'}?capacity_bytes=16MiB"
-    out = _run(url, shim)
+def test_sglang_factory_loads_adapter_and_pages_round_trip(
+    outcomes: dict[str, dict[str, object]], scheme: str
+) -> None:
+    out = outcomes[scheme]
     assert out["class"] == "KvstrataHiCacheStorage"
     assert out["exists_before"] == 0
     assert out["set"] == [True] * 5
