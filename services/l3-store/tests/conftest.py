@@ -17,6 +17,9 @@ for _name, _value in {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",
     "RAY_DEDUP_LOGS": "0",
+    # Under `uv run`, Ray would otherwise package the whole worktree as every job's working_dir:
+    # the workers run this same venv already.
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
     # On a loaded 2-core machine a node's agents can take longer than Ray's 30 s defaults to
     # start; a slow start is not a failure here.
     "RAY_agent_register_timeout_ms": "120000",
