@@ -84,8 +84,10 @@ def run(*, page_bytes: int, num_pages: int, repeats: int) -> list[dict[str, Any]
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # workers share this venv
     os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="kvstrata-bench-ray-"))
-    store_bytes = 4 * num_pages * page_bytes + (64 << 20)
+    # Room for every round's puts (no eviction inside a timed call) and the pages read.
+    store_bytes = (repeats + 4) * num_pages * page_bytes + (64 << 20)
     object_store = max(256 << 20, 4 * num_pages * page_bytes)
     cluster = Cluster(
         initialize_head=True,
@@ -127,18 +129,21 @@ def _measure(page_bytes: int, num_pages: int, repeats: int) -> list[dict[str, An
         .remote()
     )
     ray.get(holder.hold.remote(pages))
-    generation = iter(range(1 << 30))
+    # New keys for every round (a stored key is skipped), homed and made before timing.
+    fresh = {
+        which: iter(
+            [_keys_homed(nodes, node, num_pages, b"%s-put-%d" % (which.encode(), r))
+             for r in range(repeats + 1)]
+        )
+        for which, node in (("near", local), ("far", remote))
+    }  # fmt: skip
 
     def memcpy_out() -> None:
         for o, p in zip(outs, pages, strict=True):
             np.copyto(o, p)
 
     def put_fresh(which: str) -> None:
-        tag = b"%s-put-%d" % (which.encode(), next(generation))
-        node = local if which == "near" else remote
-        keys = _keys_homed(nodes, node, num_pages, tag)
-        assert all(storage.batch_set(keys, pages))
-        storage.delete(keys)  # keep the stores from filling
+        assert all(storage.batch_set(next(fresh[which]), pages))
 
     t = _alternate(
         {
