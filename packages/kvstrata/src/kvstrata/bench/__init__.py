@@ -16,7 +16,7 @@ from typing import cast
 BenchMain = Callable[[list[str]], int]
 
 #: Modules of this package that are support code, not benchmarks.
-_SUPPORT = frozenset({"gather_ref", "report"})
+_SUPPORT = frozenset({"gather_ref", "l3_peer", "report"})
 
 
 def available() -> list[str]:

@@ -26,6 +26,10 @@ One JSON line per figure, each beside a baseline measured in the same run:
 - `memory` set / get: `MemoryStorage` against a memcpy (bytearray slice assignment) of the same
   pages. Sets run in the steady state of an L3 tier: the store is full and every page written
   evicts one (a fresh store would mostly time the kernel faulting in new memory).
+- `--peer` (only): `FileStorage` beside SGLang 0.5.23's `HiCacheFile` at 1, 4 and 8 MiB pages
+  (`bench/l3_peer.py`); `--ray` (only): the shared L3 tier of `kvstrata-l3-store`, same-node
+  and cross-node get / put beside memcpy and raw `ray.get`, and 1-page p99
+  (`kvstrata.l3_store.measure`).
 - `keyer`: `PageKeyer.page_keys` tokens/s per hash and page size against `hashlib.sha256` over
   the same token bytes in one call (the throughput ceiling of the hash alone).
 
@@ -53,6 +57,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvstrata.bench import l3_peer
 from kvstrata.bench.report import emit, environment, pin_threads, ratio
 from kvstrata.storage import FileStorage, MemoryStorage, PageKeyer, Storage
 from kvstrata.storage.file import DEFAULT_IO_THREADS, FSYNC_POLICIES, HEADER_BYTES, FsyncPolicy
@@ -428,6 +433,20 @@ def _file_system(path: Path) -> str:
     return kind
 
 
+def _bench_extras(args: argparse.Namespace, root: Path) -> None:
+    """`--peer`: FileStorage beside SGLang's HiCacheFile (bench/l3_peer.py); `--ray`: the
+    shared L3 tier (`kvstrata.l3_store.measure`, which owns every Ray call)."""
+    if args.peer:
+        l3_peer.run(args, root)
+    if args.ray:
+        from kvstrata.l3_store import measure
+
+        for line in measure.run(
+            page_bytes=args.ray_page_bytes, num_pages=args.ray_pages, repeats=args.repeats
+        ):
+            emit(line)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="kvstrata bench l3", description=(__doc__ or "").split("\n")[0]
@@ -457,6 +476,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--token-page-sizes", type=_sizes, default=[16, 64])
     parser.add_argument("--num-tokens", type=int, default=1 << 18)
     parser.add_argument("--skip", nargs="*", default=[], choices=["file", "memory", "keyer"])
+    parser.add_argument(
+        "--ray", action="store_true",
+        help="only the shared L3 tier on a 2-node loopback Ray cluster (needs kvstrata[ray])",
+    )  # fmt: skip
+    parser.add_argument("--ray-page-bytes", type=int, default=4 << 20, help="--ray page size")
+    parser.add_argument("--ray-pages", type=int, default=16, help="--ray pages per batch")
+    l3_peer.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.batch < 1 or args.total_mib < 1 or args.num_tokens < 1:
         parser.error("--repeats, --batch, --total-mib and --num-tokens must be >= 1")
@@ -477,6 +503,9 @@ def main(argv: list[str]) -> int:
         }
     )
     try:
+        if args.ray or args.peer:
+            _bench_extras(args, root)
+            return 0
         if "file" not in args.skip:
             _bench_files(args, root)
         for page_bytes in args.page_bytes:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
-from kvstrata.cli import plan_command, replay_command, size_command
+from kvstrata.cli import plan_command, replay_command, services_command, size_command
 
 #: Distributions of the workspace, in layer order (bottom first), as `kvstrata version` lists them.
 DISTRIBUTIONS: tuple[str, ...] = (
@@ -22,6 +22,7 @@ DISTRIBUTIONS: tuple[str, ...] = (
     "kvstrata-pool-host",
     "kvstrata-hybrid-cache",
     "kvstrata-unified-radix-cache",
+    "kvstrata-l3-store",
     "kvstrata",
 )
 
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay_command.add_parser(sub)
     plan_command.add_parser(sub)
     size_command.add_parser(sub)
+    services_command.add_parser(sub)
     return parser
 
 

@@ -9,6 +9,7 @@ import re
 import threading
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from importlib import metadata
 from types import MappingProxyType
 from typing import cast
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -22,6 +23,10 @@ from kvstrata.storage.errors import (
 )
 from kvstrata.storage.file import DEFAULT_IO_THREADS, FSYNC_POLICIES, FileStorage, FsyncPolicy
 from kvstrata.storage.memory import MemoryStorage
+
+#: Entry point group of storage backends installed by other distributions: name = URL scheme,
+#: value = a `BackendFactory` (e.g. `ray = "kvstrata.l3_store.client:open_ray_storage"`).
+ENTRY_POINT_GROUP = "kvstrata.storage_backends"
 
 _SIZE = re.compile(r"^\s*(\d[\d_]*)\s*(|B|KiB|MiB|GiB|TiB)\s*$")
 _UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
@@ -131,11 +136,24 @@ class BackendRegistry:
         with self._lock:
             factory = self._factories.get(parsed.scheme)
         if factory is None:
+            factory = self._from_entry_point(parsed.scheme)
+        if factory is None:
             raise UnknownBackend(
                 f"{url}: no storage backend for {parsed.scheme}://; "
                 f"registered: {', '.join(self.schemes())}"
             )
         return factory(parsed)
+
+    def _from_entry_point(self, scheme: str) -> BackendFactory | None:
+        """The factory an installed distribution declares for `scheme` in the entry point group
+        ENTRY_POINT_GROUP (loaded, registered, returned), or None. Backends that live above
+        this layer (`ray://` in kvstrata-l3-store) plug in this way, never by an import."""
+        for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if entry.name.lower() == scheme:
+                factory = cast(BackendFactory, entry.load())
+                with self._lock:
+                    return self._factories.setdefault(scheme, factory)
+        return None
 
 
 def _open_memory(url: StorageURL) -> Storage:
@@ -181,5 +199,6 @@ def register_backend(
 def open_storage(url: str, *, registry: BackendRegistry | None = None) -> Storage:
     """Open the storage a URL names: `memory://?capacity_bytes=N`,
     `file:///abs/path?capacity_bytes=N&fsync=never|page|batch&namespace=...&io_threads=N`, or
-    any scheme registered with `register_backend`."""
+    any scheme registered with `register_backend` or declared by an installed distribution in
+    the entry point group `kvstrata.storage_backends` (loaded on first use)."""
     return (registry or DEFAULT_REGISTRY).open(url)
