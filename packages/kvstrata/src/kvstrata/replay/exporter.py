@@ -3,8 +3,9 @@
 `replay_collectors` lists the collectors of one replay (the engine's, then those
 `kvstrata.build.collectors` gives for the memory system and its tiers); `ConfigCollector`
 re-exports them with a constant `config` label, so the several configurations of one
-`kvstrata replay` run share one registry without clashing series; and `MetricsServer` serves a registry on `http://ADDR:PORT/metrics` (loopback by default) until
-closed. Nothing is registered at import.
+`kvstrata replay` run share one registry without clashing series; and `MetricsServer` serves
+a registry on `http://ADDR:PORT/metrics` (loopback by default) until closed. Nothing is
+registered at import.
 """
 
 from __future__ import annotations
