@@ -143,9 +143,10 @@ def test_metrics_server_serves_every_layer_under_the_config_label() -> None:
             tiers, f"{tier}_hit_tokens"
         )
     for direction in ("d2h", "h2d", "storage_get", "storage_set"):
-        assert value("kvstrata_tiered_cache_transfer_bytes_total", direction=direction) == (
-            getattr(tiers, f"bytes_{direction}")
+        bytes_moved = value(
+            "kvstrata_tiered_cache_transfer_bytes_total", direction=direction, family="mha"
         )
+        assert bytes_moved == getattr(tiers, f"bytes_{direction}")
     assert value("kvstrata_replay_evicted_tokens_total") == run.stats.evicted_tokens
     # Every layer answers: pools, allocators, tree, host mirrors, controller, storage.
     prefixes = {name.split("_")[1] for name, _ in samples}

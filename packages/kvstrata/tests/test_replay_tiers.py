@@ -236,7 +236,7 @@ def test_cli_hybrid_families_with_a_host_tier(
     argv = [
         "replay",
         "--family", family,
-        "--limit", "40",
+        "--limit", "80",
         "--capacity-tokens", "4096",
         *size,
         "--verify",

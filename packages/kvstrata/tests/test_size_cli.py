@@ -136,6 +136,9 @@ def test_unreadable_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture
     bad.write_text("{not json")
     assert main(["size", "--model", str(bad), "--device-memory", "1GiB"]) == 2
     assert "cannot read" in capsys.readouterr().err
+    bad.write_bytes(b'{"model_type": "llama\xff"}')  # not UTF-8
+    assert main(["size", "--model", str(bad), "--device-memory", "1GiB"]) == 2
+    assert "cannot read" in capsys.readouterr().err
     assert main(["size", "--model", str(tmp_path / "empty"), "--device-memory", "1GiB"]) == 2
     missing = tmp_path / "absent.json"
     assert main(["size", "--model", str(missing), "--device-memory", "1GiB"]) == 2

@@ -32,15 +32,13 @@ from kvstrata.build.errors import InvalidCapacity, InvalidModel, UnknownPolicy
 from kvstrata.build.factory import POLICIES, check_device
 from kvstrata.build.hf_layout import AttentionShape, LatentShape, StateShape
 from kvstrata.build.mamba import MambaModel, build_mamba_system
-from kvstrata.build.mha import MHAModel, build_mha_system
+from kvstrata.build.mha import MHAModel, build_mha_system, full_only_system
 from kvstrata.build.model_spec import ModelMemorySpec
 from kvstrata.build.sizing import MemoryPlan, SizingParams, plan_memory
 from kvstrata.build.swa import SWAModel, build_swa_system
 from kvstrata.build.system import BuildParams, MemorySystem
 from kvstrata.build.tiers import TieredSystem, build_tiers
-from kvstrata.hybrid_cache import HybridPool
 from kvstrata.pool import MLAKVPool, MLASpec, ReqToTokenPool
-from kvstrata.unified_radix_cache import FullComponent, UnifiedRadixCache
 
 #: Torch dtype of each `ModelMemorySpec.kv_dtype` / SSM / conv dtype name.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -240,22 +238,4 @@ def _build_mla(
     )
     allocator = PagedAllocator(size=size, page_size=page_size, device=device)
     pool = MLAKVPool(mla_spec, size, page_size, device)
-    tree = UnifiedRadixCache(
-        [FullComponent(allocator)],
-        page_size,
-        params.policy,
-        enable_events=params.enable_events,
-    )
-    return MemorySystem(
-        family="mla",
-        model=mla_spec,
-        page_size=page_size,
-        capacity_tokens=size,
-        device=device,
-        kv_allocator=allocator,
-        kv_pool=pool,
-        mamba_allocator=None,
-        mamba_pool=None,
-        layers=HybridPool.full(pool),
-        tree=tree,
-    )
+    return full_only_system("mla", mla_spec, allocator, pool, params)

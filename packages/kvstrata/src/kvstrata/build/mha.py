@@ -10,7 +10,7 @@ from kvstrata.allocator import PagedAllocator
 from kvstrata.build.errors import InvalidModel
 from kvstrata.build.system import BuildParams, MemorySystem
 from kvstrata.hybrid_cache import HybridPool
-from kvstrata.pool import MHAKVPool, MHASpec, PoolError
+from kvstrata.pool import MHAKVPool, MHASpec, MLAKVPool, PoolError
 from kvstrata.unified_radix_cache import FullComponent, UnifiedRadixCache
 
 
@@ -50,18 +50,30 @@ def build_mha_system(model: object | None, params: BuildParams) -> MemorySystem:
     size, page_size, device = params.capacity_tokens, params.page_size, params.device
     allocator = PagedAllocator(size=size, page_size=page_size, device=device)
     pool = MHAKVPool(spec, size, page_size, device)
+    return full_only_system("mha", config, allocator, pool, params)
+
+
+def full_only_system(
+    family: str,
+    model: object,
+    allocator: PagedAllocator,
+    pool: MHAKVPool | MLAKVPool,
+    params: BuildParams,
+) -> MemorySystem:
+    """The paged `allocator` and KV `pool` of a model whose every layer is full attention
+    (MHA / GQA, or MLA's latent) wired to a Full-only tree."""
     tree = UnifiedRadixCache(
         [FullComponent(allocator)],
-        page_size,
+        params.page_size,
         params.policy,
         enable_events=params.enable_events,
     )
     return MemorySystem(
-        family="mha",
-        model=config,
-        page_size=page_size,
-        capacity_tokens=size,
-        device=device,
+        family=family,
+        model=model,
+        page_size=params.page_size,
+        capacity_tokens=params.capacity_tokens,
+        device=params.device,
         kv_allocator=allocator,
         kv_pool=pool,
         mamba_allocator=None,

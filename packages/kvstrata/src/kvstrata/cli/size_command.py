@@ -108,8 +108,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if path.is_dir():
         path = path / "config.json"
     try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
         print(f"kvstrata size: cannot read {path}: {exc}", file=sys.stderr)
         return 2
     try:

@@ -1,11 +1,11 @@
 """Serving a replay's metrics: every layer's collector for one run, and an HTTP `/metrics`.
 
-`replay_collectors` lists the collectors of one replay (the engine, the tree, the device pools
-and allocators, and with tiers the hierarchical cache, the host mirrors, the tier controller and
-the storage); `ConfigCollector` re-exports them with a constant `config` label, so the several
-configurations of one `kvstrata replay` run share one registry without clashing series; and
-`MetricsServer` serves a registry on `http://ADDR:PORT/metrics` (loopback by default) until
-closed. Nothing is registered at import.
+`replay_collectors` lists the collectors of one replay (the engine's, then those
+`kvstrata.build.collectors` gives for the memory system and its tiers); `ConfigCollector`
+re-exports them with a constant `config` label, so the several configurations of one
+`kvstrata replay` run share one registry without clashing series; and `MetricsServer` serves
+a registry on `http://ADDR:PORT/metrics` (loopback by default) until closed. Nothing is
+registered at import.
 """
 
 from __future__ import annotations
@@ -19,20 +19,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from kvstrata.allocator.metrics import AllocatorCollector
-from kvstrata.hybrid_cache.metrics import TierControllerCollector
-from kvstrata.pool.metrics import PoolCollector
-from kvstrata.pool_host.metrics import HostPoolCollector
+from kvstrata.build.metrics import collectors
 from kvstrata.replay.errors import ReplayOptionError
 from kvstrata.replay.metrics import ReplayCollector
-from kvstrata.storage.metrics import StorageCollector
-from kvstrata.unified_radix_cache.metrics import RadixCacheCollector
-from kvstrata.unified_radix_cache.tier_metrics import TierCacheCollector
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from kvstrata.allocator.base import SlotAllocator
     from kvstrata.build import MemorySystem
     from kvstrata.build.tiers import TieredSystem
     from kvstrata.replay.engine import ReplayEngine
@@ -43,35 +36,10 @@ __all__ = ["ConfigCollector", "MetricsServer", "replay_collectors"]
 def replay_collectors(
     engine: ReplayEngine, system: MemorySystem, tiers: TieredSystem | None
 ) -> list[Collector]:
-    """The collectors of every layer one replay drives. Names given to the objects: pools
-    `kv` (an SWA pool appears as `kv.full` and `kv.swa`) and `state`; allocators `kv` and
-    `state`; host mirrors by pool group member (`full`, `swa`, `mamba`); controller and
-    storage `l3` / `replay`."""
-    pools: dict[str, object] = {"kv": system.kv_pool}
-    allocators: dict[str, SlotAllocator] = {"kv": system.kv_allocator}
-    if system.mamba_pool is not None and system.mamba_allocator is not None:
-        pools["state"] = system.mamba_pool
-        allocators["state"] = system.mamba_allocator
-    collectors: list[Collector] = []
-    collectors += [
-        ReplayCollector(engine),
-        RadixCacheCollector(system.tree),
-        PoolCollector(pools),  # pyright: ignore[reportArgumentType]
-        AllocatorCollector(allocators),
-    ]
-    if tiers is not None:
-        cache = tiers.cache
-        host_allocators = {"full": cache.host_allocator}
-        if cache.host_swa_allocator is not None and "swa" in tiers.host_pools:
-            host_allocators["swa"] = cache.host_swa_allocator
-        collectors += [
-            TierCacheCollector(cache),
-            HostPoolCollector(dict(tiers.host_pools), allocators=host_allocators),
-            TierControllerCollector({"replay": tiers.controller}),
-        ]
-        if tiers.storage is not None:
-            collectors.append(StorageCollector({"l3": tiers.storage}))
-    return collectors
+    """The collectors of every layer one replay drives: the engine's `ReplayCollector`, then
+    `kvstrata.build.collectors(system, tiers)` (device pools, allocators, tree, and with tiers
+    the host mirrors, controller, storage and tiered cache, named as that function names them)."""
+    return [ReplayCollector(engine), *collectors(system, tiers)]
 
 
 class ConfigCollector(Collector):

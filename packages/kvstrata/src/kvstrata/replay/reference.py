@@ -62,7 +62,7 @@ ALLOWED_LABELS: dict[str, str] = {
     "outcome": "started or skipped",
     "operation": "a storage batch call: exists, get, set, delete",
     "phase": "cache or forward (the replay's time)",
-    "family": "the model family of a host pool: mha, mamba",
+    "family": "the model family of a host pool (mha, mamba) or of a built system (+ swa)",
     "layout": "the host pool's memory layout",
 }
 

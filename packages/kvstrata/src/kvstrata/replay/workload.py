@@ -22,14 +22,14 @@ Parameters (`WorkloadSpec`; every range is inclusive and drawn uniformly):
 |---|---:|---|
 | `num_system_prompts` | 8 | distinct system prompts; each conversation picks one uniformly |
 | `system_prompt_tokens` | 256 .. 1024 | length of each system prompt |
-| `num_conversations` | 160 | conversations in the workload |
+| `num_conversations` | 80 | conversations in the workload |
 | `turns_per_conversation` | 1 .. 8 | requests per conversation |
 | `user_turn_tokens` | 16 .. 160 | new user tokens appended by each turn |
 | `assistant_turn_tokens` | 16 .. 320 | answer length of each turn (its `output_length`) |
 | `vocab_size` | 32,000 | token ids are drawn from `0 .. vocab_size - 1` |
 | `seed` | 0 | seed of `numpy.random.default_rng`; equal specs give equal workloads |
 
-The defaults give 712 requests and 995,281 prompt tokens: a replay of a few seconds on two
+The defaults give 369 requests and 518,360 prompt tokens: a replay of a few seconds on two
 cores.
 """
 
@@ -52,7 +52,7 @@ class WorkloadSpec:
 
     num_system_prompts: int = 8
     system_prompt_tokens: TokenRange = (256, 1024)
-    num_conversations: int = 160
+    num_conversations: int = 80
     turns_per_conversation: TokenRange = (1, 8)
     user_turn_tokens: TokenRange = (16, 160)
     assistant_turn_tokens: TokenRange = (16, 320)
