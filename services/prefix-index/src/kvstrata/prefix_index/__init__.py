@@ -16,10 +16,6 @@ from kvstrata.prefix_index.errors import (
     UnknownPolicy,
 )
 from kvstrata.prefix_index.index import (
-    DEFAULT_TIER_WEIGHTS,
-    DEVICE,
-    HOST,
-    STORAGE,
     IndexStats,
     InstanceMatch,
     PrefixIndex,
@@ -27,6 +23,7 @@ from kvstrata.prefix_index.index import (
 )
 from kvstrata.prefix_index.router import POLICIES, RouteDecision, Router
 from kvstrata.prefix_index.simulate import SimInstance, SimResult, read_trace, simulate
+from kvstrata.prefix_index.tiers import DEFAULT_TIER_WEIGHTS, DEVICE, HOST, STORAGE
 
 __all__ = [
     "DEFAULT_TIER_WEIGHTS",

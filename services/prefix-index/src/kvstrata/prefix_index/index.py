@@ -26,16 +26,11 @@ from dataclasses import dataclass
 
 import numpy.typing as npt
 
+from kvstrata.prefix_index.engines import EngineKeyMap, decode_engine_batch
 from kvstrata.prefix_index.errors import InvalidEvent, InvalidInstance, InvalidParameter
+from kvstrata.prefix_index.tiers import DEFAULT_TIER_WEIGHTS
 from kvstrata.storage import PageKeyer
 from kvstrata.unified_radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-
-DEVICE = "device"
-HOST = "host"
-STORAGE = "storage"
-
-#: llm-d's default ordering: a device hit saves more than a host hit, which beats storage.
-DEFAULT_TIER_WEIGHTS: Mapping[str, float] = {DEVICE: 1.0, HOST: 0.8, STORAGE: 0.5}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +55,16 @@ class PrefixMatches:
     def longest(self) -> int:
         """Pages of the longest match over all instances (0 when none holds the first page)."""
         return max((m.num_pages for m in self.by_instance.values()), default=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineBatchResult:
+    """What one engine batch did: kvstrata events applied, events of unknown type skipped (by
+    tag), and the instance's running count of blocks skipped for an unknown parent."""
+
+    applied_events: int
+    unknown: Mapping[str, int]
+    orphan_blocks: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,8 +121,10 @@ class PrefixIndex:
         self._next_id = 0
         self._seq: dict[str, int] = {}
         self._awaiting_dump: set[str] = set()
+        self._engine_maps: dict[str, EngineKeyMap] = {}
         self.evicted_entries = 0
         self.gaps = 0
+        self.unknown_engine_events = 0
 
     # ------------------------------------------------------------------------------------------
     # Feeding
@@ -143,6 +150,31 @@ class PrefixIndex:
             else:
                 bits = self._all_bits if event.tier is None else self._tier_bit[event.tier]
                 self._clear(iid, bits)
+
+    def apply_engine_batch(
+        self, instance: str, payload: bytes, format: str = "vllm", *, group: int = 0
+    ) -> EngineBatchResult:
+        """Decode a vLLM or SGLang msgpack EventBatch and apply it as `instance`'s events, keys
+        re-derived from the token ids with this index's keyer (see `engines`). `group`: the
+        KV-cache group indexed for hybrid models. Raises UnknownFormat / EngineDecodeError /
+        InvalidEvent before any change."""
+        self._check_instance(instance)
+        decoded = decode_engine_batch(payload, format)
+        for event in decoded.events:
+            tier = getattr(event, "tier", None)
+            if tier is not None:
+                self._check_tier(tier)
+        keymap = self._engine_maps.get(instance)
+        if keymap is None:
+            keymap = self._engine_maps[instance] = EngineKeyMap(self.keyer, group=group)
+        events = keymap.convert(decoded.events)
+        self.apply(instance, events)
+        self.unknown_engine_events += sum(decoded.unknown.values())
+        return EngineBatchResult(
+            applied_events=len(events),
+            unknown=decoded.unknown,
+            orphan_blocks=keymap.orphan_blocks,
+        )
 
     def apply_sequenced(self, instance: str, seq: int, events: Iterable[KVEvent]) -> bool:
         """Apply batch number `seq` of `instance` if it is the next one expected (0 first).
@@ -192,6 +224,7 @@ class PrefixIndex:
         Returns how many (key, instance) pairs went. Unknown instances are a no-op (0)."""
         self._check_instance(instance)
         removed = self._drop(instance)
+        self._engine_maps.pop(instance, None)
         self._seq.pop(instance, None)
         self._awaiting_dump.discard(instance)
         iid = self._ids.pop(instance, None)

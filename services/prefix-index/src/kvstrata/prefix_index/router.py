@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstrata.prefix_index.errors import InvalidParameter, NoInstances, UnknownPolicy
-from kvstrata.prefix_index.index import DEVICE, PrefixIndex
+from kvstrata.prefix_index.index import PrefixIndex
+from kvstrata.prefix_index.tiers import DEVICE
 from kvstrata.unified_radix_cache import BlockRemoved, BlockStored
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
