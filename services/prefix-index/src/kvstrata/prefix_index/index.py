@@ -101,8 +101,8 @@ class PrefixIndex:
         if keyer is not None and keyer.page_size != page_size:
             raise InvalidParameter(f"keyer page size {keyer.page_size} != index {page_size}")
         weights = dict(DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights)
-        if not weights or any(w < 0 for w in weights.values()) or len(weights) > 30:
-            raise InvalidParameter(f"tier weights must be 1..30 non-negative values: {weights}")
+        if not weights or any(w < 0 for w in weights.values()) or len(weights) > 12:
+            raise InvalidParameter(f"tier weights must be 1..12 non-negative values: {weights}")
         if max_entries is not None and max_entries < 1:
             raise InvalidParameter(f"max_entries must be >= 1 or None, got {max_entries}")
         self.page_size = page_size
@@ -112,8 +112,12 @@ class PrefixIndex:
         # Tier bits ordered best first, so the lowest set bit of a mask is the best tier.
         ordered = sorted(weights, key=lambda t: -weights[t])
         self._tier_bit: dict[str, int] = {t: 1 << i for i, t in enumerate(ordered)}
-        self._tier_names: tuple[str, ...] = tuple(ordered)
         self._all_bits = (1 << len(ordered)) - 1
+        # Best tier of every mask: the lowest set bit names it.
+        self._best_tier: tuple[str, ...] = (
+            "",
+            *(ordered[(m & -m).bit_length() - 1] for m in range(1, self._all_bits + 1)),
+        )
         self._holders: OrderedDict[bytes, dict[int, int]] = OrderedDict()
         self._by_inst: dict[int, set[bytes]] = {}
         self._ids: dict[str, int] = {}
@@ -140,9 +144,7 @@ class PrefixIndex:
         iid = self._intern(instance)
         for event in batch:
             if isinstance(event, BlockStored):
-                bit = self._tier_bit[event.tier]
-                for key in event.page_keys:
-                    self._add(iid, key, bit)
+                self._store(iid, event.page_keys, self._tier_bit[event.tier])
             elif isinstance(event, BlockRemoved):
                 bit = self._tier_bit[event.tier]
                 for key in event.page_keys:
@@ -259,12 +261,11 @@ class PrefixIndex:
         namespace (`extra_key`, `cache_salt`). Touches the matched keys (bounded mode)."""
         keys = self._as_keys(tokens_or_page_keys, extra_key, cache_salt)
         names = self._names
-        tier_names = self._tier_names
+        best = self._best_tier
         out: dict[str, InstanceMatch] = {}
         for iid, masks in self._walk(keys).items():
             out[names[iid]] = InstanceMatch(
-                num_pages=len(masks),
-                tiers=tuple(tier_names[(m & -m).bit_length() - 1] for m in masks),
+                num_pages=len(masks), tiers=tuple(map(best.__getitem__, masks))
             )
         return PrefixMatches(num_pages=len(keys), by_instance=out)
 
@@ -340,27 +341,43 @@ class PrefixIndex:
         if not keys:
             return {}
         holders = self._holders
-        first = holders.get(keys[0])
+        get = holders.get
+        first = get(keys[0])
         if not first:
             return {}
-        runs = {iid: [mask] for iid, mask in first.items()}
-        alive = list(runs)
-        depth = 1
-        for depth in range(1, len(keys)):
-            h = holders.get(keys[depth])
-            if h is None:
-                break
-            still: list[int] = []
-            for iid in alive:
-                mask = h.get(iid)
-                if mask is not None:
-                    runs[iid].append(mask)
-                    still.append(iid)
-            if not still:
-                break
-            alive = still
+        num_keys = len(keys)
+        if len(first) == 1:
+            # One holder of the first page (the common case): a tight loop, no bookkeeping.
+            ((iid, mask),) = first.items()
+            masks = [mask]
+            for i in range(1, num_keys):
+                h = get(keys[i])
+                if h is None:
+                    break
+                m = h.get(iid)
+                if m is None:
+                    break
+                masks.append(m)
+            runs = {iid: masks}
+            depth = len(masks)
         else:
-            depth = len(keys)
+            runs = {iid: [mask] for iid, mask in first.items()}
+            alive = list(runs)
+            depth = 1
+            while depth < num_keys and alive:
+                h = get(keys[depth])
+                if h is None:
+                    break
+                still: list[int] = []
+                for iid in alive:
+                    m = h.get(iid)
+                    if m is not None:
+                        runs[iid].append(m)
+                        still.append(iid)
+                if not still:
+                    break
+                alive = still
+                depth += 1
         if self.max_entries is not None:
             touch = holders.move_to_end
             for i in range(depth - 1, -1, -1):
@@ -387,20 +404,28 @@ class PrefixIndex:
             self._by_inst[iid] = set()
         return iid
 
-    def _add(self, iid: int, key: bytes, bit: int) -> None:
-        holders = self._holders.get(key)
-        if holders is None:
-            if self.max_entries is not None and len(self._holders) >= self.max_entries:
-                self._evict_one()
-            self._holders[key] = {iid: bit}
-            self._by_inst[iid].add(key)
-            return
-        mask = holders.get(iid)
-        if mask is None:
-            holders[iid] = bit
-            self._by_inst[iid].add(key)
-        else:
-            holders[iid] = mask | bit
+    def _store(self, iid: int, keys: Sequence[bytes], bit: int) -> None:
+        """Add (iid, bit) to every key: the hot path of `apply`, so the loop is inlined with
+        local names (a method call per key cost a third of the replay)."""
+        entries = self._holders
+        mine = self._by_inst[iid]
+        bounded = self.max_entries is not None
+        cap = self.max_entries or 0
+        get = entries.get
+        for key in keys:
+            holders = get(key)
+            if holders is None:
+                if bounded and len(entries) >= cap:
+                    self._evict_one()
+                entries[key] = {iid: bit}
+                mine.add(key)
+                continue
+            mask = holders.get(iid)
+            if mask is None:
+                holders[iid] = bit
+                mine.add(key)
+            elif not mask & bit:
+                holders[iid] = mask | bit
 
     def _remove(self, iid: int, key: bytes, bits: int) -> None:
         holders = self._holders.get(key)
@@ -467,6 +492,7 @@ class PrefixIndex:
 
     @staticmethod
     def _check_keys(keys: Sequence[bytes], key_bytes: int) -> None:
-        for key in keys:
-            if not isinstance(key, bytes) or len(key) != key_bytes:
-                raise InvalidEvent(f"page keys are {key_bytes}-byte bytes, got {key!r:.80}")
+        # Two C-level passes (type, length) instead of a Python loop per key.
+        if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {key_bytes}):
+            bad = next(k for k in keys if not isinstance(k, bytes) or len(k) != key_bytes)
+            raise InvalidEvent(f"page keys are {key_bytes}-byte bytes, got {bad!r:.80}")
