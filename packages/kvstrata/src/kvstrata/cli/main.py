@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
-from kvstrata.cli import replay_command
+from kvstrata.cli import index_command, replay_command
 
 #: Distributions of the workspace, in layer order (bottom first), as `kvstrata version` lists them.
 DISTRIBUTIONS: tuple[str, ...] = (
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark")
     bench.set_defaults(handler=_bench)
     replay_command.add_parser(sub)
+    index_command.add_parser(sub)
     return parser
 
 
