@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy.typing as npt
 
@@ -33,8 +34,7 @@ from kvstrata.storage import PageKeyer
 from kvstrata.unified_radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
-@dataclass(frozen=True, kw_only=True)
-class InstanceMatch:
+class InstanceMatch(NamedTuple):
     """One instance's longest run of held pages from the first page of the query, and the best
     tier (highest weight) it holds each page on."""
 
@@ -42,8 +42,7 @@ class InstanceMatch:
     tiers: tuple[str, ...]
 
 
-@dataclass(frozen=True, kw_only=True)
-class PrefixMatches:
+class PrefixMatches(NamedTuple):
     """`find_matches` result: the query's page count and, per instance holding at least its
     first page, that instance's match. `partial` is True while the index answers from an
     incomplete state (a shard still rebuilding from dumps)."""
