@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvstrata.prefix_index.errors import InvalidParameter, NoInstances, UnknownPolicy
 from kvstrata.prefix_index.index import PrefixIndex
@@ -29,6 +30,12 @@ from kvstrata.prefix_index.tiers import DEVICE
 from kvstrata.unified_radix_cache import BlockRemoved, BlockStored
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
+
+
+class MatchSource(Protocol):
+    """What the router asks of an index: an in-process `PrefixIndex` or a `ClusterIndex`."""
+
+    def match_lengths(self, page_keys: Sequence[bytes], /) -> dict[str, int]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,13 +50,13 @@ class RouteDecision:
 
 
 class Router:
-    """Routes requests (as page keys) to instances. `index` answers the matches (for
-    `approximate_ttl_s`, the router also writes into it); `instances` in a stable order;
+    """Routes requests (as page keys) to instances. `index` answers the matches (approximate
+    mode writes into it, so it must then be a `PrefixIndex`); `instances` in a stable order;
     `clock` in seconds (only read in approximate mode)."""
 
     def __init__(
         self,
-        index: PrefixIndex,
+        index: MatchSource,
         instances: Sequence[str],
         *,
         policy: str = "cache_aware",
@@ -66,6 +73,8 @@ class Router:
             )
         if approximate_ttl_s is not None and approximate_ttl_s <= 0:
             raise InvalidParameter(f"approximate_ttl_s must be > 0, got {approximate_ttl_s}")
+        if approximate_ttl_s is not None and not isinstance(index, PrefixIndex):
+            raise InvalidParameter("approximate mode writes into the index: pass a PrefixIndex")
         if len(set(instances)) != len(instances):
             raise InvalidParameter(f"instance names repeat: {list(instances)}")
         self.index = index
@@ -100,7 +109,7 @@ class Router:
             self._instances.remove(name)
             del self.load[name]
             del self.routed_pages[name]
-            if self.approximate_ttl_s is not None:
+            if isinstance(self.index, PrefixIndex) and self.approximate_ttl_s is not None:
                 self.index.drop_instance(name)
 
     @property
@@ -154,6 +163,7 @@ class Router:
 
     def _remember(self, name: str, keys: tuple[bytes, ...]) -> None:
         assert self.approximate_ttl_s is not None
+        assert isinstance(self.index, PrefixIndex), "checked in __init__"
         expiry = self._clock() + self.approximate_ttl_s
         stored = BlockStored(
             page_keys=keys, parent_key=None, tokens_per_page=self.index.page_size, tier=DEVICE
@@ -172,4 +182,5 @@ class Router:
             for key in gone:
                 del latest[(name, key)]
             if gone and name in self.load:
+                assert isinstance(self.index, PrefixIndex), "checked in __init__"
                 self.index.apply(name, [BlockRemoved(page_keys=tuple(gone), tier=DEVICE)])
