@@ -10,6 +10,9 @@ Three records (JSON lines):
   same stream on an unbounded index, measured in the same run; the bounded index
   (`--max-entries`, default half the distinct keys) is reported beside it with the ratio.
 - `index_memory`: traced bytes per entry (a key held by one instance) and per extra holder.
+- `index_ray` (with `--ray`): the same stream through shard actors on a local 2-node loopback
+  Ray cluster, `--batch` requests per round (one `match_batch` call and one publish call per
+  shard); each op's latency is its batch's round trip. Baseline: the in-process rate above.
 - `routing` (unless `--no-routing`): 8 simulated device-only LRU instances of 5,860 pages, the
   trace routed round-robin (baseline) and cache-aware; block hit rate and the busiest
   instance's routed pages over the mean.
@@ -18,6 +21,7 @@ Three records (JSON lines):
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,7 @@ from typing import Any
 from kvstrata.bench.report import emit, environment, ratio
 from kvstrata.prefix_index import PrefixIndex, read_trace, simulate
 from kvstrata.prefix_index.opstream import (
+    OpStream,
     OpTiming,
     build_op_stream,
     measure_memory,
@@ -62,6 +67,25 @@ def _median(runs: list[OpTiming]) -> OpTiming:
     return sorted(runs, key=lambda t: t.seconds)[(len(runs) - 1) // 2]
 
 
+def _ray_figures(stream: OpStream, batch: int, in_process: OpTiming) -> dict[str, Any]:
+    # Ray reads its loopback switch at import: set the quiet, loopback-only settings first.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from kvstrata.prefix_index.localray import replay_on_local_cluster
+
+    timing, num_shards, skew = replay_on_local_cluster(stream, batch_requests=batch)
+    return {
+        "shards": num_shards,
+        "batch_requests": batch,
+        **_timing(timing),
+        "shard_skew": round(skew, 4),
+        "ratio_vs_in_process_ops": ratio(timing.ops_per_s, in_process.ops_per_s),
+        "target_ops_per_s": 30_000,
+        "target_p99_us": 3_200,
+    }
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="kvstrata bench index",
@@ -76,6 +100,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--instance-pages", type=int, default=5860, help="routing: pages each")
     parser.add_argument("--load-weight", type=float, default=0.03, help="cache_aware load term")
     parser.add_argument("--no-routing", action="store_true")
+    parser.add_argument("--ray", action="store_true", help="also measure through Ray shards")
+    parser.add_argument("--batch", type=int, default=64, help="--ray: requests per round")
     args = parser.parse_args(argv)
     if args.trace is None or not args.trace.is_file():
         parser.error("no trace: pass --trace (Mooncake JSONL)")
@@ -115,6 +141,8 @@ def main(argv: list[str]) -> int:
             "key_bytes": 32,
         }
     )
+    if args.ray:
+        emit({"bench": "index_ray", **_ray_figures(stream, args.batch, base)})
     if args.no_routing:
         return 0
     results = {}

@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvstrata.prefix_index.dump import dump_tree
 from kvstrata.prefix_index.errors import InvalidParameter, ShardUnavailable
 from kvstrata.prefix_index.index import PrefixIndex
+from kvstrata.prefix_index.opstream import OpStream, OpTiming
 from kvstrata.unified_radix_cache import (
     AllBlocksCleared,
     BlockRemoved,
@@ -293,7 +294,12 @@ class ShardedPublisher:
     dump of a shard's branches when that shard reports a gap (or restarted)."""
 
     def __init__(
-        self, instance: str, cluster: ClusterIndex, tree: UnifiedRadixCache, *, node_id: str
+        self,
+        instance: str,
+        cluster: ClusterIndex,
+        tree: UnifiedRadixCache | None,
+        *,
+        node_id: str,
     ) -> None:
         self.instance = instance
         self.cluster = cluster
@@ -316,6 +322,8 @@ class ShardedPublisher:
 
     def send_dump(self, name: str) -> None:
         """A dump of this instance's branches owned by shard `name`, resuming its sequence."""
+        if self.tree is None:
+            raise InvalidParameter(f"{self.instance} publishes without a tree: it cannot dump")
         owned: list[KVEvent] = []
         first_of = self._first
         for event in dump_tree(self.tree):  # parents before children
@@ -369,3 +377,57 @@ class ShardedPublisher:
                 for name in self.cluster.names:
                     out.setdefault(name, []).append(event)
         return out
+
+
+def replay_ops_on_cluster(
+    cluster: ClusterIndex, stream: OpStream, *, batch_requests: int, node_id: str
+) -> OpTiming:
+    """The INDEXER_BENCH stream through the shards, `batch_requests` requests at a time: one
+    `match_batch` (one call per shard) for their lookups, then one publish per instance of
+    their events (one call per shard). Each op's latency is its batch's round trip."""
+    if batch_requests < 1:
+        raise InvalidParameter(f"batch_requests must be >= 1, got {batch_requests}")
+    publishers: dict[str, ShardedPublisher] = {}
+    for req in stream.requests:
+        if req.instance not in publishers:
+            publishers[req.instance] = ShardedPublisher(
+                req.instance, cluster, None, node_id=node_id
+            )
+    latencies: list[float] = []
+    start = time.perf_counter()
+    cpu_start = time.process_time()
+    requests = stream.requests
+    pages = 0
+    for lo in range(0, len(requests), batch_requests):
+        chunk = requests[lo : lo + batch_requests]
+        t0 = time.perf_counter()
+        cluster.match_batch([r.page_keys for r in chunk])
+        by_instance: dict[str, list[KVEvent]] = {}
+        for r in chunk:
+            by_instance.setdefault(r.instance, []).extend(r.events)
+        for name, events in by_instance.items():
+            publishers[name].publish(events)
+        took = time.perf_counter() - t0
+        ops = sum(1 + len(r.events) for r in chunk)
+        pages += sum(
+            len(r.page_keys) + sum(len(getattr(e, "page_keys", ())) for e in r.events)
+            for r in chunk
+        )
+        latencies.extend([took] * ops)
+    seconds = time.perf_counter() - start
+    ordered = sorted(latencies)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
+
+    return OpTiming(
+        ops=len(latencies),
+        pages=pages,
+        seconds=seconds,
+        cpu_seconds=time.process_time() - cpu_start,
+        p50_us=pct(0.50),
+        p99_us=pct(0.99),
+        max_us=ordered[-1] * 1e6 if ordered else 0.0,
+        lookup_p99_us=pct(0.99),
+        event_p99_us=pct(0.99),
+    )

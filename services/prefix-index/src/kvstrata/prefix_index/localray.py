@@ -1,5 +1,10 @@
-"""A loopback Ray cluster for the shard tests (RAY_NOTES: env before Ray starts, small object
-stores, no dashboard, fast health checks so a killed node is noticed in ~1.5 s)."""
+"""A local Ray cluster on loopback for the shard tests and `kvstrata bench index --ray`
+(RAY_NOTES.md: loopback and quiet settings in the environment before Ray starts, small object
+stores, no dashboard, health checks fast enough to notice a killed node in ~1.5 s).
+
+Set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before `import ray` anywhere in the process (Ray reads
+it at import): that is what keeps every socket on 127.0.0.1.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,9 @@ from contextlib import contextmanager
 
 import ray
 from ray.cluster_utils import Cluster
+
+from kvstrata.prefix_index.cluster import ClusterIndex, deploy_shards, replay_ops_on_cluster
+from kvstrata.prefix_index.opstream import OpStream, OpTiming
 
 _ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -78,3 +86,18 @@ def loopback_cluster(num_workers: int, attempts: int = 2) -> Iterator[Cluster]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def replay_on_local_cluster(
+    stream: OpStream, *, batch_requests: int, num_workers: int = 1
+) -> tuple[OpTiming, int, float]:
+    """Start a loopback cluster of 1 + `num_workers` nodes, deploy one shard per node, replay
+    `stream` through them (`replay_ops_on_cluster`); returns the timing, the number of shards
+    and the shard skew. Everything is shut down on return."""
+    with loopback_cluster(num_workers=num_workers):
+        shards = deploy_shards(stream.page_size)
+        ray.get([h.stats.remote() for h in shards.values()], timeout=120)
+        cluster = ClusterIndex(shards, page_size=stream.page_size, timeout_s=120)
+        node = ray.get_runtime_context().get_node_id()
+        timing = replay_ops_on_cluster(cluster, stream, batch_requests=batch_requests, node_id=node)
+        return timing, len(shards), cluster.skew()
