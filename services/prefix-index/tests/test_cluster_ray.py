@@ -21,7 +21,7 @@ PAGE = 4
 def shards() -> Iterator[dict[str, Any]]:
     try:
         with loopback_cluster(num_workers=1):
-            handles = deploy_shards(PAGE, rebuild_grace_s=1.0)
+            handles = deploy_shards(PAGE, rebuild_grace_s=5.0)
             ray.get([h.stats.remote() for h in handles.values()], timeout=60)
             yield handles
     except RayDidNotStart as exc:
@@ -76,14 +76,16 @@ def test_shard_restart_rebuilds_from_dumps(shards: dict[str, Any]) -> None:
     victim = cluster.owner(keys[0])
     assert cluster.match_batch([keys])[0].lengths.get("r") == 6  # 5 pages + the tail page
     ray.kill(shards[victim], no_restart=False)
+    # ray.kill is asynchronous: wait until the restarted actor answers.
     deadline = time.monotonic() + 60
     while True:
         try:
-            ray.get(shards[victim].stats.remote(), timeout=5)
-            break
+            if ray.get(shards[victim].stats.remote(), timeout=5)["restarted"]:
+                break
         except (ray.exceptions.RayError, TimeoutError):
-            assert time.monotonic() < deadline, "shard did not come back"
-            time.sleep(0.2)
+            pass
+        assert time.monotonic() < deadline, "shard did not come back"
+        time.sleep(0.2)
     # Restarted: it answers with what it has (nothing of r yet) and says it is rebuilding.
     answer = cluster.match_batch([keys])[0]
     assert answer.partial and "r" not in answer.lengths
@@ -93,5 +95,7 @@ def test_shard_restart_rebuilds_from_dumps(shards: dict[str, Any]) -> None:
     pub.publish(inst.take_events())
     assert pub.dumps_sent == dumps + 1
     assert cluster.match_batch([keys])[0].lengths.get("r") == 6
-    time.sleep(1.1)  # the grace period
-    assert not cluster.match_batch([keys])[0].partial
+    deadline = time.monotonic() + 30  # the 5 s grace period, then complete again
+    while cluster.match_batch([keys])[0].partial:
+        assert time.monotonic() < deadline, "the shard never left its rebuilding state"
+        time.sleep(0.2)
