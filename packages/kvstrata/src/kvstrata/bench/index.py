@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +143,13 @@ def main(argv: list[str]) -> int:
         }
     )
     if args.ray:
-        emit({"bench": "index_ray", **_ray_figures(stream, args.batch, base)})
+        from kvstrata.prefix_index.localray import RayDidNotStart
+
+        try:
+            emit({"bench": "index_ray", **_ray_figures(stream, args.batch, base)})
+        except RayDidNotStart as exc:
+            print(f"kvstrata bench index --ray: Ray did not start: {exc}", file=sys.stderr)
+            return 2
     if args.no_routing:
         return 0
     results = {}

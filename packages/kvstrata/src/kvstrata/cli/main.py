@@ -21,6 +21,7 @@ DISTRIBUTIONS: tuple[str, ...] = (
     "kvstrata-pool-host",
     "kvstrata-hybrid-cache",
     "kvstrata-unified-radix-cache",
+    "kvstrata-prefix-index",
     "kvstrata",
 )
 
