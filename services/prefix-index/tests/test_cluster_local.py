@@ -135,3 +135,43 @@ def test_dead_node_instances_are_purged() -> None:
     assert ["on-n1"] in purged
     assert held_by(cluster, "on-n1") == set()
     assert held_by(cluster, "on-n0") == tree_keys(a)
+
+
+def test_a_shared_first_page_needs_a_deeper_branch_key() -> None:
+    # Every prompt opens with the same page (as every Mooncake request opens with block 0).
+    def shared(branch: int) -> list[int]:
+        return [7] * PAGE + [branch * 1000 + j for j in range(PAGE * 3)]
+
+    skews = {}
+    for depth in (1, 2):
+        cluster = ClusterIndex(
+            {f"s{i}": IndexShard(PAGE, node_id="n0") for i in range(3)},
+            page_size=PAGE,
+            branch_depth=depth,
+        )
+        inst = SimInstance("i", capacity_pages=500, page_size=PAGE)
+        pub = ShardedPublisher("i", cluster, inst.tree, node_id="n0")
+        for branch in range(30):
+            inst.serve(shared(branch))
+            pub.publish(inst.take_events())
+        assert held_by(cluster, "i") == tree_keys(inst)
+        keyer = inst.tree.keyer
+        assert keyer is not None
+        for branch in range(30):
+            assert cluster.match_lengths(keyer.page_keys(shared(branch))) == {"i": 4}
+        # The trunk page alone is answered too (by the owner of page 0).
+        assert cluster.match_lengths(keyer.page_keys([7] * PAGE)) == {"i": 1}
+        skews[depth] = cluster.skew()
+        # A restarted shard notices at the next batch it gets, and its dump brings the trunk.
+        name = max(cluster.stats().items(), key=lambda kv: kv[1]["entries"])[0]
+        cluster.shards[name] = IndexShard(PAGE, node_id="n0", restarted=True)
+        dumps = pub.dumps_sent
+        branch = 31
+        while pub.dumps_sent == dumps:
+            assert branch < 100, "no batch ever reached the restarted shard"
+            inst.serve(shared(branch))
+            pub.publish(inst.take_events())
+            branch += 1
+        assert held_by(cluster, "i") == tree_keys(inst)
+    assert skews[1] == 3.0  # one shard holds everything
+    assert skews[2] < 1.6

@@ -68,17 +68,20 @@ def _median(runs: list[OpTiming]) -> OpTiming:
     return sorted(runs, key=lambda t: t.seconds)[(len(runs) - 1) // 2]
 
 
-def _ray_figures(stream: OpStream, batch: int, in_process: OpTiming) -> dict[str, Any]:
+def _ray_figures(stream: OpStream, batch: int, depth: int, in_process: OpTiming) -> dict[str, Any]:
     # Ray reads its loopback switch at import: set the quiet, loopback-only settings first.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from kvstrata.prefix_index.localray import replay_on_local_cluster
 
-    timing, num_shards, skew = replay_on_local_cluster(stream, batch_requests=batch)
+    timing, num_shards, skew = replay_on_local_cluster(
+        stream, batch_requests=batch, branch_depth=depth
+    )
     return {
         "shards": num_shards,
         "batch_requests": batch,
+        "branch_depth": depth,
         **_timing(timing),
         "shard_skew": round(skew, 4),
         "ratio_vs_in_process_ops": ratio(timing.ops_per_s, in_process.ops_per_s),
@@ -103,6 +106,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-routing", action="store_true")
     parser.add_argument("--ray", action="store_true", help="also measure through Ray shards")
     parser.add_argument("--batch", type=int, default=64, help="--ray: requests per round")
+    parser.add_argument(
+        "--branch-depth",
+        type=int,
+        default=2,
+        help="--ray: shard by page d-1 (every trace request opens with the same page)",
+    )
     args = parser.parse_args(argv)
     if args.trace is None or not args.trace.is_file():
         parser.error("no trace: pass --trace (Mooncake JSONL)")
@@ -146,7 +155,9 @@ def main(argv: list[str]) -> int:
         from kvstrata.prefix_index.localray import RayDidNotStart
 
         try:
-            emit({"bench": "index_ray", **_ray_figures(stream, args.batch, base)})
+            emit(
+                {"bench": "index_ray", **_ray_figures(stream, args.batch, args.branch_depth, base)}
+            )
         except RayDidNotStart as exc:
             print(f"kvstrata bench index --ray: Ray did not start: {exc}", file=sys.stderr)
             return 2

@@ -6,9 +6,10 @@
     router -> ClusterIndex.match_lengths(keys) -> the one shard owning keys[0]
 
 Branch sharding: every key of a branch (a prefix and all its continuations) lives on the shard
-that rendezvous hashing picks for the branch's first page key, so one lookup goes to one shard.
-The publisher knows each of its keys' first page (it saw the chain being stored) and splits its
-events by shard, with its own sequence number per (instance, shard).
+that rendezvous hashing picks for the branch's key at depth `branch_depth` - 1 (the first page
+by default); the shallower "trunk" pages are replicated on every shard. So one lookup goes to
+one shard. The publisher knows each key's depth and branch (it saw the chain being stored) and
+splits its events by shard, with its own sequence number per (instance, shard).
 
 Failure:
 - a lost batch or a restarted shard (which expects seq 0 again) shows as a gap: the shard drops
@@ -228,15 +229,27 @@ class ClusterMatch:
 
 
 class ClusterIndex:
-    """Client side: routes lookups to the shard owning each query's first key. `shards`: name
-    -> Ray actor handle (from `deploy_shards`) or, in process, name -> `IndexShard`.
+    """Client side: routes each query to the shard owning its branch. `shards`: name -> Ray
+    actor handle (from `deploy_shards`) or, in process, name -> `IndexShard`.
+    `branch_depth` d: a branch is named by its page d-1; the "trunk" (pages 0..d-2) is
+    replicated on every shard, so a query goes to `owner(keys[min(d, len) - 1])` and still sees
+    its whole prefix there. d = 1 shards by the first page; on a trace where every request
+    opens with the same page (the Mooncake trace), d = 1 puts everything on one shard.
     `timeout_s` bounds every Ray call; a shard that does not answer raises ShardUnavailable."""
 
     def __init__(
-        self, shards: Mapping[str, Any], *, page_size: int, timeout_s: float = 10.0
+        self,
+        shards: Mapping[str, Any],
+        *,
+        page_size: int,
+        timeout_s: float = 10.0,
+        branch_depth: int = 1,
     ) -> None:
         if not shards:
             raise InvalidParameter("a cluster index needs at least one shard")
+        if branch_depth < 1:
+            raise InvalidParameter(f"branch_depth must be >= 1, got {branch_depth}")
+        self.branch_depth = branch_depth
         self.shards = dict(shards)
         self.names = sorted(self.shards)
         self.page_size = page_size
@@ -263,9 +276,10 @@ class ClusterIndex:
         """Each query (page keys) answered by the shard owning its first key; one call per
         shard, all in flight together."""
         by_shard: dict[str, list[int]] = {}
+        depth = self.branch_depth
         for i, q in enumerate(queries):
             if q:
-                by_shard.setdefault(self.owner(q[0]), []).append(i)
+                by_shard.setdefault(self.owner(q[min(depth, len(q)) - 1]), []).append(i)
         answers = self.call_many(
             {n: ("match_batch", ([queries[i] for i in idx],)) for n, idx in by_shard.items()}
         )
@@ -304,7 +318,9 @@ class ShardedPublisher:
         self.instance = instance
         self.cluster = cluster
         self.tree = tree
-        self._first: dict[bytes, bytes] = {}
+        # Per key: its depth (page index) and its branch key (None: a trunk key, on every shard).
+        self._depth: dict[bytes, int] = {}
+        self._branch: dict[bytes, bytes | None] = {}
         self._seq = dict.fromkeys(cluster.names, 0)
         self.dumps_sent = 0
         cluster.call_many({n: ("register", (instance, node_id)) for n in cluster.names})
@@ -325,55 +341,79 @@ class ShardedPublisher:
         if self.tree is None:
             raise InvalidParameter(f"{self.instance} publishes without a tree: it cannot dump")
         owned: list[KVEvent] = []
-        first_of = self._first
         for event in dump_tree(self.tree):  # parents before children
             assert isinstance(event, BlockStored)
-            parent = event.parent_key
-            first = first_of.get(parent, event.page_keys[0]) if parent else event.page_keys[0]
-            for key in event.page_keys:
-                first_of.setdefault(key, first)
-            if self.cluster.owner(first_of[event.page_keys[0]]) == name:
-                owned.append(
-                    BlockStored(
-                        page_keys=event.page_keys,
-                        parent_key=parent,
-                        tokens_per_page=event.tokens_per_page,
-                        namespace=event.namespace,
+            for branch, keys in self._assign(event):
+                if branch is None or self.cluster.owner(branch) == name:
+                    owned.append(
+                        BlockStored(
+                            page_keys=keys,
+                            parent_key=None,
+                            tokens_per_page=event.tokens_per_page,
+                            namespace=event.namespace,
+                        )
                     )
-                )
         self.cluster.call_many(
             {name: ("load_dump", (self.instance, encode_events(owned), self._seq[name]))}
         )
         self.dumps_sent += 1
 
+    def _assign(self, event: BlockStored) -> list[tuple[bytes | None, tuple[bytes, ...]]]:
+        """The event's keys grouped by branch (None: trunk), in order; records each key's
+        depth and branch. A run below the trunk stays on one branch, so at most two groups."""
+        d = self.cluster.branch_depth
+        parent = event.parent_key
+        depth = self._depth.get(parent, -1) + 1 if parent is not None else 0
+        branch = self._branch.get(parent) if parent is not None else None
+        groups: list[tuple[bytes | None, list[bytes]]] = []
+        for key in event.page_keys:
+            if depth == d - 1:
+                branch = key
+            elif depth < d - 1:
+                branch = None
+            self._depth[key] = depth
+            self._branch[key] = branch
+            if groups and groups[-1][0] == branch:
+                groups[-1][1].append(key)
+            else:
+                groups.append((branch, [key]))
+            depth += 1
+        return [(b, tuple(keys)) for b, keys in groups]
+
+    def _targets(self, branch: bytes | None) -> list[str]:
+        return list(self.cluster.names) if branch is None else [self.cluster.owner(branch)]
+
     def _split(self, events: Sequence[KVEvent]) -> dict[str, list[KVEvent]]:
         out: dict[str, list[KVEvent]] = {}
-        first_of = self._first
         for event in events:
             if isinstance(event, BlockStored):
-                if not event.page_keys:
-                    continue
-                first = (
-                    first_of.get(event.parent_key, event.page_keys[0])
-                    if event.parent_key is not None
-                    else event.page_keys[0]
-                )
-                for key in event.page_keys:
-                    first_of[key] = first
-                out.setdefault(self.cluster.owner(first), []).append(event)
+                for branch, keys in self._assign(event):
+                    part = BlockStored(
+                        page_keys=keys,
+                        parent_key=None,
+                        tokens_per_page=event.tokens_per_page,
+                        tier=event.tier,
+                        namespace=event.namespace,
+                    )
+                    for name in self._targets(branch):
+                        out.setdefault(name, []).append(part)
             elif isinstance(event, BlockRemoved):
-                groups: dict[str, list[bytes]] = {}
+                removed: dict[str, list[bytes]] = {}
                 for key in event.page_keys:
-                    first = first_of.pop(key, None)
-                    if first is not None:
-                        groups.setdefault(self.cluster.owner(first), []).append(key)
-                for name, keys in groups.items():
+                    if key not in self._branch:
+                        continue
+                    branch = self._branch.pop(key)
+                    self._depth.pop(key, None)
+                    for name in self._targets(branch):
+                        removed.setdefault(name, []).append(key)
+                for name, keys in removed.items():
                     out.setdefault(name, []).append(
                         BlockRemoved(page_keys=tuple(keys), tier=event.tier)
                     )
             elif isinstance(event, AllBlocksCleared):
                 if event.tier is None or event.tier == "device":
-                    first_of.clear()
+                    self._branch.clear()
+                    self._depth.clear()
                 for name in self.cluster.names:
                     out.setdefault(name, []).append(event)
         return out

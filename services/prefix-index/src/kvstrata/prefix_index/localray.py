@@ -89,7 +89,7 @@ def loopback_cluster(num_workers: int, attempts: int = 2) -> Iterator[Cluster]:
 
 
 def replay_on_local_cluster(
-    stream: OpStream, *, batch_requests: int, num_workers: int = 1
+    stream: OpStream, *, batch_requests: int, num_workers: int = 1, branch_depth: int = 2
 ) -> tuple[OpTiming, int, float]:
     """Start a loopback cluster of 1 + `num_workers` nodes, deploy one shard per node, replay
     `stream` through them (`replay_ops_on_cluster`); returns the timing, the number of shards
@@ -97,7 +97,9 @@ def replay_on_local_cluster(
     with loopback_cluster(num_workers=num_workers):
         shards = deploy_shards(stream.page_size)
         ray.get([h.stats.remote() for h in shards.values()], timeout=120)
-        cluster = ClusterIndex(shards, page_size=stream.page_size, timeout_s=120)
+        cluster = ClusterIndex(
+            shards, page_size=stream.page_size, timeout_s=120, branch_depth=branch_depth
+        )
         node = ray.get_runtime_context().get_node_id()
         timing = replay_ops_on_cluster(cluster, stream, batch_requests=batch_requests, node_id=node)
         return timing, len(shards), cluster.skew()
