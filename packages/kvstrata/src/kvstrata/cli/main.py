@@ -11,7 +11,13 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
-from kvstrata.cli import plan_command, replay_command, services_command, size_command
+from kvstrata.cli import (
+    index_command,
+    plan_command,
+    replay_command,
+    services_command,
+    size_command,
+)
 
 #: Distributions of the workspace, in layer order (bottom first), as `kvstrata version` lists them.
 DISTRIBUTIONS: tuple[str, ...] = (
@@ -23,6 +29,7 @@ DISTRIBUTIONS: tuple[str, ...] = (
     "kvstrata-hybrid-cache",
     "kvstrata-unified-radix-cache",
     "kvstrata-l3-store",
+    "kvstrata-prefix-index",
     "kvstrata",
 )
 
@@ -70,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_command.add_parser(sub)
     size_command.add_parser(sub)
     services_command.add_parser(sub)
+    index_command.add_parser(sub)
     return parser
 
 

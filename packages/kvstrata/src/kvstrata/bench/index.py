@@ -1,0 +1,191 @@
+"""`kvstrata bench index`: the cluster prefix index (`kvstrata.prefix_index`) on a request trace.
+
+Three records (JSON lines):
+
+- `index_ops`: Dynamo's INDEXER_BENCH method in process. The trace is served (untimed) by one
+  LRU-bounded simulated instance (`--capacity-pages`, default 8 x 5,860); each request gives one
+  lookup (`find_matches` of its page keys) and its KV events (stored pages, evicted pages). The
+  stream is replayed into a fresh index with every op timed: ops/s by wall clock and by this
+  process's CPU time (the machine is shared), p50/p99 per op, pages per second. Baseline: the
+  same stream on an unbounded index, measured in the same run; the bounded index
+  (`--max-entries`, default half the distinct keys) is reported beside it with the ratio.
+- `index_memory`: traced bytes per entry (a key held by one instance) and per extra holder.
+- `index_ray` (with `--ray`): the same stream through shard actors on a local 2-node loopback
+  Ray cluster, `--batch` requests per round (one `match_batch` call and one publish call per
+  shard); each op's latency is its batch's round trip. Baseline: the in-process rate above.
+- `routing` (unless `--no-routing`): 8 simulated device-only LRU instances of 5,860 pages, the
+  trace routed round-robin (baseline) and cache-aware; block hit rate and the busiest
+  instance's routed pages over the mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvstrata.bench.report import emit, environment, ratio
+from kvstrata.prefix_index import PrefixIndex, read_trace, simulate
+from kvstrata.prefix_index.opstream import (
+    OpStream,
+    OpTiming,
+    build_op_stream,
+    measure_memory,
+    replay_ops,
+)
+
+_TRACE_PARTS = ("shared", "traces", "mooncake_conversation_trace.jsonl")
+
+
+def default_trace() -> Path | None:
+    for parent in Path(__file__).resolve().parents:
+        candidate = parent.joinpath(*_TRACE_PARTS)
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _timing(t: OpTiming) -> dict[str, Any]:
+    return {
+        "ops": t.ops,
+        "pages": t.pages,
+        "seconds": round(t.seconds, 4),
+        "ops_per_s": round(t.ops_per_s),
+        "ops_per_cpu_s": round(t.ops_per_cpu_s),
+        "pages_per_s": round(t.pages_per_s),
+        "p50_us": round(t.p50_us, 2),
+        "p99_us": round(t.p99_us, 2),
+        "lookup_p99_us": round(t.lookup_p99_us, 2),
+        "event_p99_us": round(t.event_p99_us, 2),
+        "max_us": round(t.max_us, 1),
+    }
+
+
+def _median(runs: list[OpTiming]) -> OpTiming:
+    return sorted(runs, key=lambda t: t.seconds)[(len(runs) - 1) // 2]
+
+
+def _ray_figures(stream: OpStream, batch: int, depth: int, in_process: OpTiming) -> dict[str, Any]:
+    # Ray reads its loopback switch at import: set the quiet, loopback-only settings first.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from kvstrata.prefix_index.localray import replay_on_local_cluster
+
+    timing, num_shards, skew = replay_on_local_cluster(
+        stream, batch_requests=batch, branch_depth=depth
+    )
+    return {
+        "shards": num_shards,
+        "batch_requests": batch,
+        "branch_depth": depth,
+        **_timing(timing),
+        "shard_skew": round(skew, 4),
+        "ratio_vs_in_process_ops": ratio(timing.ops_per_s, in_process.ops_per_s),
+        "target_ops_per_s": 30_000,
+        "target_p99_us": 3_200,
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvstrata bench index",
+        description="Prefix index ops/s, p99, bytes per entry and routing hit rates on a trace.",
+    )
+    parser.add_argument("--trace", type=Path, default=default_trace())
+    parser.add_argument("--limit", type=int, default=0, help="first N requests (0 = all)")
+    parser.add_argument("--capacity-pages", type=int, default=8 * 5860)
+    parser.add_argument("--max-entries", type=int, default=0, help="0 = half the distinct keys")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--instances", type=int, default=8, help="routing: instances")
+    parser.add_argument("--instance-pages", type=int, default=5860, help="routing: pages each")
+    parser.add_argument("--load-weight", type=float, default=0.03, help="cache_aware load term")
+    parser.add_argument("--no-routing", action="store_true")
+    parser.add_argument("--ray", action="store_true", help="also measure through Ray shards")
+    parser.add_argument("--batch", type=int, default=64, help="--ray: requests per round")
+    parser.add_argument(
+        "--branch-depth",
+        type=int,
+        default=2,
+        help="--ray: shard by page d-1 (every trace request opens with the same page)",
+    )
+    args = parser.parse_args(argv)
+    if args.trace is None or not args.trace.is_file():
+        parser.error("no trace: pass --trace (Mooncake JSONL)")
+    if args.repeats < 1 or args.capacity_pages < 1 or args.limit < 0 or args.max_entries < 0:
+        parser.error("--repeats and --capacity-pages must be >= 1; --limit, --max-entries >= 0")
+    prompts = read_trace(str(args.trace), limit=args.limit)
+    stream = build_op_stream(prompts, capacity_pages=args.capacity_pages)
+    memory = measure_memory(stream)
+    bound = args.max_entries or max(1, memory.num_entries // 2)
+    unbounded: list[OpTiming] = []
+    bounded: list[OpTiming] = []
+    for _ in range(args.repeats):
+        unbounded.append(replay_ops(PrefixIndex(1), stream))
+        bounded.append(replay_ops(PrefixIndex(1, max_entries=bound), stream))
+    base, ours = _median(unbounded), _median(bounded)
+    emit(
+        {
+            "bench": "index_ops",
+            "requests": len(prompts),
+            "events": stream.num_events,
+            "capacity_pages": args.capacity_pages,
+            "unbounded": _timing(base),
+            "bounded": {"max_entries": bound, **_timing(ours)},
+            "ratio_bounded_vs_unbounded_ops": ratio(ours.ops_per_s, base.ops_per_s),
+            "ops_per_cpu_s_all": [round(t.ops_per_cpu_s) for t in unbounded],
+            "target_ops_per_s": 400_000,
+            "ratio_vs_target_cpu": ratio(base.ops_per_cpu_s, 400_000),
+            **environment(),
+        }
+    )
+    emit(
+        {
+            "bench": "index_memory",
+            "entries": memory.num_entries,
+            "bytes_per_entry": round(memory.bytes_per_entry, 1),
+            "bytes_per_extra_holder": round(memory.bytes_per_extra_holder, 1),
+            "key_bytes": 32,
+        }
+    )
+    if args.ray:
+        from kvstrata.prefix_index.localray import RayDidNotStart
+
+        try:
+            emit(
+                {"bench": "index_ray", **_ray_figures(stream, args.batch, args.branch_depth, base)}
+            )
+        except RayDidNotStart as exc:
+            print(f"kvstrata bench index --ray: Ray did not start: {exc}", file=sys.stderr)
+            return 2
+    if args.no_routing:
+        return 0
+    results = {}
+    for policy in ("round_robin", "cache_aware"):
+        results[policy] = simulate(
+            prompts,
+            num_instances=args.instances,
+            capacity_pages=args.instance_pages,
+            policy=policy,
+            load_weight=args.load_weight,
+        )
+    rr, ca = results["round_robin"], results["cache_aware"]
+    emit(
+        {
+            "bench": "routing",
+            "instances": args.instances,
+            "instance_pages": args.instance_pages,
+            "load_weight": args.load_weight,
+            "round_robin_hit_rate": round(rr.hit_rate, 4),
+            "cache_aware_hit_rate": round(ca.hit_rate, 4),
+            "ratio_hit_rate": ratio(ca.hit_rate, rr.hit_rate),
+            "round_robin_max_load_ratio": round(rr.max_load_ratio, 4),
+            "cache_aware_max_load_ratio": round(ca.max_load_ratio, 4),
+            "cache_aware_routed_pages": ca.routed_pages,
+            "median_routed_pages": statistics.median(ca.routed_pages.values()),
+        }
+    )
+    return 0

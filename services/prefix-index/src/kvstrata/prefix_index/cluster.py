@@ -1,0 +1,473 @@
+"""The index on Ray: one shard actor per node, keys branch-sharded by rendezvous hashing.
+
+    engine instance (tree)                       shard actors (named, detached, one per node)
+      take_events() -> ShardedPublisher --+--> kvstrata-prefix-index-<node> : IndexShard
+                       per shard: seq     +--> kvstrata-prefix-index-<node> : IndexShard
+    router -> ClusterIndex.match_lengths(keys) -> the one shard owning keys[0]
+
+Branch sharding: every key of a branch (a prefix and all its continuations) lives on the shard
+that rendezvous hashing picks for the branch's key at depth `branch_depth` - 1 (the first page
+by default); the shallower "trunk" pages are replicated on every shard. So one lookup goes to
+one shard. The publisher knows each key's depth and branch (it saw the chain being stored) and
+splits its events by shard, with its own sequence number per (instance, shard).
+
+Failure:
+- a lost batch or a restarted shard (which expects seq 0 again) shows as a gap: the shard drops
+  the instance's entries and answers "needs dump"; the publisher sends a dump of its tree
+  restricted to that shard's branches, and the entries are back;
+- a restarted shard says `rebuilding` (answers are partial) until its grace period is over and
+  no instance it has heard from still awaits a dump;
+- each shard watches `ray.nodes()` every `purge_period_s` and drops the instances registered on
+  a node that is no longer alive, so they are purged within about that period of Ray noticing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvstrata.prefix_index.dump import dump_tree
+from kvstrata.prefix_index.errors import InvalidParameter, ShardUnavailable
+from kvstrata.prefix_index.index import PrefixIndex
+from kvstrata.prefix_index.opstream import OpStream, OpTiming
+from kvstrata.unified_radix_cache import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    UnifiedRadixCache,
+    decode_events,
+    encode_events,
+)
+
+NAMESPACE = "kvstrata"
+NAME_PREFIX = "kvstrata-prefix-index-"
+
+
+def shard_name(node_id: str) -> str:
+    return NAME_PREFIX + node_id[:16]
+
+
+def owner(shards: Sequence[str], first_key: bytes) -> str:
+    """Rendezvous (highest random weight) hashing: the shard with the highest hash of
+    (shard, key). Adding or removing a shard moves only the branches it wins or held."""
+    return max(
+        shards,
+        key=lambda s: hashlib.blake2b(s.encode() + first_key, digest_size=8).digest(),
+    )
+
+
+class IndexShard:
+    """One shard's state and methods. In-process it is a plain object (tests, a single-node
+    router); `deploy_shards` runs it as a Ray actor (`_RayShard`), which fills `node_id` and
+    `restarted` from the runtime context and watches `ray.nodes()` for dead nodes."""
+
+    def __init__(
+        self,
+        page_size: int,
+        *,
+        node_id: str = "local",
+        restarted: bool = False,
+        max_entries: int | None = None,
+        rebuild_grace_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._lock = threading.Lock()
+        self.index = PrefixIndex(page_size, max_entries=max_entries)
+        self._nodes: dict[str, str] = {}
+        self.node_id = node_id
+        self.restarted = restarted
+        self._clock = clock
+        self._started = clock()
+        self._grace = rebuild_grace_s
+        self._heard: set[str] = set()
+        self.purged: list[str] = []
+
+    def register(self, instance: str, node_id: str) -> None:
+        with self._lock:
+            self._nodes[instance] = node_id
+
+    def apply_batches(self, items: Sequence[tuple[str, int, bytes]]) -> list[bool]:
+        """Apply (instance, seq, encoded kvstrata events) in order; False = needs a dump."""
+        out: list[bool] = []
+        with self._lock:
+            for instance, seq, payload in items:
+                self._heard.add(instance)
+                self.index.apply_sequenced(instance, seq, decode_events(payload))
+                out.append(not self.index.needs_dump(instance))
+        return out
+
+    def load_dump(self, instance: str, payload: bytes, next_seq: int) -> None:
+        with self._lock:
+            self._heard.add(instance)
+            self.index.load_dump(instance, decode_events(payload), next_seq)
+
+    def match_batch(self, queries: Sequence[Sequence[bytes]]) -> tuple[list[dict[str, int]], bool]:
+        """Per query, pages matched per instance; and whether this shard is rebuilding."""
+        with self._lock:
+            return [self.index.match_lengths(q) for q in queries], self._rebuilding()
+
+    def drop_instance(self, instance: str) -> int:
+        with self._lock:
+            self._nodes.pop(instance, None)
+            self._heard.discard(instance)
+            return self.index.drop_instance(instance)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            s = self.index.stats()
+            return {
+                "node_id": self.node_id,
+                "entries": s.num_entries,
+                "instances": s.num_instances,
+                "gaps": s.gaps,
+                "restarted": self.restarted,
+                "rebuilding": self._rebuilding(),
+                "purged": list(self.purged),
+            }
+
+    def _rebuilding(self) -> bool:
+        if not self.restarted:
+            return False
+        if self._clock() - self._started < self._grace:
+            return True
+        return any(self.index.needs_dump(i) for i in self._heard)
+
+    def purge_dead(self, alive_nodes: set[str]) -> list[str]:
+        """Drop every instance registered on a node not in `alive_nodes`; returns them."""
+        with self._lock:
+            dead = [i for i, node in self._nodes.items() if node not in alive_nodes]
+            for instance in dead:
+                self._nodes.pop(instance, None)
+                self._heard.discard(instance)
+                self.index.drop_instance(instance)
+                self.purged.append(instance)
+            return dead
+
+
+class _RayShard(IndexShard):
+    """The Ray actor: node and restart from the runtime context, and a thread that purges the
+    instances of dead nodes every `purge_period_s` (within about that period of Ray marking
+    the node dead)."""
+
+    def __init__(
+        self,
+        page_size: int,
+        *,
+        max_entries: int | None = None,
+        rebuild_grace_s: float = 2.0,
+        purge_period_s: float = 0.5,
+    ) -> None:
+        ctx = ray.get_runtime_context()
+        super().__init__(
+            page_size,
+            node_id=ctx.get_node_id(),
+            restarted=bool(ctx.was_current_actor_reconstructed),
+            max_entries=max_entries,
+            rebuild_grace_s=rebuild_grace_s,
+        )
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(
+            target=self._watch_nodes, args=(purge_period_s,), daemon=True
+        )
+        self._monitor.start()
+
+    def _watch_nodes(self, period: float) -> None:
+        while not self._stop.wait(period):
+            try:
+                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            except ray.exceptions.RayError:
+                continue  # GCS briefly unreachable: try again next period
+            self.purge_dead(alive)
+
+
+def deploy_shards(
+    page_size: int,
+    *,
+    max_entries: int | None = None,
+    rebuild_grace_s: float = 2.0,
+    purge_period_s: float = 0.5,
+) -> dict[str, Any]:
+    """One named, detached shard actor per alive node (existing ones are reused). Returns
+    shard name -> actor handle."""
+    actor_cls = ray.remote(_RayShard)
+    out: dict[str, Any] = {}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        node_id = node["NodeID"]
+        name = shard_name(node_id)
+        out[name] = actor_cls.options(  # type: ignore[attr-defined]
+            name=name,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            max_restarts=-1,
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(
+            page_size,
+            max_entries=max_entries,
+            rebuild_grace_s=rebuild_grace_s,
+            purge_period_s=purge_period_s,
+        )
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterMatch:
+    lengths: dict[str, int]
+    shard: str
+    partial: bool
+
+
+class ClusterIndex:
+    """Client side: routes each query to the shard owning its branch. `shards`: name -> Ray
+    actor handle (from `deploy_shards`) or, in process, name -> `IndexShard`.
+    `branch_depth` d: a branch is named by its page d-1; the "trunk" (pages 0..d-2) is
+    replicated on every shard, so a query goes to `owner(keys[min(d, len) - 1])` and still sees
+    its whole prefix there. d = 1 shards by the first page; on a trace where every request
+    opens with the same page (the Mooncake trace), d = 1 puts everything on one shard.
+    `timeout_s` bounds every Ray call; a shard that does not answer raises ShardUnavailable."""
+
+    def __init__(
+        self,
+        shards: Mapping[str, Any],
+        *,
+        page_size: int,
+        timeout_s: float = 10.0,
+        branch_depth: int = 1,
+    ) -> None:
+        if not shards:
+            raise InvalidParameter("a cluster index needs at least one shard")
+        if branch_depth < 1:
+            raise InvalidParameter(f"branch_depth must be >= 1, got {branch_depth}")
+        self.branch_depth = branch_depth
+        self.shards = dict(shards)
+        self.names = sorted(self.shards)
+        self.page_size = page_size
+        self.timeout_s = timeout_s
+        self._local = all(isinstance(h, IndexShard) for h in self.shards.values())
+
+    def owner(self, first_key: bytes) -> str:
+        return owner(self.names, first_key)
+
+    def call_many(self, calls: Mapping[str, tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
+        """`method(*args)` on each named shard, all in flight together; results by shard."""
+        if self._local:
+            return {n: getattr(self.shards[n], m)(*args) for n, (m, args) in calls.items()}
+        refs = {n: getattr(self.shards[n], m).remote(*args) for n, (m, args) in calls.items()}
+        out: dict[str, Any] = {}
+        for name, ref in refs.items():
+            try:
+                out[name] = ray.get(ref, timeout=self.timeout_s)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                raise ShardUnavailable(f"shard {name} did not answer: {exc}") from exc
+        return out
+
+    def match_batch(self, queries: Sequence[Sequence[bytes]]) -> list[ClusterMatch]:
+        """Each query (page keys) answered by the shard owning its first key; one call per
+        shard, all in flight together."""
+        by_shard: dict[str, list[int]] = {}
+        depth = self.branch_depth
+        for i, q in enumerate(queries):
+            if q:
+                by_shard.setdefault(self.owner(q[min(depth, len(q)) - 1]), []).append(i)
+        answers = self.call_many(
+            {n: ("match_batch", ([queries[i] for i in idx],)) for n, idx in by_shard.items()}
+        )
+        out = [ClusterMatch(lengths={}, shard="", partial=False) for _ in queries]
+        for name, (lengths, partial) in answers.items():
+            for i, got in zip(by_shard[name], lengths, strict=True):
+                out[i] = ClusterMatch(lengths=got, shard=name, partial=partial)
+        return out
+
+    def match_lengths(self, page_keys: Sequence[bytes]) -> dict[str, int]:
+        """The Router's hook: pages matched per instance (one shard call)."""
+        return self.match_batch([page_keys])[0].lengths
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return self.call_many({n: ("stats", ()) for n in self.names})
+
+    def skew(self) -> float:
+        """Entries of the fullest shard over the mean (1.0 = even)."""
+        entries = [s["entries"] for s in self.stats().values()]
+        mean = sum(entries) / len(entries)
+        return max(entries) / mean if mean else 0.0
+
+
+class ShardedPublisher:
+    """Instance side: splits a tree's events by owning shard, numbers them per shard, sends a
+    dump of a shard's branches when that shard reports a gap (or restarted)."""
+
+    def __init__(
+        self,
+        instance: str,
+        cluster: ClusterIndex,
+        tree: UnifiedRadixCache | None,
+        *,
+        node_id: str,
+    ) -> None:
+        self.instance = instance
+        self.cluster = cluster
+        self.tree = tree
+        # Per key: its depth (page index) and its branch key (None: a trunk key, on every shard).
+        self._depth: dict[bytes, int] = {}
+        self._branch: dict[bytes, bytes | None] = {}
+        self._seq = dict.fromkeys(cluster.names, 0)
+        self.dumps_sent = 0
+        cluster.call_many({n: ("register", (instance, node_id)) for n in cluster.names})
+
+    def publish(self, events: Sequence[KVEvent]) -> None:
+        per_shard = self._split(events)
+        calls: dict[str, tuple[str, tuple[Any, ...]]] = {}
+        for name, evs in per_shard.items():
+            seq = self._seq[name]
+            self._seq[name] = seq + 1
+            calls[name] = ("apply_batches", ([(self.instance, seq, encode_events(evs))],))
+        for name, (ok,) in self.cluster.call_many(calls).items():
+            if not ok:
+                self.send_dump(name)
+
+    def send_dump(self, name: str) -> None:
+        """A dump of this instance's branches owned by shard `name`, resuming its sequence."""
+        if self.tree is None:
+            raise InvalidParameter(f"{self.instance} publishes without a tree: it cannot dump")
+        owned: list[KVEvent] = []
+        for event in dump_tree(self.tree):  # parents before children
+            assert isinstance(event, BlockStored)
+            for branch, keys in self._assign(event):
+                if branch is None or self.cluster.owner(branch) == name:
+                    owned.append(
+                        BlockStored(
+                            page_keys=keys,
+                            parent_key=None,
+                            tokens_per_page=event.tokens_per_page,
+                            namespace=event.namespace,
+                        )
+                    )
+        self.cluster.call_many(
+            {name: ("load_dump", (self.instance, encode_events(owned), self._seq[name]))}
+        )
+        self.dumps_sent += 1
+
+    def _assign(self, event: BlockStored) -> list[tuple[bytes | None, tuple[bytes, ...]]]:
+        """The event's keys grouped by branch (None: trunk), in order; records each key's
+        depth and branch. A run below the trunk stays on one branch, so at most two groups."""
+        d = self.cluster.branch_depth
+        parent = event.parent_key
+        depth = self._depth.get(parent, -1) + 1 if parent is not None else 0
+        branch = self._branch.get(parent) if parent is not None else None
+        groups: list[tuple[bytes | None, list[bytes]]] = []
+        for key in event.page_keys:
+            if depth == d - 1:
+                branch = key
+            elif depth < d - 1:
+                branch = None
+            self._depth[key] = depth
+            self._branch[key] = branch
+            if groups and groups[-1][0] == branch:
+                groups[-1][1].append(key)
+            else:
+                groups.append((branch, [key]))
+            depth += 1
+        return [(b, tuple(keys)) for b, keys in groups]
+
+    def _targets(self, branch: bytes | None) -> list[str]:
+        return list(self.cluster.names) if branch is None else [self.cluster.owner(branch)]
+
+    def _split(self, events: Sequence[KVEvent]) -> dict[str, list[KVEvent]]:
+        out: dict[str, list[KVEvent]] = {}
+        for event in events:
+            if isinstance(event, BlockStored):
+                for branch, keys in self._assign(event):
+                    part = BlockStored(
+                        page_keys=keys,
+                        parent_key=None,
+                        tokens_per_page=event.tokens_per_page,
+                        tier=event.tier,
+                        namespace=event.namespace,
+                    )
+                    for name in self._targets(branch):
+                        out.setdefault(name, []).append(part)
+            elif isinstance(event, BlockRemoved):
+                removed: dict[str, list[bytes]] = {}
+                for key in event.page_keys:
+                    if key not in self._branch:
+                        continue
+                    branch = self._branch.pop(key)
+                    self._depth.pop(key, None)
+                    for name in self._targets(branch):
+                        removed.setdefault(name, []).append(key)
+                for name, keys in removed.items():
+                    out.setdefault(name, []).append(
+                        BlockRemoved(page_keys=tuple(keys), tier=event.tier)
+                    )
+            elif isinstance(event, AllBlocksCleared):
+                if event.tier is None or event.tier == "device":
+                    self._branch.clear()
+                    self._depth.clear()
+                for name in self.cluster.names:
+                    out.setdefault(name, []).append(event)
+        return out
+
+
+def replay_ops_on_cluster(
+    cluster: ClusterIndex, stream: OpStream, *, batch_requests: int, node_id: str
+) -> OpTiming:
+    """The INDEXER_BENCH stream through the shards, `batch_requests` requests at a time: one
+    `match_batch` (one call per shard) for their lookups, then one publish per instance of
+    their events (one call per shard). Each op's latency is its batch's round trip."""
+    if batch_requests < 1:
+        raise InvalidParameter(f"batch_requests must be >= 1, got {batch_requests}")
+    publishers: dict[str, ShardedPublisher] = {}
+    for req in stream.requests:
+        if req.instance not in publishers:
+            publishers[req.instance] = ShardedPublisher(
+                req.instance, cluster, None, node_id=node_id
+            )
+    latencies: list[float] = []
+    start = time.perf_counter()
+    cpu_start = time.process_time()
+    requests = stream.requests
+    pages = 0
+    for lo in range(0, len(requests), batch_requests):
+        chunk = requests[lo : lo + batch_requests]
+        t0 = time.perf_counter()
+        cluster.match_batch([r.page_keys for r in chunk])
+        by_instance: dict[str, list[KVEvent]] = {}
+        for r in chunk:
+            by_instance.setdefault(r.instance, []).extend(r.events)
+        for name, events in by_instance.items():
+            publishers[name].publish(events)
+        took = time.perf_counter() - t0
+        ops = sum(1 + len(r.events) for r in chunk)
+        pages += sum(
+            len(r.page_keys) + sum(len(getattr(e, "page_keys", ())) for e in r.events)
+            for r in chunk
+        )
+        latencies.extend([took] * ops)
+    seconds = time.perf_counter() - start
+    ordered = sorted(latencies)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
+
+    return OpTiming(
+        ops=len(latencies),
+        pages=pages,
+        seconds=seconds,
+        cpu_seconds=time.process_time() - cpu_start,
+        p50_us=pct(0.50),
+        p99_us=pct(0.99),
+        max_us=ordered[-1] * 1e6 if ordered else 0.0,
+        lookup_p99_us=pct(0.99),
+        event_p99_us=pct(0.99),
+    )

@@ -1,0 +1,39 @@
+"""Caller-visible failures of the prefix index. Each is raised before any state changes."""
+
+from __future__ import annotations
+
+
+class PrefixIndexError(Exception):
+    """Base of every error this package raises on bad input."""
+
+
+class InvalidParameter(PrefixIndexError, ValueError):
+    """A constructor or call argument is out of range (page size, weights, capacity...)."""
+
+
+class InvalidInstance(PrefixIndexError, ValueError):
+    """An instance name is empty or not a string."""
+
+
+class InvalidEvent(PrefixIndexError, ValueError):
+    """A kvstrata event is malformed or does not fit this index (e.g. its page size)."""
+
+
+class EngineDecodeError(PrefixIndexError, ValueError):
+    """An engine's msgpack EventBatch cannot be decoded (not msgpack, wrong envelope)."""
+
+
+class UnknownFormat(PrefixIndexError, ValueError):
+    """An engine event format other than "vllm" or "sglang"."""
+
+
+class UnknownPolicy(PrefixIndexError, ValueError):
+    """A routing policy other than round_robin, least_loaded or cache_aware."""
+
+
+class NoInstances(PrefixIndexError, LookupError):
+    """The router has no instance to send a request to."""
+
+
+class ShardUnavailable(PrefixIndexError, RuntimeError):
+    """A shard actor did not answer (dead node, timeout); the caller may retry or fall back."""

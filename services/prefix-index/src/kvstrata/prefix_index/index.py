@@ -1,0 +1,497 @@
+"""`PrefixIndex`: page key -> which instances hold it, on which tiers.
+
+Keys are the chained page keys of `kvstrata.storage.PageKeyer` (key_i names the whole prefix up
+to page i), so the index is a flat map, not a tree: the longest cached prefix of a prompt on an
+instance is the longest run of its keys, from the first, that the instance holds.
+
+    _holders:  key -> {instance id: tier mask}      (OrderedDict: least recently matched first)
+    _by_inst:  instance id -> set of its keys       (drop / clear of one instance in O(its keys))
+    _seq:      instance name -> next expected batch sequence number
+
+Bounded memory: with `max_entries`, inserting a new key when full evicts the least recently
+matched key (all its holders). `find_matches` touches the matched keys deepest first, so among
+the keys of one prefix the first page is the most recent: eviction takes a prefix's tail before
+its head (a head evicted first would orphan its whole tail, since matches start at page 0).
+
+Costs: `apply` O(pages of the events); `find_matches` O(pages matched x instances still
+matching) dict lookups; `drop_instance` O(keys of the instance). Measured (`kvstrata bench
+index`) bytes per entry and ops/s are in the member README.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy.typing as npt
+
+from kvstrata.prefix_index.engines import EngineKeyMap, decode_engine_batch
+from kvstrata.prefix_index.errors import InvalidEvent, InvalidInstance, InvalidParameter
+from kvstrata.prefix_index.tiers import DEFAULT_TIER_WEIGHTS
+from kvstrata.storage import PageKeyer
+from kvstrata.unified_radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+
+class InstanceMatch(NamedTuple):
+    """One instance's longest run of held pages from the first page of the query, and the best
+    tier (highest weight) it holds each page on."""
+
+    num_pages: int
+    tiers: tuple[str, ...]
+
+
+class PrefixMatches(NamedTuple):
+    """`find_matches` result: the query's page count and, per instance holding at least its
+    first page, that instance's match. `partial` is True while the index answers from an
+    incomplete state (a shard still rebuilding from dumps)."""
+
+    num_pages: int
+    by_instance: Mapping[str, InstanceMatch]
+    partial: bool = False
+
+    def longest(self) -> int:
+        """Pages of the longest match over all instances (0 when none holds the first page)."""
+        return max((m.num_pages for m in self.by_instance.values()), default=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineBatchResult:
+    """What one engine batch did: kvstrata events applied, events of unknown type skipped (by
+    tag), and the instance's running count of blocks skipped for an unknown parent."""
+
+    applied_events: int
+    unknown: Mapping[str, int]
+    orphan_blocks: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexStats:
+    num_entries: int
+    num_instances: int
+    num_pairs: int
+    evicted_entries: int
+    gaps: int
+    max_entries: int | None
+
+
+class PrefixIndex:
+    """Page key -> set of (instance, tier), fed by kvstrata KV events.
+
+    `page_size`: tokens per page of every instance feeding this index (events with another
+    `tokens_per_page` are refused: their keys could never match a query keyed at this size).
+    `keyer`: turns tokens into keys for queries given as token ids; built for `page_size` when
+    None (it must be configured like the instances' keyers: namespace and hash).
+    `tier_weights`: weight of a page per tier for `score`; events on a tier absent from it are
+    refused. `max_entries`: bound on distinct keys (None: unbounded).
+    """
+
+    def __init__(
+        self,
+        page_size: int,
+        *,
+        keyer: PageKeyer | None = None,
+        tier_weights: Mapping[str, float] | None = None,
+        max_entries: int | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise InvalidParameter(f"page_size must be >= 1, got {page_size}")
+        if keyer is not None and keyer.page_size != page_size:
+            raise InvalidParameter(f"keyer page size {keyer.page_size} != index {page_size}")
+        weights = dict(DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights)
+        if not weights or any(w < 0 for w in weights.values()) or len(weights) > 12:
+            raise InvalidParameter(f"tier weights must be 1..12 non-negative values: {weights}")
+        if max_entries is not None and max_entries < 1:
+            raise InvalidParameter(f"max_entries must be >= 1 or None, got {max_entries}")
+        self.page_size = page_size
+        self.keyer = keyer if keyer is not None else PageKeyer(page_size=page_size)
+        self.max_entries = max_entries
+        self.tier_weights: dict[str, float] = weights
+        # Tier bits ordered best first, so the lowest set bit of a mask is the best tier.
+        ordered = sorted(weights, key=lambda t: -weights[t])
+        self._tier_bit: dict[str, int] = {t: 1 << i for i, t in enumerate(ordered)}
+        self._all_bits = (1 << len(ordered)) - 1
+        # Best tier of every mask: the lowest set bit names it.
+        self._best_tier: tuple[str, ...] = (
+            "",
+            *(ordered[(m & -m).bit_length() - 1] for m in range(1, self._all_bits + 1)),
+        )
+        self._holders: OrderedDict[bytes, dict[int, int]] = OrderedDict()
+        self._by_inst: dict[int, set[bytes]] = {}
+        self._ids: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+        self._next_id = 0
+        self._seq: dict[str, int] = {}
+        self._awaiting_dump: set[str] = set()
+        self._engine_maps: dict[str, EngineKeyMap] = {}
+        self.evicted_entries = 0
+        self.gaps = 0
+        self.unknown_engine_events = 0
+
+    # ------------------------------------------------------------------------------------------
+    # Feeding
+    # ------------------------------------------------------------------------------------------
+    def apply(self, instance: str, events: Iterable[KVEvent]) -> None:
+        """Apply `instance`'s events in order. Mutates the entries of that instance (and, when
+        bounded, may evict other keys). Raises InvalidInstance / InvalidEvent, before any
+        change, for a bad name, an unknown event, a tier absent from the weights or a page size
+        other than the index's."""
+        self._check_instance(instance)
+        batch = list(events)
+        self._check_events(batch)
+        iid = self._intern(instance)
+        for event in batch:
+            if isinstance(event, BlockStored):
+                self._store(iid, event.page_keys, self._tier_bit[event.tier])
+            elif isinstance(event, BlockRemoved):
+                bit = self._tier_bit[event.tier]
+                for key in event.page_keys:
+                    self._remove(iid, key, bit)
+            else:
+                bits = self._all_bits if event.tier is None else self._tier_bit[event.tier]
+                self._clear(iid, bits)
+
+    def apply_engine_batch(
+        self, instance: str, payload: bytes, format: str = "vllm", *, group: int = 0
+    ) -> EngineBatchResult:
+        """Decode a vLLM or SGLang msgpack EventBatch and apply it as `instance`'s events, keys
+        re-derived from the token ids with this index's keyer (see `engines`). `group`: the
+        KV-cache group indexed for hybrid models. Raises UnknownFormat / EngineDecodeError /
+        InvalidEvent before any change."""
+        self._check_instance(instance)
+        decoded = decode_engine_batch(payload, format)
+        for event in decoded.events:
+            tier = getattr(event, "tier", None)
+            if tier is not None:
+                self._check_tier(tier)
+        keymap = self._engine_maps.get(instance)
+        if keymap is None:
+            keymap = self._engine_maps[instance] = EngineKeyMap(self.keyer, group=group)
+        events = keymap.convert(decoded.events)
+        self.apply(instance, events)
+        self.unknown_engine_events += sum(decoded.unknown.values())
+        return EngineBatchResult(
+            applied_events=len(events),
+            unknown=decoded.unknown,
+            orphan_blocks=keymap.orphan_blocks,
+        )
+
+    def apply_sequenced(self, instance: str, seq: int, events: Iterable[KVEvent]) -> bool:
+        """Apply batch number `seq` of `instance` if it is the next one expected (0 first).
+
+        A gap (a batch lost) drops every entry of the instance, counts it in `gaps` and marks
+        the instance as awaiting a dump; until `load_dump` arrives, later batches are ignored.
+        Returns whether the batch was applied. A batch older than expected (a duplicate) is
+        ignored. Validation errors are raised before any change, gap or not."""
+        self._check_instance(instance)
+        batch = list(events)
+        self._check_events(batch)
+        if seq < 0:
+            raise InvalidEvent(f"sequence numbers start at 0, got {seq}")
+        if instance in self._awaiting_dump:
+            return False
+        expected = self._seq.get(instance, 0)
+        if seq < expected:
+            return False
+        if seq > expected:
+            self.gaps += 1
+            self._drop(instance)
+            self._awaiting_dump.add(instance)
+            return False
+        self.apply(instance, batch)
+        self._seq[instance] = seq + 1
+        return True
+
+    def needs_dump(self, instance: str) -> bool:
+        """True after a gap in `instance`'s sequence until `load_dump` is called."""
+        return instance in self._awaiting_dump
+
+    def load_dump(self, instance: str, events: Iterable[KVEvent], next_seq: int) -> None:
+        """Replace `instance`'s entries by a dump of its whole cache (`BlockStored` events, see
+        `dump_tree`), taken just before its batch `next_seq`. Clears the awaiting-dump mark."""
+        self._check_instance(instance)
+        batch = list(events)
+        self._check_events(batch)
+        if next_seq < 0:
+            raise InvalidEvent(f"sequence numbers start at 0, got {next_seq}")
+        self._drop(instance)
+        self.apply(instance, batch)
+        self._seq[instance] = next_seq
+        self._awaiting_dump.discard(instance)
+
+    def drop_instance(self, instance: str) -> int:
+        """Forget `instance` (dead engine, node gone): its entries, sequence and dump state.
+        Returns how many (key, instance) pairs went. Unknown instances are a no-op (0)."""
+        self._check_instance(instance)
+        removed = self._drop(instance)
+        self._engine_maps.pop(instance, None)
+        self._seq.pop(instance, None)
+        self._awaiting_dump.discard(instance)
+        iid = self._ids.pop(instance, None)
+        if iid is not None:
+            self._names.pop(iid, None)
+            self._by_inst.pop(iid, None)
+        return removed
+
+    # ------------------------------------------------------------------------------------------
+    # Queries
+    # ------------------------------------------------------------------------------------------
+    def page_keys(
+        self,
+        tokens: npt.ArrayLike,
+        *,
+        extra_key: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[bytes]:
+        """Keys of the whole pages of `tokens` in namespace (`extra_key`, `cache_salt`)."""
+        return self.keyer.page_keys(tokens, extra_key=extra_key, cache_salt=cache_salt)
+
+    def find_matches(
+        self,
+        tokens_or_page_keys: Sequence[bytes] | npt.ArrayLike,
+        *,
+        extra_key: str | None = None,
+        cache_salt: str | None = None,
+    ) -> PrefixMatches:
+        """Per instance, the longest run of consecutive pages from the first that it holds,
+        with the best tier of each page. Page keys (a sequence of bytes) are used as they are
+        (they already fold in their namespace); token ids are keyed with `keyer` in the
+        namespace (`extra_key`, `cache_salt`). Touches the matched keys (bounded mode)."""
+        keys = self._as_keys(tokens_or_page_keys, extra_key, cache_salt)
+        names = self._names
+        best = self._best_tier
+        out: dict[str, InstanceMatch] = {}
+        for iid, masks in self._walk(keys).items():
+            out[names[iid]] = InstanceMatch(
+                num_pages=len(masks), tiers=tuple(map(best.__getitem__, masks))
+            )
+        return PrefixMatches(num_pages=len(keys), by_instance=out)
+
+    def match_lengths(self, page_keys: Sequence[bytes]) -> dict[str, int]:
+        """Per instance, pages matched from the first (the hot path of routing: no tiers)."""
+        names = self._names
+        return {names[iid]: len(masks) for iid, masks in self._walk(page_keys).items()}
+
+    def score(
+        self,
+        tokens_or_page_keys: Sequence[bytes] | npt.ArrayLike,
+        *,
+        extra_key: str | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, float]:
+        """Per instance, the sum over its matched pages of the weight of each page's best tier
+        (device > host > storage by default). Instances without the first page are absent."""
+        matches = self.find_matches(tokens_or_page_keys, extra_key=extra_key, cache_salt=cache_salt)
+        weights = self.tier_weights
+        return {name: sum(weights[t] for t in m.tiers) for name, m in matches.by_instance.items()}
+
+    def holdings(self, instance: str) -> dict[bytes, frozenset[str]]:
+        """Every key `instance` holds and its tiers (tests, dumps, debugging). O(its keys)."""
+        self._check_instance(instance)
+        iid = self._ids.get(instance)
+        if iid is None:
+            return {}
+        out: dict[bytes, frozenset[str]] = {}
+        for key in self._by_inst.get(iid, ()):
+            mask = self._holders[key][iid]
+            out[key] = frozenset(t for t, b in self._tier_bit.items() if mask & b)
+        return out
+
+    def instances(self) -> list[str]:
+        """Names of the instances with at least one entry or sequence state, sorted."""
+        return sorted(set(self._ids) | set(self._seq) | self._awaiting_dump)
+
+    def stats(self) -> IndexStats:
+        return IndexStats(
+            num_entries=len(self._holders),
+            num_instances=len(self._ids),
+            num_pairs=sum(len(s) for s in self._by_inst.values()),
+            evicted_entries=self.evicted_entries,
+            gaps=self.gaps,
+            max_entries=self.max_entries,
+        )
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def check_integrity(self) -> None:
+        """Holders and per-instance key sets agree, masks are valid, the bound holds."""
+        pairs = 0
+        for key, holders in self._holders.items():
+            assert holders, f"key {key.hex()} has no holder but stays in the index"
+            for iid, mask in holders.items():
+                assert 0 < mask <= self._all_bits, f"bad tier mask {mask} on {key.hex()}"
+                assert key in self._by_inst.get(iid, ()), "holder missing from instance set"
+                pairs += 1
+        assert pairs == sum(len(s) for s in self._by_inst.values()), (
+            "per-instance key sets hold keys the holders map does not"
+        )
+        assert set(self._ids.values()) == set(self._names), "instance id maps disagree"
+        assert set(self._by_inst) <= set(self._names), "key set of an unknown instance"
+        if self.max_entries is not None:
+            assert len(self._holders) <= self.max_entries, "entry bound exceeded"
+
+    # ------------------------------------------------------------------------------------------
+    # Internals
+    # ------------------------------------------------------------------------------------------
+    def _walk(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
+        """Instance id -> tier masks of its run of pages from the first."""
+        if not keys:
+            return {}
+        holders = self._holders
+        get = holders.get
+        first = get(keys[0])
+        if not first:
+            return {}
+        num_keys = len(keys)
+        if len(first) == 1:
+            # One holder of the first page (the common case): a tight loop, no bookkeeping.
+            ((iid, mask),) = first.items()
+            masks = [mask]
+            for i in range(1, num_keys):
+                h = get(keys[i])
+                if h is None:
+                    break
+                m = h.get(iid)
+                if m is None:
+                    break
+                masks.append(m)
+            runs = {iid: masks}
+            depth = len(masks)
+        else:
+            runs = {iid: [mask] for iid, mask in first.items()}
+            alive = list(runs)
+            depth = 1
+            while depth < num_keys and alive:
+                h = get(keys[depth])
+                if h is None:
+                    break
+                still: list[int] = []
+                for iid in alive:
+                    m = h.get(iid)
+                    if m is not None:
+                        runs[iid].append(m)
+                        still.append(iid)
+                if not still:
+                    break
+                alive = still
+                depth += 1
+        if self.max_entries is not None:
+            touch = holders.move_to_end
+            for i in range(depth - 1, -1, -1):
+                touch(keys[i])
+        return runs
+
+    def _as_keys(
+        self,
+        query: Sequence[bytes] | npt.ArrayLike,
+        extra_key: str | None,
+        cache_salt: str | None,
+    ) -> Sequence[bytes]:
+        if isinstance(query, list | tuple) and query and isinstance(query[0], bytes):
+            return query  # type: ignore[return-value]
+        return self.keyer.page_keys(query, extra_key=extra_key, cache_salt=cache_salt)
+
+    def _intern(self, instance: str) -> int:
+        iid = self._ids.get(instance)
+        if iid is None:
+            iid = self._next_id
+            self._next_id += 1
+            self._ids[instance] = iid
+            self._names[iid] = instance
+            self._by_inst[iid] = set()
+        return iid
+
+    def _store(self, iid: int, keys: Sequence[bytes], bit: int) -> None:
+        """Add (iid, bit) to every key: the hot path of `apply`, so the loop is inlined with
+        local names (a method call per key cost a third of the replay)."""
+        entries = self._holders
+        mine = self._by_inst[iid]
+        bounded = self.max_entries is not None
+        cap = self.max_entries or 0
+        get = entries.get
+        for key in keys:
+            holders = get(key)
+            if holders is None:
+                if bounded and len(entries) >= cap:
+                    self._evict_one()
+                entries[key] = {iid: bit}
+                mine.add(key)
+                continue
+            mask = holders.get(iid)
+            if mask is None:
+                holders[iid] = bit
+                mine.add(key)
+            elif not mask & bit:
+                holders[iid] = mask | bit
+
+    def _remove(self, iid: int, key: bytes, bits: int) -> None:
+        holders = self._holders.get(key)
+        if holders is None:
+            return
+        mask = holders.get(iid)
+        if mask is None:
+            return
+        mask &= ~bits
+        if mask:
+            holders[iid] = mask
+            return
+        del holders[iid]
+        self._by_inst[iid].discard(key)
+        if not holders:
+            del self._holders[key]
+
+    def _clear(self, iid: int, bits: int) -> None:
+        for key in list(self._by_inst[iid]):
+            self._remove(iid, key, bits)
+
+    def _drop(self, instance: str) -> int:
+        iid = self._ids.get(instance)
+        if iid is None:
+            return 0
+        keys = self._by_inst[iid]
+        removed = len(keys)
+        self._clear(iid, self._all_bits)
+        return removed
+
+    def _evict_one(self) -> None:
+        key, holders = self._holders.popitem(last=False)
+        for iid in holders:
+            self._by_inst[iid].discard(key)
+        self.evicted_entries += 1
+
+    def _check_instance(self, instance: str) -> None:
+        if not isinstance(instance, str) or not instance:
+            raise InvalidInstance(f"an instance is named by a non-empty str, got {instance!r}")
+
+    def _check_events(self, events: list[KVEvent]) -> None:
+        key_bytes = self.keyer.key_bytes
+        for event in events:
+            if isinstance(event, BlockStored):
+                if event.tokens_per_page != self.page_size:
+                    raise InvalidEvent(
+                        f"BlockStored of {event.tokens_per_page}-token pages on an index of "
+                        f"{self.page_size}-token pages"
+                    )
+                self._check_tier(event.tier)
+                self._check_keys(event.page_keys, key_bytes)
+            elif isinstance(event, BlockRemoved):
+                self._check_tier(event.tier)
+                self._check_keys(event.page_keys, key_bytes)
+            elif isinstance(event, AllBlocksCleared):
+                if event.tier is not None:
+                    self._check_tier(event.tier)
+            else:
+                raise InvalidEvent(f"not a kvstrata KV event: {type(event).__name__}")
+
+    def _check_tier(self, tier: str) -> None:
+        if tier not in self._tier_bit:
+            raise InvalidEvent(f"tier {tier!r} has no weight; known: {sorted(self._tier_bit)}")
+
+    @staticmethod
+    def _check_keys(keys: Sequence[bytes], key_bytes: int) -> None:
+        # Two C-level passes (type, length) instead of a Python loop per key.
+        if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {key_bytes}):
+            bad = next(k for k in keys if not isinstance(k, bytes) or len(k) != key_bytes)
+            raise InvalidEvent(f"page keys are {key_bytes}-byte bytes, got {bad!r:.80}")

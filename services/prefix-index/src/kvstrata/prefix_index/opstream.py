@@ -1,0 +1,198 @@
+"""The index workload of Dynamo's INDEXER_BENCH method, on a request trace: for each request,
+its lookup, then the KV events its instance published while serving it (stored pages, and the
+pages its LRU bound evicted). Built once, untimed (`build_op_stream`); replayed against an index
+with every op timed (`replay_ops`); and the index's memory per entry measured
+(`measure_memory`). `kvstrata bench index` prints these; the Ray bench replays the same stream.
+
+    request r:   find_matches(keys_r)       1 op
+                 apply(instance_r, [e])     1 op per event e of r (BlockStored / BlockRemoved)
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import tracemalloc
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstrata.prefix_index.index import PrefixIndex
+from kvstrata.prefix_index.simulate import SimInstance
+from kvstrata.unified_radix_cache import BlockStored, KVEvent
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestOps:
+    instance: str
+    page_keys: tuple[bytes, ...]
+    events: tuple[KVEvent, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpStream:
+    page_size: int
+    requests: tuple[RequestOps, ...]
+
+    @property
+    def num_ops(self) -> int:
+        return sum(1 + len(r.events) for r in self.requests)
+
+    @property
+    def num_events(self) -> int:
+        return sum(len(r.events) for r in self.requests)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpTiming:
+    ops: int
+    pages: int
+    seconds: float
+    cpu_seconds: float
+    p50_us: float
+    p99_us: float
+    max_us: float
+    lookup_p99_us: float
+    event_p99_us: float
+
+    @property
+    def ops_per_s(self) -> float:
+        return self.ops / self.seconds if self.seconds else 0.0
+
+    @property
+    def ops_per_cpu_s(self) -> float:
+        """Ops per second of this process's own CPU time: on a shared, oversubscribed machine
+        the rate per core, without the time other processes held the core."""
+        return self.ops / self.cpu_seconds if self.cpu_seconds else 0.0
+
+    @property
+    def pages_per_s(self) -> float:
+        """Pages looked up or applied per wall second (an op covers ~10-25 pages here)."""
+        return self.pages / self.seconds if self.seconds else 0.0
+
+
+def build_op_stream(
+    prompts: Sequence[Sequence[int] | array],
+    *,
+    num_instances: int = 1,
+    capacity_pages: int,
+    page_size: int = 1,
+) -> OpStream:
+    """Serve `prompts` round-robin on `num_instances` LRU-bounded simulated instances and
+    record each request's page keys and the events it caused."""
+    instances = [
+        SimInstance(f"instance-{i}", capacity_pages=capacity_pages, page_size=page_size)
+        for i in range(num_instances)
+    ]
+    keyer = instances[0].tree.keyer
+    assert keyer is not None, "SimInstance trees are built with events on"
+    out: list[RequestOps] = []
+    for i, tokens in enumerate(prompts):
+        inst = instances[i % num_instances]
+        keys = keyer.page_keys(np.asarray(tokens, dtype=np.int64))
+        inst.serve(tokens)
+        out.append(
+            RequestOps(instance=inst.name, page_keys=tuple(keys), events=tuple(inst.take_events()))
+        )
+    return OpStream(page_size=page_size, requests=tuple(out))
+
+
+def replay_ops(index: PrefixIndex, stream: OpStream) -> OpTiming:
+    """Replay `stream` into `index`, timing every op (perf_counter_ns around each call). The
+    garbage collector is collected before and left on."""
+    lookups = array("q")
+    events = array("q")
+    find, apply = index.find_matches, index.apply
+    clock = time.perf_counter_ns
+    gc.collect()
+    start = time.perf_counter()
+    cpu_start = time.process_time()
+    for req in stream.requests:
+        t0 = clock()
+        find(req.page_keys)
+        t1 = clock()
+        lookups.append(t1 - t0)
+        name = req.instance
+        for event in req.events:
+            t0 = clock()
+            apply(name, (event,))
+            events.append(clock() - t0)
+    seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start
+    pages = sum(
+        len(r.page_keys) + sum(len(getattr(e, "page_keys", ())) for e in r.events)
+        for r in stream.requests
+    )
+    both = np.concatenate([np.frombuffer(lookups, np.int64), np.frombuffer(events, np.int64)])
+    return OpTiming(
+        ops=int(both.size),
+        pages=pages,
+        seconds=seconds,
+        cpu_seconds=cpu_seconds,
+        p50_us=float(np.percentile(both, 50)) / 1e3,
+        p99_us=float(np.percentile(both, 99)) / 1e3,
+        max_us=float(both.max()) / 1e3,
+        lookup_p99_us=float(np.percentile(np.frombuffer(lookups, np.int64), 99)) / 1e3,
+        event_p99_us=float(np.percentile(np.frombuffer(events, np.int64), 99)) / 1e3
+        if len(events)
+        else 0.0,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryFigures:
+    """Traced bytes of an index holding `num_entries` keys, once by one instance and once by
+    two (every key held twice): `bytes_per_entry` is the cost of a key held by one instance,
+    `bytes_per_extra_holder` what each further holder of a key adds."""
+
+    num_entries: int
+    one_holder_bytes: int
+    two_holder_bytes: int
+
+    @property
+    def bytes_per_entry(self) -> float:
+        return self.one_holder_bytes / self.num_entries if self.num_entries else 0.0
+
+    @property
+    def bytes_per_extra_holder(self) -> float:
+        extra = self.two_holder_bytes - self.one_holder_bytes
+        return extra / self.num_entries if self.num_entries else 0.0
+
+
+def measure_memory(stream: OpStream, *, max_entries: int | None = None) -> MemoryFigures:
+    """Build an index from every stored key of `stream` (fresh key objects, as a decoder makes
+    them) under tracemalloc, then add a second holder of every key."""
+    keys: set[bytes] = set()
+    for req in stream.requests:
+        for event in req.events:
+            if isinstance(event, BlockStored):
+                keys.update(event.page_keys)
+    ordered = sorted(keys)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        index = PrefixIndex(stream.page_size, max_entries=max_entries)
+        # bytes(bytearray(k)) forces a new key object, owned by the index from here on.
+        fresh = tuple(bytes(bytearray(k)) for k in ordered)
+        stored = BlockStored(page_keys=fresh, parent_key=None, tokens_per_page=stream.page_size)
+        index.apply("holder-a", [stored])
+        del fresh, stored
+        gc.collect()
+        one = tracemalloc.get_traced_memory()[0] - base
+        index.apply(
+            "holder-b",
+            [
+                BlockStored(
+                    page_keys=tuple(ordered), parent_key=None, tokens_per_page=stream.page_size
+                )
+            ],
+        )
+        gc.collect()
+        two = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert len(index) == len(ordered)
+    return MemoryFigures(num_entries=len(ordered), one_holder_bytes=one, two_holder_bytes=two)

@@ -1,0 +1,177 @@
+"""The sharded index with in-process shards (the same IndexShard the Ray actors run):
+branch sharding, routing, lost batches and shard restarts rebuilt from dumps, node purges."""
+
+from __future__ import annotations
+
+from kvstrata.prefix_index import Router, SimInstance
+from kvstrata.prefix_index.cluster import ClusterIndex, IndexShard, ShardedPublisher
+
+PAGE = 4
+
+
+def prompt(branch: int, n_pages: int, tail: int = 0) -> list[int]:
+    toks = [branch * 1000 + j for j in range(PAGE * n_pages)]
+    return toks + [900_000 + tail * 10 + j for j in range(PAGE)]
+
+
+def make(num_shards: int = 3) -> ClusterIndex:
+    return ClusterIndex(
+        {f"s{i}": IndexShard(PAGE, node_id=f"n{i}") for i in range(num_shards)}, page_size=PAGE
+    )
+
+
+def held_by(cluster: ClusterIndex, instance: str) -> set[bytes]:
+    out: set[bytes] = set()
+    for shard in cluster.shards.values():
+        assert isinstance(shard, IndexShard)
+        shard.index.check_integrity()
+        out |= set(shard.index.holdings(instance))
+    return out
+
+
+def tree_keys(inst: SimInstance) -> set[bytes]:
+    keys: set[bytes] = set()
+    for node in inst.tree.iter_nodes():
+        keys.update(inst.tree.page_keys(node))
+    return keys
+
+
+def test_branches_routing_and_shard_union() -> None:
+    cluster = make()
+    names = ["a", "b", "c"]
+    insts = {n: SimInstance(n, capacity_pages=60, page_size=PAGE) for n in names}
+    pubs = {n: ShardedPublisher(n, cluster, insts[n].tree, node_id="n0") for n in names}
+    router = Router(cluster, names, policy="cache_aware", load_weight=0.1)
+    keyer = insts["a"].tree.keyer
+    assert keyer is not None
+    first: dict[int, str] = {}
+    for rnd in range(3):
+        for branch in range(20):
+            toks = prompt(branch, 3 + rnd, tail=rnd)
+            d = router.route(keyer.page_keys(toks))
+            if rnd == 0:
+                first[branch] = d.instance
+            insts[d.instance].serve(toks)
+            pubs[d.instance].publish(insts[d.instance].take_events())
+    for n in names:
+        # The shards together hold exactly each tree's keys (evictions included).
+        assert held_by(cluster, n) == tree_keys(insts[n])
+    # A query is answered by one shard, the owner of its first key.
+    keys = keyer.page_keys(prompt(5, 3))
+    (answer,) = cluster.match_batch([keys])
+    assert answer.shard == cluster.owner(keys[0]) and not answer.partial
+    entries = [s["entries"] for s in cluster.stats().values()]
+    assert all(e > 0 for e in entries)
+    assert 1.0 <= cluster.skew() < 2.5
+
+
+def test_second_request_goes_to_the_holder() -> None:
+    cluster = make(2)
+    names = ["x", "y"]
+    insts = {n: SimInstance(n, capacity_pages=100, page_size=PAGE) for n in names}
+    pubs = {n: ShardedPublisher(n, cluster, insts[n].tree, node_id="n0") for n in names}
+    router = Router(cluster, names, policy="cache_aware", load_weight=0.1)
+    keyer = insts["x"].tree.keyer
+    assert keyer is not None
+    d1 = router.route(keyer.page_keys(prompt(7, 8)))
+    insts[d1.instance].serve(prompt(7, 8))
+    pubs[d1.instance].publish(insts[d1.instance].take_events())
+    d2 = router.route(keyer.page_keys(prompt(7, 8, tail=1)))
+    assert d2.instance == d1.instance and d2.matched_pages == 8
+
+
+def test_lost_batch_and_restarted_shard_are_rebuilt_from_dumps() -> None:
+    cluster = make(2)
+    inst = SimInstance("r", capacity_pages=200, page_size=PAGE)
+    pub = ShardedPublisher("r", cluster, inst.tree, node_id="n0")
+    for branch in range(12):
+        inst.serve(prompt(branch, 4))
+        pub.publish(inst.take_events())
+    assert held_by(cluster, "r") == tree_keys(inst)
+    # A lost batch: the shard sees a gap at the next one, drops r, and r sends a dump.
+    keyer = inst.tree.keyer
+    assert keyer is not None
+    lost_shard = cluster.owner(keyer.page_keys(prompt(3, 4))[0])
+    pub._seq[lost_shard] += 1  # the batch numbered here never arrives
+    inst.serve(prompt(3, 5))
+    pub.publish(inst.take_events())
+    assert pub.dumps_sent == 1
+    assert held_by(cluster, "r") == tree_keys(inst)
+    # A shard restart: same name, empty state, rebuilding until r's dump arrives and the grace
+    # period is over; meanwhile it answers with what it has, flagged partial.
+    now = [0.0]
+    cluster.shards[lost_shard] = IndexShard(
+        PAGE, node_id="n0", restarted=True, rebuild_grace_s=1.0, clock=lambda: now[0]
+    )
+    keys = keyer.page_keys(prompt(3, 5))
+    answer = cluster.match_batch([keys])[0]
+    assert answer.partial and "r" not in answer.lengths
+    inst.serve(prompt(3, 5, tail=2))
+    pub.publish(inst.take_events())
+    assert pub.dumps_sent == 2
+    answer = cluster.match_batch([keys])[0]
+    assert answer.lengths["r"] == 6 and answer.partial  # still in its grace period
+    now[0] = 1.5
+    assert not cluster.match_batch([keys])[0].partial
+    assert held_by(cluster, "r") == tree_keys(inst)
+
+
+def test_dead_node_instances_are_purged() -> None:
+    cluster = make(2)
+    a = SimInstance("on-n0", capacity_pages=50, page_size=PAGE)
+    b = SimInstance("on-n1", capacity_pages=50, page_size=PAGE)
+    pa = ShardedPublisher("on-n0", cluster, a.tree, node_id="n0")
+    pb = ShardedPublisher("on-n1", cluster, b.tree, node_id="n1")
+    for branch in range(6):
+        a.serve(prompt(branch, 2))
+        b.serve(prompt(branch, 2))
+    pa.publish(a.take_events())
+    pb.publish(b.take_events())
+    purged = [
+        shard.purge_dead({"n0"})
+        for shard in cluster.shards.values()
+        if isinstance(shard, IndexShard)
+    ]
+    assert ["on-n1"] in purged
+    assert held_by(cluster, "on-n1") == set()
+    assert held_by(cluster, "on-n0") == tree_keys(a)
+
+
+def test_a_shared_first_page_needs_a_deeper_branch_key() -> None:
+    # Every prompt opens with the same page (as every Mooncake request opens with block 0).
+    def shared(branch: int) -> list[int]:
+        return [7] * PAGE + [branch * 1000 + j for j in range(PAGE * 3)]
+
+    skews = {}
+    for depth in (1, 2):
+        cluster = ClusterIndex(
+            {f"s{i}": IndexShard(PAGE, node_id="n0") for i in range(3)},
+            page_size=PAGE,
+            branch_depth=depth,
+        )
+        inst = SimInstance("i", capacity_pages=500, page_size=PAGE)
+        pub = ShardedPublisher("i", cluster, inst.tree, node_id="n0")
+        for branch in range(30):
+            inst.serve(shared(branch))
+            pub.publish(inst.take_events())
+        assert held_by(cluster, "i") == tree_keys(inst)
+        keyer = inst.tree.keyer
+        assert keyer is not None
+        for branch in range(30):
+            assert cluster.match_lengths(keyer.page_keys(shared(branch))) == {"i": 4}
+        # The trunk page alone is answered too (by the owner of page 0).
+        assert cluster.match_lengths(keyer.page_keys([7] * PAGE)) == {"i": 1}
+        skews[depth] = cluster.skew()
+        # A restarted shard notices at the next batch it gets, and its dump brings the trunk.
+        name = max(cluster.stats().items(), key=lambda kv: kv[1]["entries"])[0]
+        cluster.shards[name] = IndexShard(PAGE, node_id="n0", restarted=True)
+        dumps = pub.dumps_sent
+        branch = 31
+        while pub.dumps_sent == dumps:
+            assert branch < 100, "no batch ever reached the restarted shard"
+            inst.serve(shared(branch))
+            pub.publish(inst.take_events())
+            branch += 1
+        assert held_by(cluster, "i") == tree_keys(inst)
+    assert skews[1] == 3.0  # one shard holds everything
+    assert skews[2] < 1.6

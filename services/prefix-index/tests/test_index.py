@@ -1,0 +1,142 @@
+"""PrefixIndex scenarios: matching, tiers and scores, the entry bound, sequencing, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.prefix_index import InvalidEvent, InvalidInstance, InvalidParameter, PrefixIndex
+from kvstrata.storage import PageKeyer
+from kvstrata.unified_radix_cache import AllBlocksCleared, BlockRemoved, BlockStored
+
+KEYER = PageKeyer(page_size=4)
+
+
+def stored(keys: list[bytes], tier: str = "device", page: int = 4) -> BlockStored:
+    return BlockStored(page_keys=tuple(keys), parent_key=None, tokens_per_page=page, tier=tier)
+
+
+def prompt(n_pages: int, start: int = 0) -> list[int]:
+    return list(range(start, start + 4 * n_pages))
+
+
+def test_longest_run_per_instance_and_tiers() -> None:
+    index = PrefixIndex(4)
+    keys = KEYER.page_keys(prompt(5))
+    index.apply("a", [stored(keys[:3])])
+    index.apply("b", [stored(keys[:1]), stored(keys[2:5])])  # hole at page 1
+    index.apply("c", [stored(keys[:2], "host"), stored(keys[:1], "storage")])
+    m = index.find_matches(prompt(5))
+    assert m.num_pages == 5
+    assert {n: x.num_pages for n, x in m.by_instance.items()} == {"a": 3, "b": 1, "c": 2}
+    # Page 0 of c is on host and storage: the best tier is reported.
+    assert m.by_instance["c"].tiers == ("host", "host")
+    assert m.longest() == 3
+    assert index.find_matches(keys).by_instance == m.by_instance  # keys or tokens alike
+    assert index.find_matches(prompt(5, 99)).by_instance == {}
+    assert index.find_matches([]).by_instance == {}
+
+
+def test_score_weights_are_configurable() -> None:
+    keys = KEYER.page_keys(prompt(2))
+    default = PrefixIndex(4)
+    default.apply("a", [stored(keys, "device")])
+    default.apply("b", [stored(keys, "storage")])
+    assert default.score(keys) == {"a": 2.0, "b": 1.0}
+    custom = PrefixIndex(4, tier_weights={"device": 1.0, "storage": 3.0})
+    custom.apply("a", [stored(keys, "device")])
+    custom.apply("b", [stored(keys, "storage")])
+    assert custom.score(keys) == {"a": 2.0, "b": 6.0}
+    assert custom.find_matches(keys).by_instance["b"].tiers == ("storage", "storage")
+    with pytest.raises(InvalidEvent, match="host"):
+        custom.apply("a", [stored(keys, "host")])
+
+
+def test_remove_and_clear_per_tier() -> None:
+    index = PrefixIndex(4)
+    keys = KEYER.page_keys(prompt(3))
+    index.apply("a", [stored(keys), stored(keys, "host")])
+    index.apply("a", [BlockRemoved(page_keys=(keys[2],), tier="device")])
+    assert index.find_matches(keys).by_instance["a"].tiers == ("device", "device", "host")
+    index.apply("a", [AllBlocksCleared(tier="device")])
+    assert index.find_matches(keys).by_instance["a"].tiers == ("host",) * 3
+    index.apply("a", [AllBlocksCleared(tier=None)])
+    assert len(index) == 0
+    index.check_integrity()
+
+
+def test_bound_evicts_least_recently_matched_tail_first() -> None:
+    index = PrefixIndex(4, max_entries=6)
+    hot = KEYER.page_keys(prompt(3))
+    cold = KEYER.page_keys(prompt(3, 500))
+    index.apply("a", [stored(hot), stored(cold)])
+    assert len(index) == 6
+    index.find_matches(hot)  # hot is now more recent than cold
+    new = KEYER.page_keys(prompt(2, 900))
+    index.apply("b", [stored(new)])
+    assert len(index) == 6
+    assert index.stats().evicted_entries == 2
+    held = set(index.holdings("a"))
+    assert set(hot) <= held
+    assert cold[0] not in held and cold[1] not in held and cold[2] in held
+    # Matching touches deepest first: the head of a prefix outlives its tail.
+    index.find_matches(cold)  # matches nothing now (head gone): touches nothing
+    index.find_matches(new)
+    index.find_matches(hot)
+    index.apply("c", [stored(KEYER.page_keys(prompt(1, 1300)))])
+    assert cold[2] not in set(index.holdings("a"))
+    index.apply("c", [stored(KEYER.page_keys(prompt(1, 1400)))])
+    # Next victim is new's tail (page 1), not its head.
+    assert new[0] in set(index.holdings("b")) and new[1] not in set(index.holdings("b"))
+    index.check_integrity()
+
+
+def test_sequenced_batches_gap_and_dump() -> None:
+    index = PrefixIndex(4)
+    keys = KEYER.page_keys(prompt(3))
+    assert index.apply_sequenced("a", 0, [stored(keys[:1])])
+    assert not index.apply_sequenced("a", 0, [stored(keys[:1])])  # duplicate, ignored
+    assert not index.apply_sequenced("a", 2, [stored(keys[1:2])])  # batch 1 lost
+    assert index.needs_dump("a") and index.stats().gaps == 1
+    assert index.holdings("a") == {}
+    assert not index.apply_sequenced("a", 3, [stored(keys[2:])])  # ignored until the dump
+    index.load_dump("a", [stored(keys)], next_seq=4)
+    assert not index.needs_dump("a")
+    assert index.apply_sequenced("a", 4, [BlockRemoved(page_keys=(keys[2],))])
+    assert index.find_matches(keys).by_instance["a"].num_pages == 2
+    assert index.drop_instance("a") == 2
+    assert index.instances() == []
+    assert index.apply_sequenced("a", 0, [])  # a restarted instance counts from 0 again
+
+
+def test_errors_change_nothing() -> None:
+    index = PrefixIndex(4)
+    keys = KEYER.page_keys(prompt(2))
+    index.apply("a", [stored(keys[:1])])
+    before = index.holdings("a")
+    bad_batches = [
+        [stored(keys[1:]), stored(keys, page=8)],
+        [stored(keys[1:]), stored([b"short"])],
+        [stored(keys[1:]), stored(keys, "nvme")],
+        [stored(keys[1:]), "not an event"],
+    ]
+    for batch in bad_batches:
+        with pytest.raises(InvalidEvent):
+            index.apply("a", batch)
+        assert index.holdings("a") == before
+    with pytest.raises(InvalidEvent):
+        index.apply_sequenced("a", -1, [])
+    with pytest.raises(InvalidEvent):
+        index.load_dump("a", [], next_seq=-1)
+    for name in ("", None, 3):
+        with pytest.raises(InvalidInstance):
+            index.apply(name, [])  # type: ignore[arg-type]
+    assert index.holdings("a") == before
+    for kwargs in (
+        {"page_size": 0},
+        {"page_size": 4, "max_entries": 0},
+        {"page_size": 4, "tier_weights": {"device": -1.0}},
+        {"page_size": 4, "tier_weights": {}},
+        {"page_size": 4, "keyer": PageKeyer(page_size=8)},
+    ):
+        with pytest.raises(InvalidParameter):
+            PrefixIndex(**kwargs)  # type: ignore[arg-type]
