@@ -2,7 +2,7 @@
 `shared/bench/peer/setup.sh` builds (SGLang without its GPU dependencies). The venv is a CI
 prerequisite (`.ci/run` runs setup.sh first): without it this test fails, it does not skip.
 
-Our sources go on PYTHONPATH (storage and l3-store), with msgpack, xxhash and
+Our sources go on PYTHONPATH (every member's src), with msgpack, xxhash and
 prometheus_client linked from this workspace's venv (the peer venv lacks them; all are
 pure or built for the same CPython 3.11)."""
 
@@ -37,7 +37,11 @@ def _run(urls: list[str], shim: Path) -> list[dict[str, object]]:
         link = shim / name
         if not link.exists():
             link.symlink_to(_site_packages() / name)
-    path = [shim, WORKSPACE_ROOT / "packages/storage/src", WORKSPACE_ROOT / "services/l3-store/src"]
+    # Every member's sources: the adapter imports storage, which imports the layers below it.
+    members = sorted(WORKSPACE_ROOT.glob("packages/*/src")) + sorted(
+        WORKSPACE_ROOT.glob("services/*/src")
+    )
+    path = [shim, *members]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, path))}
     done = subprocess.run(
         [str(python), str(SCRIPT), " ".join(urls), str(PEER_DIR)],
