@@ -54,8 +54,7 @@ def _serve(storage_url: str, tokens: list[int], seed: int) -> dict[str, int]:
     try:
         cache = h.cache
         ids = torch.tensor(tokens, dtype=torch.int64)
-        began = cache.begin_request(RadixKey(ids))
-        req = began.request
+        req = cache.begin_request(RadixKey(ids))
         hit = req.cached_len
         assert_prefix_kv(h.device_pool, cache.keyer, ids, req.kv_indices[:hit], what="hit")
         slots = h.allocator.alloc(len(tokens) - hit)
@@ -65,7 +64,7 @@ def _serve(storage_url: str, tokens: list[int], seed: int) -> dict[str, int]:
         cache.cache_finished_request(req)
         cache.drain()
         cache.check_integrity()
-        return {"hit": hit, "storage_hit": began.storage_hit_len}
+        return {"hit": hit, "storage_hit": req.hit.storage_len}
     finally:
         h.cache.controller.close()
 
