@@ -3,9 +3,11 @@ kind follow what the shard did (no Ray)."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvstrata.prefix_index.cluster import IndexShard
+from kvstrata.prefix_index.cluster import IndexShard, deploy_shards
+from kvstrata.prefix_index.errors import InvalidParameter
 from kvstrata.prefix_index.metrics import LOOKUP_BUCKETS, IndexCollector, ShardCounters
 from kvstrata.unified_radix_cache import BlockRemoved, BlockStored, encode_events
 
@@ -66,3 +68,10 @@ def test_reference_collectors_build_without_ray() -> None:
     (collector,) = IndexCollector.reference_collectors()
     names = {family.name for family in collector.collect()}
     assert {"kvstrata_prefix_index_entries", "kvstrata_prefix_index_lookup_seconds"} <= names
+
+
+def test_deploy_shards_refuses_bad_arguments_before_touching_ray() -> None:
+    with pytest.raises(InvalidParameter, match="page_size"):
+        deploy_shards(0, metrics_port=0)
+    with pytest.raises(InvalidParameter, match="metrics_port"):
+        deploy_shards(16, metrics_port=65536)

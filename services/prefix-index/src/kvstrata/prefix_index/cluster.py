@@ -226,7 +226,12 @@ def deploy_shards(
 ) -> dict[str, Any]:
     """One named, detached shard actor per alive node (existing ones are reused). Returns
     shard name -> actor handle. `metrics_port` (0: any free port; None: none) makes each new
-    shard serve /metrics on its node at `metrics_addr`."""
+    shard serve /metrics on its node at `metrics_addr`. InvalidParameter, before any actor is
+    made, for a page size below 1 or a port outside 0..65535."""
+    if page_size < 1:
+        raise InvalidParameter(f"page_size must be >= 1, got {page_size}")
+    if metrics_port is not None and not 0 <= metrics_port <= 65535:
+        raise InvalidParameter(f"metrics_port must be in 0..65535, got {metrics_port}")
     actor_cls = ray.remote(_RayShard)
     out: dict[str, Any] = {}
     for node in ray.nodes():
@@ -251,6 +256,16 @@ def deploy_shards(
             metrics_addr=metrics_addr,
         )
     return out
+
+
+def remove_shards() -> int:
+    """Kill every shard actor (`kvstrata services down`); returns how many went."""
+    gone = 0
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == NAMESPACE and actor["name"].startswith(NAME_PREFIX):
+            ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE))
+            gone += 1
+    return gone
 
 
 @dataclass(frozen=True, kw_only=True)
