@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from kvstrata.cli.main import build_parser
+from kvstrata.replay.reference import TARGET_LABELS
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ROOT / "ops"
@@ -93,7 +94,8 @@ def test_every_panel_names_only_exported_metrics(title: str, expr: str) -> None:
     families = [_series(name, metrics) for name in names]
     unknown = [n for n, f in zip(names, families, strict=True) if f is None]
     assert not unknown, f"{title}: not exported: {unknown}"
-    labels = {"le"}.union(*(metrics[f][1] for f in families if f is not None))
+    # Target labels (node, job, ...) come from the scrape (prometheus.yml), on every series.
+    labels = {"le", *TARGET_LABELS}.union(*(metrics[f][1] for f in families if f is not None))
     for group in re.findall(r"\b(?:by|ignoring|on)\s*\(([^)]*)\)", expr):
         used = {label.strip() for label in group.split(",") if label.strip()}
         assert used <= labels, f"{title}: {used - labels} is not a label of {families}"
@@ -109,6 +111,9 @@ def test_dashboard_covers_the_tiers() -> None:
         "kvstrata_tiered_cache_transfer_bytes_total",  # bytes per direction
         "histogram_quantile",  # latency percentiles
         "kvstrata_radix_evicted_tokens_total",  # eviction rate
+        "kvstrata_l3_store_used_bytes",  # L3 store size per node
+        "kvstrata_prefix_index_entries",  # index size per node
+        "kvstrata_prefix_index_lookups_total",  # index lookups/s
     ):
         assert needed in text, needed
 
@@ -252,7 +257,7 @@ def kvstrata_commands() -> list[list[str]]:
 
 
 def test_the_files_run_kvstrata_commands() -> None:
-    assert ["services", "up"] in kvstrata_commands()
+    assert any(argv[:2] == ["services", "up"] for argv in kvstrata_commands())
 
 
 def _subcommands() -> set[str]:
@@ -266,6 +271,48 @@ def _subcommands() -> set[str]:
 
 @pytest.mark.parametrize("argv", kvstrata_commands(), ids=" ".join)
 def test_each_command_exists_in_the_cli(argv: list[str]) -> None:
-    if argv[0] not in _subcommands():
-        pytest.skip(f"`kvstrata {argv[0]}` is not in the CLI yet (the services add it)")
+    assert argv[0] in _subcommands(), f"`kvstrata {argv[0]}` is not a kvstrata command"
     build_parser().parse_args(argv)  # SystemExit(2) on an unknown subcommand or option
+
+
+def _scrape_ports() -> dict[str, int]:
+    """The port prometheus.yml swaps into each Ray node's address, per job."""
+    config = yaml.safe_load(PROMETHEUS.read_text(encoding="utf-8"))
+    ports: dict[str, int] = {}
+    for job in config["scrape_configs"]:
+        for rule in job.get("relabel_configs", []):
+            if rule.get("target_label") == "__address__":
+                ports[job["job_name"]] = int(rule["replacement"].rsplit(":", 1)[1])
+    return ports
+
+
+def test_every_node_starts_both_services_where_prometheus_scrapes() -> None:
+    ports = _scrape_ports()
+    assert ports == {"kvstrata-l3-store": 9401, "kvstrata-prefix-index": 9402}
+    cluster = _cluster()
+    spec = _kuberay()["spec"]
+    per_node = {
+        "ray head": cluster["head_start_ray_commands"],
+        "ray workers": cluster["worker_start_ray_commands"],
+        **{
+            f"kuberay {group.get('groupName', 'head')}": [
+                c["lifecycle"]["postStart"]["exec"]["command"][-1]
+                for c in group["template"]["spec"]["containers"]
+            ]
+            for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+        },
+    }
+    for where, commands in per_node.items():
+        ups = [
+            shlex.split(part)
+            for line in commands
+            for part in re.split(r"&&|\|\||;|\|", line)
+            if "kvstrata services up" in part
+        ]
+        assert len(ups) == 1, f"{where}: runs `kvstrata services up` {len(ups)} times"
+        args = build_parser().parse_args(ups[0][1:])
+        assert args.metrics_port == ports["kvstrata-l3-store"], where
+        assert args.index_metrics_port == ports["kvstrata-prefix-index"], where
+        assert args.index_page_size > 0, f"{where}: the prefix index is off"
+        # Prometheus scrapes <node ip>:port from the head: loopback would be unreachable.
+        assert args.metrics_addr == "0.0.0.0", where

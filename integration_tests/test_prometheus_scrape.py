@@ -5,7 +5,11 @@ target, Ray's discovery file replaced by an empty one in a temp folder) and a 1 
 interval; Prometheus (Debian's `prometheus` package, which .ci/run installs) runs on loopback
 with its data in a temp folder; a tiered replay serves its metrics and holds them after it
 ends; the test then asks Prometheus's HTTP API for hit tokens per tier, bytes moved per
-direction and evictions, and compares them with the replay's own JSON summary.
+direction and evictions, and compares them with the replay's own JSON summary. The two Ray
+services' collectors (a live L3 store core and a prefix index shard, no Ray) are served from
+this process on the ports the rewritten relabelling swaps in, as their actors serve them on a
+node, so the services' jobs, their `node` label and the dashboard's service panels are checked
+against a real scrape too.
 
 Skipped when there is no `prometheus` binary, unless KVSTRATA_REQUIRE_PROMETHEUS=1 (set by
 .ci/run), which turns the skip into a failure. Every wait is bounded.
@@ -28,6 +32,14 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.registry import Collector
+
+from kvstrata.l3_store.arena import ALIGNMENT
+from kvstrata.l3_store.core import StoreCore, StoreParams
+from kvstrata.l3_store.metrics import StoreCollector
+from kvstrata.prefix_index.cluster import IndexShard
+from kvstrata.unified_radix_cache import BlockStored, encode_events
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "ops" / "prometheus" / "prometheus.yml"
@@ -66,10 +78,15 @@ def _wait(what: str, check: Callable[[], Any], *, timeout: float) -> Any:
 
 
 def rewrite_config(
-    source: dict[str, Any], *, replay_target: str, discovery_file: Path
+    source: dict[str, Any],
+    *,
+    replay_target: str,
+    discovery_file: Path,
+    service_ports: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The repository's configuration with a 1 s scrape, the replay job pointed at
-    `replay_target` and every file-based discovery reading `discovery_file`."""
+    `replay_target`, every file-based discovery reading `discovery_file`, and each service
+    job's relabelled port replaced by `service_ports[job]`."""
     config = json.loads(json.dumps(source))  # a deep copy
     config["global"]["scrape_interval"] = "1s"
     config["global"]["evaluation_interval"] = "1s"
@@ -78,11 +95,65 @@ def rewrite_config(
     for job in jobs.values():
         for sd in job.get("file_sd_configs", []):
             sd["files"] = [str(discovery_file)]
+    for name, port in (service_ports or {}).items():
+        rules = [r for r in jobs[name]["relabel_configs"] if r.get("target_label") == "__address__"]
+        assert len(rules) == 1, f"{name}: one __address__ rule expected"
+        rules[0]["replacement"] = f"$1:{port}"
     return config
 
 
+class Services:
+    """The services' collectors over live state, each served on its own loopback port."""
+
+    PAGE = 16
+
+    def __init__(self) -> None:
+        self.store = StoreCore(
+            StoreParams(memory_bytes=8 * ALIGNMENT), arena=memoryview(bytearray(8 * ALIGNMENT))
+        )
+        keys = [f"page-{i:011d}".encode() for i in range(3)]
+        self.store.write(keys, [bytes(ALIGNMENT)] * 3)
+        self.store.read([keys[0], b"page-not-stored"])
+        self.shard = IndexShard(self.PAGE)
+        pages = self.shard.index.page_keys(list(range(5 * self.PAGE)))
+        stored = BlockStored(page_keys=tuple(pages), parent_key=None, tokens_per_page=self.PAGE)
+        assert self.shard.apply_batches([("engine-0", 0, encode_events([stored]))]) == [True]
+        self.shard.match_batch([pages[:2], pages, pages[:1]])
+        self._servers = [
+            self._serve(StoreCollector(self.store.stats)),
+            self._serve(self.shard.collector()),
+        ]
+        self.ports = {
+            "kvstrata-l3-store": self._servers[0].server_port,
+            "kvstrata-prefix-index": self._servers[1].server_port,
+        }
+
+    @staticmethod
+    def _serve(collector: Collector) -> Any:
+        registry = CollectorRegistry()
+        registry.register(collector)
+        server, _thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+        return server
+
+    def close(self) -> None:
+        for server in self._servers:
+            server.shutdown()
+            server.server_close()
+
+
 @pytest.fixture(scope="module")
-def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+def services() -> Iterator[Services]:
+    served = Services()
+    try:
+        yield served
+    finally:
+        served.close()
+
+
+@pytest.fixture(scope="module")
+def prometheus(
+    tmp_path_factory: pytest.TempPathFactory, services: Services
+) -> Iterator[tuple[str, int]]:
     """(Prometheus base URL, the replay's metrics port) with Prometheus running."""
     binary = _prometheus()
     folder = tmp_path_factory.mktemp("prometheus")
@@ -93,7 +164,10 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
     discovery.write_text(json.dumps(ray_targets) + "\n", encoding="utf-8")
     source = yaml.safe_load(CONFIG.read_text(encoding="utf-8"))
     config = rewrite_config(
-        source, replay_target=f"127.0.0.1:{replay_port}", discovery_file=discovery
+        source,
+        replay_target=f"127.0.0.1:{replay_port}",
+        discovery_file=discovery,
+        service_ports=services.ports,
     )
     config_file = folder / "prometheus.yml"
     config_file.write_text(yaml.safe_dump(config), encoding="utf-8")
@@ -132,7 +206,9 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
         log.close()
 
 
-def test_ray_discovery_file_becomes_one_target_per_service(prometheus: tuple[str, int]) -> None:
+def test_ray_discovery_file_becomes_one_target_per_service(
+    prometheus: tuple[str, int], services: Services
+) -> None:
     base, _ = prometheus
 
     def targets() -> dict[str, dict[str, str]]:
@@ -141,11 +217,11 @@ def test_ray_discovery_file_becomes_one_target_per_service(prometheus: tuple[str
         return {t["labels"]["job"]: t["labels"] for t in active if "service" in t["labels"]}
 
     found = _wait("the discovered targets", lambda: len(targets()) >= 3 and targets(), timeout=30)
-    for job, port, service in (
-        ("kvstrata-l3-store", "9401", "l3-store"),
-        ("kvstrata-prefix-index", "9402", "prefix-index"),
+    for job, service in (
+        ("kvstrata-l3-store", "l3-store"),
+        ("kvstrata-prefix-index", "prefix-index"),
     ):
-        assert found[job]["instance"] == f"127.0.0.1:{port}"
+        assert found[job]["instance"] == f"127.0.0.1:{services.ports[job]}"
         assert found[job]["node"] == "127.0.0.1" and found[job]["service"] == service
     assert found["kvstrata-replay"]["service"] == "engine"
 
@@ -166,13 +242,43 @@ def _value(base: str, expr: str) -> float:
 
 def test_config_rewrite_keeps_every_job(tmp_path: Path) -> None:
     source = yaml.safe_load(CONFIG.read_text(encoding="utf-8"))
-    config = rewrite_config(source, replay_target="127.0.0.1:1", discovery_file=tmp_path / "d")
+    config = rewrite_config(
+        source,
+        replay_target="127.0.0.1:1",
+        discovery_file=tmp_path / "d",
+        service_ports={"kvstrata-l3-store": 2, "kvstrata-prefix-index": 3},
+    )
     assert [j["job_name"] for j in config["scrape_configs"]] == [
         j["job_name"] for j in source["scrape_configs"]
     ]
     assert REPLAY_JOB in {j["job_name"] for j in source["scrape_configs"]}
     assert config["global"]["scrape_interval"] == "1s"
     assert source["global"]["scrape_interval"] != "1s"  # the copy, not the source, changed
+    ports = {
+        job["job_name"]: rule["replacement"]
+        for job in config["scrape_configs"]
+        for rule in job.get("relabel_configs", [])
+        if rule.get("target_label") == "__address__"
+    }
+    assert ports == {"kvstrata-l3-store": "$1:2", "kvstrata-prefix-index": "$1:3"}
+
+
+def test_the_services_are_scraped_per_node(prometheus: tuple[str, int], services: Services) -> None:
+    base, _ = prometheus
+    l3 = 'job="kvstrata-l3-store"'
+    index = 'job="kvstrata-prefix-index"'
+    _wait("the services' series", lambda: _query(base, f"up{{{l3}}} + on() up{{{index}}} == 2"),
+          timeout=30)  # fmt: skip
+    stats = services.store.stats()
+    used = _query(base, f'kvstrata_l3_store_used_bytes{{{l3},medium="memory"}}')
+    assert [r["metric"]["node"] for r in used] == ["127.0.0.1"]
+    assert float(used[0]["value"][1]) == stats.memory_used_bytes == 3 * ALIGNMENT
+    moved = f'kvstrata_l3_store_transfer_bytes_total{{{l3},direction="storage_get"}}'
+    assert _value(base, moved) == stats.bytes_read == ALIGNMENT
+    assert _value(base, f"kvstrata_prefix_index_entries{{{index}}}") == len(services.shard.index)
+    assert _value(base, f"kvstrata_prefix_index_lookups_total{{{index}}}") == 3
+    assert _value(base, f'kvstrata_prefix_index_events_total{{{index},kind="stored"}}') == 1
+    assert _value(base, f"kvstrata_prefix_index_lookup_seconds_count{{{index}}}") == 1
 
 
 def test_prometheus_agrees_with_the_replay_summary(

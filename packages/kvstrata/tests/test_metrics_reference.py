@@ -49,6 +49,8 @@ def test_every_member_collector_is_discovered() -> None:
         "kvstrata.storage.metrics.StorageCollector",
         "kvstrata.unified_radix_cache.metrics.RadixCacheCollector",
         "kvstrata.unified_radix_cache.tier_metrics.TierCacheCollector",
+        "kvstrata.l3_store.metrics.StoreCollector",
+        "kvstrata.prefix_index.metrics.IndexCollector",
     } <= names
 
 

@@ -159,5 +159,6 @@ def test_store_metrics_endpoint_on_loopback(stores: Any) -> None:
     assert info.metrics_port is not None
     with urllib.request.urlopen(f"http://127.0.0.1:{info.metrics_port}/metrics") as resp:
         text = resp.read().decode()
-    assert f'kvstrata_l3_store_memory_capacity_bytes{{node="{node_id}"}} 1.6777216e+07' in text
-    assert "kvstrata_l3_store_pages_written_total" in text
+    assert 'kvstrata_l3_store_capacity_bytes{medium="memory"} 1.6777216e+07' in text
+    assert "kvstrata_l3_store_written_pages_total" in text
+    assert "node=" not in text  # the scrape adds the node, never the collector

@@ -11,7 +11,12 @@ import pytest
 import ray
 
 from kvstrata.prefix_index import Router, SimInstance
-from kvstrata.prefix_index.cluster import ClusterIndex, ShardedPublisher, deploy_shards
+from kvstrata.prefix_index.cluster import (
+    ClusterIndex,
+    ShardedPublisher,
+    deploy_shards,
+    remove_shards,
+)
 from kvstrata.prefix_index.localray import RayDidNotStart, loopback_cluster
 
 PAGE = 4
@@ -21,9 +26,11 @@ PAGE = 4
 def shards() -> Iterator[dict[str, Any]]:
     try:
         with loopback_cluster(num_workers=1):
-            handles = deploy_shards(PAGE, rebuild_grace_s=5.0)
+            handles = deploy_shards(PAGE, rebuild_grace_s=5.0, metrics_port=0)
             ray.get([h.stats.remote() for h in handles.values()], timeout=60)
             yield handles
+            assert remove_shards() == len(handles)
+            assert remove_shards() == 0
     except RayDidNotStart as exc:
         pytest.skip(f"Ray could not start a loopback cluster on this machine: {exc}")
 
@@ -99,3 +106,29 @@ def test_shard_restart_rebuilds_from_dumps(shards: dict[str, Any]) -> None:
     while cluster.match_batch([keys])[0].partial:
         assert time.monotonic() < deadline, "the shard never left its rebuilding state"
         time.sleep(0.2)
+
+
+def test_each_shard_serves_its_metrics_on_loopback(shards: dict[str, Any]) -> None:
+    import urllib.request
+
+    cluster = ClusterIndex(shards, page_size=PAGE)
+    before = cluster.stats()
+    cluster.match_batch([[b"\x01" * 16], [b"\x02" * 16]])
+    lookups = 0.0
+    entries = 0.0
+    for name, handle in shards.items():
+        port = ray.get(handle.metrics_port.remote(), timeout=30)
+        assert port is not None and port > 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        values = {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+        assert values["kvstrata_prefix_index_entries"] == before[name]["entries"]
+        assert "kvstrata_prefix_index_lookup_seconds_count" in values
+        lookups += values["kvstrata_prefix_index_lookups_total"]
+        entries += values["kvstrata_prefix_index_entries"]
+    assert lookups >= 2  # the two queries above, on their owners (plus earlier tests' lookups)
+    assert entries == sum(s["entries"] for s in before.values())

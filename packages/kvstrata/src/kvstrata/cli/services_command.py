@@ -1,7 +1,10 @@
-"""`kvstrata services up|status|down`: the shared L3 tier's store actors on a Ray cluster.
+"""`kvstrata services up|status|down`: the kvstrata services on a Ray cluster: one L3 store
+actor and one prefix index shard actor per node.
 
-Needs `kvstrata[ray]` (the `kvstrata-l3-store` distribution); without it the command says so
-and exits 2. Every subcommand joins the cluster at `--address` (default "auto") as a driver.
+Needs `kvstrata[ray]` (the `kvstrata-l3-store` and `kvstrata-prefix-index` distributions);
+without them the command says so and exits 2. Every subcommand joins the cluster at `--address`
+(default "auto") as a driver. `up` is idempotent: every node may run it after joining (the Ray
+files in ops/ do), and it creates only what is missing.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ def _size(text: str) -> int:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:  # pyright: ignore[reportPrivateUsage]
     services = sub.add_parser(
         "services",
-        help="run the shared L3 store actors on a Ray cluster (needs kvstrata[ray])",
-        description="One L3 store actor per alive Ray node; see services/l3-store/README.md.",
+        help="run the L3 store and prefix index actors on a Ray cluster (needs kvstrata[ray])",
+        description=(
+            "One L3 store actor and one prefix index shard per alive Ray node; see "
+            "services/l3-store/README.md and services/prefix-index/README.md."
+        ),
     )
     actions = services.add_subparsers(dest="action", required=True, metavar="ACTION")
     common = argparse.ArgumentParser(add_help=False)
@@ -50,6 +56,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     up.add_argument(
         "--metrics-addr", default="127.0.0.1", help="address the metrics endpoints bind"
     )
+    up.add_argument(
+        "--index-page-size", type=int, default=16, help="prefix index page size (0: no index)"
+    )
+    up.add_argument(
+        "--index-metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus port per index shard (0: any free)",
+    )
     status = actions.add_parser("status", parents=[common], help="one row per node")
     status.add_argument(
         "--interval", type=float, default=1.0, help="seconds between the two samples of ops/s"
@@ -63,9 +78,20 @@ def _run(args: argparse.Namespace) -> int:
         from kvstrata.l3_store import deploy
         from kvstrata.l3_store.actor import StoreConfig
         from kvstrata.l3_store.core import StoreParams
+        from kvstrata.prefix_index import cluster
+        from kvstrata.prefix_index.errors import PrefixIndexError
     except ImportError:
-        print("kvstrata services needs the l3 store: pip install 'kvstrata[ray]'", file=sys.stderr)
+        print(
+            "kvstrata services needs the l3 store and the prefix index: "
+            "pip install 'kvstrata[ray]'",
+            file=sys.stderr,
+        )
         return 2
+    if args.action == "up":
+        problem = _check_up(args)
+        if problem:
+            print(f"kvstrata services up: {problem}", file=sys.stderr)
+            return 2
     deploy.connect(args.address)
     if args.action == "up":
         config = StoreConfig(
@@ -81,6 +107,17 @@ def _run(args: argparse.Namespace) -> int:
         print(f"created {len(done.created)} store(s); {len(done.failed)} failed to start")
         for node_id in done.failed:
             print(f"  no store on {node_id}", file=sys.stderr)
+        if args.index_page_size:
+            try:
+                shards = cluster.deploy_shards(
+                    args.index_page_size,
+                    metrics_port=args.index_metrics_port,
+                    metrics_addr=args.metrics_addr,
+                )
+            except PrefixIndexError as exc:
+                print(f"kvstrata services up: {exc}", file=sys.stderr)
+                return 2
+            print(f"prefix index: {len(shards)} shard(s)")
         return 1 if done.failed else 0
     if args.action == "status":
         before = deploy.status(args.namespace)
@@ -89,8 +126,20 @@ def _run(args: argparse.Namespace) -> int:
         print(_table(before, after, args.interval))
         return 0
     gone = deploy.down(args.namespace, arena_dir=args.arena_dir)
-    print(f"removed {gone} store(s)")
+    shards = cluster.remove_shards()
+    print(f"removed {gone} store(s) and {shards} prefix index shard(s)")
     return 0
+
+
+def _check_up(args: argparse.Namespace) -> str:
+    """What is wrong with `up`'s arguments ("" when nothing), checked before Ray is touched."""
+    if args.index_page_size < 0:
+        return f"--index-page-size must be >= 0, got {args.index_page_size}"
+    for flag in ("metrics_port", "index_metrics_port"):
+        port = getattr(args, flag)
+        if not 0 <= port <= 65535:
+            return f"--{flag.replace('_', '-')} must be in 0..65535, got {port}"
+    return ""
 
 
 def _gib(n: int) -> str:

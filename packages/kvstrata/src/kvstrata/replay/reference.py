@@ -56,7 +56,8 @@ ALLOWED_LABELS: dict[str, str] = {
     "controller": "a tier controller by the name the application gives it",
     "storage": "a storage backend by the name the application gives it",
     "member": "a pool group member: full, swa, mamba",
-    "kind": "an operation kind of the tier controller",
+    "kind": "an operation kind of the tier controller; a KV event kind of the prefix index "
+    "(stored, removed, cleared)",
     "status": "how an operation ended",
     "reason": "why a storage call ended early",
     "outcome": "started or skipped",
@@ -64,6 +65,7 @@ ALLOWED_LABELS: dict[str, str] = {
     "phase": "cache or forward (the replay's time)",
     "family": "the model family of a host pool (mha, mamba) or of a built system (+ swa)",
     "layout": "the host pool's memory layout",
+    "medium": "memory or disk (the two levels of an L3 store)",
 }
 
 #: Labels that come from the scrape, never from a collector: a collector label of the same name
@@ -208,12 +210,10 @@ services alike.
   addr=...)` on its node (9401: L3 store, 9402: prefix index; ops/prometheus/prometheus.yml
   finds the nodes through Ray's service-discovery file), not `ray.util.metrics`, which prefixes
   `ray_`, needs `ray[default]` and reports ~10 s late.
-- Expected names (dashboard panels wait for them): `kvstrata_l3_store_used_bytes`,
-  `kvstrata_l3_store_capacity_bytes`, `kvstrata_l3_store_pages`,
-  `kvstrata_l3_store_transfer_bytes_total{direction}` (`storage_get`, `storage_set`),
-  `kvstrata_l3_store_operation_seconds{operation}` (histogram),
-  `kvstrata_prefix_index_entries`, `kvstrata_prefix_index_lookups_total`,
-  `kvstrata_prefix_index_lookup_seconds` (histogram), `kvstrata_prefix_index_events_total{kind}`.
+- The node is never a collector label: each endpoint is one target per node, and the scrape
+  attaches `instance` and `node`. Dashboard panels use `kvstrata_l3_store_used_bytes{medium}`,
+  `kvstrata_l3_store_capacity_bytes{medium}`, `kvstrata_prefix_index_entries` and
+  `rate(kvstrata_prefix_index_lookups_total[...])`, summed `by (node)`.
 """
 
 

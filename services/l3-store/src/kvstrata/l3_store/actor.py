@@ -86,7 +86,7 @@ class StoreActor:
         self._metrics_port: int | None = None
         if config.metrics_port is not None:
             registry = CollectorRegistry()
-            registry.register(StoreCollector(self._core.stats, node_id=self._node_id))
+            registry.register(StoreCollector(self._core.stats))
             server, _thread = start_http_server(
                 config.metrics_port, addr=config.metrics_addr, registry=registry
             )

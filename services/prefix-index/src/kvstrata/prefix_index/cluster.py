@@ -31,11 +31,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from prometheus_client import CollectorRegistry, start_http_server
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvstrata.prefix_index.dump import dump_tree
 from kvstrata.prefix_index.errors import InvalidParameter, ShardUnavailable
 from kvstrata.prefix_index.index import PrefixIndex
+from kvstrata.prefix_index.metrics import IndexCollector, ShardCounters
 from kvstrata.prefix_index.opstream import OpStream, OpTiming
 from kvstrata.unified_radix_cache import (
     AllBlocksCleared,
@@ -89,6 +91,7 @@ class IndexShard:
         self._grace = rebuild_grace_s
         self._heard: set[str] = set()
         self.purged: list[str] = []
+        self.counters = ShardCounters()
 
     def register(self, instance: str, node_id: str) -> None:
         with self._lock:
@@ -100,19 +103,30 @@ class IndexShard:
         with self._lock:
             for instance, seq, payload in items:
                 self._heard.add(instance)
-                self.index.apply_sequenced(instance, seq, decode_events(payload))
+                events = decode_events(payload)
+                if self.index.apply_sequenced(instance, seq, events):
+                    self.counters.count_events(events)
                 out.append(not self.index.needs_dump(instance))
         return out
 
     def load_dump(self, instance: str, payload: bytes, next_seq: int) -> None:
         with self._lock:
             self._heard.add(instance)
-            self.index.load_dump(instance, decode_events(payload), next_seq)
+            events = decode_events(payload)
+            self.index.load_dump(instance, events, next_seq)
+            self.counters.count_events(events)
 
     def match_batch(self, queries: Sequence[Sequence[bytes]]) -> tuple[list[dict[str, int]], bool]:
         """Per query, pages matched per instance; and whether this shard is rebuilding."""
         with self._lock:
-            return [self.index.match_lengths(q) for q in queries], self._rebuilding()
+            start = time.perf_counter()
+            out = [self.index.match_lengths(q) for q in queries]
+            self.counters.lookup_batch(len(queries), time.perf_counter() - start)
+            return out, self._rebuilding()
+
+    def collector(self) -> IndexCollector:
+        """The shard's Prometheus collector (`kvstrata_prefix_index_*`), read at scrape time."""
+        return IndexCollector(self.index, self.counters)
 
     def drop_instance(self, instance: str) -> int:
         with self._lock:
@@ -155,7 +169,8 @@ class IndexShard:
 class _RayShard(IndexShard):
     """The Ray actor: node and restart from the runtime context, and a thread that purges the
     instances of dead nodes every `purge_period_s` (within about that period of Ray marking
-    the node dead)."""
+    the node dead). With `metrics_port` (0: any free port) it serves its
+    `kvstrata_prefix_index_*` metrics with prometheus_client on `metrics_addr`."""
 
     def __init__(
         self,
@@ -164,6 +179,8 @@ class _RayShard(IndexShard):
         max_entries: int | None = None,
         rebuild_grace_s: float = 2.0,
         purge_period_s: float = 0.5,
+        metrics_port: int | None = None,
+        metrics_addr: str = "127.0.0.1",
     ) -> None:
         ctx = ray.get_runtime_context()
         super().__init__(
@@ -178,6 +195,16 @@ class _RayShard(IndexShard):
             target=self._watch_nodes, args=(purge_period_s,), daemon=True
         )
         self._monitor.start()
+        self._metrics_port: int | None = None
+        if metrics_port is not None:
+            registry = CollectorRegistry()
+            registry.register(self.collector())
+            server, _thread = start_http_server(metrics_port, addr=metrics_addr, registry=registry)
+            self._metrics_port = server.server_port
+
+    def metrics_port(self) -> int | None:
+        """The port serving /metrics (None: no endpoint)."""
+        return self._metrics_port
 
     def _watch_nodes(self, period: float) -> None:
         while not self._stop.wait(period):
@@ -194,9 +221,17 @@ def deploy_shards(
     max_entries: int | None = None,
     rebuild_grace_s: float = 2.0,
     purge_period_s: float = 0.5,
+    metrics_port: int | None = None,
+    metrics_addr: str = "127.0.0.1",
 ) -> dict[str, Any]:
     """One named, detached shard actor per alive node (existing ones are reused). Returns
-    shard name -> actor handle."""
+    shard name -> actor handle. `metrics_port` (0: any free port; None: none) makes each new
+    shard serve /metrics on its node at `metrics_addr`. InvalidParameter, before any actor is
+    made, for a page size below 1 or a port outside 0..65535."""
+    if page_size < 1:
+        raise InvalidParameter(f"page_size must be >= 1, got {page_size}")
+    if metrics_port is not None and not 0 <= metrics_port <= 65535:
+        raise InvalidParameter(f"metrics_port must be in 0..65535, got {metrics_port}")
     actor_cls = ray.remote(_RayShard)
     out: dict[str, Any] = {}
     for node in ray.nodes():
@@ -217,8 +252,20 @@ def deploy_shards(
             max_entries=max_entries,
             rebuild_grace_s=rebuild_grace_s,
             purge_period_s=purge_period_s,
+            metrics_port=metrics_port,
+            metrics_addr=metrics_addr,
         )
     return out
+
+
+def remove_shards() -> int:
+    """Kill every shard actor (`kvstrata services down`); returns how many went."""
+    gone = 0
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == NAMESPACE and actor["name"].startswith(NAME_PREFIX):
+            ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE))
+            gone += 1
+    return gone
 
 
 @dataclass(frozen=True, kw_only=True)
