@@ -90,7 +90,12 @@ def run_cluster_replay(args: argparse.Namespace, out: TextIO) -> int:
     from rich.table import Table
 
     from kvstrata.replay import ReplayError, read_trace
-    from kvstrata.replay.cluster import ClusterSpec, run_cluster
+
+    try:
+        from kvstrata.replay.cluster import ClusterSpec, run_cluster
+    except ModuleNotFoundError as exc:  # the router lives in the optional kvstrata[ray] extra
+        print_error(f"--instances needs kvstrata-prefix-index (pip install 'kvstrata[ray]'): {exc}")
+        return 2
     from kvstrata.storage import open_storage
     from kvstrata.storage.errors import StorageError
 
