@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from kvstrata.cli.errors import print_error
+from kvstrata.cli.replay_cluster import add_cluster_arguments, run_cluster_replay
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -190,6 +191,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="keep serving the metrics S seconds after the replay ends (default 0)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_cluster_arguments(parser)
     parser.set_defaults(handler=run_replay)
 
 
@@ -205,6 +207,8 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
     from kvstrata.storage.errors import StorageError
 
     out = stdout if stdout is not None else sys.stdout
+    if args.instances is not None:
+        return run_cluster_replay(args, out)
     err = Console(file=sys.stderr)
     server: MetricsServer | None = None
     try:
