@@ -1,0 +1,158 @@
+"""Issue 17 regressions: insert refuses slots it cannot own (before any change), and fixed
+examples for a storage-acknowledged split, the prefetch threshold boundary and page-granular
+tail eviction in hierarchical mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstrata.allocator import MambaSlotAllocator, PagedAllocator, SWAAllocator
+from kvstrata.core.errors import DuplicateIndex, IndexOutOfRange, NotAllocated
+from kvstrata.testkit.trees import make_tree
+from kvstrata.unified_radix_cache import (
+    EvictRequest,
+    FullComponent,
+    MambaInsert,
+    RadixKey,
+    UnifiedRadixCache,
+)
+from kvstrata.unified_radix_cache.errors import (
+    DuplicateSlot,
+    InvalidInsert,
+    SlotInTree,
+    SlotNotAllocated,
+    SlotOutOfRange,
+)
+
+
+def _snapshot(tree: UnifiedRadixCache) -> tuple[object, ...]:
+    nodes = sorted((n.id, n.key, n.value.tolist()) for n in tree.iter_nodes())
+    return (tuple(nodes), tree.evictable_size(), tree.num_nodes, tree.inserted_tokens)
+
+
+# ---- item 1: insert refuses slots ------------------------------------------------------------
+
+
+def test_issue_example_is_refused_at_insert_and_evict_stays_whole() -> None:
+    alloc = PagedAllocator(size=64, page_size=1, device="cpu")
+    tree = UnifiedRadixCache([FullComponent(alloc)], page_size=1)
+    before = _snapshot(tree)
+    with pytest.raises(SlotNotAllocated) as never:
+        tree.insert(RadixKey(range(16)), torch.arange(1, 17))  # never allocated
+    assert isinstance(never.value, NotAllocated)
+    assert isinstance(never.value, InvalidInsert)
+    v = alloc.alloc(8)
+    assert v is not None
+    with pytest.raises(DuplicateSlot) as twice:
+        tree.insert(RadixKey(range(100, 116)), torch.cat([v, v]))
+    assert isinstance(twice.value, DuplicateIndex)
+    assert _snapshot(tree) == before
+    tree.evict(EvictRequest.full(16))
+    tree.check_integrity(held={"full": 8})  # v is still the caller's
+    alloc.free(v)
+    assert alloc.available_size() == 64
+    alloc.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_out_of_range_and_page_zero_slots_are_refused(page_size: int) -> None:
+    alloc = PagedAllocator(size=32, page_size=page_size, device="cpu")
+    tree = UnifiedRadixCache([FullComponent(alloc)], page_size=page_size)
+    good = alloc.alloc(8)
+    assert good is not None
+    bad = good.clone()
+    bad[-1] = 32 + page_size + 5  # past the last page
+    with pytest.raises(SlotOutOfRange) as outside:
+        tree.insert(RadixKey(range(8)), bad)
+    assert isinstance(outside.value, IndexOutOfRange)
+    zero = good.clone()
+    zero[:page_size] = torch.arange(page_size)  # page 0 is never handed out
+    with pytest.raises(SlotNotAllocated):
+        tree.insert(RadixKey(range(8)), zero)
+    assert tree.num_nodes == 0
+    assert tree.insert(RadixKey(range(8)), good).inserted_len == 8
+    tree.check_integrity()
+
+
+def test_freed_page_is_refused_with_page_size_four() -> None:
+    alloc = PagedAllocator(size=32, page_size=4, device="cpu")
+    tree = UnifiedRadixCache([FullComponent(alloc)], page_size=4)
+    slots = alloc.alloc(8)
+    assert slots is not None
+    alloc.free(slots[4:])  # second page back to the allocator
+    with pytest.raises(SlotNotAllocated):
+        tree.insert(RadixKey(range(8)), slots)
+    assert tree.num_nodes == 0
+
+
+def test_same_slots_under_two_keys_are_refused() -> None:
+    alloc = PagedAllocator(size=64, page_size=1, device="cpu")
+    tree = UnifiedRadixCache([FullComponent(alloc)], page_size=1)
+    slots = alloc.alloc(8)
+    assert slots is not None
+    tree.insert(RadixKey(range(8)), slots)
+    before = _snapshot(tree)
+    with pytest.raises(SlotInTree):
+        tree.insert(RadixKey(range(50, 58)), slots)
+    with pytest.raises(SlotInTree):  # the tree's slots past cached_len are not the caller's
+        tree.insert(RadixKey([*range(4), *range(60, 64)]), slots)
+    assert _snapshot(tree) == before
+    # Once evicted (freed), the slots may come back under another key.
+    tree.evict(EvictRequest.full(8))
+    again = alloc.alloc(8)
+    assert again is not None
+    assert tree.insert(RadixKey(range(50, 58)), again).inserted_len == 8
+    tree.check_integrity()
+
+
+def test_locked_prefix_slots_before_cached_len_are_accepted() -> None:
+    alloc = PagedAllocator(size=64, page_size=1, device="cpu")
+    tree = UnifiedRadixCache([FullComponent(alloc)], page_size=1)
+    first = alloc.alloc(4)
+    assert first is not None
+    tree.insert(RadixKey(range(4)), first)
+    hit = tree.match_prefix(RadixKey(range(8)))
+    more = alloc.alloc(4)
+    assert more is not None
+    value = torch.cat([hit.device_indices, more])
+    result = tree.insert(RadixKey(range(8)), value, cached_len=4)
+    assert (result.prefix_len, result.inserted_len) == (4, 4)
+    tree.check_integrity()
+
+
+def test_check_slots_false_trusts_the_caller() -> None:
+    alloc = PagedAllocator(size=64, page_size=1, device="cpu")
+    tree = UnifiedRadixCache([FullComponent(alloc)], page_size=1, check_slots=False)
+    assert tree.insert(RadixKey(range(16)), torch.arange(1, 17)).inserted_len == 16
+
+
+def test_swa_tree_checks_full_slots() -> None:
+    kit = make_tree("swa", size=32, page_size=1)
+    assert isinstance(kit.full, SWAAllocator)
+    slots = kit.alloc(6)
+    kit.full.free(slots[3:])
+    with pytest.raises(SlotNotAllocated):
+        kit.tree.insert(RadixKey(range(6)), slots)
+    assert kit.tree.num_nodes == 0
+    kit.put(list(range(10, 16)))
+    taken = kit.alloc(6)
+    with pytest.raises(DuplicateSlot):
+        kit.tree.insert(RadixKey(range(20, 26)), torch.cat([taken[:3], taken[:3]]))
+    kit.full.free(torch.cat([slots[:3], taken]))
+    kit.check()
+
+
+def test_mamba_state_slot_must_be_allocated() -> None:
+    kit = make_tree("mamba", size=32, page_size=1)
+    assert isinstance(kit.mamba, MambaSlotAllocator)
+    slots = kit.alloc(4)
+    free_state = kit.alloc_state()
+    kit.mamba.free(free_state)
+    with pytest.raises(SlotNotAllocated):
+        kit.tree.insert(
+            RadixKey(range(4)), slots, inputs={"mamba": MambaInsert(slot=int(free_state))}
+        )
+    assert kit.tree.num_nodes == 0
+    kit.full.free(slots)
+    kit.check()
