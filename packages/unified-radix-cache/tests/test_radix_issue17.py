@@ -7,8 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.allocator import MambaSlotAllocator, PagedAllocator, SWAAllocator
-from kvstrata.core.errors import DuplicateIndex, IndexOutOfRange, NotAllocated
+from kvstrata.allocator import (
+    DuplicateIndex,
+    IndexOutOfRange,
+    MambaSlotAllocator,
+    NotAllocated,
+    PagedAllocator,
+    SWAAllocator,
+)
+from kvstrata.storage import MemoryStorage
+from kvstrata.testkit.tiers import Hierarchy, make_hierarchy
 from kvstrata.testkit.trees import make_tree
 from kvstrata.unified_radix_cache import (
     EvictRequest,
@@ -24,6 +32,8 @@ from kvstrata.unified_radix_cache.errors import (
     SlotNotAllocated,
     SlotOutOfRange,
 )
+from kvstrata.unified_radix_cache.paths import node_at
+from kvstrata.unified_radix_cache.tiers import TierParams
 
 
 def _snapshot(tree: UnifiedRadixCache) -> tuple[object, ...]:
@@ -156,3 +166,94 @@ def test_mamba_state_slot_must_be_allocated() -> None:
     assert kit.tree.num_nodes == 0
     kit.full.free(slots)
     kit.check()
+
+
+# ---- items 9-11: hierarchical mode -----------------------------------------------------------
+
+P = 4
+
+
+def _hier(closing: list[Hierarchy], **kw: object) -> Hierarchy:
+    h = make_hierarchy(page_size=P, **kw)  # type: ignore[arg-type]
+    closing.append(h)
+    return h
+
+
+def _put(h: Hierarchy, tokens: list[int]) -> tuple[RadixKey, torch.Tensor]:
+    key = RadixKey(tokens)
+    slots = h.allocator.alloc(len(tokens))
+    assert slots is not None
+    result = h.cache.insert(key, slots)
+    h.allocator.free(result.duplicates(slots))
+    return key, slots
+
+
+def test_split_of_a_stored_node_keeps_in_storage_on_both_halves(
+    closing: list[Hierarchy],
+) -> None:
+    h = _hier(closing, storage=MemoryStorage(capacity_bytes=1 << 24))
+    key, _ = _put(h, list(range(1, 3 * P + 1)))
+    h.cache.drain()
+    stored = node_at(h.tree, key)
+    assert stored is not None and stored.in_storage
+    # A key that leaves the stored node after one page splits it (no drain: only the split
+    # can carry the flag to the new upper half).
+    _put(h, [*range(1, P + 1), 70, 71, 72, 73])
+    lower = node_at(h.tree, key)
+    assert lower is stored and lower.num_tokens == 2 * P
+    upper = lower.parent
+    assert upper is not None and upper.num_tokens == P and upper.parent is h.tree.root
+    assert upper.in_storage and lower.in_storage
+    h.cache.drain()
+    h.cache.check_integrity()
+
+
+def test_prefetch_starts_exactly_at_the_threshold(closing: list[Hierarchy]) -> None:
+    params = TierParams(prefetch_threshold=3 * P)
+    h = _hier(closing, storage=MemoryStorage(capacity_bytes=1 << 24), params=params)
+    _put(h, list(range(1, 2 * P + 1)))
+    h.cache.drain()
+    # 2 pages on the device; host copies of device nodes add no host hit beyond them.
+    below = h.cache.match_prefix(RadixKey(list(range(1, 5 * P))))  # 3 pages - 1 token beyond
+    assert (below.device.prefix_len, below.host_hit_len) == (2 * P, 0)
+    assert below.prefetch_id is None
+    fewer = h.cache.match_prefix(RadixKey(list(range(1, 4 * P + 1))))  # 2 pages beyond
+    assert fewer.prefetch_id is None
+    at = h.cache.match_prefix(RadixKey(list(range(1, 5 * P + 1))))  # exactly 3 pages beyond
+    assert (at.device.prefix_len, at.host_hit_len) == (2 * P, 0)
+    assert at.prefetch_id is not None
+    assert h.cache.finish_prefetch(at.prefetch_id) == 0  # storage holds none of those pages
+    h.cache.check_integrity()
+
+
+@pytest.mark.parametrize("amount", [1, P + 1, 2 * P - 1])
+def test_hierarchical_tail_eviction_is_page_granular(closing: list[Hierarchy], amount: int) -> None:
+    h = _hier(closing)
+    key, slots = _put(h, list(range(1, 4 * P + 1)))
+    h.cache.drain()  # the leaf has a host copy: its tail goes off the device and stays
+    pages = -(-amount // P)
+    free_before = h.allocator.available_size()
+    assert h.cache.evict_device(amount) == pages * P
+    assert h.allocator.available_size() == free_before + pages * P
+    m = h.cache.match_prefix(key)
+    kept = (4 - pages) * P
+    assert m.device.prefix_len == kept
+    assert m.device.device_indices.tolist() == slots[:kept].tolist()
+    assert m.host_hit_len == pages * P
+    tail = m.device.last_host_node
+    assert tail is not None and not tail.on_device and tail.num_tokens == pages * P
+    h.cache.check_integrity()
+
+
+def test_hierarchical_tail_eviction_across_two_leaves(closing: list[Hierarchy]) -> None:
+    h = _hier(closing)
+    first, _ = _put(h, list(range(1, 2 * P + 1)))
+    second, slots = _put(h, list(range(100, 100 + 3 * P)))
+    h.cache.drain()
+    h.cache.match_prefix(second)  # `first` is the LRU device leaf
+    assert h.cache.evict_device(2 * P + P + 1) == 4 * P  # all of first, 2 pages of second
+    assert h.cache.match_prefix(first).device.prefix_len == 0
+    m = h.cache.match_prefix(second)
+    assert m.device.prefix_len == P and m.host_hit_len == 2 * P
+    assert m.device.device_indices.tolist() == slots[:P].tolist()
+    h.cache.check_integrity()
