@@ -200,7 +200,7 @@ def test_split_of_a_stored_node_keeps_in_storage_on_both_halves(
     # can carry the flag to the new upper half).
     _put(h, [*range(1, P + 1), 70, 71, 72, 73])
     lower = node_at(h.tree, key)
-    assert lower is stored and lower.num_tokens == 2 * P
+    assert lower is not None and lower is stored and lower.num_tokens == 2 * P
     upper = lower.parent
     assert upper is not None and upper.num_tokens == P and upper.parent is h.tree.root
     assert upper.in_storage and lower.in_storage

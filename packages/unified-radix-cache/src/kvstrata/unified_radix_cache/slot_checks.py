@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.node import TreeNode
 
 
+_INITIAL_ROWS = 1 << 24
+
+
 class _Checks(Protocol):
     def check_allocated(self, indices: torch.Tensor, name: str, /) -> None: ...
 
@@ -48,15 +51,25 @@ class SlotChecker:
     def __init__(self, full: FullComponent, page_size: int) -> None:
         allocator = full.allocator
         page = int(getattr(allocator, "page_size", page_size))
-        rows = full.capacity() + max(page, 1)
         self._full = full
-        self._rows = rows
-        self._held = np.zeros(rows, dtype=np.bool_)
+        #: Slots of the pool are 0 .. rows-1 (page 0 included: the allocator refuses it).
+        self._rows = full.capacity() + max(page, 1)
+        # The per-slot arrays cover the slots seen so far and grow on demand (a stand-in sink
+        # may announce a practically unbounded pool).
+        self._held = np.zeros(min(self._rows, _INITIAL_ROWS), dtype=np.bool_)
         full.held = self._held
-        self._stamp = np.zeros(rows, dtype=np.int32)
+        self._stamp = np.zeros(len(self._held), dtype=np.int32)
         self._iota = np.arange(1024, dtype=np.int32)
         check = getattr(allocator, "check_allocated", None)
         self._allocator: _Checks | None = allocator if callable(check) else None  # pyright: ignore[reportAttributeAccessIssue]
+
+    def _grow(self, top: int) -> None:
+        size = min(self._rows, max(top + 1, 2 * len(self._held)))
+        held = np.zeros(size, dtype=np.bool_)
+        held[: len(self._held)] = self._held
+        self._held = held
+        self._full.held = held
+        self._stamp = np.zeros(size, dtype=np.int32)
 
     def check(self, slots: npt.NDArray[np.int64], lo: int, hi: int) -> None:
         """Raise an `InvalidSlots` error unless `slots[lo:hi]` may be adopted. Changes nothing."""
@@ -64,7 +77,8 @@ class SlotChecker:
         n = len(x)
         if n == 0:
             return
-        if int(x.min()) < 0 or int(x.max()) >= self._rows:
+        top = int(x.max())
+        if int(x.min()) < 0 or top >= self._rows:
             bad = x[(x < 0) | (x >= self._rows)]
             raise SlotOutOfRange(f"insert: slots {_sample(bad)} outside [0, {self._rows})")
         if self._allocator is not None:
@@ -74,6 +88,8 @@ class SlotChecker:
                 raise SlotOutOfRange(str(e)) from None
             except (NotAllocated, ReservedIndex) as e:  # a free page, or page 0
                 raise SlotNotAllocated(str(e)) from None
+        if top >= len(self._held):
+            self._grow(top)
         held = self._held[x]
         if held.any():
             raise SlotInTree(
@@ -92,13 +108,14 @@ class SlotChecker:
 
     def hold(self, slots: npt.NDArray[np.int64]) -> None:
         """The tree adopted `slots`."""
+        if len(slots) and int(slots.max()) >= len(self._held):
+            self._grow(int(slots.max()))
         self._held[slots] = True
 
     def hold_path(self, node: TreeNode) -> None:
         """Every device slot on the path from `node` to the root is the tree's."""
-        held = self._held
         cur: TreeNode | None = node
         while cur is not None and cur.parent is not None:
             if len(cur.value):
-                held[cur.value] = True
+                self.hold(cur.value)
             cur = cur.parent

@@ -114,8 +114,9 @@ class FullComponent(TreeComponent):
         slots = self.take_pending()
         if slots is not None and len(slots):
             self.allocator.free(self.to_device(slots))
-            if self.held is not None:
-                self.held[slots] = False
+            held = self.held
+            if held is not None:  # slots past its end were never marked
+                held[slots[slots < len(held)]] = False
 
     def give_back(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
