@@ -332,6 +332,21 @@ class UnifiedRadixCache:
         if path and path[-1].heap_entry is not None:
             self._heap.push(path[-1])
 
+    def _held_bytes(self, key: RadixKey, data: bytes, end: int) -> int:
+        """Tokens of `data[:end]` the tree holds (whole pages), without changing anything."""
+        page_bytes = self._page_bytes
+        pos = 0
+        child = self._root.children.get((key.namespace, data[:page_bytes]))
+        while child is not None:
+            ck = child.key
+            if pos + len(ck) <= end and data.startswith(ck, pos):
+                pos += len(ck)
+                child = child.children.get(data[pos : pos + page_bytes])
+                continue
+            pos += self._common_bytes(ck, data, pos, end)
+            break
+        return pos // TOKEN_BYTES
+
     def _common_bytes(self, ck: bytes, data: bytes, pos: int, end: int) -> int:
         """Bytes (whole pages, >= 1 page) of node key `ck` equal to `data[pos:end]`, knowing
         the first page is equal and not all of `ck` is. Binary search over pages."""
@@ -385,7 +400,10 @@ class UnifiedRadixCache:
             return InsertResult(0, 0, root, cached_len=cached_len)
         checker = self._slot_checker
         if checker is not None:
-            checker.check(slots, cached_len, end // TOKEN_BYTES)
+            # A device-only Full tree adopts only what lies past the part it holds (the caller
+            # frees the rest); hybrid and tiered trees may adopt inside it (revive).
+            lo = cached_len if self._slow else max(cached_len, self._held_bytes(key, data, end))
+            checker.check(slots, lo, end // TOKEN_BYTES)
         if self._slow:
             if self.host_tier is not None:
                 result = self.host_tier.insert(
