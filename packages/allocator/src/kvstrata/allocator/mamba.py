@@ -77,6 +77,10 @@ class MambaSlotAllocator(SlotAllocator):
         dst = self._slots.alloc(len(src))
         return None if dst is None else SlotCopy(src=src, dst=dst)
 
+    def check_allocated(self, indices: torch.Tensor, name: str = "indices") -> None:
+        """`PagedAllocator.check_allocated` for state slots."""
+        self._slots.check_allocated(indices, name)
+
     def free(self, indices: torch.Tensor) -> None:
         """Free state slots. See `SlotAllocator.free`."""
         self._slots.free(indices)

@@ -243,6 +243,15 @@ class PagedAllocator(SlotAllocator):
         self._counters.allocated_slots += plan.num_requests
         return self._engine.commit_decode(plan)
 
+    # ---- queries --------------------------------------------------------------------------
+
+    def check_allocated(self, indices: torch.Tensor, name: str = "indices") -> None:
+        """Raise unless every slot in `indices` lies in a page handed out now, changing
+        nothing: `IndexOutOfRange` outside the pool, `ReservedIndex` in page 0 and, when
+        checked, `NotAllocated` in a free page (an unchecked allocator keeps no page marks,
+        so it checks the range only). `name` starts the message. Cost: O(len(indices))."""
+        self._engine.check_allocated(indices, name)
+
     # ---- free -----------------------------------------------------------------------------
 
     def free(self, indices: torch.Tensor) -> None:

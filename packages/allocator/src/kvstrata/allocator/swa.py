@@ -228,6 +228,10 @@ class SWAAllocator(SlotAllocator):
         self._counters.free_calls += 1
         self._counters.freed_slots += full_plan.num_pages * self.page_size
 
+    def check_allocated(self, indices: torch.Tensor, name: str = "indices") -> None:
+        """`PagedAllocator.check_allocated` for FULL slots (against the full pool)."""
+        self._full.check_allocated(indices, name)
+
     def free_swa(self, indices: torch.Tensor) -> None:
         """Release only the SWA pages of these FULL slots; the full slots stay allocated.
         Slots whose SWA page is already released are skipped. Raises `IndexOutOfRange` /

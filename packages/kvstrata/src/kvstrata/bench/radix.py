@@ -109,7 +109,12 @@ def replay(
 ) -> dict[str, Any]:
     """One timed pass over `keys` on a fresh tree; returns the peer's JSON keys."""
     sink = SlotCounter()
-    tree = UnifiedRadixCache([FullComponent(sink)], page_size=page_size, eviction_policy=policy)
+    # The stand-in sink is trusted: it hands out fresh consecutive slots and never reuses one,
+    # so the insert slot check (check_slots) is off, as in an engine that trusts its own
+    # bookkeeping; the SGLang peer has no such check either.
+    tree = UnifiedRadixCache(
+        [FullComponent(sink)], page_size=page_size, eviction_policy=policy, check_slots=False
+    )
     take: Callable[[int], torch.Tensor | npt.NDArray[np.int64]] = (
         sink.take_numpy if values == "numpy" else sink.take_torch
     )

@@ -6,6 +6,8 @@ no lock taken, no event queued. Internal invariants are `assert`s, not these.
 
 from __future__ import annotations
 
+from kvstrata.core.errors import DuplicateIndex, IndexOutOfRange, NotAllocated
+
 
 class RadixCacheError(Exception):
     """Base of every error this package raises on purpose."""
@@ -23,6 +25,27 @@ class InvalidKey(RadixCacheError, ValueError):
 class InvalidInsert(RadixCacheError, ValueError):
     """`insert` arguments that do not fit together: `value` shorter than the key, a state input
     for a component the tree does not have, a Mamba state for a key that is not page-aligned."""
+
+
+class InvalidSlots(InvalidInsert):
+    """`insert` slots the tree cannot adopt (checked unless the tree was built with
+    `check_slots=False`). Base of the four below."""
+
+
+class SlotOutOfRange(InvalidSlots, IndexOutOfRange):
+    """A slot outside the component's pool."""
+
+
+class SlotNotAllocated(InvalidSlots, NotAllocated):
+    """A slot in a page the allocator has not handed out (free, or page 0)."""
+
+
+class DuplicateSlot(InvalidSlots, DuplicateIndex):
+    """A slot given twice in one `insert`."""
+
+
+class SlotInTree(InvalidSlots, DuplicateIndex):
+    """A slot the tree already holds for another key (or another position)."""
 
 
 class InvalidEvictRequest(RadixCacheError, ValueError):

@@ -50,6 +50,7 @@ from kvstrata.unified_radix_cache.results import (
     LockReceipt,
     MatchResult,
 )
+from kvstrata.unified_radix_cache.slot_checks import SlotChecker
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.host_tier import HostTier
@@ -70,6 +71,9 @@ class UnifiedRadixCache:
     `disable`: a disabled cache never hits and stores nothing (insert adopts no slot).
     `enable_events`: queue KV events for `take_events()`; page keys come from `keyer` (a
     `kvstrata.storage.PageKeyer`; one is built for `page_size` when none is given).
+    `check_slots`: `insert` refuses (InvalidSlots, before any change) slots outside the pool,
+    not handed out by the allocator, given twice, or already held by the tree; an engine that
+    trusts its own bookkeeping may turn the check off.
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class UnifiedRadixCache:
         disable: bool = False,
         enable_events: bool = False,
         keyer: PageKeyer | None = None,
+        check_slots: bool = True,
     ) -> None:
         if page_size < 1:
             raise InvalidConfig(f"page_size must be >= 1, got {page_size}")
@@ -122,6 +127,10 @@ class UnifiedRadixCache:
         assert heap is not None
         self._heap = heap
         self._on_cpu = self._full.device.type == "cpu"
+        self.check_slots = check_slots
+        self._slot_checker: SlotChecker | None = None
+        if check_slots and not disable:
+            self._slot_checker = SlotChecker(self._full, page_size)
         self._events: EventLog | None = None
         if keyer is not None and enable_events and not disable:
             self._events = EventLog(keyer)
@@ -323,6 +332,21 @@ class UnifiedRadixCache:
         if path and path[-1].heap_entry is not None:
             self._heap.push(path[-1])
 
+    def _held_bytes(self, key: RadixKey, data: bytes, end: int) -> int:
+        """Tokens of `data[:end]` the tree holds (whole pages), without changing anything."""
+        page_bytes = self._page_bytes
+        pos = 0
+        child = self._root.children.get((key.namespace, data[:page_bytes]))
+        while child is not None:
+            ck = child.key
+            if pos + len(ck) <= end and data.startswith(ck, pos):
+                pos += len(ck)
+                child = child.children.get(data[pos : pos + page_bytes])
+                continue
+            pos += self._common_bytes(ck, data, pos, end)
+            break
+        return pos // TOKEN_BYTES
+
     def _common_bytes(self, ck: bytes, data: bytes, pos: int, end: int) -> int:
         """Bytes (whole pages, >= 1 page) of node key `ck` equal to `data[pos:end]`, knowing
         the first page is equal and not all of `ck` is. Binary search over pages."""
@@ -374,12 +398,24 @@ class UnifiedRadixCache:
         root = self._root
         if end == 0 or self.disabled:
             return InsertResult(0, 0, root, cached_len=cached_len)
+        checker = self._slot_checker
+        if checker is not None:
+            # A device-only Full tree adopts only what lies past the part it holds (the caller
+            # frees the rest); hybrid and tiered trees may adopt inside it (revive).
+            lo = cached_len if self._slow else max(cached_len, self._held_bytes(key, data, end))
+            checker.check(slots, lo, end // TOKEN_BYTES)
         if self._slow:
             if self.host_tier is not None:
-                return self.host_tier.insert(
+                result = self.host_tier.insert(
                     key, data, end, slots, cached_len, priority, comp_inputs
                 )
-            return self._insert_hybrid(key, data, end, slots, cached_len, priority, comp_inputs)
+            else:
+                result = self._insert_hybrid(
+                    key, data, end, slots, cached_len, priority, comp_inputs
+                )
+            if checker is not None:
+                checker.hold_path(result.last_node)
+            return result
         # Full-only fast path: the same walk as match_prefix, no hook calls.
         page_bytes = self._page_bytes
         self._tick += 1
@@ -437,6 +473,8 @@ class UnifiedRadixCache:
             self._num_components,
         )
         leaf.priority = priority
+        if self._slot_checker is not None:
+            self._slot_checker.hold(leaf.value)
         first = data[pos : pos + self._page_bytes]
         children = parent.children
         if children is NO_CHILDREN:

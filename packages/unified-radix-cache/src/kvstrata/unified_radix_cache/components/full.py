@@ -48,6 +48,9 @@ class FullComponent(TreeComponent):
         self.heap: LeafHeap | None = None
         #: Set when the tree gets a host tier: a device leaf may then have off-device children.
         self.tiered = False
+        #: One flag per slot the tree holds (set by the tree's `SlotChecker`, None when the
+        #: tree does not check insert slots); cleared here when the slots are freed.
+        self.held: npt.NDArray[np.bool_] | None = None
 
     def bind(self, tree: UnifiedRadixCache, index: int) -> None:
         super().bind(tree, index)
@@ -111,6 +114,9 @@ class FullComponent(TreeComponent):
         slots = self.take_pending()
         if slots is not None and len(slots):
             self.allocator.free(self.to_device(slots))
+            held = self.held
+            if held is not None:  # slots past its end were never marked
+                held[slots[slots < len(held)]] = False
 
     def give_back(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
@@ -196,3 +202,5 @@ class FullComponent(TreeComponent):
         super().reset()
         if self.heap is not None:
             self.heap.clear()
+        if self.held is not None:
+            self.held[:] = False

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from kvstrata.allocator.errors import NotAllocated
 from kvstrata.unified_radix_cache.components.base import ComponentInsert, LRUListComponent
 from kvstrata.unified_radix_cache.errors import (
     IntegrityError,
     InvalidInsert,
+    SlotNotAllocated,
     StateSlotsExhausted,
 )
 from kvstrata.unified_radix_cache.policies import LRUList
@@ -152,6 +154,12 @@ class MambaComponent(LRUListComponent):
             )
         if not 0 < inp.slot <= self.capacity():
             raise InvalidInsert(f"Mamba slot {inp.slot} outside 1..{self.capacity()}")
+        check = getattr(self.allocator, "check_allocated", None)
+        if self.tree.check_slots and callable(check):
+            try:
+                check(torch.tensor([int(inp.slot)], device=self.device), "insert mamba slot")
+            except NotAllocated as e:
+                raise SlotNotAllocated(str(e)) from None
 
     def on_insert_commit(self, node: TreeNode, inp: ComponentInsert | None) -> bool:
         if not isinstance(inp, MambaInsert) or node.parent is None:
