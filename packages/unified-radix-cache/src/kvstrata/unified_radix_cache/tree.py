@@ -50,6 +50,7 @@ from kvstrata.unified_radix_cache.results import (
     LockReceipt,
     MatchResult,
 )
+from kvstrata.unified_radix_cache.walk import descend
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.host_tier import HostTier
@@ -258,28 +259,15 @@ class UnifiedRadixCache:
             if self.host_tier is not None:
                 return self.host_tier.match(key, data, end, copy_state=copy_state)
             return self._match_hybrid(key, data, end, copy_state)
-        page_bytes = self._page_bytes
+        path, pos, _ = descend(root, self._page_bytes, key.namespace, data, end, self.split_node)
         self._tick += 1
         tick = self._tick
         node = root
-        pos = 0
         values: list[npt.NDArray[np.int64]] = []
-        child = root.children.get((key.namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            step = len(ck)
-            if pos + step <= end and data.startswith(ck, pos):
-                node = child
-            else:
-                step = self._common_bytes(ck, data, pos, end)
-                node = self.split_node(child, step // TOKEN_BYTES)
+        for node in path:
             values.append(node.value)
             node.last_access = tick
             node.hit_count += 1
-            pos += step
-            if pos >= end or node is not child:
-                break
-            child = node.children.get(data[pos : pos + page_bytes])
         if node.heap_entry is not None:
             self._heap.push(node)  # re-key the leaf for its new access time
         prefix_len = pos // TOKEN_BYTES
@@ -323,22 +311,6 @@ class UnifiedRadixCache:
         if path and path[-1].heap_entry is not None:
             self._heap.push(path[-1])
 
-    def _common_bytes(self, ck: bytes, data: bytes, pos: int, end: int) -> int:
-        """Bytes (whole pages, >= 1 page) of node key `ck` equal to `data[pos:end]`, knowing
-        the first page is equal and not all of `ck` is. Binary search over pages."""
-        page_bytes = self._page_bytes
-        limit = min(len(ck), end - pos)
-        if data.startswith(ck[:limit], pos):
-            return limit
-        lo, hi = 1, limit // page_bytes  # lo pages equal, hi pages not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if data.startswith(ck[: mid * page_bytes], pos):
-                lo = mid
-            else:
-                hi = mid
-        return lo * page_bytes
-
     # ------------------------------------------------------------------------------------------
     # Insert
     # ------------------------------------------------------------------------------------------
@@ -380,29 +352,16 @@ class UnifiedRadixCache:
                     key, data, end, slots, cached_len, priority, comp_inputs
                 )
             return self._insert_hybrid(key, data, end, slots, cached_len, priority, comp_inputs)
-        # Full-only fast path: the same walk as match_prefix, no hook calls.
-        page_bytes = self._page_bytes
+        # Full-only fast path: the one walk, then two attribute writes per node (no hook call).
+        namespace = key.namespace
+        path, pos, _ = descend(root, self._page_bytes, namespace, data, end, self.split_node)
         self._tick += 1
         tick = self._tick
-        namespace = key.namespace
         node = root
-        pos = 0
-        child = root.children.get((namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            step = len(ck)
-            if pos + step <= end and data.startswith(ck, pos):
-                node = child
-            else:
-                step = self._common_bytes(ck, data, pos, end)
-                node = self.split_node(child, step // TOKEN_BYTES)
+        for node in path:
             node.last_access = tick
             if priority > node.priority:
                 node.priority = priority
-            pos += step
-            if pos >= end or node is not child:
-                break
-            child = node.children.get(data[pos : pos + page_bytes])
         prefix_len = pos // TOKEN_BYTES
         if pos < end:
             leaf = self._add_leaf(node, data, pos, end, slots, namespace, tick, priority)
@@ -461,35 +420,27 @@ class UnifiedRadixCache:
         comp_inputs: Mapping[str, ComponentInsert] | None,
     ) -> InsertResult:
         """`insert` with the component hooks: overlap on each existing node, new leaf, commit."""
-        page_bytes = self._page_bytes
         extras = self._extras
         self._tick += 1
         tick = self._tick
-        node = self._root
-        pos = 0
         adopted: list[tuple[int, int]] = []
-        child = node.children.get((key.namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            step = len(ck)
-            if pos + step <= end and data.startswith(ck, pos):
-                node = child
-            else:
-                step = self._common_bytes(ck, data, pos, end)
-                node = self.split_node(child, step // TOKEN_BYTES)
+
+        def visit(node: TreeNode, at: int) -> None:
             node.last_access = tick
             if priority > node.priority:
                 node.priority = priority
-            start = pos // TOKEN_BYTES
+            start = at // TOKEN_BYTES
             for component in extras:
                 component.on_access(node)
                 inp = comp_inputs.get(component.name) if comp_inputs else None
                 if component.on_insert_overlap(node, start, slots, inp, cached_len):
                     adopted.append((start, start + len(node.value)))
-            pos += step
-            if pos >= end or node is not child:
-                break
-            child = node.children.get(data[pos : pos + page_bytes])
+
+        root = self._root
+        path, pos, _ = descend(
+            root, self._page_bytes, key.namespace, data, end, self.split_node, visit
+        )
+        node = path[-1] if path else root
         prefix_len = pos // TOKEN_BYTES
         last = node
         if pos < end:
@@ -708,34 +659,12 @@ class UnifiedRadixCache:
         self._tick += 1
         return self._tick
 
-    def common_bytes(self, ck: bytes, data: bytes, pos: int, end: int) -> int:
-        """Whole-page bytes of node key `ck` equal to `data[pos:end]` (first page equal)."""
-        return self._common_bytes(ck, data, pos, end)
-
     def walk(self, namespace: Namespace | None, data: bytes, end: int) -> list[TreeNode]:
         """The nodes matching `data[:end]` (whole pages of token bytes) from the root, the last
         one split where the match ends inside it, so the path covers exactly the matched
         prefix. Mutates only by that split (sizes and locks unchanged). The walk of the hybrid
         and hierarchical paths; the Full-only fast paths inline it. O(K + depth)."""
-        page_bytes = self._page_bytes
-        path: list[TreeNode] = []
-        pos = 0
-        node = self._root
-        child = node.children.get((namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            step = len(ck)
-            if pos + step <= end and data.startswith(ck, pos):
-                node = child
-            else:
-                step = self._common_bytes(ck, data, pos, end)
-                node = self.split_node(child, step // TOKEN_BYTES)
-            path.append(node)
-            pos += step
-            if pos >= end or node is not child:
-                break
-            child = node.children.get(data[pos : pos + page_bytes])
-        return path
+        return descend(self._root, self._page_bytes, namespace, data, end, self.split_node)[0]
 
     def add_leaf(
         self,
