@@ -53,7 +53,7 @@ from kvstrata.unified_radix_cache.results import (
 from kvstrata.unified_radix_cache.walk import descend
 
 if TYPE_CHECKING:
-    from kvstrata.unified_radix_cache.host_tier import HostTier
+    from kvstrata.unified_radix_cache.tier_hooks import TreeTier
 
 # Shared by every empty match result: a tensor over it has no element to write and its storage
 # (numpy's) cannot be resized, so no caller can change it.
@@ -128,7 +128,7 @@ class UnifiedRadixCache:
             self._events = EventLog(keyer)
         # Hierarchical mode (host_tier.py). `_slow` sends match and insert off the Full-only
         # fast path, so a device-only tree pays one attribute test per call and nothing more.
-        self.host_tier: HostTier | None = None
+        self.host_tier: TreeTier | None = None
         self._slow = bool(self._extras)
         # Counters read by RadixCacheCollector (tokens unless said otherwise).
         self.queried_tokens = 0
@@ -208,7 +208,7 @@ class UnifiedRadixCache:
         """The page keyer of this tree's events (None when events are off)."""
         return self._events.keyer if self._events is not None else None
 
-    def attach_host_tier(self, tier: HostTier) -> None:
+    def attach_host_tier(self, tier: TreeTier) -> None:
         """Hierarchical mode: from now on match, insert and Full eviction take `tier`'s walks
         (host values on the nodes). Refused on a non-empty or already tiered tree, and on a
         tree with more than one state component (Full-only, Full + SWA and Full + Mamba trees
@@ -532,15 +532,6 @@ class UnifiedRadixCache:
         upper.hit_count = node.hit_count
         upper.priority = node.priority
         upper.in_storage = node.in_storage
-        host_value = node.host_value
-        if host_value is not None:
-            upper.host_value = host_value[:num_tokens]
-            node.host_value = host_value[num_tokens:]
-            upper.host_lock_ref = node.host_lock_ref
-        host_swa = node.host_swa
-        if host_swa is not None:
-            upper.host_swa = host_swa[:num_tokens]
-            node.host_swa = host_swa[num_tokens:]
         if self.host_tier is not None:
             self.host_tier.on_split(upper, node)
         parent.children[
