@@ -251,8 +251,19 @@ class HostTier(HostWalks):
             self._add_candidate(node)
 
     def on_split(self, upper: TreeNode, node: TreeNode) -> None:
-        """The tree split `node`, `upper` taking its head (and that head's host SWA slots). A
+        """The tree split `node` after `len(upper.value)` tokens, `upper` taking its head: the
+        host copies split with it (the host tier owns them, so the tree does not copy them). A
         candidate `node` stays one (it keeps its heap entry); `upper` has a child, so is none."""
+        cut = upper.num_tokens
+        host_value = node.host_value
+        if host_value is not None:
+            upper.host_value = host_value[:cut]
+            node.host_value = host_value[cut:]
+            upper.host_lock_ref = node.host_lock_ref
+        host_swa = node.host_swa
+        if host_swa is not None:
+            upper.host_swa = host_swa[:cut]
+            node.host_swa = host_swa[cut:]
         if node in self.heap and upper.host_swa is not None:
             self.candidate_swa_size -= len(upper.host_swa)
 

@@ -23,6 +23,7 @@ from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.policies import LeafHeap
 from kvstrata.unified_radix_cache.results import InsertResult, MatchResult
+from kvstrata.unified_radix_cache.walk import descend
 
 if TYPE_CHECKING:
     import torch
@@ -242,27 +243,17 @@ class HostWalks:
         swa = self._swa
         swa_input = inputs.get(swa.name) if swa is not None and inputs else None
         evicted_len = swa_input.evicted_len if isinstance(swa_input, SWAInsert) else 0
-        page_bytes = self._page_bytes
         tick = tree.next_tick()
         namespace = key.namespace
-        node = tree.root
-        pos = 0
         adopted: list[tuple[int, int]] = []
-        child = node.children.get((namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            step = len(ck)
-            if pos + step <= end and data.startswith(ck, pos):
-                node = child
-            else:
-                step = tree.common_bytes(ck, data, pos, end)
-                node = tree.split_node(child, step // TOKEN_BYTES)
+
+        def visit(node: TreeNode, at: int) -> None:
             node.last_access = tick
             if priority > node.priority:
                 node.priority = priority
             if mamba is not None:
                 mamba.on_access(node)
-            start = pos // TOKEN_BYTES
+            start = at // TOKEN_BYTES
             if not len(node.value):
                 assert start >= cached_len, (
                     f"insert: node {node.id} is off the device inside the caller's cached prefix"
@@ -275,10 +266,11 @@ class HostWalks:
                 swa.on_access(node)
                 if swa.on_insert_overlap(node, start, slots, swa_input, cached_len):
                     adopted.append((start, start + node.num_tokens))
-            pos += step
-            if pos >= end or node is not child:
-                break
-            child = node.children.get(data[pos : pos + page_bytes])
+
+        path, pos, _ = descend(
+            tree.root, self._page_bytes, namespace, data, end, tree.split_node, visit
+        )
+        node = path[-1] if path else tree.root
         prefix_len = pos // TOKEN_BYTES
         inserted = 0
         if pos < end:

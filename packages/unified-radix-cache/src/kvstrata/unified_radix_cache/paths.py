@@ -13,6 +13,7 @@ from kvstrata.unified_radix_cache.errors import ForeignNode
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+from kvstrata.unified_radix_cache.walk import descend
 
 
 def key_of(tree: UnifiedRadixCache, node: TreeNode) -> RadixKey:
@@ -36,24 +37,9 @@ def held_len(tree: UnifiedRadixCache, key: RadixKey) -> int:
     """How many leading tokens of `key` `tree` holds, in whole pages. O(K)."""
     data = key.token_bytes()
     page_bytes = tree.page_size * TOKEN_BYTES
-    pos = 0
-    child = tree.root.children.get((key.namespace, data[:page_bytes]))
-    while child is not None:
-        ck = child.key
-        if data.startswith(ck, pos):
-            pos += len(ck)
-            child = child.children.get(data[pos : pos + page_bytes])
-            continue
-        # The first page is equal (the child was found by its bytes, always a whole page);
-        # past it, count whole equal pages (startswith is False beyond the end of `data`).
-        same = page_bytes
-        while same + page_bytes <= len(ck) and data.startswith(
-            ck[same : same + page_bytes], pos + same
-        ):
-            same += page_bytes
-        pos += same
-        break
-    return pos // TOKEN_BYTES
+    end = len(data) - len(data) % page_bytes
+    _, pos, partial = descend(tree.root, page_bytes, key.namespace, data, end, None)
+    return (pos + partial) // TOKEN_BYTES
 
 
 def node_at(tree: UnifiedRadixCache, key: RadixKey) -> TreeNode | None:
@@ -61,16 +47,10 @@ def node_at(tree: UnifiedRadixCache, key: RadixKey) -> TreeNode | None:
     for an empty key). O(K)."""
     data = key.token_bytes()
     page_bytes = tree.page_size * TOKEN_BYTES
-    node = tree.root
-    pos = 0
-    child = node.children.get((key.namespace, data[:page_bytes]))
-    while child is not None and data.startswith(child.key, pos):
-        node = child
-        pos += len(child.key)
-        if pos >= len(data):
-            break
-        child = node.children.get(data[pos : pos + page_bytes])
-    return node if pos == len(data) and node is not tree.root else None
+    if len(data) % page_bytes:
+        return None  # nodes hold whole pages: none ends inside one
+    path, pos, _ = descend(tree.root, page_bytes, key.namespace, data, len(data), None)
+    return path[-1] if path and pos == len(data) else None
 
 
 def prefix_page_keys(tree: UnifiedRadixCache, node: TreeNode) -> list[bytes]:

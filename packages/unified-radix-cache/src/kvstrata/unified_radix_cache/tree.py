@@ -51,9 +51,10 @@ from kvstrata.unified_radix_cache.results import (
     MatchResult,
 )
 from kvstrata.unified_radix_cache.slot_checks import SlotChecker
+from kvstrata.unified_radix_cache.walk import descend
 
 if TYPE_CHECKING:
-    from kvstrata.unified_radix_cache.host_tier import HostTier
+    from kvstrata.unified_radix_cache.tier_hooks import TreeTier
 
 # Shared by every empty match result: a tensor over it has no element to write and its storage
 # (numpy's) cannot be resized, so no caller can change it.
@@ -136,7 +137,7 @@ class UnifiedRadixCache:
             self._events = EventLog(keyer)
         # Hierarchical mode (host_tier.py). `_slow` sends match and insert off the Full-only
         # fast path, so a device-only tree pays one attribute test per call and nothing more.
-        self.host_tier: HostTier | None = None
+        self.host_tier: TreeTier | None = None
         self._slow = bool(self._extras)
         # Counters read by RadixCacheCollector (tokens unless said otherwise).
         self.queried_tokens = 0
@@ -216,7 +217,7 @@ class UnifiedRadixCache:
         """The page keyer of this tree's events (None when events are off)."""
         return self._events.keyer if self._events is not None else None
 
-    def attach_host_tier(self, tier: HostTier) -> None:
+    def attach_host_tier(self, tier: TreeTier) -> None:
         """Hierarchical mode: from now on match, insert and Full eviction take `tier`'s walks
         (host values on the nodes). Refused on a non-empty or already tiered tree, and on a
         tree with more than one state component (Full-only, Full + SWA and Full + Mamba trees
@@ -267,28 +268,15 @@ class UnifiedRadixCache:
             if self.host_tier is not None:
                 return self.host_tier.match(key, data, end, copy_state=copy_state)
             return self._match_hybrid(key, data, end, copy_state)
-        page_bytes = self._page_bytes
+        path, pos, _ = descend(root, self._page_bytes, key.namespace, data, end, self.split_node)
         self._tick += 1
         tick = self._tick
         node = root
-        pos = 0
         values: list[npt.NDArray[np.int64]] = []
-        child = root.children.get((key.namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            step = len(ck)
-            if pos + step <= end and data.startswith(ck, pos):
-                node = child
-            else:
-                step = self._common_bytes(ck, data, pos, end)
-                node = self.split_node(child, step // TOKEN_BYTES)
+        for node in path:
             values.append(node.value)
             node.last_access = tick
             node.hit_count += 1
-            pos += step
-            if pos >= end or node is not child:
-                break
-            child = node.children.get(data[pos : pos + page_bytes])
         if node.heap_entry is not None:
             self._heap.push(node)  # re-key the leaf for its new access time
         prefix_len = pos // TOKEN_BYTES
@@ -334,34 +322,8 @@ class UnifiedRadixCache:
 
     def _held_bytes(self, key: RadixKey, data: bytes, end: int) -> int:
         """Tokens of `data[:end]` the tree holds (whole pages), without changing anything."""
-        page_bytes = self._page_bytes
-        pos = 0
-        child = self._root.children.get((key.namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            if pos + len(ck) <= end and data.startswith(ck, pos):
-                pos += len(ck)
-                child = child.children.get(data[pos : pos + page_bytes])
-                continue
-            pos += self._common_bytes(ck, data, pos, end)
-            break
-        return pos // TOKEN_BYTES
-
-    def _common_bytes(self, ck: bytes, data: bytes, pos: int, end: int) -> int:
-        """Bytes (whole pages, >= 1 page) of node key `ck` equal to `data[pos:end]`, knowing
-        the first page is equal and not all of `ck` is. Binary search over pages."""
-        page_bytes = self._page_bytes
-        limit = min(len(ck), end - pos)
-        if data.startswith(ck[:limit], pos):
-            return limit
-        lo, hi = 1, limit // page_bytes  # lo pages equal, hi pages not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if data.startswith(ck[: mid * page_bytes], pos):
-                lo = mid
-            else:
-                hi = mid
-        return lo * page_bytes
+        _, pos, partial = descend(self._root, self._page_bytes, key.namespace, data, end, None)
+        return (pos + partial) // TOKEN_BYTES
 
     # ------------------------------------------------------------------------------------------
     # Insert
@@ -416,29 +378,16 @@ class UnifiedRadixCache:
             if checker is not None:
                 checker.hold_path(result.last_node)
             return result
-        # Full-only fast path: the same walk as match_prefix, no hook calls.
-        page_bytes = self._page_bytes
+        # Full-only fast path: the one walk, then two attribute writes per node (no hook call).
+        namespace = key.namespace
+        path, pos, _ = descend(root, self._page_bytes, namespace, data, end, self.split_node)
         self._tick += 1
         tick = self._tick
-        namespace = key.namespace
         node = root
-        pos = 0
-        child = root.children.get((namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            step = len(ck)
-            if pos + step <= end and data.startswith(ck, pos):
-                node = child
-            else:
-                step = self._common_bytes(ck, data, pos, end)
-                node = self.split_node(child, step // TOKEN_BYTES)
+        for node in path:
             node.last_access = tick
             if priority > node.priority:
                 node.priority = priority
-            pos += step
-            if pos >= end or node is not child:
-                break
-            child = node.children.get(data[pos : pos + page_bytes])
         prefix_len = pos // TOKEN_BYTES
         if pos < end:
             leaf = self._add_leaf(node, data, pos, end, slots, namespace, tick, priority)
@@ -499,35 +448,27 @@ class UnifiedRadixCache:
         comp_inputs: Mapping[str, ComponentInsert] | None,
     ) -> InsertResult:
         """`insert` with the component hooks: overlap on each existing node, new leaf, commit."""
-        page_bytes = self._page_bytes
         extras = self._extras
         self._tick += 1
         tick = self._tick
-        node = self._root
-        pos = 0
         adopted: list[tuple[int, int]] = []
-        child = node.children.get((key.namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            step = len(ck)
-            if pos + step <= end and data.startswith(ck, pos):
-                node = child
-            else:
-                step = self._common_bytes(ck, data, pos, end)
-                node = self.split_node(child, step // TOKEN_BYTES)
+
+        def visit(node: TreeNode, at: int) -> None:
             node.last_access = tick
             if priority > node.priority:
                 node.priority = priority
-            start = pos // TOKEN_BYTES
+            start = at // TOKEN_BYTES
             for component in extras:
                 component.on_access(node)
                 inp = comp_inputs.get(component.name) if comp_inputs else None
                 if component.on_insert_overlap(node, start, slots, inp, cached_len):
                     adopted.append((start, start + len(node.value)))
-            pos += step
-            if pos >= end or node is not child:
-                break
-            child = node.children.get(data[pos : pos + page_bytes])
+
+        root = self._root
+        path, pos, _ = descend(
+            root, self._page_bytes, key.namespace, data, end, self.split_node, visit
+        )
+        node = path[-1] if path else root
         prefix_len = pos // TOKEN_BYTES
         last = node
         if pos < end:
@@ -619,15 +560,6 @@ class UnifiedRadixCache:
         upper.hit_count = node.hit_count
         upper.priority = node.priority
         upper.in_storage = node.in_storage
-        host_value = node.host_value
-        if host_value is not None:
-            upper.host_value = host_value[:num_tokens]
-            node.host_value = host_value[num_tokens:]
-            upper.host_lock_ref = node.host_lock_ref
-        host_swa = node.host_swa
-        if host_swa is not None:
-            upper.host_swa = host_swa[:num_tokens]
-            node.host_swa = host_swa[num_tokens:]
         if self.host_tier is not None:
             self.host_tier.on_split(upper, node)
         parent.children[
@@ -746,34 +678,12 @@ class UnifiedRadixCache:
         self._tick += 1
         return self._tick
 
-    def common_bytes(self, ck: bytes, data: bytes, pos: int, end: int) -> int:
-        """Whole-page bytes of node key `ck` equal to `data[pos:end]` (first page equal)."""
-        return self._common_bytes(ck, data, pos, end)
-
     def walk(self, namespace: Namespace | None, data: bytes, end: int) -> list[TreeNode]:
         """The nodes matching `data[:end]` (whole pages of token bytes) from the root, the last
         one split where the match ends inside it, so the path covers exactly the matched
         prefix. Mutates only by that split (sizes and locks unchanged). The walk of the hybrid
         and hierarchical paths; the Full-only fast paths inline it. O(K + depth)."""
-        page_bytes = self._page_bytes
-        path: list[TreeNode] = []
-        pos = 0
-        node = self._root
-        child = node.children.get((namespace, data[:page_bytes]))
-        while child is not None:
-            ck = child.key
-            step = len(ck)
-            if pos + step <= end and data.startswith(ck, pos):
-                node = child
-            else:
-                step = self._common_bytes(ck, data, pos, end)
-                node = self.split_node(child, step // TOKEN_BYTES)
-            path.append(node)
-            pos += step
-            if pos >= end or node is not child:
-                break
-            child = node.children.get(data[pos : pos + page_bytes])
-        return path
+        return descend(self._root, self._page_bytes, namespace, data, end, self.split_node)[0]
 
     def add_leaf(
         self,

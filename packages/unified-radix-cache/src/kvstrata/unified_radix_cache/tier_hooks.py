@@ -1,0 +1,46 @@
+"""`TreeTier`: what a `UnifiedRadixCache` calls on the tier attached to it (hierarchical mode).
+
+The tree knows its tier only through this protocol, so tree.py does not import the host tier
+(host_tier.py imports the tree, never the other way round). `HostTier` implements it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from kvstrata.unified_radix_cache.components.base import ComponentInsert
+    from kvstrata.unified_radix_cache.key import RadixKey
+    from kvstrata.unified_radix_cache.node import TreeNode
+    from kvstrata.unified_radix_cache.results import InsertResult, MatchResult
+
+
+class TreeTier(Protocol):
+    """The tier hooks: its match and insert walks replace the tree's fast paths, it evicts the
+    tree's device data (moving what has a host copy off the device), and it follows the
+    structure changes (a split, a node losing its last child)."""
+
+    def match(
+        self, key: RadixKey, data: bytes, end: int, *, copy_state: bool = False
+    ) -> MatchResult: ...
+
+    def insert(
+        self,
+        key: RadixKey,
+        data: bytes,
+        end: int,
+        slots: npt.NDArray[np.int64],
+        cached_len: int,
+        priority: int,
+        inputs: Mapping[str, ComponentInsert] | None = None,
+    ) -> InsertResult: ...
+
+    def evict_device(self, amount: int) -> int: ...
+
+    def on_split(self, upper: TreeNode, node: TreeNode) -> None: ...
+
+    def on_child_gone(self, parent: TreeNode) -> None: ...
