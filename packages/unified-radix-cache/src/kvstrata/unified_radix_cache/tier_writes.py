@@ -111,18 +111,18 @@ class TierWrites(TierCore):
 
     def _flush_writes(self) -> dict[int, int]:
         """Submit every queued write, oldest first, in one burst (the controller's worker wakes
-        once and merges them). A write the queue refuses is rolled back: its locks released,
+        once and merges them; a CPU controller runs the merged batch on this thread,
+        `TierController.runs_inline`). A write the queue refuses is rolled back: its locks released,
         its host slots freed. Returns temporary id -> op id of the writes submitted."""
         unsent, self._unsent = self._unsent, []
         submitted: dict[int, int] = {}
         if unsent:
             self.counters.write_batches += 1
-        for temp_id, op in unsent:
+        op_ids = self.controller.submit_writes([op for _, op in unsent], inline=True)
+        for (temp_id, _), op_id in zip(unsent, op_ids, strict=True):
             pending = self._pending.pop(temp_id)
             assert isinstance(pending, PendingWrite), "a queued write id names a write"
-            try:
-                op_id = self.controller.submit_write(op)
-            except QueueFull:
+            if op_id is None:  # the queue had no room
                 self._roll_back_write(pending)
                 continue
             self._pending[op_id] = pending
