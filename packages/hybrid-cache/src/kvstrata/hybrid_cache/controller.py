@@ -335,6 +335,30 @@ class TierController:
             lane.queue.put(BackupTask(op_id=op_id, keys=tuple(op.keys), pages=pages))
         return op_id
 
+    def submit_backups(self, ops: Sequence[BackupOp]) -> list[int | None]:
+        """`submit_backup` for each of `ops`, oldest first, with one wake-up of the backup
+        worker for the whole batch. Returns the op ids; None for an op the queue had no room
+        for (nothing of it changed). StorageNotConfigured, InvalidOperation (any op) or
+        ControllerClosed before anything changes."""
+        lane = self._storage_lane(self._backup)
+        checked = [self.group.check_keyed_pages(op.keys, op.host_pages) for op in ops]
+        ids: list[int | None] = []
+        tasks: list[BackupTask] = []
+        with self._lock:
+            if self._closed:
+                raise ControllerClosed(f"{OpKind.BACKUP} submitted after close()")
+            room = lane.queue.capacity - len(lane.queue)
+            for op, pages in zip(ops, checked, strict=True):
+                if len(tasks) >= room:
+                    ids.append(None)
+                    continue
+                op_id = self._admit(OpKind.BACKUP, len(op.keys), None)
+                tasks.append(BackupTask(op_id=op_id, keys=tuple(op.keys), pages=pages))
+                ids.append(op_id)
+            if tasks:
+                lane.queue.put_all(tasks)
+        return ids
+
     # --- prefetch progress -----------------------------------------------------------------------
 
     def prefetch_progress(self, op_id: int) -> PrefetchProgress:

@@ -58,6 +58,7 @@ import torch
 from kvstrata.hybrid_cache import (
     Ack,
     AckStatus,
+    BackupOp,
     OpKind,
     TierController,
     WriteOp,
@@ -221,6 +222,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         self._pending: dict[int, Pending] = {}
         self._unsent: list[tuple[int, WriteOp]] = []
         self._unsent_ids = 0
+        self._held_backups = None
         self._num_requests = 0
         self._unsent_since = 0
         self._events: list[KVEvent] = []
@@ -483,8 +485,18 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         they held. Never blocks."""
         if not self._pending:
             return
-        for ack in self.controller.poll_acks():
-            self._on_ack(ack)
+        acks = self.controller.poll_acks()
+        if not acks:
+            return
+        # Backups the write acks start go to the controller together (one worker wake-up).
+        held: list[tuple[BackupOp, PendingBackup]] = []
+        self._held_backups = held
+        try:
+            for ack in acks:
+                self._on_ack(ack)
+        finally:
+            self._held_backups = None
+            self._send_backups(held)
 
     def drain(self, kind: OpKind | None = None) -> None:
         """Wait for every transfer in flight (of `kind`, or all) and commit it. Raises
