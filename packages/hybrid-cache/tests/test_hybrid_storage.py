@@ -17,6 +17,7 @@ from kvstrata.hybrid_cache import (
     AckStatus,
     BackupOp,
     ControllerParams,
+    InvalidOperation,
     LoadOp,
     OpKind,
     PageMove,
@@ -501,3 +502,37 @@ def test_storage_ops_need_a_storage() -> None:
             controller.submit_prefetch(
                 PrefetchOp(keys=[b"k"], host_pages={"full": [0]}, num_tokens=4)
             )
+
+
+def test_submit_backups_queues_a_batch_with_one_wake_up_and_validates_first() -> None:
+    tiers = make_tiers("full")
+    inner = MemoryStorage(capacity_bytes=1 << 24)
+    gated = GatedStorage(inner, hold_set=frozenset({prefix_keys(tiers, 1, salt=9)[0]}))
+    params = ControllerParams(queue_capacity=2)
+    with TierController(tiers.group, storage=gated, params=params) as controller:
+        write_and_back_up(controller, tiers, prefix_keys(tiers, 2), [1, 2], [0, 1])
+        held = controller.submit_backup(
+            BackupOp(keys=prefix_keys(tiers, 1, salt=9), host_pages=all_pages(tiers, [6]))
+        )
+        assert gated.entered.wait(TIMEOUT_S)
+        ops = [
+            BackupOp(keys=prefix_keys(tiers, 1, salt=s), host_pages=all_pages(tiers, [s]))
+            for s in (1, 2, 3)
+        ]
+        bad = BackupOp(keys=prefix_keys(tiers, 1, salt=4), host_pages=all_pages(tiers, [10**6]))
+        before = controller.stats.snapshot().submitted[OpKind.BACKUP]
+        with pytest.raises(InvalidOperation):
+            controller.submit_backups([ops[0], bad])
+        assert controller.stats.snapshot().submitted[OpKind.BACKUP] == before
+        calls_before = gated.set_calls
+        ids = controller.submit_backups(ops)
+        # Room for two (capacity 2, the held one is running): the third is refused.
+        assert ids[0] is not None and ids[1] is not None and ids[2] is None
+        controller.check_integrity()
+        gated.gate.set()
+        for op in (held, ids[0], ids[1]):
+            assert op is not None
+            ack = controller.wait(op, TIMEOUT_S)
+            assert ack is not None and ack.ok
+        assert gated.set_calls == calls_before + 1  # the two queued went as one batch_set
+        controller.check_integrity()

@@ -15,9 +15,10 @@ either: the tree simply skips that prefetch). Validation errors raise before any
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Generic, TypeVar
@@ -49,6 +50,8 @@ from kvstrata.storage import Storage
 
 TaskT = TypeVar("TaskT", WriteTask, LoadTask, PrefetchTask, BackupTask)
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ControllerParams:
@@ -67,6 +70,12 @@ class ControllerParams:
     are not counted even if they arrive); None: no limit."""
     verify_checksums: bool = True
     """Store a CRC-32 beside each page on backup and check it on prefetch (storage_io.py)."""
+    run_inline: bool | None = None
+    """Run a load or prefetch submitted with `inline=True` (the caller waits for it at once)
+    and a batch of writes given to `submit_writes(..., inline=True)` on the caller's thread
+    instead of handing it to a worker. None: when every device pool of the group is on the CPU
+    (a copy there is a memcpy under the GIL: a thread round trip buys no overlap and costs a
+    GIL hand-off); False: always queue (CUDA streams overlap with the forward)."""
 
     def __post_init__(self) -> None:
         if self.queue_capacity < 1 or self.max_merge_ops < 1 or self.storage_batch_pages < 1:
@@ -104,6 +113,8 @@ class _Lane(Generic[TaskT]):
         on_error: Callable[[list[TaskT], Exception], None],
         merges: bool,
     ) -> None:
+        self.run_batch = run_batch
+        self.on_error = on_error
         self.queue: OpQueue[TaskT] = OpQueue(kind=kind.value, capacity=params.queue_capacity)
         self.worker: Worker[TaskT] = Worker(
             name=f"kvstrata-tier-{kind.value}",
@@ -144,6 +155,12 @@ class TierController:
         self._acks: dict[int, Ack] = {}  # finished, not yet handed out; insertion = finish order
         self._num_delivered: dict[OpKind, int] = dict.fromkeys(OpKind, 0)
         self._inflight: dict[str, int] = dict.fromkeys(group.member_names, 0)
+        inline = self.params.run_inline
+        if inline is None:
+            inline = all(
+                group.member(name).device.device.type == "cpu" for name in group.member_names
+            )
+        self._inline = inline
         self._inflight_limit: dict[str, int] = {
             name: int(self.params.prefetch_host_share * group.num_host_pages(name))
             for name in group.member_names
@@ -206,30 +223,76 @@ class TierController:
             self._write.queue.put(WriteTask(op_id=op_id, moves=moves, num_pages=num_pages))
         return op_id
 
-    def submit_load(self, op: LoadOp) -> LoadHandle:
+    def submit_writes(self, ops: Sequence[WriteOp], *, inline: bool = False) -> list[int | None]:
+        """`submit_write` for each of `ops`, oldest first, with one wake-up of the write worker
+        for the whole batch (it merges them). Returns the op ids; None for an op the queue had
+        no room for (nothing of it changed). InvalidOperation for any op, or ControllerClosed,
+        before anything changes. `inline=True` on a controller that `runs_inline`: the batch
+        runs (merged) on this thread before the call returns."""
+        checked = [self.group.check_moves(op.moves) for op in ops]
+        now = inline and self._inline
+        ids: list[int | None] = []
+        tasks: list[WriteTask] = []
+        with self._lock:
+            if self._closed:
+                raise ControllerClosed(f"{OpKind.WRITE} submitted after close()")
+            queue = self._write.queue
+            room = queue.capacity - len(queue)
+            for moves, num_pages in checked:
+                if not now and len(tasks) >= room:
+                    ids.append(None)
+                    continue
+                op_id = self._admit(OpKind.WRITE, num_pages, None)
+                tasks.append(WriteTask(op_id=op_id, moves=moves, num_pages=num_pages))
+                ids.append(op_id)
+            if tasks and not now:
+                queue.put_all(tasks)
+        if tasks and now:
+            for lo in range(0, len(tasks), self.params.max_merge_ops):
+                self._run_inline(self._write, tasks[lo : lo + self.params.max_merge_ops])
+        return ids
+
+    @property
+    def runs_inline(self) -> bool:
+        """True when loads and prefetches submitted with `inline=True` run on the caller's
+        thread (`ControllerParams.run_inline`)."""
+        return self._inline
+
+    def submit_load(self, op: LoadOp, *, inline: bool = False) -> LoadHandle:
         """Queue a host -> device load, layer by layer in layer order; the handle's
         `wait_layer(layer_id)` returns once that layer is on the device. Raises as submit_write.
-        The destination device slots must not be read before their layer's wait returns."""
+        The destination device slots must not be read before their layer's wait returns.
+
+        `inline=True` (the caller waits for the whole load at once) on a controller that
+        `runs_inline`: the load runs on this thread before the call returns; its ack waits for
+        `wait` / `poll_acks` like a worker's."""
         moves, num_pages = self.group.check_moves(op.moves)
+        now = inline and self._inline
         with self._lock:
-            op_id = self._admit(OpKind.LOAD, num_pages, self._load.queue)
+            op_id = self._admit(OpKind.LOAD, num_pages, None if now else self._load.queue)
             handle = LoadHandle(
                 op_id=op_id,
                 completion=self.group.completion(self.group.layers_of(moves)),
                 stats=self.stats,
             )
-            self._load.queue.put(
-                LoadTask(op_id=op_id, moves=moves, num_pages=num_pages, handle=handle)
-            )
+            task = LoadTask(op_id=op_id, moves=moves, num_pages=num_pages, handle=handle)
+            if not now:
+                self._load.queue.put(task)
+        if now:
+            self._run_inline(self._load, [task])
         return handle
 
-    def submit_prefetch(self, op: PrefetchOp) -> int | None:
+    def submit_prefetch(self, op: PrefetchOp, *, inline: bool = False) -> int | None:
         """Queue a storage -> host prefetch of `op.keys` into the caller's host pages.
 
         Returns the op id, or None (nothing changed; counted as refused) when the host pages
         it lists would take a member's pages in flight past `prefetch_host_share`. Raises
         StorageNotConfigured, InvalidOperation, QueueFull or ControllerClosed before anything
-        changes. The listed host pages belong to the op until its ack."""
+        changes. The listed host pages belong to the op until its ack.
+
+        `inline=True` (the caller waits for its ack at once, under wait_complete) on a
+        controller that `runs_inline`: the prefetch runs on this thread before the call returns
+        (a best_effort or timeout prefetch should stay queued: its caller does not wait)."""
         lane = self._storage_lane(self._prefetch)
         pages = self.group.check_keyed_pages(op.keys, op.host_pages)
         if op.num_tokens < 0:
@@ -242,7 +305,8 @@ class TierController:
             ):
                 self.stats.count_prefetch_refused()
                 return None
-            op_id = self._admit(OpKind.PREFETCH, len(op.keys), lane.queue)
+            now = inline and self._inline
+            op_id = self._admit(OpKind.PREFETCH, len(op.keys), None if now else lane.queue)
             deadline = None
             if op.policy is PrefetchPolicy.TIMEOUT:
                 deadline = self._clock() + op.timeout.seconds(op.num_tokens)
@@ -254,7 +318,10 @@ class TierController:
             pending.prefetch = task
             for name, num in wanted.items():
                 self._inflight[name] += num
-            lane.queue.put(task)
+            if not now:
+                lane.queue.put(task)
+        if now:
+            self._run_inline(lane, [task])
         return op_id
 
     def submit_backup(self, op: BackupOp) -> int:
@@ -267,6 +334,30 @@ class TierController:
             op_id = self._admit(OpKind.BACKUP, len(op.keys), lane.queue)
             lane.queue.put(BackupTask(op_id=op_id, keys=tuple(op.keys), pages=pages))
         return op_id
+
+    def submit_backups(self, ops: Sequence[BackupOp]) -> list[int | None]:
+        """`submit_backup` for each of `ops`, oldest first, with one wake-up of the backup
+        worker for the whole batch. Returns the op ids; None for an op the queue had no room
+        for (nothing of it changed). StorageNotConfigured, InvalidOperation (any op) or
+        ControllerClosed before anything changes."""
+        lane = self._storage_lane(self._backup)
+        checked = [self.group.check_keyed_pages(op.keys, op.host_pages) for op in ops]
+        ids: list[int | None] = []
+        tasks: list[BackupTask] = []
+        with self._lock:
+            if self._closed:
+                raise ControllerClosed(f"{OpKind.BACKUP} submitted after close()")
+            room = lane.queue.capacity - len(lane.queue)
+            for op, pages in zip(ops, checked, strict=True):
+                if len(tasks) >= room:
+                    ids.append(None)
+                    continue
+                op_id = self._admit(OpKind.BACKUP, len(op.keys), None)
+                tasks.append(BackupTask(op_id=op_id, keys=tuple(op.keys), pages=pages))
+                ids.append(op_id)
+            if tasks:
+                lane.queue.put_all(tasks)
+        return ids
 
     # --- prefetch progress -----------------------------------------------------------------------
 
@@ -422,12 +513,13 @@ class TierController:
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _admit(self, kind: OpKind, num_pages: int, queue: OpQueue[TaskT]) -> int:
+    def _admit(self, kind: OpKind, num_pages: int, queue: OpQueue[TaskT] | None) -> int:
         # Caller holds the lock: the room check and the put below happen atomically, and only
-        # the worker removes items, so the put cannot fail after this returns.
+        # the worker removes items, so the put cannot fail after this returns. `queue` None:
+        # the op runs inline (no queue slot).
         if self._closed:
             raise ControllerClosed(f"{kind} submitted after close()")
-        if not queue.has_room():
+        if queue is not None and not queue.has_room():
             raise QueueFull(kind.value, queue.capacity)
         op_id = self._next_id
         self._next_id += 1
@@ -456,6 +548,16 @@ class TierController:
             self._acks[op_id] = ack
             self.stats.count_finished(ack.kind, status)
             self._acked.notify_all()
+
+    def _run_inline(self, lane: _Lane[TaskT], tasks: list[TaskT]) -> None:
+        """Run admitted tasks as one batch on the caller's thread, exactly as their worker
+        would: a raise from the batch function fails the ops (their acks report it) instead
+        of escaping."""
+        try:
+            lane.run_batch(tasks)
+        except Exception as exc:  # reported in the ops' acks, as a worker would
+            logger.exception("inline %s batch raised", lane.queue.kind)
+            lane.on_error(tasks, exc)
 
     def _is_pending(self, op_id: int) -> bool:
         with self._lock:

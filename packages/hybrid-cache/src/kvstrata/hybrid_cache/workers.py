@@ -55,6 +55,16 @@ class OpQueue(Generic[T]):
             self._items.append(item)
             self._cond.notify()
 
+    def put_all(self, items: list[T]) -> None:
+        """Append `items` in order with one wake-up; QueueFull (nothing changed) when they do
+        not all fit."""
+        with self._cond:
+            assert not self._closed, f"{self.kind} queue: put after close"
+            if len(self._items) + len(items) > self.capacity:
+                raise QueueFull(self.kind, self.capacity)
+            self._items.extend(items)
+            self._cond.notify()
+
     def take_batch(self, *, max_items: int, merges: Callable[[T, T], bool]) -> list[T] | None:
         """Block until an item waits; pop it and up to `max_items - 1` followers that
         `merges(first, follower)` accepts, stopping at the first that does not (order is kept).

@@ -58,6 +58,7 @@ import torch
 from kvstrata.hybrid_cache import (
     Ack,
     AckStatus,
+    BackupOp,
     OpKind,
     TierController,
     WriteOp,
@@ -221,6 +222,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         self._pending: dict[int, Pending] = {}
         self._unsent: list[tuple[int, WriteOp]] = []
         self._unsent_ids = 0
+        self._held_backups = None
         self._num_requests = 0
         self._unsent_since = 0
         self._events: list[KVEvent] = []
@@ -234,7 +236,9 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         self._untaken_prefetches: OrderedDict[int, int] = OrderedDict()
         self.counters = TierCounters()
 
-    def match_prefix(self, key: RadixKey, *, max_len: int | None = None) -> TieredMatch:
+    def match_prefix(
+        self, key: RadixKey, *, max_len: int | None = None, wait_now: bool = False
+    ) -> TieredMatch:
         """Match `key` (at most `max_len` tokens) over both tiers in one walk of the tree.
 
         Mutates: access times and hit counts on the path, the tree's and the cache's query and
@@ -247,7 +251,9 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         write_through_selective) no prefetch starts: the device-only part is queued for a host
         write instead and a later match prefetches. Host indices stay valid
         while `host_node` is host-locked (`load_back` locks it itself). Cost: one tree walk
-        (+ page hashing when a prefetch starts).
+        (+ page hashing when a prefetch starts). `wait_now`: the caller takes the prefetch at
+        once (`finish_prefetch` right after, as `begin_request` does), so under wait_complete a
+        CPU controller runs it on this thread (`TierController.runs_inline`).
         """
         self.poll()
         counters = self.counters
@@ -267,7 +273,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             end = len(key) if max_len is None else min(len(key), max(max_len, 0))
             end -= end % self.page_size
             if end - device.prefix_len - extra >= self.params.prefetch_threshold:
-                prefetch_id = self._prefetch_beyond(key, device, end)
+                prefetch_id = self._prefetch_beyond(key, device, end, wait_now=wait_now)
         node = device.last_node
         if (
             self.params.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
@@ -279,7 +285,9 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             self._write(key[: device.prefix_len], node)
         return TieredMatch(device, extra, host_indices, host_node, prefetch_id)
 
-    def _prefetch_beyond(self, key: RadixKey, device: MatchResult, end: int) -> int | None:
+    def _prefetch_beyond(
+        self, key: RadixKey, device: MatchResult, end: int, *, wait_now: bool = False
+    ) -> int | None:
         """Start a prefetch of key[max(device hit, host hit):end]. The pages it fetches extend
         the host prefix, so when the host copy ends before the device hit the gap must reach
         the host first: queue its write (unless one is in flight) and skip the prefetch
@@ -288,7 +296,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         last_host = device.last_host_node
         anchor = self.tier.host_prefix(last_host if last_host is not None else device.last_node)
         if prefix_len(anchor) >= device.prefix_len:
-            return self._start_prefetch(key, anchor, end)
+            return self._start_prefetch(key, anchor, end, wait_now=wait_now)
         self.counters.prefetches_skipped += 1
         node = device.last_node
         if not self._write_in_flight(node):
@@ -317,7 +325,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         self._num_requests += 1
         if self._unsent and self._num_requests - self._unsent_since > self.params.write_batch:
             self._flush_writes()
-        match = self.match_prefix(key, max_len=usable)
+        match = self.match_prefix(key, max_len=usable, wait_now=True)
         device_len, host_len = match.device.prefix_len, match.prefix_len
         final = match.device
         if match.prefetch_id is not None:
@@ -326,7 +334,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         host_node = final.last_host_node
         load: TierLoad | None = None
         if host_node is not None:
-            load = self.start_load_back(host_node)
+            load = self.start_load_back(host_node, wait_now=True)
             back = load.wait(self.params.transfer_timeout_s)
             if back is None:
                 self.counters.transfer_timeouts += 1
@@ -477,8 +485,18 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         they held. Never blocks."""
         if not self._pending:
             return
-        for ack in self.controller.poll_acks():
-            self._on_ack(ack)
+        acks = self.controller.poll_acks()
+        if not acks:
+            return
+        # Backups the write acks start go to the controller together (one worker wake-up).
+        held: list[tuple[BackupOp, PendingBackup]] = []
+        self._held_backups = held
+        try:
+            for ack in acks:
+                self._on_ack(ack)
+        finally:
+            self._held_backups = None
+            self._send_backups(held)
 
     def drain(self, kind: OpKind | None = None) -> None:
         """Wait for every transfer in flight (of `kind`, or all) and commit it. Raises

@@ -26,6 +26,7 @@ import torch
 
 from kvstrata.hybrid_cache import (
     Ack,
+    BackupOp,
     TierController,
     WriteOp,
 )
@@ -151,6 +152,9 @@ class TierCore(ABC):
     # of their record in `_pending`) and the op to submit.
     _unsent: list[tuple[int, WriteOp]]
     _unsent_ids: int
+    # Backups started while `poll` commits a run of acks (tier_writes.py), sent together at
+    # its end; None outside `poll` (a backup is then submitted at once).
+    _held_backups: list[tuple[BackupOp, PendingBackup]] | None
     # Requests begun so far, and how many had begun when the oldest queued write was queued
     # (a queue that waited `write_batch` requests is sent even when short of a batch).
     _num_requests: int

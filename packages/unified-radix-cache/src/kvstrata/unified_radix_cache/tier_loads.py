@@ -43,7 +43,7 @@ from kvstrata.unified_radix_cache.tiers import (
 class TierLoads(TierCore):
     """The load-back transfers of a `HierarchicalCache`."""
 
-    def start_load_back(self, node: TreeNode) -> TierLoad:
+    def start_load_back(self, node: TreeNode, *, wait_now: bool = False) -> TierLoad:
         """Start bringing the prefix ending at `node` (`TieredMatch.host_node`) back to the
         device: allocate device slots for its off-device part (evicting unlocked device data,
         never the prefix itself) and submit one layer-wise LoadOp. Returns at once; the caller
@@ -102,7 +102,7 @@ class TierLoads(TierCore):
                 )
             self._flush_writes()  # the worker wakes for the load: the queued writes ride along
             try:
-                handle = self.controller.submit_load(LoadOp(moves=moves))
+                handle = self.controller.submit_load(LoadOp(moves=moves), inline=wait_now)
             except QueueFull:
                 handle = None
         if slots is None or handle is None:
@@ -164,7 +164,7 @@ class TierLoads(TierCore):
         the whole load and its commit. Returns the tokens loaded (0 when refused, failed or not
         acknowledged within `transfer_timeout_s`: a late ack still commits at `poll`) and the
         device match of the prefix (valid while `match.last_node` is locked)."""
-        load = self.start_load_back(node)
+        load = self.start_load_back(node, wait_now=True)
         result = load.wait(self.params.transfer_timeout_s)
         if result is not None:
             return result

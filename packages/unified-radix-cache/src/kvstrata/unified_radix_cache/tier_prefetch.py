@@ -75,11 +75,15 @@ class TierPrefetches(TierCore):
             return self._commit_prefetch(pending, ready)
         return 0
 
-    def _start_prefetch(self, key: RadixKey, anchor: TreeNode, end: int) -> int | None:
+    def _start_prefetch(
+        self, key: RadixKey, anchor: TreeNode, end: int, *, wait_now: bool = False
+    ) -> int | None:
         """Prefetch `key[start:end]` from storage into new host pages, `start` the end of the
         host prefix ending at `anchor` (host values stay prefix-closed). A Mamba tree fetches
         only up to the deepest page of the range whose boundary state a backup stored, plus
-        that state into a new host state slot (pages past it could never be a hit)."""
+        that state into a new host state slot (pages past it could never be a hit). `wait_now`:
+        the caller takes it at once (`begin_request`): under wait_complete, a controller that
+        `runs_inline` (CPU) runs it on this thread instead of a worker round trip."""
         page = self.page_size
         start = prefix_len(anchor)
         share = self.controller.params.prefetch_host_share
@@ -157,7 +161,9 @@ class TierPrefetches(TierCore):
         )
         self._flush_writes()  # the controller wakes for the prefetch: send the writes along
         try:
-            op_id = self.controller.submit_prefetch(op)
+            op_id = self.controller.submit_prefetch(
+                op, inline=wait_now and op.policy is PrefetchPolicy.WAIT_COMPLETE
+            )
         except QueueFull:
             op_id = None
         if op_id is None:

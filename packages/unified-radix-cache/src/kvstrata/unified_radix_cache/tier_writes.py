@@ -111,18 +111,18 @@ class TierWrites(TierCore):
 
     def _flush_writes(self) -> dict[int, int]:
         """Submit every queued write, oldest first, in one burst (the controller's worker wakes
-        once and merges them). A write the queue refuses is rolled back: its locks released,
+        once and merges them; a CPU controller runs the merged batch on this thread,
+        `TierController.runs_inline`). A write the queue refuses is rolled back: its locks released,
         its host slots freed. Returns temporary id -> op id of the writes submitted."""
         unsent, self._unsent = self._unsent, []
         submitted: dict[int, int] = {}
         if unsent:
             self.counters.write_batches += 1
-        for temp_id, op in unsent:
+        op_ids = self.controller.submit_writes([op for _, op in unsent], inline=True)
+        for (temp_id, _), op_id in zip(unsent, op_ids, strict=True):
             pending = self._pending.pop(temp_id)
             assert isinstance(pending, PendingWrite), "a queued write id names a write"
-            try:
-                op_id = self.controller.submit_write(op)
-            except QueueFull:
+            if op_id is None:  # the queue had no room
                 self._roll_back_write(pending)
                 continue
             self._pending[op_id] = pending
@@ -264,15 +264,9 @@ class TierWrites(TierCore):
         if self._swa is not None:
             host_pages[SWA] = self._backup_swa_pages(node, len(keys), first)
             swa_pages = tuple(i for i, p in enumerate(host_pages[SWA]) if p is not None)
-        try:
-            op_id = self.controller.submit_backup(
-                BackupOp(keys=keys[first:], host_pages=host_pages)
-            )
-        except QueueFull:
-            self.tier.unlock(receipt)
-            return
+        op = BackupOp(keys=keys[first:], host_pages=host_pages)
         parent = keys[first - 1] if first else None
-        self._pending[op_id] = PendingBackup(
+        pending = PendingBackup(
             host_receipt=receipt,
             keys=keys[first:],
             parent_key=parent,
@@ -281,6 +275,27 @@ class TierWrites(TierCore):
             swa_pages=swa_pages,
             fresh_from=(start if fresh is None else fresh) // self.page_size - first,
         )
+        if self._held_backups is not None:  # inside `poll`: sent together at its end
+            self._held_backups.append((op, pending))
+            return
+        try:
+            op_id = self.controller.submit_backup(op)
+        except QueueFull:
+            self.tier.unlock(receipt)
+            return
+        self._pending[op_id] = pending
+
+    def _send_backups(self, held: list[tuple[BackupOp, PendingBackup]]) -> None:
+        """Submit the backups `poll` held back, with one wake-up of the backup worker; one the
+        queue has no room for is dropped (its host lock released), as `_backup` does."""
+        if not held:
+            return
+        op_ids = self.controller.submit_backups([op for op, _ in held])
+        for (_, pending), op_id in zip(held, op_ids, strict=True):
+            if op_id is None:
+                self.tier.unlock(pending.host_receipt)
+            else:
+                self._pending[op_id] = pending
 
     def _backup_swa_pages(self, node: TreeNode, num_keys: int, first: int) -> list[int | None]:
         """SWA: per page of keys[first:num_keys] (the prefix ending at `node`), the host SWA

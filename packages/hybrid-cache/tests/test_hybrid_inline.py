@@ -1,0 +1,170 @@
+"""Ops the caller waits for at once run on its own thread on a CPU group (`run_inline`):
+the same bytes and acks as a worker's, no hand-off; queued as before when asked not to."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvstrata.hybrid_cache import (
+    AckStatus,
+    ControllerClosed,
+    ControllerParams,
+    InvalidOperation,
+    LoadOp,
+    OpKind,
+    PageMove,
+    TierController,
+    WriteOp,
+)
+from kvstrata.testkit.tiers import (
+    assert_pages_equal,
+    device_pools,
+    make_tiers,
+    page_indices,
+    scramble,
+    snapshot,
+)
+
+TIMEOUT_S = 10.0
+
+
+def full_move(tiers_page: int, device: list[int], host: list[int]) -> dict[str, PageMove]:
+    return {
+        "full": PageMove(
+            device=page_indices(device, tiers_page), host=page_indices(host, tiers_page)
+        )
+    }
+
+
+def test_a_cpu_group_runs_inline_by_default_and_the_flag_overrides() -> None:
+    tiers = make_tiers("full")
+    with TierController(tiers.group) as controller:
+        assert controller.runs_inline
+    params = ControllerParams(run_inline=False)
+    with TierController(tiers.group, params=params) as controller:
+        assert not controller.runs_inline
+
+
+def test_inline_writes_and_load_run_on_the_callers_thread_bit_identical() -> None:
+    tiers = make_tiers("full")
+    pool = device_pools(tiers)["full"]
+    page = tiers.member_page_size("full")
+    threads: list[str] = []
+    backup, load_layers = tiers.group.backup, tiers.group.load_layers
+
+    def spy_backup(*args: object, **kwargs: object) -> object:
+        threads.append(threading.current_thread().name)
+        return backup(*args, **kwargs)  # type: ignore[arg-type]
+
+    def spy_load(*args: object, **kwargs: object) -> object:
+        threads.append(threading.current_thread().name)
+        return load_layers(*args, **kwargs)  # type: ignore[arg-type]
+
+    tiers.group.backup = spy_backup  # type: ignore[method-assign]
+    tiers.group.load_layers = spy_load  # type: ignore[method-assign]
+    with TierController(tiers.group) as controller:
+        before = snapshot(pool, page_indices([1, 2, 3], page))
+        ops = [WriteOp(moves=full_move(page, [p], [h])) for p, h in ((1, 4), (2, 5), (3, 6))]
+        ids = controller.submit_writes(ops, inline=True)
+        assert all(i is not None for i in ids)
+        # Done before the call returned: the acks wait without any worker.
+        acks = controller.poll_acks()
+        assert [a.op_id for a in acks] == ids and all(a.ok for a in acks)
+        assert controller.stats.snapshot().merged[OpKind.WRITE] == 2  # one merged copy
+        scramble(pool, page_indices([1, 2, 3], page), seed=3)
+        handle = controller.submit_load(
+            LoadOp(moves=full_move(page, [7, 8, 9], [4, 5, 6])), inline=True
+        )
+        assert all(handle.layer_arrived(layer) for layer in tiers.pools.layer_ids)
+        ack = controller.wait(handle.op_id, 0.0)
+        assert ack is not None and ack.ok and ack.num_pages_done == 3
+        assert_pages_equal(pool, page_indices([7, 8, 9], page), before, what="inline cycle")
+        controller.check_integrity()
+    me = threading.current_thread().name
+    assert threads and all(t == me for t in threads), threads
+
+
+def test_without_inline_the_same_submits_go_to_the_workers() -> None:
+    tiers = make_tiers("full")
+    page = tiers.member_page_size("full")
+    seen: list[str] = []
+    backup = tiers.group.backup
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append(threading.current_thread().name)
+        return backup(*args, **kwargs)  # type: ignore[arg-type]
+
+    tiers.group.backup = spy  # type: ignore[method-assign]
+    params = ControllerParams(run_inline=False)
+    with TierController(tiers.group, params=params) as controller:
+        ids = controller.submit_writes([WriteOp(moves=full_move(page, [1], [0]))], inline=True)
+        assert ids[0] is not None
+        ack = controller.wait(ids[0], TIMEOUT_S)
+        assert ack is not None and ack.ok
+        controller.check_integrity()
+    assert seen == ["kvstrata-tier-write"]
+
+
+def test_an_inline_op_that_fails_is_acked_failed_and_nothing_escapes() -> None:
+    tiers = make_tiers("full")
+    page = tiers.member_page_size("full")
+    with TierController(tiers.group) as controller:
+        # Two device pages into one host page: well-formed, refused by the host pool.
+        ids = controller.submit_writes(
+            [
+                WriteOp(moves=full_move(page, [1], [0])),
+                WriteOp(moves=full_move(page, [3, 6], [7, 7])),
+            ],
+            inline=True,
+        )
+        acks = {a.op_id: a for a in controller.poll_acks()}
+        assert acks[ids[0]].ok  # type: ignore[index]
+        bad = acks[ids[1]]  # type: ignore[index]
+        assert bad.status is AckStatus.FAILED and "appears twice" in str(bad.error)
+        controller.check_integrity()
+
+
+def test_submit_writes_validates_every_op_before_any_is_admitted() -> None:
+    tiers = make_tiers("full")
+    page = tiers.member_page_size("full")
+    with TierController(tiers.group) as controller:
+        good = WriteOp(moves=full_move(page, [1], [0]))
+        bad = WriteOp(moves={"full": PageMove(device=torch.tensor([1]), host=torch.tensor([0]))})
+        with pytest.raises(InvalidOperation):
+            controller.submit_writes([good, bad], inline=True)
+        assert controller.stats.snapshot().submitted[OpKind.WRITE] == 0
+        assert controller.num_pending() == 0
+        controller.close()
+        with pytest.raises(ControllerClosed):
+            controller.submit_writes([good], inline=True)
+
+
+def test_submit_writes_past_the_queue_room_refuses_the_rest() -> None:
+    tiers = make_tiers("full")
+    page = tiers.member_page_size("full")
+    gate_in, gate_open = threading.Event(), threading.Event()
+    backup = tiers.group.backup
+
+    def held(*args: object, **kwargs: object) -> object:
+        gate_in.set()
+        assert gate_open.wait(TIMEOUT_S)
+        return backup(*args, **kwargs)  # type: ignore[arg-type]
+
+    tiers.group.backup = held  # type: ignore[method-assign]
+    params = ControllerParams(run_inline=False, queue_capacity=2, max_merge_ops=1)
+    with TierController(tiers.group, params=params) as controller:
+        first = controller.submit_write(WriteOp(moves=full_move(page, [1], [0])))
+        assert gate_in.wait(TIMEOUT_S)
+        ids = controller.submit_writes(
+            [WriteOp(moves=full_move(page, [p], [p])) for p in (2, 3, 4)]
+        )
+        assert ids[0] is not None and ids[1] is not None and ids[2] is None
+        controller.check_integrity()
+        gate_open.set()
+        for op_id in (first, ids[0], ids[1]):
+            ack = controller.wait(op_id, TIMEOUT_S)
+            assert ack is not None and ack.ok
+        controller.check_integrity()
