@@ -45,7 +45,7 @@ def test_collector_exports_counters_with_base_units() -> None:
         page_bytes = tiers.hosts["full"].page_size_bytes
         assert value("kvstrata_tier_ops_submitted_total", kind="write") == 1
         assert value("kvstrata_tier_ops_finished_total", kind="load", status="done") == 1
-        assert value("kvstrata_tier_pages_total", direction="d2h") == 2
+        assert value("kvstrata_tier_transfer_pages_total", direction="d2h") == 2
         assert value("kvstrata_tier_transfer_bytes_total", direction="h2d") == 2 * page_bytes
         assert (
             value("kvstrata_tier_transfer_bytes_total", direction="storage_set") == 2 * page_bytes

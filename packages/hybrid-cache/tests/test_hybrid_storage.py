@@ -7,11 +7,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kvstrata.hybrid_cache import (
+    Ack,
     AckStatus,
     BackupOp,
     ControllerParams,
@@ -216,31 +218,25 @@ def test_swa_and_mamba_prefetch_only_what_restores_the_boundary() -> None:
     with TierController(tiers.group, storage=storage) as controller:
         write_and_back_up(controller, tiers, keys, [1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5])
         window = tiers.group.rules["swa"].window_pages
-        swa_pages: list[int | None] = [None] * (N - window) + [20 + i for i in range(window)]
-        op = controller.submit_prefetch(
-            PrefetchOp(
-                keys=keys,
-                host_pages={"full": [10, 11, 12, 13, 14, 15], "swa": swa_pages},
-                num_tokens=N * tiers.page_size,
-            )
-        )
-        assert op is not None
-        ack = controller.wait(op, TIMEOUT_S)
-        assert ack is not None and ack.status is AckStatus.DONE and ack.num_pages_done == N
-        assert controller.stats.snapshot().pages[Direction.STORAGE_GET] == N + window
 
-        # Without the window's pages the prefix cannot be resumed at its end: 0 pages.
-        short: list[int | None] = [None] * (N - 1) + [20]
-        op = controller.submit_prefetch(
-            PrefetchOp(
-                keys=keys,
-                host_pages={"full": [10, 11, 12, 13, 14, 15], "swa": short},
-                num_tokens=N * tiers.page_size,
+        def prefetch(swa_pages: list[int | None]) -> Ack:
+            op = controller.submit_prefetch(
+                PrefetchOp(
+                    keys=keys,
+                    host_pages={"full": [10, 11, 12, 13, 14, 15], "swa": swa_pages},
+                    num_tokens=N * tiers.page_size,
+                )
             )
-        )
-        assert op is not None
-        ack = controller.wait(op, TIMEOUT_S)
-        assert ack is not None and ack.status is AckStatus.PARTIAL
+            assert op is not None
+            ack = controller.wait(op, TIMEOUT_S)
+            assert ack is not None
+            return ack
+
+        ack = prefetch([None] * (N - window) + [20 + i for i in range(window)])
+        assert ack.status is AckStatus.DONE and ack.num_pages_done == N
+        assert controller.stats.snapshot().pages[Direction.STORAGE_GET] == N + window
+        # Without the window's pages the prefix cannot be resumed at its end: 0 pages.
+        assert prefetch([None] * (N - 1) + [20]).status is AckStatus.PARTIAL
 
 
 def test_missing_pages_end_the_prefetch_at_the_stored_prefix() -> None:
@@ -308,20 +304,27 @@ def _delayed(
     return storage, keys, controller
 
 
+def _prefetch_all(
+    controller: TierController,
+    tiers: Tiers,
+    keys: list[bytes],
+    policy: PrefetchPolicy,
+    timeout: PrefetchTimeout | None = None,
+) -> int:
+    """Prefetch the whole prefix of `_delayed` into host pages 10..15; the op id."""
+    spec = PrefetchOp(
+        keys=keys, host_pages=all_pages(tiers, list(range(10, 16))), num_tokens=24, policy=policy
+    )
+    op = controller.submit_prefetch(spec if timeout is None else replace(spec, timeout=timeout))
+    assert op is not None
+    return op
+
+
 def test_best_effort_takes_what_arrived_when_stopped() -> None:
     tiers = make_tiers("full")
     _, keys, controller = _delayed(tiers, 0.2)
     with controller:
-        host = list(range(10, 16))
-        op = controller.submit_prefetch(
-            PrefetchOp(
-                keys=keys,
-                host_pages=all_pages(tiers, host),
-                num_tokens=24,
-                policy=PrefetchPolicy.BEST_EFFORT,
-            )
-        )
-        assert op is not None
+        op = _prefetch_all(controller, tiers, keys, PrefetchPolicy.BEST_EFFORT)
         progress = controller.prefetch_progress(op)
         assert progress.ready_to_take and not progress.finished
         time.sleep(0.15)
@@ -339,15 +342,7 @@ def test_wait_complete_waits_for_every_page() -> None:
     tiers = make_tiers("full")
     _, keys, controller = _delayed(tiers, 0.02)
     with controller:
-        op = controller.submit_prefetch(
-            PrefetchOp(
-                keys=keys,
-                host_pages=all_pages(tiers, list(range(10, 16))),
-                num_tokens=24,
-                policy=PrefetchPolicy.WAIT_COMPLETE,
-            )
-        )
-        assert op is not None
+        op = _prefetch_all(controller, tiers, keys, PrefetchPolicy.WAIT_COMPLETE)
         assert not controller.prefetch_progress(op).ready_to_take
         ack = controller.wait(op, TIMEOUT_S)
         assert ack is not None and ack.status is AckStatus.DONE and ack.num_pages_done == N
@@ -358,16 +353,13 @@ def test_timeout_policy_stops_at_its_allowance() -> None:
     tiers = make_tiers("full")
     _, keys, controller = _delayed(tiers, 0.1)
     with controller:
-        op = controller.submit_prefetch(
-            PrefetchOp(
-                keys=keys,
-                host_pages=all_pages(tiers, list(range(10, 16))),
-                num_tokens=24,
-                policy=PrefetchPolicy.TIMEOUT,
-                timeout=PrefetchTimeout(base_s=0.25, per_1k_tokens_s=0.0),
-            )
+        op = _prefetch_all(
+            controller,
+            tiers,
+            keys,
+            PrefetchPolicy.TIMEOUT,
+            timeout=PrefetchTimeout(base_s=0.25, per_1k_tokens_s=0.0),
         )
-        assert op is not None
         assert not controller.prefetch_progress(op).ready_to_take
         # 1 exists + 6 get calls of 0.1 s each would take 0.7 s: the worker checks the
         # deadline before each call, so by 0.25 s it has stopped with at most 3 pages.

@@ -26,6 +26,7 @@ from kvstrata.hybrid_cache import (
     WriteOp,
 )
 from kvstrata.pool_host import HostLayout
+from kvstrata.testkit.pools import DEVICES
 from kvstrata.testkit.tiers import (
     SHAPES,
     Shape,
@@ -115,9 +116,6 @@ def full() -> Iterator[tuple[Tiers, TierController]]:
     with TierController(tiers.group) as controller:
         yield tiers, controller
         controller.check_integrity()
-
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

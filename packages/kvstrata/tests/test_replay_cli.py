@@ -42,7 +42,8 @@ def test_embedded_workload_summary_and_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "summary.json"
-    assert main(["replay", "--limit", "40", "--json", str(out), "--no-progress"]) == 0
+    argv = ["replay", "--unbounded", "--limit", "40", "--json", str(out), "--no-progress"]
+    assert main(argv) == 0
     record = json.loads(out.read_text(encoding="utf-8"))
     assert tuple(record) == JSON_KEYS
     assert record["source"] == "embedded workload (seed 0)"
@@ -98,6 +99,14 @@ def test_trace_with_family_capacity_and_verify(tmp_path: Path) -> None:
         (["--limit", "-1"], "--limit must be >= 0"),
         (["--threads", "0"], "--threads must be >= 1"),
         (["--page-size", "0"], "page_size must be >= 1"),
+        (["--page-size", "0", "--unbounded"], "page_size must be >= 1"),
+        (["--plot", "figure.jpg"], "must end in .png"),
+        (["--metrics-hold", "-1", "--metrics-port", "0"], "--metrics-hold must be >= 0"),
+        (["--metrics-hold", "5"], "--metrics-hold needs --metrics-port"),
+        (["--metrics-port", "70000"], "--metrics-port must be in 0..65535"),
+        (["--metrics-port", "0", "--metrics-addr", "localhost"], "must be an IP address"),
+        (["--unbounded", "--capacity-tokens", "64"], "--unbounded takes no"),
+        (["--unbounded", "--host-ratio", "2"], "--unbounded takes no"),
     ],
 )
 def test_errors_exit_2_with_a_message(

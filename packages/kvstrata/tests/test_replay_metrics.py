@@ -24,7 +24,9 @@ def test_collector_reports_the_counters_at_scrape_time() -> None:
     stats = engine.run(requests)
     assert value("kvstrata_replay_requests_total") == stats.requests == len(requests)
     assert value("kvstrata_replay_prompt_tokens_total") == stats.prompt_tokens
-    assert value("kvstrata_replay_hit_tokens_total") == stats.hit_tokens
+    # Without tiers every hit is a device hit; no host or storage series.
+    assert value("kvstrata_replay_hit_tokens_total", tier="device") == stats.hit_tokens
+    assert value("kvstrata_replay_hit_tokens_total", tier="host") is None
     assert value("kvstrata_replay_computed_tokens_total") == stats.computed_tokens
     assert value("kvstrata_replay_evicted_tokens_total") == stats.evicted_tokens > 0
     assert value("kvstrata_replay_evict_calls_total") == engine.evict_calls > 0

@@ -64,7 +64,7 @@ def test_tiered_replay_verifies_every_hit(policy: WritePolicy) -> None:
     registry = CollectorRegistry()
     registry.register(ReplayCollector(engine))
     by_tier = [
-        registry.get_sample_value("kvstrata_replay_tier_hit_tokens_total", {"tier": tier})
+        registry.get_sample_value("kvstrata_replay_hit_tokens_total", {"tier": tier})
         for tier in ("device", "host", "storage")
     ]
     assert by_tier == [t.device_hit_tokens, t.host_hit_tokens, t.storage_hit_tokens]

@@ -10,7 +10,6 @@ from kvstrata.pool_host import (
     CopyStrategy,
     HostLayout,
     LayerCompletion,
-    MambaHostPool,
     MHAHostPool,
     MLAHostPool,
     SharedHostAllocator,
@@ -18,6 +17,7 @@ from kvstrata.pool_host import (
 from kvstrata.testkit.host_pools import (
     DTYPES,
     FAMILIES,
+    HOST_CLASSES,
     Family,
     fill_random,
     make_device_pool,
@@ -27,8 +27,6 @@ from kvstrata.testkit.host_pools import (
 )
 
 pytestmark = pytest.mark.cuda
-
-HOST_CLASSES = {"mha": MHAHostPool, "mla": MLAHostPool, "mamba": MambaHostPool}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.pool_host import HostLayout, HostPool, MambaHostPool, MHAHostPool, MLAHostPool
+from kvstrata.pool_host import HostLayout, HostPool, MHAHostPool
 from kvstrata.testkit.host_pools import (
     DTYPES,
     FAMILIES,
+    HOST_CLASSES,
     DevicePool,
     Family,
     fill_random,
@@ -19,7 +20,6 @@ from kvstrata.testkit.host_pools import (
     zero_pool,
 )
 
-HOST_CLASSES = {"mha": MHAHostPool, "mla": MLAHostPool, "mamba": MambaHostPool}
 PAGE_FIRST = (HostLayout.page_first, HostLayout.page_first_direct)
 
 

@@ -129,7 +129,7 @@ def test_corrupt_free_list_is_detected_as_double_allocation() -> None:
     alloc = HostSlotAllocator(num_pages=4, page_size=1)
     assert alloc.alloc_pages(1) is not None
     # Simulate a bug that put an allocated page back on the free list behind the bitmap.
-    alloc._free = torch.tensor([0, 1, 2, 3]).numpy()
+    alloc._pages._fresh = torch.tensor([0, 1, 2, 3]).numpy()
     with pytest.raises(DoubleAllocation):
         alloc.alloc_pages(1)
 

@@ -16,17 +16,17 @@ from kvstrata.pool import (
     MambaSpec,
     ReservedIndex,
 )
-from kvstrata.testkit.pools import POOL_DTYPES, fill_random_bytes, make_mamba_pool
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).cpu()
+from kvstrata.testkit.pools import (
+    DEVICES,
+    POOL_DTYPES,
+    fill_random_bytes,
+    make_mamba_pool,
+    raw_bytes,
+)
 
 
 def _slot_bytes(pool: MambaPool, slot: int) -> torch.Tensor:
-    return torch.cat([_bytes(b[slot]).reshape(-1) for b in pool.layer_buffers()])
+    return torch.cat([raw_bytes(b[slot]).reshape(-1) for b in pool.layer_buffers()])
 
 
 def test_spec() -> None:
@@ -64,9 +64,9 @@ def test_set_state_reads_back_bit_identical(dtype: torch.dtype, device: str) -> 
     ssm = torch.randn(2, 2, 3, 4, generator=gen).to(dtype).to(device)
     pool.set_state(1, slots, conv=conv, ssm=ssm)
     assert pool.conv_state.dtype == dtype and pool.ssm_state.dtype == dtype
-    assert torch.equal(_bytes(pool.conv_state[1, slots]), _bytes(conv))
-    assert torch.equal(_bytes(pool.ssm_state[1, slots]), _bytes(ssm))
-    assert not _bytes(pool.conv_state[0]).any(), "layer 0 was written"
+    assert torch.equal(raw_bytes(pool.conv_state[1, slots]), raw_bytes(conv))
+    assert torch.equal(raw_bytes(pool.ssm_state[1, slots]), raw_bytes(ssm))
+    assert not raw_bytes(pool.conv_state[0]).any(), "layer 0 was written"
 
 
 def test_set_state_casts_and_validates() -> None:
@@ -118,7 +118,7 @@ def test_copy_forks_and_overlaps() -> None:
 def test_copy_and_clear_errors_change_nothing() -> None:
     pool = make_mamba_pool()
     fill_random_bytes(pool, seed=12)
-    before = [_bytes(b) for b in pool.layer_buffers()]
+    before = [raw_bytes(b) for b in pool.layer_buffers()]
     bad = [
         (torch.tensor([1, 2]), torch.tensor([3]), InvalidArgument),
         (torch.tensor([1, 2]), torch.tensor([3, 3]), DuplicateIndex),
@@ -134,7 +134,7 @@ def test_copy_and_clear_errors_change_nothing() -> None:
         pool.clear(torch.tensor([2, 0]))
     with pytest.raises(IndexOutOfRange):
         pool.clear(torch.tensor([9]))
-    after = [_bytes(b) for b in pool.layer_buffers()]
+    after = [raw_bytes(b) for b in pool.layer_buffers()]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 

@@ -17,13 +17,7 @@ from kvstrata.pool import (
     MHASpec,
     UnsupportedDtype,
 )
-from kvstrata.testkit.pools import POOL_DTYPES, make_mha_pool
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).cpu()
+from kvstrata.testkit.pools import DEVICES, POOL_DTYPES, make_mha_pool, raw_bytes
 
 
 def _snapshot(pool: MHAKVPool) -> list[torch.Tensor]:
@@ -124,9 +118,9 @@ def test_set_kv_reads_back_bit_identical(dtype: torch.dtype, device: str) -> Non
     others[loc.cpu()] = False
     for layer, (k, v) in written.items():
         key, value = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
-        assert torch.equal(_bytes(key[loc]), _bytes(k))
-        assert torch.equal(_bytes(value[loc]), _bytes(v))
-        assert not _bytes(key)[others].any() and not _bytes(value)[others].any()
+        assert torch.equal(raw_bytes(key[loc]), raw_bytes(k))
+        assert torch.equal(raw_bytes(value[loc]), raw_bytes(v))
+        assert not raw_bytes(key)[others].any() and not raw_bytes(value)[others].any()
 
 
 @pytest.mark.parametrize("dtype", POOL_DTYPES)
@@ -137,9 +131,9 @@ def test_set_kv_casts_and_scales(dtype: torch.dtype) -> None:
     v = torch.randn(2, 2, 4)
     pool.set_kv(0, loc, k, v, k_scale=2.0)
     assert torch.equal(
-        _bytes(pool.get_key_buffer(0)[loc]), _bytes((k / 2.0).to(dtype).view(2, 2, 4))
+        raw_bytes(pool.get_key_buffer(0)[loc]), raw_bytes((k / 2.0).to(dtype).view(2, 2, 4))
     )
-    assert torch.equal(_bytes(pool.get_value_buffer(0)[loc]), _bytes(v.to(dtype)))
+    assert torch.equal(raw_bytes(pool.get_value_buffer(0)[loc]), raw_bytes(v.to(dtype)))
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
@@ -150,8 +144,10 @@ def test_set_kv_scales_fp8_input(fp8: torch.dtype) -> None:
     k = (torch.randn(2, 2, 4) * 4).to(fp8)
     v = (torch.randn(2, 2, 4) * 4).to(fp8)
     pool.set_kv(0, loc, k, v, k_scale=2.0, v_scale=0.5)
-    assert torch.equal(_bytes(pool.get_key_buffer(0)[loc]), _bytes((k.float() / 2.0).to(fp8)))
-    assert torch.equal(_bytes(pool.get_value_buffer(0)[loc]), _bytes((v.float() / 0.5).to(fp8)))
+    assert torch.equal(raw_bytes(pool.get_key_buffer(0)[loc]), raw_bytes((k.float() / 2.0).to(fp8)))
+    assert torch.equal(
+        raw_bytes(pool.get_value_buffer(0)[loc]), raw_bytes((v.float() / 0.5).to(fp8))
+    )
 
 
 @pytest.mark.parametrize(

@@ -6,13 +6,7 @@ import pytest
 import torch
 
 from kvstrata.pool import BufferMismatch, InvalidSpec, LayerOutOfRange, MLASpec
-from kvstrata.testkit.pools import POOL_DTYPES, make_mla_pool
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).cpu()
+from kvstrata.testkit.pools import DEVICES, POOL_DTYPES, make_mla_pool, raw_bytes
 
 
 def test_spec_sizes() -> None:
@@ -49,9 +43,9 @@ def test_set_kv_reads_back_bit_identical(dtype: torch.dtype, device: str) -> Non
         rope = torch.randn(3, 1, 4, generator=gen).to(dtype).to(device)
         pool.set_kv(layer, loc, nope, rope)
         row = pool.get_key_buffer(layer)[loc]
-        assert torch.equal(_bytes(row[..., :8]), _bytes(nope))
-        assert torch.equal(_bytes(row[..., 8:]), _bytes(rope))
-        assert torch.equal(_bytes(pool.get_value_buffer(layer)[loc]), _bytes(nope))
+        assert torch.equal(raw_bytes(row[..., :8]), raw_bytes(nope))
+        assert torch.equal(raw_bytes(row[..., 8:]), raw_bytes(rope))
+        assert torch.equal(raw_bytes(pool.get_value_buffer(layer)[loc]), raw_bytes(nope))
 
 
 def test_set_kv_casts() -> None:
@@ -60,7 +54,7 @@ def test_set_kv_casts() -> None:
     loc = torch.tensor([1, 2])
     pool.set_kv(0, loc, nope, rope)
     want = torch.cat([nope, rope], dim=-1).to(torch.float8_e4m3fn)
-    assert torch.equal(_bytes(pool.get_key_buffer(0)[loc]), _bytes(want))
+    assert torch.equal(raw_bytes(pool.get_key_buffer(0)[loc]), raw_bytes(want))
 
 
 def test_errors_change_nothing() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shutil
 import stat
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,50 +13,28 @@ import torch
 
 from kvstrata.pool import native, page_io
 from kvstrata.pool.base import DevicePool
-from kvstrata.pool.errors import BufferMismatch, DuplicateIndex, PoolError, ReservedIndex
+from kvstrata.pool.errors import BufferMismatch, DuplicateIndex, IndexOutOfRange, ReservedIndex
 from kvstrata.testkit.pools import (
     fill_random_bytes,
     flat_pages,
-    make_mamba_pool,
     make_mha_pool,
-    make_mla_pool,
+    make_page_io_pool,
+    page_io_cases,
 )
 
 needs_native = pytest.mark.skipif(
     native.native_copies() is None, reason=f"no compiled copies: {native.native_status()}"
 )
 
-Factory = Callable[[torch.dtype, int], DevicePool]
-
-FAMILIES: dict[str, Factory] = {
-    # 3 layers x K/V x 2 heads x 4 dims: 16-byte pieces at bf16, not whole cache lines.
-    "mha": lambda dtype, page_size: make_mha_pool(
-        dtype=dtype, size=16 * page_size, page_size=page_size
-    ),
-    # 2 heads x 32 dims x 2 bytes = 128-byte rows: whole lines, the streamed stores apply.
-    "mha-lines": lambda dtype, page_size: make_mha_pool(
-        dtype=dtype, head_dim=32, size=16 * page_size, page_size=page_size
-    ),
-    "mha-two-stacks": lambda dtype, page_size: make_mha_pool(
-        dtype=dtype, v_head_dim=3, size=16 * page_size, page_size=page_size
-    ),
-    "mla": lambda dtype, page_size: make_mla_pool(
-        dtype=dtype, size=16 * page_size, page_size=page_size
-    ),
-    "mamba": lambda dtype, page_size: make_mamba_pool(conv_dtype=dtype, size=16),
-}
-CASES = [
-    (family, page_size)
-    for family in FAMILIES
-    for page_size in ((1,) if family == "mamba" else (1, 4))
-]
+LAYOUTS = ["mha", "mha-lines", "mha-two-stacks", "mla", "mamba"]
+CASES = page_io_cases(LAYOUTS)
 
 
 def twins(family: str, dtype: torch.dtype, page_size: int) -> tuple[DevicePool, DevicePool]:
     """A pool on the compiled path and one on the fallback, holding the same bytes."""
-    fast = FAMILIES[family](dtype, page_size)
+    fast = make_page_io_pool(family, dtype, page_size)
     with native.disabled():
-        slow = FAMILIES[family](dtype, page_size)
+        slow = make_page_io_pool(family, dtype, page_size)
     fill_random_bytes(fast, seed=3)
     fill_random_bytes(slow, seed=3)
     assert fast.native_page_copies and not slow.native_page_copies
@@ -118,8 +95,13 @@ def test_errors_leave_the_pool_unchanged_on_the_compiled_path() -> None:
     fast, _ = twins("mha-lines", torch.bfloat16, 4)
     before = flat_pages(fast, range(fast.num_pages))
     src = torch.ones((2, fast.page_size_bytes), dtype=torch.uint8)
-    for bad in (torch.tensor([1, fast.num_pages]), torch.tensor([0, 2]), torch.tensor([3, 3])):
-        with pytest.raises(PoolError):
+    refusals = (
+        (torch.tensor([1, fast.num_pages]), IndexOutOfRange),
+        (torch.tensor([0, 2]), ReservedIndex),
+        (torch.tensor([3, 3]), DuplicateIndex),
+    )
+    for bad, error in refusals:
+        with pytest.raises(error):
             fast.write_pages(bad, src)
     assert torch.equal(flat_pages(fast, range(fast.num_pages)), before)
 

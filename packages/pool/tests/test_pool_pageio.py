@@ -3,8 +3,6 @@ and a stateful test against a shadow copy of every page."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 from hypothesis import strategies as st
@@ -20,36 +18,22 @@ from kvstrata.pool import (
 from kvstrata.pool.base import DevicePool, check_distinct, check_index_range
 from kvstrata.testkit.pools import (
     POOL_DTYPES,
+    check_page_round_trip,
     fill_random_bytes,
     flat_pages,
     make_mamba_pool,
     make_mha_pool,
     make_mla_pool,
+    make_page_io_pool,
+    page_io_cases,
 )
 
-Factory = Callable[[torch.dtype, int, str], DevicePool]
-
-FAMILIES: dict[str, Factory] = {
-    "mha": lambda dtype, page_size, device: make_mha_pool(
-        dtype=dtype, v_head_dim=3, size=8 * page_size, page_size=page_size, device=device
-    ),
-    "mla": lambda dtype, page_size, device: make_mla_pool(
-        dtype=dtype, size=8 * page_size, page_size=page_size, device=device
-    ),
-    # A Mamba page is one slot; the conv state takes the dtype under test, SSM stays fp32.
-    "mamba": lambda dtype, page_size, device: make_mamba_pool(
-        conv_dtype=dtype, size=8, device=device
-    ),
-}
-CASES = [
-    (family, page_size)
-    for family in FAMILIES
-    for page_size in ((1,) if family == "mamba" else (1, 4))
-]
+LAYOUTS = ["mha-two-stacks", "mla", "mamba"]
+CASES = page_io_cases(LAYOUTS)
 
 
 def _pool(family: str, dtype: torch.dtype, page_size: int, device: str = "cpu") -> DevicePool:
-    pool = FAMILIES[family](dtype, page_size, device)
+    pool = make_page_io_pool(family, dtype, page_size, num_pages=8, device=device)
     fill_random_bytes(pool, seed=7)
     return pool
 
@@ -67,25 +51,7 @@ def test_round_trip_random_pages(family: str, page_size: int, dtype: torch.dtype
         pool.page_size_bytes
         == sum(b[0].numel() * b.element_size() for b in pool.layer_buffers()) * page_size
     )
-
-    ids = torch.randperm(pool.num_pages - 1, generator=gen)[:5] + 1
-    out = torch.empty((5, pool.page_size_bytes), dtype=torch.uint8)
-    pool.read_pages(ids, out)
-    assert torch.equal(out, flat_pages(pool, ids.tolist()))
-
-    before = _all_pages(pool)
-    targets = torch.randperm(pool.num_pages - 1, generator=gen)[:4] + 1
-    src = torch.randint(0, 256, (4, pool.page_size_bytes), generator=gen, dtype=torch.uint8)
-    pool.write_pages(targets, src)
-    after = _all_pages(pool)
-    assert torch.equal(after[targets], src)
-    untouched = torch.ones(pool.num_pages, dtype=torch.bool)
-    untouched[targets] = False
-    assert torch.equal(after[untouched], before[untouched]), "a page outside the ids changed"
-
-    back = torch.empty_like(src)
-    pool.read_pages(targets, back)
-    assert torch.equal(back, src)
+    check_page_round_trip(pool, torch.randperm(pool.num_pages - 1, generator=gen)[:5] + 1, seed=3)
     pool.check_integrity()
 
 
@@ -147,7 +113,7 @@ def test_flat_format_of_mla_is_the_layers_in_order() -> None:
     "index_dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32], ids=str
 )
 def test_page_ids_of_any_integer_dtype(index_dtype: torch.dtype) -> None:
-    pool = _pool("mha", torch.bfloat16, 4)
+    pool = _pool("mha-two-stacks", torch.bfloat16, 4)
     out = torch.empty((2, pool.page_size_bytes), dtype=torch.uint8)
     pool.read_pages(torch.tensor([6, 2], dtype=index_dtype), out)
     assert torch.equal(out, flat_pages(pool, [6, 2]))
@@ -164,7 +130,7 @@ def test_repeated_ids_read_the_same_page_twice() -> None:
 
 
 def test_strided_rows_of_a_larger_buffer() -> None:
-    pool = _pool("mha", torch.bfloat16, 4)
+    pool = _pool("mha-two-stacks", torch.bfloat16, 4)
     wide = torch.zeros((3, pool.page_size_bytes + 16), dtype=torch.uint8)
     view = wide[:, 8 : 8 + pool.page_size_bytes]
     pool.read_pages(torch.tensor([1, 4, 6]), view)
@@ -175,7 +141,7 @@ def test_strided_rows_of_a_larger_buffer() -> None:
 
 
 def test_dummy_page_only_when_allowed() -> None:
-    pool = _pool("mha", torch.bfloat16, 4)
+    pool = _pool("mha-two-stacks", torch.bfloat16, 4)
     out = torch.empty((1, pool.page_size_bytes), dtype=torch.uint8)
     with pytest.raises(ReservedIndex):
         pool.read_pages(torch.tensor([0]), out)
@@ -186,7 +152,7 @@ def test_dummy_page_only_when_allowed() -> None:
 
 
 def test_empty_ids_are_a_no_op() -> None:
-    pool = _pool("mha", torch.bfloat16, 4)
+    pool = _pool("mha-two-stacks", torch.bfloat16, 4)
     before = _all_pages(pool)
     empty = torch.empty((0, pool.page_size_bytes), dtype=torch.uint8)
     pool.read_pages(torch.empty(0, dtype=torch.int64), empty)
@@ -236,7 +202,7 @@ def test_errors_are_raised_before_any_change(family: str, page_size: int) -> Non
 
 
 def test_counters() -> None:
-    pool = _pool("mha", torch.bfloat16, 4)
+    pool = _pool("mha-two-stacks", torch.bfloat16, 4)
     out = torch.empty((3, pool.page_size_bytes), dtype=torch.uint8)
     pool.read_pages(torch.tensor([1, 2, 3]), out)
     pool.write_pages(torch.tensor([4, 5]), out[:2])
@@ -327,7 +293,7 @@ TestPageIOMachine = PageIOMachine.TestCase
 def test_page_id_checks_keep_their_order_on_every_id_dtype_and_layout() -> None:
     # One sort gives the range and the duplicates on the CPU: the errors keep the order range,
     # then page 0, then repeats, for int32 and strided ids alike.
-    pool = _pool("mha", torch.bfloat16, 4)
+    pool = _pool("mha-two-stacks", torch.bfloat16, 4)
     limit = pool.num_pages
     src = torch.zeros((3, pool.page_size_bytes), dtype=torch.uint8)
     with pytest.raises(IndexOutOfRange):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,43 +16,17 @@ import torch
 from kvstrata.pool import native, page_io
 from kvstrata.pool.base import DevicePool
 from kvstrata.testkit.pools import (
+    PAGE_IO_LAYOUTS,
     POOL_DTYPES,
+    check_page_round_trip,
     fill_random_bytes,
     flat_pages,
-    make_mamba_pool,
-    make_mha_pool,
-    make_mla_pool,
+    make_page_io_pool,
+    page_io_cases,
 )
 
-Factory = Callable[[torch.dtype, int], DevicePool]
-
-#: (family, whether the one-piece path applies: one stack of buffers)
-FAMILIES: dict[str, tuple[Factory, bool]] = {
-    "mha-one-stack": (
-        lambda dtype, page_size: make_mha_pool(
-            dtype=dtype, size=16 * page_size, page_size=page_size
-        ),
-        True,
-    ),
-    "mha-two-stacks": (
-        lambda dtype, page_size: make_mha_pool(
-            dtype=dtype, v_head_dim=3, size=16 * page_size, page_size=page_size
-        ),
-        False,
-    ),
-    "mla": (
-        lambda dtype, page_size: make_mla_pool(
-            dtype=dtype, size=16 * page_size, page_size=page_size
-        ),
-        True,
-    ),
-    "mamba": (lambda dtype, page_size: make_mamba_pool(conv_dtype=dtype, size=16), False),
-}
-CASES = [
-    (family, page_size)
-    for family in FAMILIES
-    for page_size in ((1,) if family == "mamba" else (1, 4))
-]
+LAYOUTS = ["mha", "mha-two-stacks", "mla", "mamba"]
+CASES = page_io_cases(LAYOUTS)
 
 
 @pytest.fixture(autouse=True)
@@ -69,8 +43,7 @@ def every_read_one_piece(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _pool(family: str, dtype: torch.dtype, page_size: int) -> DevicePool:
-    factory, _ = FAMILIES[family]
-    pool = factory(dtype, page_size)
+    pool = make_page_io_pool(family, dtype, page_size)
     fill_random_bytes(pool, seed=11)
     return pool
 
@@ -89,29 +62,13 @@ def test_one_piece_round_trip_is_bit_identical(
 ) -> None:
     pool = _pool(family, dtype, page_size)
     layout = _layout(pool)
-    assert (layout._pieces is not None) == FAMILIES[family][1]
+    assert (layout._pieces is not None) == PAGE_IO_LAYOUTS[family].one_stack
     gen = torch.Generator().manual_seed(5)
-    ids = torch.randperm(pool.num_pages - 1, generator=gen)[:6] + 1
-
-    out = torch.empty((6, pool.page_size_bytes), dtype=torch.uint8)
-    pool.read_pages(ids, out)
-    assert torch.equal(out, flat_pages(pool, ids.tolist()))
-
-    before = flat_pages(pool, range(pool.num_pages))
-    src = torch.randint(0, 256, out.shape, generator=gen, dtype=torch.uint8)
-    pool.write_pages(ids, src)
-    after = flat_pages(pool, range(pool.num_pages))
-    assert torch.equal(after[ids], src)
-    untouched = torch.ones(pool.num_pages, dtype=torch.bool)
-    untouched[ids] = False
-    assert torch.equal(after[untouched], before[untouched]), "a page outside the ids changed"
-    back = torch.zeros_like(src)
-    pool.read_pages(ids, back)
-    assert torch.equal(back, src)
+    check_page_round_trip(pool, torch.randperm(pool.num_pages - 1, generator=gen)[:6] + 1, seed=5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
-@pytest.mark.parametrize("family", ["mha-one-stack", "mla"])
+@pytest.mark.parametrize("family", ["mha", "mla"])
 def test_both_paths_move_the_same_bytes(family: str, dtype: torch.dtype) -> None:
     """The one-piece path (reads included) against the stacked-view path, on twin pools
     holding the same bytes."""
@@ -161,15 +118,14 @@ def test_huge_page_zeros_is_aligned_zeroed_and_outlives_its_first_view() -> None
     assert tail.sum().item() == 63
 
 
-@pytest.mark.parametrize("family", ["mha-one-stack", "mha-two-stacks", "mamba"])
+@pytest.mark.parametrize("family", ["mha", "mha-two-stacks", "mamba"])
 def test_stacks_above_the_threshold_live_on_huge_page_memory(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the threshold lowered every stack takes the mmap path; the pool must behave the
     same: zeroed at construction, round trips bit-identical."""
     monkeypatch.setattr(page_io, "HUGE_PAGE_MIN_STACK_BYTES", 1)
-    factory, _ = FAMILIES[family]
-    pool = factory(torch.float16, 1)
+    pool = make_page_io_pool(family, torch.float16, 1)
     for stack in _layout(pool).stack_tensors():
         assert stack.data_ptr() % page_io.HUGE_PAGE_BYTES == 0
     assert not flat_pages(pool, range(pool.num_pages)).any(), "a new pool reads as zeros"

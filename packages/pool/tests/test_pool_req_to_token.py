@@ -16,9 +16,7 @@ from kvstrata.pool import (
     ReservedIndex,
     RowNotAllocated,
 )
-from kvstrata.testkit.pools import make_req_to_token_pool
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+from kvstrata.testkit.pools import DEVICES, make_req_to_token_pool
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -16,13 +16,7 @@ from kvstrata.pool import (
     SWAKVPool,
     SWASpec,
 )
-from kvstrata.testkit.pools import POOL_DTYPES, make_swa_pool
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).cpu()
+from kvstrata.testkit.pools import DEVICES, POOL_DTYPES, make_swa_pool, raw_bytes
 
 
 def _page_map(pool: SWAKVPool, pairs: dict[int, int]) -> torch.Tensor:
@@ -145,15 +139,15 @@ def test_set_kv_writes_swa_layers_at_translated_slots(dtype: torch.dtype, device
 
     pool.set_kv(3, loc, k, v)  # SWA layer 3 is local layer 1 of the SWA pool
     key = pool.swa_pool.get_key_buffer(1)
-    assert torch.equal(_bytes(key[swa_loc[:3]]), _bytes(k[:3]))
-    assert torch.equal(_bytes(pool.get_value_buffer(3)[swa_loc[:3]]), _bytes(v[:3]))
-    assert torch.equal(_bytes(key[0]), _bytes(k[3])), "a token without SWA slot hits slot 0"
+    assert torch.equal(raw_bytes(key[swa_loc[:3]]), raw_bytes(k[:3]))
+    assert torch.equal(raw_bytes(pool.get_value_buffer(3)[swa_loc[:3]]), raw_bytes(v[:3]))
+    assert torch.equal(raw_bytes(key[0]), raw_bytes(k[3])), "a token without SWA slot hits slot 0"
     assert all(
         torch.equal(a, b) for a, b in zip(pool.full_pool.layer_buffers(), full_before, strict=True)
     ), "an SWA layer write touched the full pool"
 
     pool.set_kv(2, loc, k, v)  # full layer 2 is local layer 1 of the full pool, no translation
-    assert torch.equal(_bytes(pool.full_pool.get_key_buffer(1)[loc]), _bytes(k))
+    assert torch.equal(raw_bytes(pool.full_pool.get_key_buffer(1)[loc]), raw_bytes(k))
 
 
 def test_check_integrity_catches_a_broken_map() -> None:

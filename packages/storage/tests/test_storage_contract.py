@@ -158,10 +158,18 @@ def test_delete_and_clear(make: Factory) -> None:
     storage.check_integrity()
 
 
-def test_capacity_evicts_least_recently_used(make: Factory) -> None:
+def cost_of(make: Factory, payload_bytes: int) -> int:
+    """What one page of `payload_bytes` costs against the capacity of `make`'s backend."""
     probe = make(1 << 20)
-    cost = page_cost(probe.inner if isinstance(probe, FaultInjectingStorage) else probe, 64)
+    cost = page_cost(
+        probe.inner if isinstance(probe, FaultInjectingStorage) else probe, payload_bytes
+    )
     probe.clear()
+    return cost
+
+
+def test_capacity_evicts_least_recently_used(make: Factory) -> None:
+    cost = cost_of(make, 64)
     storage = make(3 * cost)
     put(storage, b"a", b"b", b"c")
     assert read(storage, b"a") is not None  # a is now the most recently used
@@ -175,9 +183,7 @@ def test_capacity_evicts_least_recently_used(make: Factory) -> None:
 
 
 def test_a_batch_never_evicts_its_own_pages(make: Factory) -> None:
-    probe = make(1 << 20)
-    cost = page_cost(probe.inner if isinstance(probe, FaultInjectingStorage) else probe, 64)
-    probe.clear()
+    cost = cost_of(make, 64)
     storage = make(2 * cost)
     put(storage, b"old")
     assert put(storage, b"x", b"y", b"z") == [True, True, False]
@@ -211,9 +217,7 @@ def test_negative_capacity_is_refused(make: Factory) -> None:
 
 
 def test_concurrent_threads_read_only_whole_pages(make: Factory) -> None:
-    probe = make(1 << 20)
-    cost = page_cost(probe.inner if isinstance(probe, FaultInjectingStorage) else probe, 512)
-    probe.clear()
+    cost = cost_of(make, 512)
     storage = make(40 * cost)  # smaller than the key space: evictions race with reads
     keys = [f"key-{i}".encode() for i in range(60)]
     errors: list[str] = []

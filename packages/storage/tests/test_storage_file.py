@@ -310,12 +310,17 @@ def test_foreign_namespace_page_is_a_miss_and_is_removed(tmp_path: Path) -> None
 # ---------------------------------------------------------------------- persistence and scan
 
 
+def age_files(directory: Path, ages_s: dict[bytes, int]) -> None:
+    """Set each key's page file's access and modification times `ages_s[key]` seconds back."""
+    now = time.time()
+    for key, age in ages_s.items():
+        os.utime(page_file(directory, key), (now - age, now - age))
+
+
 def test_reopening_sees_old_pages_in_lru_order_of_file_times(tmp_path: Path) -> None:
     first = FileStorage(tmp_path, capacity_bytes=1 << 20)
     store(first, b"a", b"b", b"c")
-    now = time.time()
-    for age, key in ((300, b"b"), (200, b"c"), (100, b"a")):
-        os.utime(page_file(tmp_path, key), (now - age, now - age))
+    age_files(tmp_path, {b"b": 300, b"c": 200, b"a": 100})
     again = FileStorage(tmp_path, capacity_bytes=1 << 20)
     assert again.lru_keys() == [b"b", b"c", b"a"]
     assert again.batch_exists([b"a", b"b", b"c"]) == 3
@@ -327,9 +332,7 @@ def test_reopening_sees_old_pages_in_lru_order_of_file_times(tmp_path: Path) -> 
 def test_reopening_with_a_smaller_capacity_evicts_the_oldest(tmp_path: Path) -> None:
     first = FileStorage(tmp_path, capacity_bytes=1 << 20)
     store(first, b"a", b"b", b"c")
-    now = time.time()
-    for age, key in ((300, b"a"), (200, b"b"), (100, b"c")):
-        os.utime(page_file(tmp_path, key), (now - age, now - age))
+    age_files(tmp_path, {b"a": 300, b"b": 200, b"c": 100})
     small = FileStorage(tmp_path, capacity_bytes=2 * first.page_file_bytes(SIZE))
     assert small.lru_keys() == [b"b", b"c"]
     assert not page_file(tmp_path, b"a").exists()

@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -86,25 +87,45 @@ def test_other_salt_misses_in_storage() -> None:
     assert storage.batch_exists(keyer.page_keys(TOKENS, extra_key="lora-1")) == 0
 
 
-def test_sha256_keys_follow_the_documented_encoding() -> None:
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+@pytest.mark.parametrize(
+    ("hash_name", "digest", "pinned_key0"),
+    [
+        ("sha256", _sha256, "dc3422a769e15bf936135b8953cb31dd2b0adbdf925fb6cf14667118e05da1eb"),
+        ("xxh3", xxhash.xxh3_128_digest, "a9b33a1dc2dad90a070026c64caccb38"),
+    ],
+)
+def test_keys_follow_the_documented_encoding(
+    hash_name: str, digest: Callable[[bytes], bytes], pinned_key0: str
+) -> None:
     def field(tag: int, data: bytes) -> bytes:
         return bytes([tag]) + struct.pack("<Q", len(data)) + data
 
-    seed = hashlib.sha256(
+    seed = digest(
         b"kvstrata.storage.page-key.v1"
-        + field(2, b"sha256")
+        + field(2, hash_name.encode())
         + struct.pack("<Q", 4)
         + field(1, b"golden")
         + field(2, b"lora-7")
         + field(1, b"s")
-    ).digest()
+    )
     tokens = list(range(10))
-    key0 = hashlib.sha256(seed + struct.pack("<4q", *tokens[:4])).digest()
-    key1 = hashlib.sha256(key0 + struct.pack("<4q", *tokens[4:8])).digest()
-    keyer = PageKeyer(page_size=4, namespace=b"golden")
+    key0 = digest(seed + struct.pack("<4q", *tokens[:4]))
+    key1 = digest(key0 + struct.pack("<4q", *tokens[4:8]))
+    keyer = PageKeyer(page_size=4, namespace=b"golden", hash=hash_name)  # pyright: ignore
     assert keyer.page_keys(tokens, extra_key="lora-7", cache_salt=b"s") == [key0, key1]
-    # Pinned: a change of this value breaks every L3 tier written before it.
-    assert key0.hex() == "dc3422a769e15bf936135b8953cb31dd2b0adbdf925fb6cf14667118e05da1eb"
+    # Pinned: a change of this value (or of xxhash's canonical digest) breaks every L3 tier
+    # written with this hash before it.
+    assert key0.hex() == pinned_key0
+
+
+def test_xxh3_digest_is_the_canonical_big_endian_form() -> None:
+    # XXH3-128 of the empty input, from the xxHash reference: the digest is the canonical
+    # (big-endian) form on every platform.
+    assert xxhash.xxh3_128_digest(b"").hex() == "99aa06d3014798d86001c324468d497f"
 
 
 @pytest.mark.parametrize("hash_name", HASHES)
@@ -159,31 +180,6 @@ def test_keys_are_identical_in_another_process() -> None:
         keyer = PageKeyer(page_size=16, namespace="model-x", hash=h)  # pyright: ignore
         ours = keyer.page_keys(list(range(100, 164)), extra_key="a", cache_salt="s")
         assert theirs[h] == [k.hex() for k in ours]
-
-
-def test_xxh3_keys_follow_the_documented_encoding() -> None:
-    def field(tag: int, data: bytes) -> bytes:
-        return bytes([tag]) + struct.pack("<Q", len(data)) + data
-
-    seed = xxhash.xxh3_128_digest(
-        b"kvstrata.storage.page-key.v1"
-        + field(2, b"xxh3")
-        + struct.pack("<Q", 4)
-        + field(1, b"golden")
-        + field(2, b"lora-7")
-        + field(1, b"s")
-    )
-    tokens = list(range(10))
-    key0 = xxhash.xxh3_128_digest(seed + struct.pack("<4q", *tokens[:4]))
-    key1 = xxhash.xxh3_128_digest(key0 + struct.pack("<4q", *tokens[4:8]))
-    keyer = PageKeyer(page_size=4, namespace=b"golden", hash="xxh3")
-    assert keyer.page_keys(tokens, extra_key="lora-7", cache_salt=b"s") == [key0, key1]
-    # Pinned: a change of this value (or of xxhash's canonical digest) breaks every L3 tier
-    # written with hash="xxh3" before it.
-    assert key0.hex() == "a9b33a1dc2dad90a070026c64caccb38"
-    # XXH3-128 of the empty input, from the xxHash reference: the digest is the canonical
-    # (big-endian) form on every platform.
-    assert xxhash.xxh3_128_digest(b"").hex() == "99aa06d3014798d86001c324468d497f"
 
 
 @pytest.mark.parametrize("hash_name", HASHES)

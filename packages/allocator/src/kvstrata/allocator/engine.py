@@ -15,11 +15,13 @@ first. In sorted-reuse mode frees go to a separate `released` list instead, and 
 runs short the two are merged and sorted (lazily, once per shortage), so allocations come out as
 ascending, mostly contiguous pages: cheaper transfers for prefill/decode disaggregation.
 
-The arithmetic exists twice, with identical structure: `NumpyPageEngine` (CPU: numpy's small-op
-overhead is ~1 us and its fancy indexing several times faster than torch's on CPU) and
-`TorchPageEngine` (any device; on CUDA the free list never leaves the GPU). This base keeps
-everything that is plain integers (stack pointers, groups, snapshots, integrity checks) so the
-two subclasses hold only array code.
+Two backends do the array work: `NumpyPageEngine` (CPU: numpy's small-op overhead is ~1 us and
+its fancy indexing several times faster than torch's on CPU) and `TorchPageEngine` (any device;
+on CUDA the free list never leaves the GPU). This base keeps everything that is plain integers
+(stack pointers, groups, snapshots, integrity checks) and the page arithmetic with its
+validation (`plan_extend`, `plan_decode`, `check_last_loc`: one implementation, written against
+the operators numpy and torch share), so the two subclasses hold only array primitives and the
+commit / free paths.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
-from typing import Generic, Literal, NamedTuple, NoReturn, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, NoReturn, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -380,13 +382,13 @@ class PageEngine(ABC, Generic[A]):
             f"(page size {self.page_size}): {sample(pairs)}"
         )
 
-    # ---- native array work (one implementation per backend) ------------------------------
+    # ---- page arithmetic and its validation (one implementation, both backends) ----------
+    #
+    # Written once against the operators numpy arrays and torch tensors share (`+ - < | & !=`,
+    # boolean-mask indexing, `len`, `.sum()`); the backends supply only the array primitives
+    # below (`_as_array`, `_any`, `_positions`, `_page_of`, `_offset_of`, `_marks_of`). The
+    # arrays are typed `Any` here because the two libraries' operator stubs share no protocol.
 
-    @abstractmethod
-    def tokens_of_pages(self, num_pages: int) -> torch.Tensor:
-        """Take `num_pages` pages and return all their slots, page by page, as a new tensor."""
-
-    @abstractmethod
     def plan_extend(
         self,
         prefix_lens: torch.Tensor,
@@ -394,15 +396,151 @@ class PageEngine(ABC, Generic[A]):
         last_loc: torch.Tensor | None,
         num_tokens: int | None,
     ) -> ExtendPlan[A]:
-        """Validate an extend batch (see `PagedAllocator.alloc_extend`); mutates nothing."""
+        """Validate an extend batch (see `PagedAllocator.alloc_extend`); mutates nothing.
+
+        Per request, with P = page_size, the new pages are `ceil(s / P) - ceil(p / P)`; a
+        request whose prefix ends inside a page (`p % P != 0`) and that extends at all first
+        fills that page from `last_loc + 1` (it is `partial`)."""
+        p: Any = self._as_array(prefix_lens, "prefix_lens")
+        s: Any = self._as_array(seq_lens, "seq_lens")
+        batch = len(p)
+        if len(s) != batch:
+            raise InvalidRequest(f"alloc_extend: {batch} prefix_lens but {len(s)} seq_lens")
+        ext = s - p
+        # int64 sign bits: p | ext is negative iff p or ext is (one test, one sync on CUDA).
+        if batch and self._any((p | ext) < 0):
+            bad = self._positions((p < 0) | (ext < 0))
+            raise InvalidRequest(f"alloc_extend: need 0 <= prefix_len <= seq_len; requests {bad}")
+        total = int(ext.sum())
+        if num_tokens is not None and num_tokens != total:
+            raise InvalidRequest(
+                f"alloc_extend: num_extend_tokens={num_tokens} but the lengths add up to {total}"
+            )
+        size = self.page_size
+        if size == 1:
+            return ExtendPlan(
+                num_tokens=total,
+                num_new_pages=total,
+                prefix_lens=p,
+                seq_lens=s,
+                new_pages=None,
+                partial=None,
+                last_loc=None,
+            )
+        new = self._page_of(s + (size - 1)) - self._page_of(p + (size - 1))
+        partial = (self._offset_of(p) != 0) & (ext > 0)
+        loc: Any = None
+        if self._any(partial):
+            if last_loc is None:
+                bad = self._positions(partial)
+                raise InvalidRequest(
+                    f"alloc_extend: last_loc is None but requests {sample(bad)} continue a "
+                    "partially filled page"
+                )
+            loc = self._as_array(last_loc, "last_loc")
+            if len(loc) != batch:
+                raise InvalidRequest(f"alloc_extend: {batch} requests but {len(loc)} last_loc")
+            if self.checked:
+                self.check_last_loc(loc[partial], p[partial] - 1, "alloc_extend last_loc")
+        return ExtendPlan(
+            num_tokens=total,
+            num_new_pages=int(new.sum()),
+            prefix_lens=p,
+            seq_lens=s,
+            new_pages=new,
+            partial=partial if loc is not None else None,
+            last_loc=loc,
+        )
+
+    def plan_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor | None) -> DecodePlan[A]:
+        """Validate a decode batch (see `PagedAllocator.alloc_decode`); mutates nothing. A
+        request opens a page iff its new token (position `s - 1`) sits at offset 0."""
+        s: Any = self._as_array(seq_lens, "seq_lens")
+        batch = len(s)
+        if batch and self._any(s < 1):
+            self.raise_seq_lens()
+        if self.page_size == 1:
+            return DecodePlan(
+                num_requests=batch, num_new_pages=batch, opens_page=None, next_slot=None
+            )
+        offset = self._offset_of(s - 1)  # of each new token in its page
+        opens = offset == 0
+        num_new = int(opens.sum())
+        if num_new == batch:
+            return DecodePlan(
+                num_requests=batch, num_new_pages=num_new, opens_page=None, next_slot=None
+            )
+        if last_loc is None:
+            raise InvalidRequest("alloc_decode: last_loc is None but requests continue a page")
+        loc: Any = self._as_array(last_loc, "last_loc")
+        if len(loc) != batch:
+            raise InvalidRequest(f"alloc_decode: {batch} requests but {len(loc)} last_loc")
+        nxt = loc + 1
+        if self.checked:
+            # A continuing request's new slot last_loc + 1 must sit at the new token's offset
+            # in an allocated page; that one test covers range, page 0, allocation and
+            # alignment of last_loc. Openers' entries are garbage and masked out.
+            bad = (self._marks_of(self._page_of(nxt)) < 0) | (self._offset_of(nxt) != offset)
+            cont = ~opens
+            if self._any(bad & cont):
+                self.check_last_loc(loc[cont], s[cont] - 2, "alloc_decode last_loc")
+                raise AssertionError("decode check and check_last_loc disagree")
+        return DecodePlan(
+            num_requests=batch, num_new_pages=num_new, opens_page=opens, next_slot=nxt
+        )
+
+    def check_last_loc(self, loc: A, last_pos: A, name: str) -> None:
+        """`loc[i]` must be the slot of token `last_pos[i]`: in range, in an allocated page,
+        at the same offset in its page. Raises IndexOutOfRange / ReservedIndex / NotAllocated /
+        MisalignedIndex; mutates nothing."""
+        slots: Any = loc
+        if self._any(self._marks_of(self._page_of(slots)) < 0):
+            self._raise_bad_slots(slots.tolist(), name, freeing=False)
+        off = self._offset_of(slots - last_pos) != 0
+        if self._any(off):
+            self._raise_misaligned(slots[off].tolist(), (last_pos[off] + 1).tolist(), name)
+
+    @staticmethod
+    def raise_seq_lens() -> NoReturn:
+        raise InvalidRequest("alloc_decode: every seq_len counts the new token, so is >= 1")
+
+    # ---- array primitives (one implementation per backend) ------------------------------
+
+    @abstractmethod
+    def _as_array(self, value: torch.Tensor, name: str) -> A:
+        """A flat int64 array of the caller's tensor on the engine's device (InvalidRequest for
+        a non-integer one); a view where no conversion is needed."""
+
+    @abstractmethod
+    def _any(self, mask: A) -> bool:
+        """Whether any entry of a boolean array is True."""
+
+    @abstractmethod
+    def _positions(self, mask: A) -> list[int]:
+        """The positions of the True entries of a boolean array, ascending."""
+
+    @abstractmethod
+    def _page_of(self, slots: A) -> A:
+        """`slots // page_size`."""
+
+    @abstractmethod
+    def _offset_of(self, slots: A) -> A:
+        """`slots % page_size`."""
+
+    @abstractmethod
+    def _marks_of(self, pages: A) -> A:
+        """The marks of `pages` (clipped: a page id past the end or below 0 reads a negative
+        mark), so `< 0` means out of range, page 0 or free."""
+
+    # ---- native array work (one implementation per backend) ------------------------------
+
+    @abstractmethod
+    def tokens_of_pages(self, num_pages: int) -> torch.Tensor:
+        """Take `num_pages` pages and return all their slots, page by page, as a new tensor."""
 
     @abstractmethod
     def commit_extend(self, plan: ExtendPlan[A]) -> torch.Tensor:
         """Take the plan's pages (asserted available) and return its slots."""
-
-    @abstractmethod
-    def plan_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor | None) -> DecodePlan[A]:
-        """Validate a decode batch (see `PagedAllocator.alloc_decode`); mutates nothing."""
 
     @abstractmethod
     def commit_decode(self, plan: DecodePlan[A]) -> torch.Tensor: ...

@@ -43,7 +43,6 @@ from kvstrata.allocator.engine import (
     HostArrays,
     PageEngine,
     as_index_tensor,
-    sample,
 )
 from kvstrata.allocator.errors import IntegrityError, InvalidRequest
 from kvstrata.allocator.native import FALLBACK, NativeDecode, native_decode
@@ -125,6 +124,20 @@ class NumpyPageEngine(PageEngine[Ints]):
         marks.fill(FREE if self.checked else 0)
         marks[0], marks[self.num_pages] = RESERVED, BEYOND
 
+    # ---- array primitives of the shared page arithmetic (PageEngine.plan_extend, ...) ------
+
+    def _as_array(self, value: torch.Tensor, name: str) -> Ints:
+        return _native(value, name)
+
+    def _any(self, mask: Bools) -> bool:
+        return bool(np.count_nonzero(mask))
+
+    def _positions(self, mask: Bools) -> list[int]:
+        return np.flatnonzero(mask).tolist()
+
+    def _marks_of(self, pages: Ints) -> npt.NDArray[np.int32]:
+        return self._marks.take(pages, mode="clip")
+
     def _page_of(self, x: Ints) -> Ints:
         return x >> self._shift if self._shift is not None else x // self.page_size
 
@@ -150,62 +163,6 @@ class NumpyPageEngine(PageEngine[Ints]):
             out[:] = pages
             return torch.from_numpy(out)
         return torch.from_numpy((pages[:, None] * self.page_size + self._offsets).reshape(-1))
-
-    def plan_extend(
-        self,
-        prefix_lens: torch.Tensor,
-        seq_lens: torch.Tensor,
-        last_loc: torch.Tensor | None,
-        num_tokens: int | None,
-    ) -> ExtendPlan[Ints]:
-        p, s = _native(prefix_lens, "prefix_lens"), _native(seq_lens, "seq_lens")
-        batch = len(p)
-        if len(s) != batch:
-            raise InvalidRequest(f"alloc_extend: {batch} prefix_lens but {len(s)} seq_lens")
-        ext = s - p
-        if batch and (np.count_nonzero(p < 0) or np.count_nonzero(ext < 0)):
-            bad = np.flatnonzero((p < 0) | (ext < 0)).tolist()
-            raise InvalidRequest(f"alloc_extend: need 0 <= prefix_len <= seq_len; requests {bad}")
-        total = int(ext.sum())
-        if num_tokens is not None and num_tokens != total:
-            raise InvalidRequest(
-                f"alloc_extend: num_extend_tokens={num_tokens} but the lengths add up to {total}"
-            )
-        size = self.page_size
-        if size == 1:
-            return ExtendPlan(
-                num_tokens=total,
-                num_new_pages=total,
-                prefix_lens=p,
-                seq_lens=s,
-                new_pages=None,
-                partial=None,
-                last_loc=None,
-            )
-        new = self._page_of(s + (size - 1)) - self._page_of(p + (size - 1))
-        partial = (self._offset_of(p) != 0) & (ext > 0)
-        loc = None
-        if np.count_nonzero(partial):
-            if last_loc is None:
-                bad = np.flatnonzero(partial).tolist()
-                raise InvalidRequest(
-                    f"alloc_extend: last_loc is None but requests {sample(bad)} continue a "
-                    "partially filled page"
-                )
-            loc = _native(last_loc, "last_loc")
-            if len(loc) != batch:
-                raise InvalidRequest(f"alloc_extend: {batch} requests but {len(loc)} last_loc")
-            if self.checked:
-                self._check_last_loc(loc[partial], p[partial] - 1, "alloc_extend last_loc")
-        return ExtendPlan(
-            num_tokens=total,
-            num_new_pages=int(new.sum()),
-            prefix_lens=p,
-            seq_lens=s,
-            new_pages=new,
-            partial=partial if loc is not None else None,
-            last_loc=loc,
-        )
 
     def commit_extend(self, plan: ExtendPlan[Ints]) -> torch.Tensor:
         # Output = segments in request order; a segment is a run of consecutive slots:
@@ -238,44 +195,6 @@ class NumpyPageEngine(PageEngine[Ints]):
         out = np.repeat(base - (np.cumsum(counts) - counts), counts)
         out += self._iota64(total)
         return torch.from_numpy(out)
-
-    def plan_decode(
-        self, seq_lens: torch.Tensor, last_loc: torch.Tensor | None
-    ) -> DecodePlan[Ints]:
-        s = _native(seq_lens, "seq_lens")
-        batch = len(s)
-        if batch and np.count_nonzero(s < 1):
-            raise InvalidRequest("alloc_decode: every seq_len counts the new token, so is >= 1")
-        if self.page_size == 1:
-            return DecodePlan(
-                num_requests=batch, num_new_pages=batch, opens_page=None, next_slot=None
-            )
-        offset = self._offset_of(s - 1)  # of each new token in its page
-        opens = offset == 0
-        num_new = int(np.count_nonzero(opens))
-        if num_new == batch:
-            return DecodePlan(
-                num_requests=batch, num_new_pages=num_new, opens_page=None, next_slot=None
-            )
-        if last_loc is None:
-            raise InvalidRequest("alloc_decode: last_loc is None but requests continue a page")
-        loc = _native(last_loc, "last_loc")
-        if len(loc) != batch:
-            raise InvalidRequest(f"alloc_decode: {batch} requests but {len(loc)} last_loc")
-        nxt = loc + 1
-        if self.checked:
-            # A continuing request's new slot last_loc + 1 must sit at the new token's offset
-            # in an allocated page; that one test covers range, page 0, allocation and
-            # alignment of last_loc. Openers' entries are garbage and masked out.
-            marks = self._marks.take(self._page_of(nxt), mode="clip")
-            bad = (marks < 0) | (self._offset_of(nxt) != offset)
-            cont = ~opens
-            if np.count_nonzero(bad & cont):
-                self._check_last_loc(loc[cont], s[cont] - 2, "alloc_decode last_loc")
-                raise AssertionError("decode check and _check_last_loc disagree")
-        return DecodePlan(
-            num_requests=batch, num_new_pages=num_new, opens_page=opens, next_slot=nxt
-        )
 
     def commit_decode(self, plan: DecodePlan[Ints]) -> torch.Tensor:
         pages = self.take_pages(plan.num_new_pages)
@@ -341,7 +260,7 @@ class NumpyPageEngine(PageEngine[Ints]):
                 if np.count_nonzero(bad):
                     self._raise_decode(s, loc, opens)
             elif np.count_nonzero(np.less(off, 0, out=sc.bad)):
-                self._raise_seq_lens()
+                self.raise_seq_lens()
         counters.alloc_calls += 1
         head = self._head
         if num_new > self.capacity - head:  # short on the stack: maybe released pages help
@@ -427,23 +346,10 @@ class NumpyPageEngine(PageEngine[Ints]):
     def _raise_decode(self, s: Ints, loc: Ints, opens: Bools) -> NoReturn:
         """The fused decode check failed: raise what the plan path raises."""
         if np.count_nonzero(s < 1):
-            self._raise_seq_lens()
+            self.raise_seq_lens()
         cont = ~opens
-        self._check_last_loc(loc[cont], s[cont] - 2, "alloc_decode last_loc")
-        raise AssertionError("decode check and _check_last_loc disagree")
-
-    @staticmethod
-    def _raise_seq_lens() -> NoReturn:
-        raise InvalidRequest("alloc_decode: every seq_len counts the new token, so is >= 1")
-
-    def _check_last_loc(self, loc: Ints, last_pos: Ints, name: str) -> None:
-        """`loc[i]` must be the slot of token `last_pos[i]`: in range, in an allocated page,
-        at the same offset in its page."""
-        if np.count_nonzero(self._marks.take(self._page_of(loc), mode="clip") < 0):
-            self._raise_bad_slots(loc.tolist(), name, freeing=False)
-        off = self._offset_of(loc - last_pos) != 0
-        if np.count_nonzero(off):
-            self._raise_misaligned(loc[off].tolist(), (last_pos[off] + 1).tolist(), name)
+        self.check_last_loc(loc[cont], s[cont] - 2, "alloc_decode last_loc")
+        raise AssertionError("decode check and check_last_loc disagree")
 
     # ---- free -----------------------------------------------------------------------------
 

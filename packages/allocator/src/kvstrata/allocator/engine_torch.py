@@ -25,9 +25,8 @@ from kvstrata.allocator.engine import (
     HostArrays,
     PageEngine,
     as_index_tensor,
-    sample,
 )
-from kvstrata.allocator.errors import IntegrityError, InvalidRequest
+from kvstrata.allocator.errors import IntegrityError
 
 __all__ = ["TorchPageEngine"]
 
@@ -73,7 +72,24 @@ class TorchPageEngine(PageEngine[torch.Tensor]):
     def _native(self, value: torch.Tensor, name: str) -> torch.Tensor:
         return as_index_tensor(value, name).to(device=self.device, dtype=I64)
 
-    def _clipped_marks(self, pages: torch.Tensor) -> torch.Tensor:
+    # ---- array primitives of the shared page arithmetic (PageEngine.plan_extend, ...) ------
+
+    def _as_array(self, value: torch.Tensor, name: str) -> torch.Tensor:
+        return self._native(value, name)
+
+    def _any(self, mask: torch.Tensor) -> bool:
+        return bool(mask.any())
+
+    def _positions(self, mask: torch.Tensor) -> list[int]:
+        return torch.nonzero(mask).reshape(-1).tolist()
+
+    def _page_of(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots // self.page_size
+
+    def _offset_of(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots % self.page_size
+
+    def _marks_of(self, pages: torch.Tensor) -> torch.Tensor:
         return self._marks.index_select(0, pages.clamp(0, self.num_pages))
 
     def _iota32(self, n: int) -> torch.Tensor:
@@ -95,63 +111,6 @@ class TorchPageEngine(PageEngine[torch.Tensor]):
         if self.page_size == 1:
             return pages.clone()
         return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
-
-    def plan_extend(
-        self,
-        prefix_lens: torch.Tensor,
-        seq_lens: torch.Tensor,
-        last_loc: torch.Tensor | None,
-        num_tokens: int | None,
-    ) -> ExtendPlan[torch.Tensor]:
-        p = self._native(prefix_lens, "prefix_lens")
-        s = self._native(seq_lens, "seq_lens")
-        batch = len(p)
-        if len(s) != batch:
-            raise InvalidRequest(f"alloc_extend: {batch} prefix_lens but {len(s)} seq_lens")
-        ext = s - p
-        if batch and bool((torch.minimum(p, ext) < 0).any()):
-            bad = torch.nonzero((p < 0) | (ext < 0)).reshape(-1).tolist()
-            raise InvalidRequest(f"alloc_extend: need 0 <= prefix_len <= seq_len; requests {bad}")
-        total = int(ext.sum())
-        if num_tokens is not None and num_tokens != total:
-            raise InvalidRequest(
-                f"alloc_extend: num_extend_tokens={num_tokens} but the lengths add up to {total}"
-            )
-        size = self.page_size
-        if size == 1:
-            return ExtendPlan(
-                num_tokens=total,
-                num_new_pages=total,
-                prefix_lens=p,
-                seq_lens=s,
-                new_pages=None,
-                partial=None,
-                last_loc=None,
-            )
-        new = (s + (size - 1)) // size - (p + (size - 1)) // size
-        partial = (p % size != 0) & (ext > 0)
-        loc = None
-        if bool(partial.any()):
-            if last_loc is None:
-                bad = torch.nonzero(partial).reshape(-1).tolist()
-                raise InvalidRequest(
-                    f"alloc_extend: last_loc is None but requests {sample(bad)} continue a "
-                    "partially filled page"
-                )
-            loc = self._native(last_loc, "last_loc")
-            if len(loc) != batch:
-                raise InvalidRequest(f"alloc_extend: {batch} requests but {len(loc)} last_loc")
-            if self.checked:
-                self._check_last_loc(loc[partial], p[partial] - 1, "alloc_extend last_loc")
-        return ExtendPlan(
-            num_tokens=total,
-            num_new_pages=int(new.sum()),
-            prefix_lens=p,
-            seq_lens=s,
-            new_pages=new,
-            partial=partial if loc is not None else None,
-            last_loc=loc,
-        )
 
     def commit_extend(self, plan: ExtendPlan[torch.Tensor]) -> torch.Tensor:
         # Segments as in NumpyPageEngine.commit_extend.
@@ -186,42 +145,6 @@ class TorchPageEngine(PageEngine[torch.Tensor]):
         out += self._iota64(total)
         return out
 
-    def plan_decode(
-        self, seq_lens: torch.Tensor, last_loc: torch.Tensor | None
-    ) -> DecodePlan[torch.Tensor]:
-        s = self._native(seq_lens, "seq_lens")
-        batch = len(s)
-        if batch and bool((s < 1).any()):
-            raise InvalidRequest("alloc_decode: every seq_len counts the new token, so is >= 1")
-        if self.page_size == 1:
-            return DecodePlan(
-                num_requests=batch, num_new_pages=batch, opens_page=None, next_slot=None
-            )
-        size = self.page_size
-        offset = (s - 1) % size
-        opens = offset == 0
-        num_new = int(opens.sum())
-        if num_new == batch:
-            return DecodePlan(
-                num_requests=batch, num_new_pages=num_new, opens_page=None, next_slot=None
-            )
-        if last_loc is None:
-            raise InvalidRequest("alloc_decode: last_loc is None but requests continue a page")
-        loc = self._native(last_loc, "last_loc")
-        if len(loc) != batch:
-            raise InvalidRequest(f"alloc_decode: {batch} requests but {len(loc)} last_loc")
-        nxt = loc + 1
-        if self.checked:
-            # See NumpyPageEngine.plan_decode: one test on last_loc + 1 covers everything.
-            bad = (self._clipped_marks(nxt // size) < 0) | (nxt % size != offset)
-            cont = ~opens
-            if bool((bad & cont).any()):
-                self._check_last_loc(loc[cont], s[cont] - 2, "alloc_decode last_loc")
-                raise AssertionError("decode check and _check_last_loc disagree")
-        return DecodePlan(
-            num_requests=batch, num_new_pages=num_new, opens_page=opens, next_slot=nxt
-        )
-
     def commit_decode(self, plan: DecodePlan[torch.Tensor]) -> torch.Tensor:
         pages = self.take_pages(plan.num_new_pages)
         if plan.opens_page is None or plan.next_slot is None:
@@ -229,13 +152,6 @@ class TorchPageEngine(PageEngine[torch.Tensor]):
         out = plan.next_slot
         out[plan.opens_page] = pages * self.page_size
         return out
-
-    def _check_last_loc(self, loc: torch.Tensor, last_pos: torch.Tensor, name: str) -> None:
-        if bool((self._clipped_marks(loc // self.page_size) < 0).any()):
-            self._raise_bad_slots(loc.tolist(), name, freeing=False)
-        off = (loc - last_pos) % self.page_size != 0
-        if bool(off.any()):
-            self._raise_misaligned(loc[off].tolist(), (last_pos[off] + 1).tolist(), name)
 
     # ---- free -----------------------------------------------------------------------------
 
@@ -248,7 +164,7 @@ class TorchPageEngine(PageEngine[torch.Tensor]):
         if self.page_size == 1:
             if not self.checked:
                 return FreePlan(pages=x, num_pages=m)
-            if bool((self._clipped_marks(x) < 0).any()):
+            if bool((self._marks_of(x) < 0).any()):
                 self._raise_bad_slots(x.tolist(), "free", freeing=True)
             if len(self._distinct(x)) != m:
                 self._raise_duplicates(x.tolist(), "free")
@@ -262,7 +178,7 @@ class TorchPageEngine(PageEngine[torch.Tensor]):
             heads = pages[starts]
             if self.checked:
                 rising = bool(((x[1:] > x[:-1]) | starts[1:]).all())
-        if self.checked and bool((self._clipped_marks(heads) < 0).any()):
+        if self.checked and bool((self._marks_of(heads) < 0).any()):
             self._raise_bad_slots(x.tolist(), "free", freeing=True)
         distinct = self._distinct(heads)
         if self.checked and (len(distinct) != len(heads) or not rising):
@@ -286,7 +202,7 @@ class TorchPageEngine(PageEngine[torch.Tensor]):
         q = self._native(page_ids, "page_ids")
         m = len(q)
         if m and self.checked:
-            if bool((self._clipped_marks(q) < 0).any()):
+            if bool((self._marks_of(q) < 0).any()):
                 self._raise_bad_pages(q.tolist(), "free_pages")
             if len(self._distinct(q)) != m:
                 self._raise_duplicates(q.tolist(), "free_pages")
@@ -297,7 +213,7 @@ class TorchPageEngine(PageEngine[torch.Tensor]):
         if len(x) == 0:
             return
         if self.checked:
-            if bool((self._clipped_marks(x // self.page_size) < 0).any()):
+            if bool((self._marks_of(x // self.page_size) < 0).any()):
                 self._raise_bad_slots(x.tolist(), name, freeing=False)
         else:
             self.check_token_range(x, name)

@@ -6,17 +6,32 @@ list, the page marks, the SWA map and the counters exactly as they were.
 ```
 AllocatorError
  +-- InvalidRequest      (also ValueError)  malformed arguments, misuse of groups or states
- +-- IndexOutOfRange     (also IndexError)  an index past the pool, or negative
- +-- ReservedIndex                          an index in page 0, the padding target
- +-- MisalignedIndex     (also ValueError)  last_loc's offset in its page contradicts the length
- +-- DuplicateIndex                         the same index twice in one call
- +-- NotAllocated                           an index whose page is free
- |    +-- DoubleFree                        ... given to a free call
- +-- IntegrityError                         check_integrity() found corrupted state
+
+shared with the other layers (one class each, defined in kvstrata.core.errors, re-exported here):
+IndexOutOfRange          (an IndexError)    an index past the pool, or negative
+ReservedIndex            (a ValueError)     an index in page 0, the padding target
+MisalignedIndex          (a ValueError)     last_loc's offset in its page contradicts the length
+DuplicateIndex           (a ValueError)     the same index twice in one call
+NotAllocated             (a ValueError)     an index whose page is free
+ +-- DoubleFree                             ... given to a free call
+IntegrityError           (an AssertionError) check_integrity() found corrupted state
 ```
+
+The shared classes are not `AllocatorError`s: `except DoubleFree` (imported from here, from
+`kvstrata.pool` or `kvstrata.pool_host`) catches a double free of any layer.
 """
 
 from __future__ import annotations
+
+from kvstrata.core.errors import (
+    DoubleFree,
+    DuplicateIndex,
+    IndexOutOfRange,
+    IntegrityError,
+    MisalignedIndex,
+    NotAllocated,
+    ReservedIndex,
+)
 
 __all__ = [
     "AllocatorError",
@@ -39,36 +54,3 @@ class InvalidRequest(AllocatorError, ValueError):
     """Arguments that cannot describe a valid request: a negative size, a size that is not whole
     pages, tensors of different lengths, `seq_lens < prefix_lens`, a `last_loc` missing where a
     request needs it, an unbalanced free group, or a state from another allocator."""
-
-
-class IndexOutOfRange(AllocatorError, IndexError):
-    """An index (token slot or page id) outside `[0, num_rows)` (or `[0, num_pages)`)."""
-
-
-class ReservedIndex(AllocatorError):
-    """An index in page 0. Page 0 is the dummy target of padded tokens and is never handed
-    out, so it can never be freed or used as a request's last slot."""
-
-
-class MisalignedIndex(AllocatorError, ValueError):
-    """A `last_loc` whose offset in its page is not `(prefix_len - 1) % page_size`: the slot
-    cannot be the last token of a prefix of that length, so the caller's request-to-token
-    table and lengths disagree."""
-
-
-class DuplicateIndex(AllocatorError):
-    """The same index appears twice in one call (one free, or one page list)."""
-
-
-class NotAllocated(AllocatorError):
-    """An index whose page is free, used where an allocated one is required (a `last_loc`
-    that would be extended in place, a copy-on-write source)."""
-
-
-class DoubleFree(NotAllocated):
-    """A free of an index whose page is already free (or already freed in the open group)."""
-
-
-class IntegrityError(AllocatorError):
-    """`check_integrity()` found the allocator's own bookkeeping inconsistent: a bug in this
-    package or memory corruption, never bad caller input (that raises before it lands)."""

@@ -3,9 +3,27 @@
 Every one is raised before any state changes: a refused call leaves the router, the controller's
 queues and its bookkeeping exactly as they were. Failures that happen later, on a worker thread,
 never raise into the caller: they come back as a failed `Ack` carrying the exception.
+
+`LayerLoadFailed` is the class of `kvstrata.core.errors` (the host tier's layer completion raises
+it too), re-exported here; it is a `RuntimeError`, not a `HybridCacheError`.
 """
 
 from __future__ import annotations
+
+from kvstrata.core.errors import LayerLoadFailed
+
+__all__ = [
+    "ControllerClosed",
+    "HybridCacheError",
+    "InvalidOperation",
+    "InvalidPoolLayout",
+    "LayerKindMismatch",
+    "LayerLoadFailed",
+    "QueueFull",
+    "StorageNotConfigured",
+    "UnknownLayer",
+    "UnknownOperation",
+]
 
 
 class HybridCacheError(Exception):
@@ -66,11 +84,6 @@ class UnknownOperation(HybridCacheError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-class LayerLoadFailed(HybridCacheError, RuntimeError):
-    """`LoadHandle.wait_layer` on a load whose transfer failed; `__cause__` is the worker's
-    error."""
 
 
 def _span(known: range | tuple[int, ...]) -> str:

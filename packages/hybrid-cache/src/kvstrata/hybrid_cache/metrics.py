@@ -198,7 +198,7 @@ class TierControllerCollector(Collector):
             labels=["controller", "kind"],
         )
         pages = CounterMetricFamily(
-            "kvstrata_tier_pages", "Pages moved", labels=["controller", "direction"]
+            "kvstrata_tier_transfer_pages", "Pages moved", labels=["controller", "direction"]
         )
         moved = CounterMetricFamily(
             "kvstrata_tier_transfer_bytes", "Bytes moved", labels=["controller", "direction"]

@@ -26,7 +26,6 @@ from kvstrata.hybrid_cache.group import PoolGroup
 from kvstrata.hybrid_cache.metrics import ControllerStats, Direction
 from kvstrata.hybrid_cache.ops import AckStatus, OpKind, PageMove
 from kvstrata.pool_host import LayerCompletion, LayerLoad
-from kvstrata.pool_host.errors import LayerLoadFailed as HostLayerLoadFailed
 from kvstrata.pool_host.errors import LayerWaitTimeout
 
 logger = logging.getLogger(__name__)
@@ -63,7 +62,7 @@ class LoadHandle:
             self._completion.wait(layer_id, timeout_s)
         except LayerWaitTimeout:
             return False
-        except HostLayerLoadFailed as exc:
+        except LayerLoadFailed as exc:
             raise LayerLoadFailed(
                 f"load op {self.op_id} failed before layer {layer_id} arrived"
             ) from (self._error or exc)
@@ -130,8 +129,7 @@ class TransferRunner:
                     "merged write of %d ops failed; retrying each", len(tasks), exc_info=True
                 )
             else:
-                for t in tasks:
-                    self._finish(t.op_id, AckStatus.DONE, t.num_pages, None)
+                self._done(*tasks)
                 return
         for t in tasks:
             try:
@@ -140,7 +138,11 @@ class TransferRunner:
                 logger.warning("write op %d failed", t.op_id, exc_info=True)
                 self._finish(t.op_id, AckStatus.FAILED, 0, exc)
             else:
-                self._finish(t.op_id, AckStatus.DONE, t.num_pages, None)
+                self._done(t)
+
+    def _done(self, *tasks: WriteTask | LoadTask) -> None:
+        for t in tasks:
+            self._finish(t.op_id, AckStatus.DONE, t.num_pages, None)
 
     def run_loads(self, tasks: list[LoadTask]) -> None:
         self._stats.count_merged(OpKind.LOAD, len(tasks) - 1)
@@ -157,8 +159,7 @@ class TransferRunner:
                 )
                 start = stop.position
             else:
-                for t in tasks:
-                    self._finish(t.op_id, AckStatus.DONE, t.num_pages, None)
+                self._done(*tasks)
                 return
         for t in tasks:
             try:
@@ -169,19 +170,13 @@ class TransferRunner:
                 t.handle.fail(error)
                 self._finish(t.op_id, AckStatus.FAILED, 0, error)
             else:
-                self._finish(t.op_id, AckStatus.DONE, t.num_pages, None)
+                self._done(t)
 
     def _write(self, moves: dict[str, PageMove]) -> None:
         start = time.perf_counter()
         for name, move in moves.items():
             self._group.backup(name, move.device, move.host)
-        num_pages, num_bytes = self._group.volume(moves)
-        self._stats.count_transfer(
-            Direction.D2H,
-            num_pages=num_pages,
-            num_bytes=num_bytes,
-            seconds=time.perf_counter() - start,
-        )
+        self._count(Direction.D2H, moves, start)
 
     def _load(self, moves: dict[str, PageMove], tasks: list[LoadTask], first: int) -> None:
         """Load the layers from position `first` on (`moves` is the merge of the tasks'),
@@ -212,9 +207,12 @@ class TransferRunner:
         # copy (copies of one stream complete in order). A no-op on CPU.
         for done in last.values():
             done.wait()
+        self._count(Direction.H2D, moves, start)
+
+    def _count(self, direction: Direction, moves: dict[str, PageMove], start: float) -> None:
         num_pages, num_bytes = self._group.volume(moves)
         self._stats.count_transfer(
-            Direction.H2D,
+            direction,
             num_pages=num_pages,
             num_bytes=num_bytes,
             seconds=time.perf_counter() - start,

@@ -35,3 +35,22 @@ class TiersUnsupported(BuildError, ValueError):
     """A tier combination the hierarchical cache refuses for this family (its InvalidConfig,
     e.g. storage under an SWA tree before unified-radix-cache wired it). The message says which
     and why."""
+
+
+class UnknownArchitecture(InvalidModel):
+    """A Hugging Face config whose `model_type` (and `architectures`) no reader knows; the
+    message lists the known ones."""
+
+
+class MissingConfigField(InvalidModel):
+    """A Hugging Face config without a field its family needs; the message names the field
+    (with its `text_config.` prefix when the model nests one) and the architecture."""
+
+
+class BudgetTooSmall(InvalidCapacity):
+    """A device budget that cannot hold one request of the configured context; the message
+    gives the budget, what each part takes and what one request needs."""
+
+
+class HostMemoryExceeded(InvalidCapacity):
+    """A host tier larger than the free host memory; the message gives both figures."""

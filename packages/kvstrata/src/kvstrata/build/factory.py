@@ -78,7 +78,7 @@ def build_memory_system(
         capacity_tokens=capacity_tokens - capacity_tokens % page_size,
         page_size=page_size,
         policy=policy,
-        device=_check_device(device),
+        device=check_device(device),
         swa_ratio=swa_ratio,
         mamba_slots=mamba_slots,
         enable_events=enable_events,
@@ -86,7 +86,8 @@ def build_memory_system(
     return builder(model, params)
 
 
-def _check_device(device: torch.device | str) -> torch.device:
+def check_device(device: torch.device | str) -> torch.device:
+    """`device` parsed, and present on this machine (DeviceUnavailable otherwise)."""
     try:
         resolved = torch.device(device)
     except RuntimeError as exc:

@@ -22,7 +22,7 @@ import torch
 
 from kvstrata.allocator import MambaSlotAllocator, PagedAllocator, SWAAllocator
 from kvstrata.hybrid_cache import HybridPool, LayerKind
-from kvstrata.pool import MambaPool, MHAKVPool, SWAKVPool
+from kvstrata.pool import MambaPool, MHAKVPool, MLAKVPool, ReqToTokenPool, SWAKVPool
 from kvstrata.unified_radix_cache import DeviceCache, UnifiedRadixCache
 
 
@@ -60,11 +60,13 @@ class MemorySystem:
     capacity_tokens: int
     device: torch.device
     kv_allocator: PagedAllocator | SWAAllocator
-    kv_pool: MHAKVPool | SWAKVPool
+    kv_pool: MHAKVPool | SWAKVPool | MLAKVPool
     mamba_allocator: MambaSlotAllocator | None
     mamba_pool: MambaPool | None
     layers: HybridPool
     tree: UnifiedRadixCache
+    #: The request-to-token table (`build` from a model spec sizes one; None otherwise).
+    req_to_token: ReqToTokenPool | None = None
 
     @cached_property
     def cache(self) -> DeviceCache:
@@ -105,6 +107,8 @@ class MemorySystem:
         self.kv_pool.check_integrity()
         if self.mamba_pool is not None:
             self.mamba_pool.check_integrity()
+        if self.req_to_token is not None:
+            self.req_to_token.check_integrity()
         self.tree.check_integrity()
 
     def reset(self) -> None:

@@ -11,10 +11,11 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
-from kvstrata.cli import replay_command
+from kvstrata.cli import plan_command, replay_command, size_command
 
 #: Distributions of the workspace, in layer order (bottom first), as `kvstrata version` lists them.
 DISTRIBUTIONS: tuple[str, ...] = (
+    "kvstrata-core",
     "kvstrata-pool",
     "kvstrata-storage",
     "kvstrata-allocator",
@@ -65,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark")
     bench.set_defaults(handler=_bench)
     replay_command.add_parser(sub)
+    plan_command.add_parser(sub)
+    size_command.add_parser(sub)
     return parser
 
 

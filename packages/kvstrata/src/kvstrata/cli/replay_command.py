@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from prometheus_client import CollectorRegistry
     from rich.table import Table
 
-    from kvstrata.build import MemorySystem
-    from kvstrata.build.tiers import TieredSystem
     from kvstrata.replay import ReplayEngine, ReplayRequest, ReplayStats
+    from kvstrata.replay.compare import ConfigRun, TierConfig
+    from kvstrata.replay.exporter import MetricsServer
 
 FAMILY_CHOICES: tuple[str, ...] = ("mha", "swa", "mamba")
 POLICY_CHOICES: tuple[str, ...] = ("lru", "lfu", "fifo", "mru", "filo", "priority")
@@ -151,7 +154,39 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=256,
         help="tokens beyond the host hit below which no prefetch starts (default 256)",
     )
+    parser.add_argument(
+        "--unbounded",
+        action="store_true",
+        help="one run on a device with room for every prompt (no eviction, no tiers)",
+    )
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the summary as JSON")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="draw hit rate and capacity use per tier over the requests (one line per "
+        "configuration) into a PNG",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="N",
+        help="serve every layer's Prometheus metrics on http://ADDR:N/metrics while the replay "
+        "runs (0: a free port, printed on stderr)",
+    )
+    parser.add_argument(
+        "--metrics-addr",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address the metrics endpoint listens on (default 127.0.0.1, loopback only)",
+    )
+    parser.add_argument(
+        "--metrics-hold",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="keep serving the metrics S seconds after the replay ends (default 0)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=run_replay)
 
@@ -162,107 +197,164 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
     import torch
     from rich.console import Console
 
-    from kvstrata.build import BuildError, build_memory_system
+    from kvstrata.build import BuildError
     from kvstrata.pool_host.errors import HostPoolError
-    from kvstrata.replay import (
-        KVMismatch,
-        ReplayEngine,
-        ReplayError,
-        WorkloadSpec,
-        generate_workload,
-        read_trace,
-        unbounded_capacity,
-    )
+    from kvstrata.replay import KVMismatch, ReplayError
     from kvstrata.storage.errors import StorageError
 
     out = stdout if stdout is not None else sys.stdout
     err = Console(file=sys.stderr)
+    server: MetricsServer | None = None
     try:
-        if args.threads < 1:
-            raise ReplayError(f"--threads must be >= 1, got {args.threads}")
-        if args.limit is not None and args.limit < 0:
-            raise ReplayError(f"--limit must be >= 0, got {args.limit}")
+        _check_options(args)
         torch.set_num_threads(args.threads)
-        if args.trace is not None:
-            requests = read_trace(
-                args.trace, tokens_per_block=args.tokens_per_block, limit=args.limit
-            )
-            source = str(args.trace)
-        else:
-            requests = generate_workload(WorkloadSpec(seed=args.seed))[: args.limit]
-            source = f"embedded workload (seed {args.seed})"
-        unbounded = args.capacity_tokens is None
-        if unbounded:
-            # Room for everything, in every pool: SWA as large as full, a state slot per chunk.
-            room = unbounded_capacity(requests, page_size=args.page_size)
-            system = build_memory_system(
-                family=args.family,
-                capacity_tokens=room.capacity_tokens,
-                page_size=args.page_size,
-                policy=args.policy,
-                device=args.device,
-                swa_ratio=1.0,
-                mamba_slots=room.mamba_slots,
-            )
-        else:
-            system = build_memory_system(
-                family=args.family,
-                capacity_tokens=args.capacity_tokens,
-                page_size=args.page_size,
-                policy=args.policy,
-                device=args.device,
-            )
-        tiers = _build_tiers(args, system)
-        engine = ReplayEngine(system, verify=args.verify, tiers=tiers)
-        try:
-            engine.check_fits(requests)
-            started = time.perf_counter()
-            stats = _run_with_progress(engine, requests, enabled=_progress_enabled(args))
-            wall_seconds = time.perf_counter() - started
-        finally:
-            if tiers is not None:
-                tiers.close()
-        if tiers is not None:
-            tiers.check_integrity()
-        else:
-            system.check_integrity()
+        requests, source = _requests(args)
+        configs = _configs(args, requests)
+        registry = None
+        if args.metrics_port is not None:
+            from prometheus_client import CollectorRegistry
+
+            from kvstrata.replay.exporter import MetricsServer
+
+            registry = CollectorRegistry()
+            server = MetricsServer(registry, port=args.metrics_port, addr=args.metrics_addr)
+            err.print(f"serving metrics on {server.url}", highlight=False)
+        runs = [_run_with_progress(args, config, requests, registry=registry) for config in configs]
+        if args.plot is not None:
+            from kvstrata.replay.plot import plot_runs
+
+            plot_runs(runs, args.plot)
     except KVMismatch as exc:
         err.print(f"[red]verification failed:[/] {exc}", highlight=False)
+        _close(server, hold=0.0)
         return 1
     except (ReplayError, BuildError, HostPoolError, StorageError, OSError) as exc:
         err.print(f"[red]error:[/] {exc}", highlight=False)
+        _close(server, hold=0.0)
         return 2
+    records = [_record(args, run, source) for run in runs]
+    console = Console(file=out, width=max(80, Console(file=out).width))
+    if _comparing(args):
+        console.print(_comparison_table(source, runs))
+        document: object = {
+            "configurations": [
+                {"configuration": r.config.name, **rec}
+                for r, rec in zip(runs, records, strict=True)
+            ]
+        }
+    else:
+        console.print(_summary_table(records[0], runs[0].stats))
+        document = records[0]
+    status = 0
+    if args.json is not None:
+        try:
+            args.json.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            err.print(f"[red]error:[/] cannot write {args.json}: {exc}", highlight=False)
+            status = 2
+    if args.plot is not None:
+        err.print(f"plot written to {args.plot}", highlight=False)
+    _close(server, hold=args.metrics_hold)
+    return status
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Every option checked before anything is built or served (ReplayError)."""
+    from kvstrata.replay import ReplayError
+
+    if args.threads < 1:
+        raise ReplayError(f"--threads must be >= 1, got {args.threads}")
+    if args.limit is not None and args.limit < 0:
+        raise ReplayError(f"--limit must be >= 0, got {args.limit}")
+    if args.metrics_hold < 0:
+        raise ReplayError(f"--metrics-hold must be >= 0 seconds, got {args.metrics_hold}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ReplayError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+    if args.metrics_hold > 0 and args.metrics_port is None:
+        raise ReplayError("--metrics-hold needs --metrics-port")
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        raise ReplayError(f"--plot writes a PNG: the file name must end in .png, got {args.plot}")
+    if args.unbounded and (_tier_options(args) or args.capacity_tokens is not None):
+        raise ReplayError("--unbounded takes no --capacity-tokens, host or storage option")
+
+
+def _tier_options(args: argparse.Namespace) -> bool:
+    return args.host_ratio is not None or args.host_bytes is not None or args.storage is not None
+
+
+def _comparing(args: argparse.Namespace) -> bool:
+    """The default: no capacity, tier or --unbounded option given."""
+    return not (args.unbounded or args.capacity_tokens is not None or _tier_options(args))
+
+
+def _requests(args: argparse.Namespace) -> tuple[list[ReplayRequest], str]:
+    from kvstrata.replay import WorkloadSpec, generate_workload, read_trace
+
+    if args.trace is not None:
+        requests = read_trace(args.trace, tokens_per_block=args.tokens_per_block, limit=args.limit)
+        return requests, str(args.trace)
+    requests = generate_workload(WorkloadSpec(seed=args.seed))[: args.limit]
+    return requests, f"embedded workload (seed {args.seed})"
+
+
+def _configs(args: argparse.Namespace, requests: list[ReplayRequest]) -> list[TierConfig]:
+    from kvstrata.replay.compare import TierConfig, default_configs
+
+    if _comparing(args):
+        return default_configs(requests, page_size=args.page_size)
+    tiers = "device"
+    if _tier_options(args):
+        tiers += "+host" + ("+storage" if args.storage is not None else "")
+    return [
+        TierConfig(
+            name=tiers,
+            capacity_tokens=args.capacity_tokens,
+            host_ratio=args.host_ratio,
+            host_bytes=args.host_bytes,
+            storage_url=args.storage,
+            write_policy=args.write_policy,
+            prefetch_policy=args.prefetch_policy,
+            prefetch_threshold=args.prefetch_threshold,
+        )
+    ]
+
+
+def _close(server: MetricsServer | None, *, hold: float) -> None:
+    if server is None:
+        return
+    if hold > 0:
+        print(f"holding {server.url} for {hold:g} s", file=sys.stderr)
+        time.sleep(hold)
+    server.close()
+
+
+def _record(args: argparse.Namespace, run: ConfigRun, source: str) -> dict[str, object]:
+    """The `--json` record of one configuration (JSON_KEYS, plus TIER_JSON_KEYS with tiers)."""
+    config = run.config
     record: dict[str, object] = {
         "source": source,
         "family": args.family,
         "policy": args.policy,
         "page_size": args.page_size,
         "tokens_per_block": args.tokens_per_block if args.trace is not None else None,
-        "capacity_tokens": system.capacity_tokens,
-        "unbounded": unbounded,
-        "device": str(system.device),
+        "capacity_tokens": run.capacity_tokens,
+        "unbounded": config.capacity_tokens is None,
+        "device": run.device,
     }
-    if tiers is not None:
+    if config.tiered:
         record.update(
-            host_tokens=tiers.host_tokens,
-            host_state_slots=tiers.host_state_slots,
-            host_swa_tokens=tiers.host_swa_tokens,
-            storage=args.storage,
-            write_policy=args.write_policy,
-            prefetch_policy=args.prefetch_policy,
+            host_tokens=run.host_tokens,
+            host_state_slots=run.host_state_slots,
+            host_swa_tokens=run.host_swa_tokens,
+            storage=config.storage_url,
+            write_policy=config.write_policy,
+            prefetch_policy=config.prefetch_policy,
         )
-    record.update(stats.to_json())
-    record["wall_seconds"] = round(wall_seconds, 3)
-    expected = JSON_KEYS if tiers is None else _tiered_keys()
+    record.update(run.stats.to_json())
+    record["wall_seconds"] = round(run.wall_seconds, 3)
+    expected = _tiered_keys() if config.tiered else JSON_KEYS
     assert sorted(record) == sorted(expected), f"JSON_KEYS is stale: {tuple(record)}"
-    Console(file=out, width=max(80, Console(file=out).width)).print(_summary_table(record, stats))
-    if args.json is not None:
-        try:
-            args.json.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        except OSError as exc:
-            err.print(f"[red]error:[/] cannot write {args.json}: {exc}", highlight=False)
-            return 2
-    return 0
+    return record
 
 
 def _host_sizes(record: dict[str, object]) -> str:
@@ -279,41 +371,17 @@ def _tiered_keys() -> tuple[str, ...]:
     return (*JSON_KEYS, *TIER_JSON_KEYS)
 
 
-def _build_tiers(args: argparse.Namespace, system: MemorySystem) -> TieredSystem | None:
-    """The host (and storage) tier the options ask for, or None. Raises BuildError /
-    ReplayError for bad combinations before anything is allocated."""
-    from kvstrata.build.tiers import build_tiers
-    from kvstrata.hybrid_cache import PrefetchPolicy
-    from kvstrata.replay import ReplayError
-    from kvstrata.unified_radix_cache.errors import InvalidConfig
-    from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
-
-    if args.host_ratio is None and args.host_bytes is None and args.storage is None:
-        return None
-    try:
-        params = TierParams(
-            write_policy=WritePolicy(args.write_policy),
-            prefetch_policy=PrefetchPolicy(args.prefetch_policy),
-            prefetch_threshold=args.prefetch_threshold,
-        )
-    except InvalidConfig as exc:
-        raise ReplayError(str(exc)) from exc
-    return build_tiers(
-        system,
-        host_ratio=args.host_ratio,
-        host_bytes=args.host_bytes,
-        storage_url=args.storage,
-        params=params,
-    )
-
-
 def _progress_enabled(args: argparse.Namespace) -> bool:
     return not args.no_progress and sys.stderr.isatty()
 
 
 def _run_with_progress(
-    engine: ReplayEngine, requests: list[ReplayRequest], *, enabled: bool
-) -> ReplayStats:
+    args: argparse.Namespace,
+    config: TierConfig,
+    requests: list[ReplayRequest],
+    *,
+    registry: CollectorRegistry | None,
+) -> ConfigRun:
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -323,10 +391,21 @@ def _run_with_progress(
         TimeRemainingColumn,
     )
 
-    if not enabled:
-        return engine.run(requests)
+    from kvstrata.replay.compare import run_configuration
+
+    options = {
+        "sample_every": max(len(requests) // 40, 1),
+        "family": args.family,
+        "policy": args.policy,
+        "page_size": args.page_size,
+        "device": args.device,
+        "verify": args.verify,
+        "registry": registry,
+    }
+    if not _progress_enabled(args):
+        return run_configuration(config, requests, **options)
     progress = Progress(
-        TextColumn("replay"),
+        TextColumn(f"replay {config.name}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("hit rate {task.fields[hit]:.2%}"),
@@ -337,10 +416,70 @@ def _run_with_progress(
     with progress:
         task = progress.add_task("replay", total=len(requests), hit=0.0)
 
-        def advance(done: int) -> None:
+        def advance(done: int, engine: ReplayEngine) -> None:
             progress.update(task, completed=done, hit=engine.stats().hit_rate)
 
-        return engine.run(requests, on_progress=advance)
+        return run_configuration(config, requests, on_progress=advance, **options)
+
+
+def _comparison_table(source: str, runs: list[ConfigRun]) -> Table:
+    """One column per configuration: hits per tier, tokens saved, bytes moved, time."""
+    from rich.table import Table
+
+    first = runs[0]
+    table = Table(
+        title=f"kvstrata replay: {source}, device {first.capacity_tokens:,} tokens "
+        f"({first.stats.requests:,} requests, {first.stats.prompt_tokens:,} prompt tokens)"
+    )
+    table.add_column("", style="bold")
+    for run in runs:
+        table.add_column(run.config.name, justify="right")
+    base_hits = first.stats.hit_tokens
+
+    def row(name: str, cell: Callable[[ConfigRun], str]) -> None:
+        table.add_row(name, *(cell(run) for run in runs))
+
+    def pct(tokens: int, run: ConfigRun) -> str:
+        return f"{tokens / max(run.stats.prompt_tokens, 1):.2%}"
+
+    def tier_hits(run: ConfigRun, tier: str) -> str:
+        if tier not in run.config.tiers:
+            return "-"
+        t = run.stats.tiers
+        tokens = run.stats.hit_tokens if t is None else getattr(t, f"{tier}_hit_tokens")
+        return pct(tokens, run)
+
+    def moved(run: ConfigRun, *fields: str) -> str:
+        t = run.stats.tiers
+        return "-" if t is None else _bytes(sum(getattr(t, f) for f in fields))
+
+    row("host tier", lambda r: "-" if r.host_tokens is None else f"{r.host_tokens:,} tokens")
+    row("storage", lambda r: (r.config.storage_url or "-").split("?")[0])
+    for tier in ("device", "host", "storage"):
+        row(f"hit rate: {tier}", lambda r, tier=tier: tier_hits(r, tier))
+    row("hit rate: all tiers", lambda r: pct(r.stats.hit_tokens, r))
+    row("tokens not recomputed", lambda r: f"{r.stats.hit_tokens:,}")
+    row(
+        "recompute saved vs device",
+        lambda r: f"{r.stats.hit_tokens - base_hits:+,}",
+    )
+    row("evicted from device", lambda r: f"{r.stats.evicted_tokens:,}")
+    row("bytes device <-> host", lambda r: moved(r, "bytes_d2h", "bytes_h2d"))
+    row("bytes host <-> storage", lambda r: moved(r, "bytes_storage_get", "bytes_storage_set"))
+    row("cache operations", lambda r: f"{r.stats.cache_seconds:.3f} s")
+    row(
+        "waited for transfers",
+        lambda r: "-" if r.stats.tiers is None else f"{r.stats.tiers.transfer_wait_seconds:.3f} s",
+    )
+    return table
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024  # pyright: ignore[reportAssignmentType]
+    raise AssertionError("unreachable")
 
 
 def _summary_table(record: dict[str, object], stats: ReplayStats) -> Table:

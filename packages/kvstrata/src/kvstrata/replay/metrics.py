@@ -21,14 +21,15 @@ if TYPE_CHECKING:
 class ReplayCollector(Collector):
     """Exports one engine's counters, all counters named `kvstrata_replay_*`:
 
-    - `requests_total`, `prompt_tokens_total`, `hit_tokens_total` (usable hits),
-      `computed_tokens_total`, `evicted_tokens_total` (full KV evicted from the device);
+    - `requests_total`, `prompt_tokens_total`, `computed_tokens_total`,
+      `evicted_tokens_total` (full KV evicted from the device);
+    - `hit_tokens_total{tier}` (usable hits by the tier they were on when the request was
+      scheduled: `device`, and with tiers `host` and `storage`; summed over `tier`, every hit);
     - `evict_calls_total` (evictions the engine asked for when an allocation fell short);
     - `seconds_total{phase}`: `cache` (match, lock, allocate, evict, insert, free, unlock) and
       `forward` (the stand-in forward's KV writes);
-    - with tiers: `tier_hit_tokens_total{tier}` (device, host, storage; they sum to
-      `hit_tokens_total`). The tiered cache's own transfers are exported by
-      `kvstrata.unified_radix_cache.tier_metrics.TierCacheCollector`.
+    The tiered cache's own transfers are exported by
+    `kvstrata.unified_radix_cache.tier_metrics.TierCacheCollector`.
     """
 
     def __init__(self, engine: ReplayEngine, *, labels: Mapping[str, str] | None = None) -> None:
@@ -42,7 +43,6 @@ class ReplayCollector(Collector):
         for name, doc, value in (
             ("requests", "Requests replayed.", engine.requests),
             ("prompt_tokens", "Prompt tokens of the replayed requests.", engine.prompt_tokens),
-            ("hit_tokens", "Prompt tokens reused from the device cache.", engine.hit_tokens),
             ("computed_tokens", "Prompt tokens whose KV was written.", engine.computed_tokens),
             ("evicted_tokens", "Full KV tokens evicted from the device.", engine.evicted_tokens),
             ("evict_calls", "Evictions asked for by short allocations.", engine.evict_calls),
@@ -58,13 +58,15 @@ class ReplayCollector(Collector):
         seconds.add_metric([*values, "cache"], engine.cache_seconds)
         seconds.add_metric([*values, "forward"], engine.kv_write_seconds)
         yield seconds
-        if engine.tiers is not None:
-            tiers = CounterMetricFamily(
-                "kvstrata_replay_tier_hit_tokens",
-                "Reused prompt tokens by the tier they were on when the request was scheduled.",
-                labels=[*names, "tier"],
-            )
-            tiers.add_metric([*values, "device"], engine.device_hit_tokens)
-            tiers.add_metric([*values, "host"], engine.host_hit_tokens)
-            tiers.add_metric([*values, "storage"], engine.storage_hit_tokens)
-            yield tiers
+        hits = CounterMetricFamily(
+            "kvstrata_replay_hit_tokens",
+            "Reused prompt tokens by the tier they were on when the request was scheduled.",
+            labels=[*names, "tier"],
+        )
+        if engine.tiers is None:
+            hits.add_metric([*values, "device"], engine.hit_tokens)
+        else:
+            hits.add_metric([*values, "device"], engine.device_hit_tokens)
+            hits.add_metric([*values, "host"], engine.host_hit_tokens)
+            hits.add_metric([*values, "storage"], engine.storage_hit_tokens)
+        yield hits

@@ -15,10 +15,11 @@ from kvstrata.pool_host.memory import (
     attach_shared,
     host_memory,
 )
-from kvstrata.pool_host.metrics import HostPoolCollector, HostPoolStats
+from kvstrata.pool_host.metrics import HostPoolCollector
 from kvstrata.pool_host.mha import MHAHostPool
 from kvstrata.pool_host.mla import MLAHostPool
 from kvstrata.pool_host.slots import HostSlotAllocator
+from kvstrata.pool_host.stats import HostPoolStats
 from kvstrata.pool_host.transfer import CopyStrategy
 
 __all__: list[str] = [

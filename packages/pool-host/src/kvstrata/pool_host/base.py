@@ -35,6 +35,7 @@ from typing import ClassVar, Generic, NamedTuple, Protocol, TypeVar
 import numpy as np
 import torch
 
+from kvstrata.core.histogram import LatencyHistogram
 from kvstrata.pool_host.completion import Direction, LayerCompletion, LayerLoad, Transfer
 from kvstrata.pool_host.errors import (
     BufferSizeMismatch,
@@ -47,8 +48,8 @@ from kvstrata.pool_host.errors import (
 )
 from kvstrata.pool_host.layout import HostLayout, buffer_geometry, lay_out
 from kvstrata.pool_host.memory import HostTensorAllocator, PinnedHostAllocator, PlainHostAllocator
-from kvstrata.pool_host.metrics import HostPoolStats, LatencyHistogram, TransferCounters
 from kvstrata.pool_host.slots import HostSlotAllocator
+from kvstrata.pool_host.stats import LATENCY_BOUNDS, HostPoolStats, TransferCounters
 from kvstrata.pool_host.transfer import (
     CopyStrategy,
     PagePlan,
@@ -144,8 +145,8 @@ class HostPool(ABC, Generic[PoolT]):
         self._pages_moved: dict[Direction, int] = {"d2h": 0, "h2d": 0}
         self._bytes: dict[Direction, int] = {"d2h": 0, "h2d": 0}
         self._latency: dict[Direction, LatencyHistogram] = {
-            "d2h": LatencyHistogram(),
-            "h2d": LatencyHistogram(),
+            "d2h": LatencyHistogram(LATENCY_BOUNDS),
+            "h2d": LatencyHistogram(LATENCY_BOUNDS),
         }
         # CUDA copies whose end event has not been seen firing yet: (direction, begin, end).
         self._pending: list[tuple[Direction, torch.cuda.Event, torch.cuda.Event]] = []

@@ -2,9 +2,54 @@
 
 Every one is raised before any state changes: a refused transfer has copied nothing, a refused
 allocation or free has left the allocator as it was, a refused pool size has allocated nothing.
+
+`IndexOutOfRange`, `MisalignedIndex`, `ReservedIndex`, `DuplicateIndex`, `DoubleFree`,
+`BufferSizeMismatch` and `LayerLoadFailed` are the classes of `kvstrata.core.errors` (shared with
+the device pools, the allocator, storage and the tier controller), re-exported here; they are not
+`HostPoolError`s. Catch them by name (from here or any layer) or by their builtin base.
 """
 
 from __future__ import annotations
+
+from kvstrata.core.errors import (
+    BufferSizeMismatch,
+    DoubleFree,
+    DuplicateIndex,
+    IndexOutOfRange,
+    IntegrityError,
+    LayerLoadFailed,
+    MisalignedIndex,
+    ReservedIndex,
+)
+
+__all__ = [
+    "BufferSizeMismatch",
+    "DoubleAllocation",
+    "DoubleFree",
+    "DuplicateIndex",
+    "HostAllocatorError",
+    "HostPoolError",
+    "HostPoolTooSmall",
+    "IndexLengthMismatch",
+    "IndexOutOfRange",
+    "InsufficientHostMemory",
+    "IntegrityError",
+    "InvalidHostPoolSize",
+    "InvalidIndices",
+    "LayerAlreadyLoaded",
+    "LayerIdOutOfRange",
+    "LayerLoadFailed",
+    "LayerWaitTimeout",
+    "MisalignedIndex",
+    "NonIntegerIndex",
+    "PageNotContiguous",
+    "PinnedMemoryUnavailable",
+    "PoolMismatch",
+    "ReservedIndex",
+    "SharedMemoryError",
+    "SizeNotPageAligned",
+    "UnknownPoolName",
+]
 
 
 class HostPoolError(Exception):
@@ -45,25 +90,9 @@ class IndexLengthMismatch(InvalidIndices):
     """Device and host index tensors differ in length, or a length is not whole pages."""
 
 
-class IndexOutOfRange(InvalidIndices):
-    """An index lies outside the pool it addresses."""
-
-
-class MisalignedIndex(InvalidIndices):
-    """Indices do not form whole, aligned pages (page p = slots p*P .. p*P+P-1, in order)."""
-
-
-class NonIntegerIndex(MisalignedIndex):
+class NonIntegerIndex(InvalidIndices, MisalignedIndex):
     """An index tensor of a float, complex or bool dtype (a float would be truncated to some
     other page). A MisalignedIndex, which transfers raised for such tensors before."""
-
-
-class ReservedIndex(InvalidIndices):
-    """A device index falls in page 0, the dummy page for padded tokens."""
-
-
-class DuplicateIndex(InvalidIndices):
-    """A destination page appears twice in one transfer (the result would depend on order)."""
 
 
 class PoolMismatch(HostPoolError):
@@ -76,14 +105,6 @@ class LayerIdOutOfRange(HostPoolError):
 
 class PageNotContiguous(HostPoolError):
     """A zero-copy page view was asked of a layout whose pages are not contiguous (layer_first)."""
-
-
-class BufferSizeMismatch(HostPoolError):
-    """A buffer handed to page I/O is not exactly one page of bytes."""
-
-
-class LayerLoadFailed(HostPoolError):
-    """The producer of a layer-wise load reported a failure; the waited layer never arrives."""
 
 
 class LayerWaitTimeout(HostPoolError):
@@ -106,13 +127,10 @@ class HostAllocatorError(HostPoolError):
     """Base of the errors of HostSlotAllocator."""
 
 
-class DoubleFree(HostAllocatorError):
-    """A page being freed is already free (or appears twice in one free call)."""
-
-
-class DoubleAllocation(HostAllocatorError):
-    """A page about to be handed out is already allocated: the free list is corrupt."""
-
-
 class SizeNotPageAligned(HostAllocatorError):
     """A token count or index set that is not whole pages was given to the page allocator."""
+
+
+#: A page on the free list that is already allocated (the list was corrupted from outside): the
+#: shared `IntegrityError`, which `kvstrata.core.free_ids.FreeIds.take` raises. The old name stays.
+DoubleAllocation = IntegrityError

@@ -3,119 +3,42 @@
 Nothing here registers anything: the application builds `HostPoolCollector(...)` and registers it
 with the registry it serves (`registry.register(collector)`).
 
-    kvstrata_host_d2h_bytes_total / _calls_total / _pages_total     backup (device -> host)
-    kvstrata_host_h2d_bytes_total / _calls_total / _pages_total     load (host -> device)
-    kvstrata_host_d2h_seconds, kvstrata_host_h2d_seconds            latency histograms
+    kvstrata_host_transfer_bytes_total / _calls_total / _pages_total{direction}
+        direction d2h: backup (device -> host), h2d: layer loads (host -> device)
+    kvstrata_host_transfer_seconds{direction}                       latency histogram
     kvstrata_host_pool_capacity_bytes, kvstrata_host_pool_capacity_tokens
     kvstrata_host_pool_free_tokens, kvstrata_host_pool_used_tokens  (pools given an allocator)
 
-Labels: `pool` (the name the application gives each pool), `family`, `layout`.
+Labels: `pool` (the name the application gives each pool), `family`, `layout`, and `direction`
+(the same values as the tier controller's and the tiered cache's `direction`).
 """
 
 from __future__ import annotations
 
-import bisect
-import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+# Re-exported: the counters live in `stats` (which base.py fills), the histogram in kvstrata.core.
+from kvstrata.core.histogram import HistogramSnapshot, LatencyHistogram
+from kvstrata.pool_host.base import HostPool
 from kvstrata.pool_host.errors import UnknownPoolName
+from kvstrata.pool_host.slots import HostSlotAllocator
+from kvstrata.pool_host.stats import LATENCY_BOUNDS, HostPoolStats, TransferCounters
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from kvstrata.pool_host.base import HostPool
-    from kvstrata.pool_host.slots import HostSlotAllocator
-
-#: Upper bounds (seconds) of the latency buckets: 10 us .. 10 s, roughly x3 apart.
-LATENCY_BOUNDS: tuple[float, ...] = (
-    1e-5,
-    3e-5,
-    1e-4,
-    3e-4,
-    1e-3,
-    3e-3,
-    1e-2,
-    3e-2,
-    0.1,
-    0.3,
-    1.0,
-    3.0,
-    10.0,
-)
-
-
-@dataclass(frozen=True, kw_only=True)
-class HistogramSnapshot:
-    """Cumulative-free bucket counts (counts[i] = observations <= bounds[i] and > bounds[i-1];
-    the last count is the +Inf overflow), their sum and total count."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[int, ...]
-    sum_seconds: float
-    count: int
-
-
-class LatencyHistogram:
-    """Fixed-bucket histogram: observe() is a bisect and two integer adds under a lock."""
-
-    def __init__(self, bounds: tuple[float, ...] = LATENCY_BOUNDS) -> None:
-        assert list(bounds) == sorted(bounds), "histogram bounds must ascend"
-        self._bounds = bounds
-        self._counts = [0] * (len(bounds) + 1)
-        self._sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, seconds: float) -> None:
-        slot = bisect.bisect_left(self._bounds, seconds)
-        with self._lock:
-            self._counts[slot] += 1
-            self._sum += seconds
-
-    def snapshot(self) -> HistogramSnapshot:
-        with self._lock:
-            return HistogramSnapshot(
-                bounds=self._bounds,
-                counts=tuple(self._counts),
-                sum_seconds=self._sum,
-                count=sum(self._counts),
-            )
-
-
-@dataclass(frozen=True, kw_only=True)
-class TransferCounters:
-    """Totals of one direction of copies since the pool was built."""
-
-    calls: int
-    pages: int
-    bytes: int
-    latency: HistogramSnapshot
-
-
-@dataclass(frozen=True, kw_only=True)
-class HostPoolStats:
-    """What a host pool reports at scrape time."""
-
-    family: str
-    layout: str
-    page_size: int
-    capacity_tokens: int
-    capacity_bytes: int
-    d2h: TransferCounters
-    h2d: TransferCounters
-
-
-def _histogram_buckets(snap: HistogramSnapshot) -> list[tuple[str, float]]:
-    buckets: list[tuple[str, float]] = []
-    running = 0
-    for bound, count in zip((*snap.bounds, float("inf")), snap.counts, strict=True):
-        running += count
-        buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
-    return buckets
+__all__ = [
+    "LATENCY_BOUNDS",
+    "HistogramSnapshot",
+    "HostPoolCollector",
+    "HostPoolStats",
+    "LatencyHistogram",
+    "TransferCounters",
+]
 
 
 class HostPoolCollector(Collector):
@@ -136,23 +59,18 @@ class HostPoolCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["pool", "family", "layout"]
+        moved = [*labels, "direction"]
         fams = {
-            name: CounterMetricFamily(f"kvstrata_host_{name}", doc, labels=labels)
+            name: CounterMetricFamily(f"kvstrata_host_transfer_{name}", doc, labels=moved)
             for name, doc in (
-                ("d2h_bytes", "Bytes copied device -> host by backup"),
-                ("d2h_calls", "Backup calls (device -> host)"),
-                ("d2h_pages", "Pages copied device -> host"),
-                ("h2d_bytes", "Bytes copied host -> device by layer loads"),
-                ("h2d_calls", "Layer load calls (host -> device)"),
-                ("h2d_pages", "Page-layers copied host -> device (one per page per layer load)"),
+                ("bytes", "Bytes copied: d2h by backup, h2d by layer loads"),
+                ("calls", "Copy calls: d2h backups, h2d layer loads"),
+                ("pages", "Pages copied (h2d: one per page per layer load)"),
             )
         }
-        hist = {
-            d: HistogramMetricFamily(
-                f"kvstrata_host_{d}_seconds", f"Latency of one {d} call", labels=labels
-            )
-            for d in ("d2h", "h2d")
-        }
+        hist = HistogramMetricFamily(
+            "kvstrata_host_transfer_seconds", "Latency of one copy call", labels=moved
+        )
         cap_bytes = GaugeMetricFamily(
             "kvstrata_host_pool_capacity_bytes", "Bytes of host memory held", labels=labels
         )
@@ -169,12 +87,12 @@ class HostPoolCollector(Collector):
             stats = pool.stats()
             values = [pool_name, stats.family, stats.layout]
             for direction, counters in (("d2h", stats.d2h), ("h2d", stats.h2d)):
-                fams[f"{direction}_bytes"].add_metric(values, counters.bytes)
-                fams[f"{direction}_calls"].add_metric(values, counters.calls)
-                fams[f"{direction}_pages"].add_metric(values, counters.pages)
-                hist[direction].add_metric(
-                    values,
-                    buckets=_histogram_buckets(counters.latency),
+                fams["bytes"].add_metric([*values, direction], counters.bytes)
+                fams["calls"].add_metric([*values, direction], counters.calls)
+                fams["pages"].add_metric([*values, direction], counters.pages)
+                hist.add_metric(
+                    [*values, direction],
+                    buckets=counters.latency.cumulative(),
                     sum_value=counters.latency.sum_seconds,
                 )
             cap_bytes.add_metric(values, stats.capacity_bytes)
@@ -185,5 +103,5 @@ class HostPoolCollector(Collector):
                 free_tokens.add_metric(values, free)
                 used_tokens.add_metric(values, allocator.size - free)
         yield from fams.values()
-        yield from hist.values()
+        yield hist
         yield from (cap_bytes, cap_tokens, free_tokens, used_tokens)

@@ -3,15 +3,10 @@
 Host pages are numbered 0 .. num_pages-1 and every one is usable: unlike a device pool, a host
 pool has no dummy page for padded tokens (nothing ever writes to a host slot by index 0).
 
-Free pages live in two places so that allocations stay contiguous (a transfer between a
-contiguous host run and the device is one large copy per buffer, not one per page):
-
-    _free      sorted ascending; alloc takes from its front, so fresh pages come in runs
-    _released  pages freed since the last merge; merged (and sorted) into _free only when
-               _free alone cannot satisfy an allocation, which keeps alloc O(n) almost always
-
-    _is_free[p]  True iff page p is in _free or _released: the bitmap that makes a double free
-                 or a double allocation an O(n) vectorised check instead of silent corruption
+The free pages are a `kvstrata.core.free_ids.FreeIds` (the one host free-id list, shared with the
+device pools' request rows): allocations come out in ascending runs (a transfer between a
+contiguous host run and the device is one large copy per buffer, not one per page), and a
+bitmap turns a double free or a corrupt free list into an error instead of silent corruption.
 
 Thread-safe: one lock guards every method, since the tier controller's workers share the
 allocator (a write worker allocates while a load worker frees).
@@ -25,12 +20,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstrata.pool_host.errors import (
-    DoubleAllocation,
-    DoubleFree,
-    IndexOutOfRange,
-    SizeNotPageAligned,
-)
+from kvstrata.core.free_ids import FreeIds
+from kvstrata.pool_host.errors import SizeNotPageAligned
 from kvstrata.pool_host.transfer import first_misaligned_page, integer_array
 
 PageArray = npt.NDArray[np.int64]
@@ -51,10 +42,7 @@ class HostSlotAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self._lock = threading.Lock()
-        self._free: PageArray = np.arange(num_pages, dtype=np.int64)
-        self._released: list[PageArray] = []
-        self._num_released = 0
-        self._is_free = np.ones(num_pages, dtype=np.bool_)
+        self._pages = FreeIds(num_pages, what="host pages")
 
     @property
     def size(self) -> int:
@@ -65,7 +53,7 @@ class HostSlotAllocator:
 
     def num_free_pages(self) -> int:
         with self._lock:
-            return self._free.size + self._num_released
+            return self._pages.num_free
 
     def available_size(self) -> int:
         """Free capacity in tokens."""
@@ -82,20 +70,8 @@ class HostSlotAllocator:
         if num_pages < 0:
             raise SizeNotPageAligned(f"cannot allocate {num_pages} pages")
         with self._lock:
-            if num_pages > self._free.size + self._num_released:
-                return None
-            if num_pages > self._free.size:
-                self._merge_released()
-            pages = self._free[:num_pages]
-            if not self._is_free[pages].all():
-                bad = pages[~self._is_free[pages]]
-                raise DoubleAllocation(
-                    f"host pages {bad[:8].tolist()} are on the free list but already allocated: "
-                    "the allocator state is corrupt (a free of pages this allocator never gave?)"
-                )
-            self._free = self._free[num_pages:]
-            self._is_free[pages] = False
-            return torch.from_numpy(pages.copy())
+            pages = self._pages.take(num_pages)
+        return None if pages is None else torch.from_numpy(pages)
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """Allocate `need_size` token slots (a multiple of page_size): token indices of whole
@@ -116,22 +92,8 @@ class HostSlotAllocator:
         float / bool tensor, IndexOutOfRange, DoubleFree when a page is already free or listed
         twice. Any integer dtype and device. An empty tensor is a no-op."""
         pages = integer_array(page_ids, what="host page ids")
-        if pages.size == 0:
-            return
-        lo, hi = int(pages.min()), int(pages.max())
-        if lo < 0 or hi >= self.num_pages:
-            raise IndexOutOfRange(
-                f"host pages must lie in [0, {self.num_pages}), got range [{lo}, {hi}]"
-            )
-        if np.unique(pages).size != pages.size:
-            raise DoubleFree("the same host page is listed twice in one free")
         with self._lock:
-            already = self._is_free[pages]
-            if already.any():
-                raise DoubleFree(f"host pages {pages[already][:8].tolist()} are already free")
-            self._is_free[pages] = True
-            self._released.append(pages.copy())
-            self._num_released += pages.size
+            self._pages.give(pages)
 
     def free(self, indices: torch.Tensor) -> None:
         """Free token indices; they must be whole, aligned pages (as `alloc` returned them)."""
@@ -140,39 +102,15 @@ class HostSlotAllocator:
     def clear(self) -> None:
         """Free every page (ids handed out before become invalid)."""
         with self._lock:
-            self._free = np.arange(self.num_pages, dtype=np.int64)
-            self._released = []
-            self._num_released = 0
-            self._is_free[:] = True
+            self._pages.clear()
 
     # --- integrity -------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Assert the invariants: free pages are unique, in range, exactly the bitmap's True
-        entries; _free is sorted; free + allocated == num_pages."""
+        """Raise IntegrityError unless the free pages are unique, in range and exactly the
+        bitmap's free entries, and free + allocated == num_pages."""
         with self._lock:
-            parts = [self._free, *self._released]
-            free = np.concatenate(parts) if parts else np.empty(0, np.int64)
-            assert self._num_released == sum(r.size for r in self._released), (
-                "released page count drifted from the released lists"
-            )
-            assert free.size == np.unique(free).size, "a host page is on the free lists twice"
-            assert free.size == 0 or (free.min() >= 0 and free.max() < self.num_pages), (
-                "a free host page id is out of range"
-            )
-            assert np.all(np.diff(self._free) > 0), "the primary free list must stay sorted"
-            expected = np.zeros(self.num_pages, dtype=np.bool_)
-            expected[free] = True
-            assert np.array_equal(expected, self._is_free), (
-                "the free bitmap disagrees with the free lists"
-            )
-
-    def _merge_released(self) -> None:
-        # Caller holds the lock. Sorting here (not on every free) keeps free O(n) and still
-        # hands out low, contiguous pages once the fresh ones run out.
-        self._free = np.sort(np.concatenate([self._free, *self._released]))
-        self._released = []
-        self._num_released = 0
+            self._pages.check_integrity()
 
 
 def pages_to_tokens(page_ids: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -4,9 +4,37 @@ Every one is raised before the pool changes: a refused call leaves buffers, maps
 as they were. Each also derives from the builtin a caller would naturally catch (`IndexError`
 for an index outside the pool, `ValueError` for a malformed argument, `TypeError` for a dtype),
 so generic handlers keep working.
+
+`IndexOutOfRange`, `ReservedIndex`, `DuplicateIndex` and `DoubleFree` are the classes of
+`kvstrata.core.errors` (shared with the allocator and the host tier), re-exported here; they are
+not `PoolError`s. Catch them by name (from here or any layer) or by their builtin base.
 """
 
 from __future__ import annotations
+
+from kvstrata.core.errors import (
+    DoubleFree,
+    DuplicateIndex,
+    IndexOutOfRange,
+    NotAllocated,
+    ReservedIndex,
+)
+
+__all__ = [
+    "BufferMismatch",
+    "DoubleFree",
+    "DuplicateIndex",
+    "IndexOutOfRange",
+    "InvalidArgument",
+    "InvalidSpec",
+    "LayerOutOfRange",
+    "NotAllocated",
+    "PoolError",
+    "ReservedIndex",
+    "RowNotAllocated",
+    "SlotMapMissing",
+    "UnsupportedDtype",
+]
 
 
 class PoolError(Exception):
@@ -34,24 +62,7 @@ class LayerOutOfRange(PoolError, IndexError):
     """A layer id this pool does not hold (pipeline stages hold a range of global layer ids)."""
 
 
-class IndexOutOfRange(PoolError, IndexError):
-    """A slot, page or row id outside the pool."""
-
-
-class ReservedIndex(PoolError, ValueError):
-    """Page 0, slot 0 or request row 0: the padding target, never addressed by real data."""
-
-
-class DuplicateIndex(PoolError, ValueError):
-    """The same page or slot twice in a call whose targets must each be written once (the
-    result of duplicate scatter targets is unspecified, so it is refused)."""
-
-
-class DoubleFree(PoolError, ValueError):
-    """A request row freed while already free (or listed twice in one call)."""
-
-
-class RowNotAllocated(PoolError, ValueError):
+class RowNotAllocated(PoolError, NotAllocated):
     """A write into a request row that is not allocated."""
 
 

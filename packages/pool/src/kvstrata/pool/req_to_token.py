@@ -3,9 +3,11 @@
     req_to_token  int32 [size + 1, max_context_len]     row r, column t: KV slot of token t
                   row 0: padding (padded batch entries point here; always zeros)
 
-Rows are handed out by `alloc` and returned by `free`; the free list lives on the host (a stack
-of row ids and an allocated-bitmap), so alloc and free never touch the device table. Columns
-past a request's length hold whatever was there before: readers use the request's length.
+Rows are handed out by `alloc` and returned by `free`; the free list lives on the host (a
+`kvstrata.core.free_ids.FreeIds` over rows 1..size, the one host free-id list, shared with the
+host tier's page allocator: ascending rows, a bitmap), so alloc and free never touch the device
+table. Columns past a request's length hold whatever was there before: readers use the
+request's length.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
+from kvstrata.core.free_ids import FreeIds
 from kvstrata.pool.base import check_distinct, check_index_tensor, resolve_device
 from kvstrata.pool.errors import (
-    DoubleFree,
     IndexOutOfRange,
     InvalidArgument,
     ReservedIndex,
@@ -46,21 +48,18 @@ class ReqToTokenPool:
         self.req_to_token = torch.zeros(
             (size + 1, max_context_len), dtype=torch.int32, device=self.device
         )
-        # A stack with its top at the end, filled high to low so rows come out ascending.
-        self._free = torch.arange(size, 0, -1, dtype=torch.int64)
-        self._num_free = size
-        self._allocated = torch.zeros(size + 1, dtype=torch.bool)
+        self._rows = FreeIds(size, first=1, what="rows")
 
     # --- description ---------------------------------------------------------------------------
 
     def available_size(self) -> int:
         """Rows free now."""
-        return self._num_free
+        return self._rows.num_free
 
     @property
     def num_used(self) -> int:
         """Rows allocated now."""
-        return self.size - self._num_free
+        return self.size - self._rows.num_free
 
     @property
     def size_bytes(self) -> int:
@@ -75,13 +74,8 @@ class ReqToTokenPool:
         table contents are stale until written. `alloc(0)` returns an empty tensor."""
         if not isinstance(n, int) or n < 0:
             raise InvalidArgument(f"alloc needs a non-negative int, got {n!r}")
-        if n > self._num_free:
-            return None
-        top = self._num_free
-        rows = self._free[top - n : top].flip(0)
-        self._allocated[rows] = True
-        self._num_free = top - n
-        return rows.to(self.device)
+        rows = self._rows.take(n)
+        return None if rows is None else torch.from_numpy(rows).to(self.device)
 
     def free(self, rows: Rows) -> None:
         """Return `rows` to the free list (the table is not cleared). ReservedIndex for row 0,
@@ -91,20 +85,11 @@ class ReqToTokenPool:
         if not r.numel():
             return
         self._check_rows(r)
-        if torch.unique(r).numel() != r.numel():
-            raise DoubleFree(f"rows {r.tolist()} list a row more than once")
-        if not bool(self._allocated[r].all()):
-            free_now = r[~self._allocated[r]].tolist()
-            raise DoubleFree(f"rows {free_now} are not allocated")
-        self._allocated[r] = False
-        self._free[self._num_free : self._num_free + r.numel()] = r.flip(0)
-        self._num_free += r.numel()
+        self._rows.give(r.numpy())
 
     def clear(self) -> None:
         """Free every row (the table keeps its contents; row 0 stays zero)."""
-        self._free = torch.arange(self.size, 0, -1, dtype=torch.int64)
-        self._num_free = self.size
-        self._allocated.zero_()
+        self._rows.clear()
 
     # --- table ---------------------------------------------------------------------------------
 
@@ -132,8 +117,9 @@ class ReqToTokenPool:
         starts = self._starts(start, b)
         self._check_rows(r)
         check_distinct(r, what="rows")
-        if not bool(self._allocated[r].all()):
-            raise RowNotAllocated(f"rows {r[~self._allocated[r]].tolist()} are not allocated")
+        allocated = torch.from_numpy(self._rows.allocated(r.numpy()))
+        if not bool(allocated.all()):
+            raise RowNotAllocated(f"rows {r[~allocated].tolist()} are not allocated")
         if b and (int(starts.min()) < 0 or int((starts + lens).max()) > self.max_context_len):
             raise IndexOutOfRange(
                 f"columns must lie in [0, {self.max_context_len}); "
@@ -161,18 +147,10 @@ class ReqToTokenPool:
     # --- integrity -----------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Assert: free rows are distinct, in 1..size, not marked allocated; free + allocated ==
-        size; row 0 never allocated and all zeros. Reads the table's row 0 (a sync on CUDA)."""
-        n = self._num_free
-        assert 0 <= n <= self.size, f"free count {n} outside 0..{self.size}"
-        free = self._free[:n]
-        if n:
-            assert int(free.min()) >= 1 and int(free.max()) <= self.size, "free row out of range"
-            assert torch.unique(free).numel() == n, "a row is on the free list twice"
-            assert not bool(self._allocated[free].any()), "a free row is marked allocated"
-        assert not bool(self._allocated[0]), "row 0 (padding) is marked allocated"
-        used = int(self._allocated.sum())
-        assert used + n == self.size, f"{used} allocated + {n} free != size {self.size}"
+        """Assert (IntegrityError, an AssertionError): free rows are distinct, in 1..size and
+        exactly the unallocated ones (row 0 is never on the list); row 0 all zeros. Reads the
+        table's row 0 (a sync on CUDA)."""
+        self._rows.check_integrity()
         assert self.req_to_token.shape == (self.size + 1, self.max_context_len), "table reshaped"
         assert not bool(self.req_to_token[0].any()), "row 0 (padding) was written"
 

@@ -37,8 +37,34 @@ def _check_page_size(page_size: int) -> None:
         raise InvalidSpec(f"page_size must be a positive int, got {page_size!r}")
 
 
+class _AttentionSpec:
+    """What the attention specs share (their fields are the dataclass subclasses' own): a range
+    of global layers, a stored dtype, and pages of `bytes_per_token`."""
+
+    num_layers: int
+    start_layer: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def store_dtype(self) -> torch.dtype:
+        return store_dtype(self.dtype)
+
+    @property
+    def layer_ids(self) -> range:
+        """Global ids of the layers this spec describes."""
+        return range(self.start_layer, self.start_layer + self.num_layers)
+
+    def page_size_bytes(self, page_size: int) -> int:
+        _check_page_size(page_size)
+        return self.bytes_per_token * page_size
+
+
 @dataclass(frozen=True, kw_only=True)
-class MHASpec:
+class MHASpec(_AttentionSpec):
     """Multi-head (or grouped-query) attention: per layer K `[heads, head_dim]` and V
     `[heads, v_head_dim]` per token. The pool holds global layers
     `start_layer .. start_layer + num_layers - 1` (a pipeline stage holds a range)."""
@@ -65,15 +91,6 @@ class MHASpec:
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @property
-    def store_dtype(self) -> torch.dtype:
-        return store_dtype(self.dtype)
-
-    @property
-    def layer_ids(self) -> range:
-        """Global ids of the layers this spec describes."""
-        return range(self.start_layer, self.start_layer + self.num_layers)
-
-    @property
     def key_bytes_per_token(self) -> int:
         """Bytes of one token of one layer's K buffer."""
         return self.num_kv_heads * self.head_dim * itemsize(self.dtype)
@@ -87,13 +104,9 @@ class MHASpec:
     def bytes_per_token(self) -> int:
         return self.num_layers * (self.key_bytes_per_token + self.value_bytes_per_token)
 
-    def page_size_bytes(self, page_size: int) -> int:
-        _check_page_size(page_size)
-        return self.bytes_per_token * page_size
-
 
 @dataclass(frozen=True, kw_only=True)
-class MLASpec:
+class MLASpec(_AttentionSpec):
     """Multi-head latent attention: per layer one `[1, kv_lora_rank + qk_rope_head_dim]` row
     per token; V is the first `kv_lora_rank` columns of it."""
 
@@ -118,20 +131,8 @@ class MLASpec:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
-    def store_dtype(self) -> torch.dtype:
-        return store_dtype(self.dtype)
-
-    @property
-    def layer_ids(self) -> range:
-        return range(self.start_layer, self.start_layer + self.num_layers)
-
-    @property
     def bytes_per_token(self) -> int:
         return self.num_layers * self.kv_dim * itemsize(self.dtype)
-
-    def page_size_bytes(self, page_size: int) -> int:
-        _check_page_size(page_size)
-        return self.bytes_per_token * page_size
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,11 +17,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypeAlias
 
+from kvstrata.core.histogram import HistogramSnapshot, LatencyHistogram
 from kvstrata.storage.errors import BatchLengthMismatch, InvalidBuffer, InvalidKey
-from kvstrata.storage.metrics import HistogramSnapshot, LatencyHistogram
 
 #: The batch operations that are timed, one latency histogram each.
 OPERATIONS: tuple[str, ...] = ("exists", "get", "set", "delete")
+
+#: Upper bounds (seconds) of the latency buckets: from a page-cache hit of a small page (tens of
+#: microseconds) to a batch stuck behind a slow disk (seconds). The +Inf bucket is implicit.
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+    1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
 
 
 class BufferLike(Protocol):
@@ -151,7 +158,7 @@ class Storage(ABC):
         self._pages_read = self._bytes_read = self._hits = self._misses = 0
         self._pages_written = self._bytes_written = self._write_failures = 0
         self._corrupt_pages = self._evictions = 0
-        self._latency = {op: LatencyHistogram() for op in OPERATIONS}
+        self._latency = {op: LatencyHistogram(LATENCY_BUCKETS_S) for op in OPERATIONS}
 
     # ------------------------------------------------------------------ public batch calls
 

@@ -3,9 +3,27 @@
 Every one of them is raised before the call changes anything: no page written, removed or
 touched, no caller buffer filled. Failures of one page inside a batch (disk full, an I/O error, a
 corrupt file) are not exceptions: they are `False` for that page in the batch result.
+
+`BufferSizeMismatch` is the class of `kvstrata.core.errors` (the host tier raises it too),
+re-exported here; it is a `ValueError`, not a `StorageError`.
 """
 
 from __future__ import annotations
+
+from kvstrata.core.errors import BufferSizeMismatch
+
+__all__ = [
+    "BackendAlreadyRegistered",
+    "BatchLengthMismatch",
+    "BufferSizeMismatch",
+    "InvalidBuffer",
+    "InvalidKey",
+    "InvalidParameter",
+    "InvalidStorageURL",
+    "StorageDirectoryError",
+    "StorageError",
+    "UnknownBackend",
+]
 
 
 class StorageError(Exception):
@@ -28,10 +46,6 @@ class InvalidBuffer(StorageError, TypeError):
 
 class BatchLengthMismatch(StorageError, ValueError):
     """`keys` and `buffers` of one batch call have different lengths."""
-
-
-class BufferSizeMismatch(StorageError, ValueError):
-    """`batch_get` was handed a buffer whose size differs from the stored page's size."""
 
 
 class StorageDirectoryError(StorageError, OSError):

@@ -1,75 +1,27 @@
-"""Latency histograms and the Prometheus collector of kvstrata.storage.
+"""The Prometheus collector of kvstrata.storage.
 
-Backends keep plain integer counters and fixed-bucket histograms (an integer add on the hot path);
-`StorageCollector` turns `Storage.stats()` into metric families at scrape time. Nothing here
-registers itself anywhere: the application chooses the registry.
+Backends keep plain integer counters and fixed-bucket histograms (`kvstrata.core.histogram`, an
+integer add on the hot path, buckets `base.LATENCY_BUCKETS_S`); `StorageCollector` turns
+`Storage.stats()` into metric families at scrape time. Nothing here registers itself anywhere:
+the application chooses the registry.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+# Re-exported: the histogram's one implementation lives in kvstrata.core.
+from kvstrata.core.histogram import HistogramSnapshot, LatencyHistogram
+from kvstrata.storage.base import LATENCY_BUCKETS_S, Storage
+
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from kvstrata.storage.base import Storage
-
-#: Upper bounds (seconds) of the latency buckets: from a page-cache hit of a small page (tens of
-#: microseconds) to a batch stuck behind a slow disk (seconds). The +Inf bucket is implicit.
-LATENCY_BUCKETS_S: tuple[float, ...] = (
-    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
-    1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
-
-
-@dataclass(frozen=True, kw_only=True)
-class HistogramSnapshot:
-    """A histogram at one instant. `counts[i]` counts observations in bucket i alone (not
-    cumulative); the last entry is the +Inf bucket, so `len(counts) == len(bounds) + 1`."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[int, ...]
-    sum_seconds: float
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        """Prometheus-style `(le, cumulative count)` pairs, ending with `("+Inf", count)`."""
-        out: list[tuple[str, int]] = []
-        running = 0
-        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            running += n
-            out.append(("+Inf" if bound == float("inf") else repr(bound), running))
-        return out
-
-
-class LatencyHistogram:
-    """Fixed-bucket latency histogram. Not thread-safe by itself: the owner serialises `observe`
-    (the storage base class does so under its counters lock)."""
-
-    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
-        assert list(bounds) == sorted(bounds), "histogram bounds must be increasing"
-        self._bounds = bounds
-        self._counts = [0] * (len(bounds) + 1)
-        self._sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        """Add one observation. Mutates the bucket counts and the sum; O(log buckets)."""
-        self._counts[bisect.bisect_left(self._bounds, seconds)] += 1
-        self._sum += seconds
-
-    def snapshot(self) -> HistogramSnapshot:
-        return HistogramSnapshot(
-            bounds=self._bounds, counts=tuple(self._counts), sum_seconds=self._sum
-        )
+__all__ = ["LATENCY_BUCKETS_S", "HistogramSnapshot", "LatencyHistogram", "StorageCollector"]
 
 
 class StorageCollector(Collector):
@@ -101,11 +53,11 @@ class StorageCollector(Collector):
             "bytes_read": ("kvstrata_storage_read_bytes", "Payload bytes read."),
             "pages_written": ("kvstrata_storage_written_pages", "Pages written."),
             "bytes_written": ("kvstrata_storage_written_bytes", "Payload bytes written."),
-            "hits": ("kvstrata_storage_hits", "batch_get pages found."),
-            "misses": ("kvstrata_storage_misses", "batch_get pages not found or unreadable."),
+            "hits": ("kvstrata_storage_hit_pages", "batch_get pages found."),
+            "misses": ("kvstrata_storage_missed_pages", "batch_get pages not found or unreadable."),
             "corrupt_pages": ("kvstrata_storage_corrupt_pages", "Pages that failed a check."),
-            "evictions": ("kvstrata_storage_evictions", "Pages evicted for capacity."),
-            "write_failures": ("kvstrata_storage_write_failures", "Pages refused or failed."),
+            "evictions": ("kvstrata_storage_evicted_pages", "Pages evicted for capacity."),
+            "write_failures": ("kvstrata_storage_failed_write_pages", "Pages refused or failed."),
         }
         counter_families = {
             field: CounterMetricFamily(name, doc, labels=label)

@@ -14,6 +14,7 @@ from typing import Literal, overload
 import torch
 
 from kvstrata.pool import MambaPool, MambaSpec, MHAKVPool, MHASpec, MLAKVPool, MLASpec
+from kvstrata.pool_host import HostPool, MambaHostPool, MHAHostPool, MLAHostPool
 from kvstrata.testkit.pools import POOL_DTYPES, fill_random_bytes
 
 Family = Literal["mha", "mla", "mamba"]
@@ -21,6 +22,13 @@ FAMILIES: tuple[Family, ...] = ("mha", "mla", "mamba")
 DTYPES: tuple[torch.dtype, ...] = POOL_DTYPES
 
 DevicePool = MHAKVPool | MLAKVPool | MambaPool
+
+#: The host mirror class of each family.
+HOST_CLASSES: dict[Family, type[HostPool]] = {
+    "mha": MHAHostPool,
+    "mla": MLAHostPool,
+    "mamba": MambaHostPool,
+}
 
 
 @overload

@@ -9,8 +9,10 @@ reference that page I/O is checked against.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
+import pytest
 import torch
 
 from kvstrata.pool import (
@@ -25,6 +27,15 @@ from kvstrata.pool import (
     SWASpec,
 )
 from kvstrata.pool.base import DevicePool
+
+#: Devices to parametrise a test over: the CPU, and CUDA marked `cuda` (skipped without a GPU).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as a CPU uint8 tensor: compares NaN payloads of random bit patterns exactly."""
+    return t.contiguous().view(torch.uint8).cpu()
+
 
 #: Every dtype a pool can hold, for parametrised tests.
 POOL_DTYPES: tuple[torch.dtype, ...] = (
@@ -157,3 +168,81 @@ def flat_pages(pool: DevicePool, page_ids: Sequence[int]) -> torch.Tensor:
         buf.reshape(pool.num_pages, -1).view(torch.uint8).cpu() for buf in pool.layer_buffers()
     ]
     return torch.cat(per_buffer, dim=1)[list(page_ids)]
+
+
+def check_page_round_trip(pool: DevicePool, page_ids: torch.Tensor, seed: int) -> None:
+    """Read `page_ids` (must equal `flat_pages`), write random pages there, and check that
+    exactly those pages changed (against `flat_pages` of the whole pool) and read back
+    bit-identical. The one page-I/O round trip of the pool tests (both copy paths)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.empty((len(page_ids), pool.page_size_bytes), dtype=torch.uint8)
+    pool.read_pages(page_ids, out)
+    assert torch.equal(out, flat_pages(pool, page_ids.tolist()))
+    before = flat_pages(pool, range(pool.num_pages))
+    src = torch.randint(0, 256, out.shape, generator=gen, dtype=torch.uint8)
+    pool.write_pages(page_ids, src)
+    after = flat_pages(pool, range(pool.num_pages))
+    assert torch.equal(after[page_ids], src)
+    untouched = torch.ones(pool.num_pages, dtype=torch.bool)
+    untouched[page_ids] = False
+    assert torch.equal(after[untouched], before[untouched]), "a page outside the ids changed"
+    back = torch.zeros_like(src)
+    pool.read_pages(page_ids, back)
+    assert torch.equal(back, src)
+
+
+class PageIOLayout(NamedTuple):
+    """A pool shape the page-I/O tests run on: how to build it and whether its buffers form one
+    stack (the case the one-piece copy path applies to)."""
+
+    make: Callable[[torch.dtype, int, int, str], DevicePool]
+    one_stack: bool
+
+
+#: Pool shapes for the page-I/O tests (pool, compiled copies), each built from
+#: `(dtype, page_size, num_pages, device)`; the dtype under test is a Mamba pool's conv dtype.
+PAGE_IO_LAYOUTS: dict[str, PageIOLayout] = {
+    # 3 layers x K/V x 2 heads x 4 dims: 16-byte pieces at bf16, not whole cache lines.
+    "mha": PageIOLayout(
+        lambda dtype, p, n, device: make_mha_pool(
+            dtype=dtype, size=n * p, page_size=p, device=device
+        ),
+        one_stack=True,
+    ),
+    # 2 heads x 32 dims x 2 bytes = 128-byte rows: whole lines, the streamed stores apply.
+    "mha-lines": PageIOLayout(
+        lambda dtype, p, n, device: make_mha_pool(
+            dtype=dtype, head_dim=32, size=n * p, page_size=p, device=device
+        ),
+        one_stack=True,
+    ),
+    "mha-two-stacks": PageIOLayout(
+        lambda dtype, p, n, device: make_mha_pool(
+            dtype=dtype, v_head_dim=3, size=n * p, page_size=p, device=device
+        ),
+        one_stack=False,
+    ),
+    "mla": PageIOLayout(
+        lambda dtype, p, n, device: make_mla_pool(
+            dtype=dtype, size=n * p, page_size=p, device=device
+        ),
+        one_stack=True,
+    ),
+    # A Mamba page is one slot; SSM state stays fp32.
+    "mamba": PageIOLayout(
+        lambda dtype, _p, n, device: make_mamba_pool(conv_dtype=dtype, size=n, device=device),
+        one_stack=False,
+    ),
+}
+
+
+def make_page_io_pool(
+    layout: str, dtype: torch.dtype, page_size: int, *, num_pages: int = 16, device: str = "cpu"
+) -> DevicePool:
+    """A zeroed pool of `PAGE_IO_LAYOUTS[layout]` with `num_pages` usable pages."""
+    return PAGE_IO_LAYOUTS[layout].make(dtype, page_size, num_pages, device)
+
+
+def page_io_cases(layouts: Sequence[str]) -> list[tuple[str, int]]:
+    """`(layout, page_size)` pairs to parametrise over: page sizes 1 and 4 (Mamba: 1)."""
+    return [(name, p) for name in layouts for p in ((1,) if name == "mamba" else (1, 4))]
