@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstrata.build import BuildOptions, ModelMemorySpec, SizingParams, build_tiered
 from kvstrata.testkit.reference_engine import EngineRun, ReferenceEngine, ReferenceModel
 from kvstrata.testkit.tiny_models import TINY_MODELS, tiny_system
 
@@ -44,5 +45,36 @@ def test_logits_are_bitwise_identical_with_the_cache_on_and_off(kind: str) -> No
     assert on.outputs == off.outputs
     for rid, steps in off.logits.items():
         assert len(on.logits[rid]) == len(steps) == 5
+        for a, b in zip(on.logits[rid], steps, strict=True):
+            assert torch.equal(a, b), f"request {rid}: logits differ"
+
+
+@pytest.mark.parametrize("kind", ["mha", "mamba"])
+def test_logits_are_identical_after_pages_went_to_host_and_back(kind: str) -> None:
+    spec = ModelMemorySpec.from_hf_config(TINY_MODELS[kind])
+    mamba = bool(spec.mamba_layer_ids)
+    sizing = SizingParams(
+        page_size=4,
+        context_len=32,
+        max_running_requests=8,
+        host_ratio=3.0,
+        mamba_cache_size=12 if mamba else None,
+    )
+    states = 12 * spec.state_bytes_per_request if mamba else 0
+    budget = 9 * 32 * 4 + states + 40 * spec.full_kv_bytes_per_token
+    options = BuildOptions(sizing=sizing, storage_url="memory://?capacity_bytes=10000000")
+    tiers = build_tiered(spec, budget, options)
+    try:
+        model = ReferenceModel(TINY_MODELS[kind], tiers.system, seed=3)
+        engine = ReferenceEngine(model, tiers.cache, chunk=6, max_running=4)
+        on = engine.run(_prompts(), max_new_tokens=5)
+    finally:
+        tiers.close()
+    counters = tiers.cache.transfer_counters()
+    assert counters is not None and counters.bytes_h2d > 0  # hits loaded back from the host
+    assert on.retractions > 0
+    off, _ = _run(kind, cache_prefixes=False, kv_tokens=400)
+    assert on.outputs == off.outputs
+    for rid, steps in off.logits.items():
         for a, b in zip(on.logits[rid], steps, strict=True):
             assert torch.equal(a, b), f"request {rid}: logits differ"
