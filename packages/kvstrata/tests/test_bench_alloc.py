@@ -21,6 +21,11 @@ def test_quick_run_prints_one_line_per_configuration(capsys: pytest.CaptureFixtu
     argv = ["--quick", "--no-peer", "--no-page-io", "--rounds", "3", "--page-sizes", "1,16"]
     assert bench.main(argv) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    batch_decode = lines.pop()
+    assert batch_decode["workload"] == "batch_decode" and batch_decode["batch"] == 256
+    assert batch_decode["ratio"] == (
+        batch_decode["per_request_calls_s"] / batch_decode["batch_call_s"]
+    )
     assert [(r["workload"], r["page_size"]) for r in lines] == [
         ("extend", 1),
         ("extend", 16),
@@ -100,7 +105,8 @@ def test_peer_repeats_interleave_with_ours(
         "def versions():\n    return {'sglang': 'fake'}\n"
     )
     argv = ["--rounds", "3", "--repeats", "3", "--page-sizes", "16", "--workloads", "decode"]
-    argv += ["--variants", "numpy", "--no-page-io", "--peer-python", sys.executable]
+    argv += ["--variants", "numpy", "--no-page-io", "--no-batch-decode"]
+    argv += ["--peer-python", sys.executable]
     assert bench.main([*argv, "--peer-dir", str(tmp_path)]) == 0
     (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     # make_allocator runs once for the warm-up, then once per repeat: 1000 * (2, 3, 4) tok/s.

@@ -59,6 +59,7 @@ import torch
 
 from kvstrata.allocator import PagedAllocator, TokenAllocator
 from kvstrata.allocator.engine import Backend
+from kvstrata.bench.batch_decode import run_batch_decode
 from kvstrata.bench.pageio import run_page_io
 from kvstrata.bench.report import emit, environment, pin_threads, ratio
 from kvstrata.pool import native
@@ -501,6 +502,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--peer-python", help="peer venv python (default $PEER_VENV/bin/python)")
     ap.add_argument("--peer-dir", help="folder of alloc_bench.py (default: found from here)")
     ap.add_argument("--no-page-io", action="store_true", help="skip the page I/O lines")
+    ap.add_argument(
+        "--no-batch-decode",
+        action="store_true",
+        help="skip the line of 256 requests decoded in one BatchAllocator call vs 256 calls",
+    )
     args = ap.parse_args(argv)
     if args.rounds is None:
         args.rounds = 20 if args.quick else 200
@@ -548,6 +554,9 @@ def main(argv: list[str]) -> int:
         # The pool's page I/O figures, so that one command prints all of issue 3's numbers.
         for record in run_page_io(quick=args.quick):
             emit(record)
+    if not args.no_batch_decode:
+        # Issue 12: one decode batch call for 256 requests against 256 per-request calls.
+        emit(run_batch_decode(quick=args.quick))
     return 0
 
 

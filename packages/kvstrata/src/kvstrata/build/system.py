@@ -15,6 +15,7 @@ module holds what they share: the parameters of a build and the system they retu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -97,10 +98,12 @@ class MemorySystem:
         allocator = self.kv_allocator
         return allocator if isinstance(allocator, SWAAllocator) else None
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, held: Mapping[str, int] | None = None) -> None:
         """Verify the allocators, the pools' geometry and the tree (free + evictable +
-        protected == capacity per pool). Costs O(tree nodes + free-list length); for tests and
-        the end of a replay. Raises the failing layer's IntegrityError."""
+        protected + `held` == capacity per pool; `held`: what running requests hold outside
+        the tree, e.g. `kvstrata.allocation.BatchAllocator.held()`). Costs O(tree nodes +
+        free-list length); for tests and the end of a replay. Raises the failing layer's
+        IntegrityError."""
         self.kv_allocator.check_integrity()
         if self.mamba_allocator is not None:
             self.mamba_allocator.check_integrity()
@@ -109,7 +112,7 @@ class MemorySystem:
             self.mamba_pool.check_integrity()
         if self.req_to_token is not None:
             self.req_to_token.check_integrity()
-        self.tree.check_integrity()
+        self.tree.check_integrity(held)
 
     def reset(self) -> None:
         """Empty the tree, returning every slot it holds to the allocators. Refused by the tree
