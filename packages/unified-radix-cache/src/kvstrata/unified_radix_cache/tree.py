@@ -16,27 +16,26 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvstrata.storage.keys import PageKeyer
+from kvstrata.unified_radix_cache import locks, structure
 from kvstrata.unified_radix_cache import request as request_ops
 from kvstrata.unified_radix_cache.components.base import ComponentInsert, TreeComponent
 from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.errors import (
-    ForeignNode,
     InvalidConfig,
     InvalidEvictRequest,
     InvalidInsert,
-    ReceiptAlreadyReleased,
-    ReceiptMismatch,
     TreeLocked,
-    UnknownReceipt,
 )
 from kvstrata.unified_radix_cache.events import EventLog, KVEvent
+from kvstrata.unified_radix_cache.hybrid import insert_hybrid, match_hybrid
+from kvstrata.unified_radix_cache.insert_inputs import check_inputs, slots_of
 from kvstrata.unified_radix_cache.integrity import check_tree
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, Namespace, RadixKey
 from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
@@ -120,7 +119,7 @@ class UnifiedRadixCache:
         self._ids = itertools.count(1)
         self._receipts: dict[int, LockReceipt] = {}
         self._receipt_ids = itertools.count(1)
-        self._root = self._new_root()
+        self._root = structure.new_root(self._num_components)
         # Bound last: every check above ran first, so a refused tree leaves its components free.
         for index, component in enumerate(components):
             component.bind(self, index)
@@ -267,7 +266,7 @@ class UnifiedRadixCache:
         if self._slow:
             if self.host_tier is not None:
                 return self.host_tier.match(key, data, end, copy_state=copy_state)
-            return self._match_hybrid(key, data, end, copy_state)
+            return match_hybrid(self, key, data, end, copy_state)
         path, pos, _ = descend(root, self._page_bytes, key.namespace, data, end, self.split_node)
         self._tick += 1
         tick = self._tick
@@ -288,37 +287,6 @@ class UnifiedRadixCache:
         if self._on_cpu:
             return MatchResult(prefix_len, torch.from_numpy(slots), node)
         return MatchResult(prefix_len, self._full.to_device(slots), node)
-
-    def _match_hybrid(self, key: RadixKey, data: bytes, end: int, copy_state: bool) -> MatchResult:
-        path = self.walk(key.namespace, data, end)
-        keep = len(path)
-        for component in self._extras:
-            keep = min(keep, component.match_end(path))
-        del path[keep:]
-        last = path[-1] if path else self._root
-        states: dict[str, torch.Tensor] = {}
-        for component in self._extras:
-            copied = component.finalize_match(last, copy_state)
-            if copied is not None:
-                states[component.name] = copied
-        self._touch_path(path)
-        prefix_len = sum(len(n.value) for n in path)
-        self.hit_tokens += prefix_len
-        slots = np.concatenate([n.value for n in path]) if path else _EMPTY_SLOTS
-        if states:
-            return MatchResult(prefix_len, self._full.to_device(slots), last, states=states)
-        return MatchResult(prefix_len, self._full.to_device(slots), last)
-
-    def _touch_path(self, path: list[TreeNode]) -> None:
-        self._tick += 1
-        tick = self._tick
-        for node in path:
-            node.last_access = tick
-            node.hit_count += 1
-            for component in self._extras:
-                component.on_access(node)
-        if path and path[-1].heap_entry is not None:
-            self._heap.push(path[-1])
 
     def _held_bytes(self, key: RadixKey, data: bytes, end: int) -> int:
         """Tokens of `data[:end]` the tree holds (whole pages), without changing anything."""
@@ -352,10 +320,10 @@ class UnifiedRadixCache:
         """
         data = key.cached_bytes or key.token_bytes()
         num_tokens = len(data) // TOKEN_BYTES
-        slots = self._slots_of(value, num_tokens)
+        slots = slots_of(value, num_tokens)
         if not 0 <= cached_len <= num_tokens:
             raise InvalidInsert(f"cached_len {cached_len} outside the key's 0..{num_tokens}")
-        comp_inputs = self._check_inputs(inputs, num_tokens) if inputs else None
+        comp_inputs = check_inputs(self, inputs, num_tokens) if inputs else None
         end = len(data) - len(data) % self._page_bytes
         root = self._root
         if end == 0 or self.disabled:
@@ -372,8 +340,8 @@ class UnifiedRadixCache:
                     key, data, end, slots, cached_len, priority, comp_inputs
                 )
             else:
-                result = self._insert_hybrid(
-                    key, data, end, slots, cached_len, priority, comp_inputs
+                result = insert_hybrid(
+                    self, key, data, end, slots, cached_len, priority, comp_inputs
                 )
             if checker is not None:
                 checker.hold_path(result.last_node)
@@ -437,103 +405,6 @@ class UnifiedRadixCache:
             self._events.stored(self, leaf)
         return leaf
 
-    def _insert_hybrid(
-        self,
-        key: RadixKey,
-        data: bytes,
-        end: int,
-        slots: npt.NDArray[np.int64],
-        cached_len: int,
-        priority: int,
-        comp_inputs: Mapping[str, ComponentInsert] | None,
-    ) -> InsertResult:
-        """`insert` with the component hooks: overlap on each existing node, new leaf, commit."""
-        extras = self._extras
-        self._tick += 1
-        tick = self._tick
-        adopted: list[tuple[int, int]] = []
-
-        def visit(node: TreeNode, at: int) -> None:
-            node.last_access = tick
-            if priority > node.priority:
-                node.priority = priority
-            start = at // TOKEN_BYTES
-            for component in extras:
-                component.on_access(node)
-                inp = comp_inputs.get(component.name) if comp_inputs else None
-                if component.on_insert_overlap(node, start, slots, inp, cached_len):
-                    adopted.append((start, start + len(node.value)))
-
-        root = self._root
-        path, pos, _ = descend(
-            root, self._page_bytes, key.namespace, data, end, self.split_node, visit
-        )
-        node = path[-1] if path else root
-        prefix_len = pos // TOKEN_BYTES
-        last = node
-        if pos < end:
-            last = self._add_leaf(node, data, pos, end, slots, key.namespace, tick, priority)
-            # A component may split the new leaf (SWA window boundary); `last` keeps the tail,
-            # so it still ends at the key's end.
-            for component in extras:
-                inp = comp_inputs.get(component.name) if comp_inputs else None
-                component.on_insert_new(last, prefix_len, inp)
-        elif node.heap_entry is not None:
-            self._heap.push(node)
-        adopted_states: tuple[str, ...] = ()
-        if comp_inputs:
-            adopted_states = tuple(
-                c.name for c in extras if c.on_insert_commit(last, comp_inputs.get(c.name))
-            )
-        self.flush_pending()
-        return InsertResult(
-            prefix_len,
-            (end // TOKEN_BYTES) - prefix_len,
-            last,
-            tuple(adopted),
-            adopted_states,
-            cached_len,
-        )
-
-    def _slots_of(
-        self, value: torch.Tensor | npt.NDArray[np.integer], num_tokens: int
-    ) -> npt.NDArray[np.int64]:
-        """The caller's slots as an int64 numpy array (a view of a CPU tensor's memory)."""
-        if isinstance(value, torch.Tensor):
-            try:
-                slots = value.numpy()
-            except (RuntimeError, TypeError):  # on an accelerator, requires grad, or bfloat16
-                if value.is_floating_point() or value.is_complex():
-                    raise InvalidInsert(f"value must be integer slots, got {value.dtype}") from None
-                slots = value.detach().cpu().numpy()
-        else:
-            slots = np.asarray(value)
-        # One identity test on the common path; anything else (float slots included) is
-        # normalised or refused here.
-        if slots.dtype is not _INT64 or slots.ndim != 1:
-            if slots.ndim != 1 or (slots.size and slots.dtype.kind not in "iu"):
-                raise InvalidInsert(
-                    f"value must be 1-D integer slots, got {slots.dtype} {slots.shape}"
-                )
-            slots = slots.astype(np.int64)
-        if len(slots) != num_tokens:
-            raise InvalidInsert(f"value has {len(slots)} slots for a key of {num_tokens} tokens")
-        return cast("npt.NDArray[np.int64]", slots)
-
-    def _check_inputs(
-        self, inputs: Mapping[str, ComponentInsert] | None, num_tokens: int
-    ) -> Mapping[str, ComponentInsert] | None:
-        if not inputs:
-            return None
-        for name, inp in inputs.items():
-            component = self._by_name.get(name)
-            if component is None or component is self._full:
-                raise InvalidInsert(
-                    f"insert input for {name!r}, which is not a state component here"
-                )
-            component.check_insert_input(inp, num_tokens)
-        return inputs
-
     # ------------------------------------------------------------------------------------------
     # Structure (component API: components call these from their hooks)
     # ------------------------------------------------------------------------------------------
@@ -542,80 +413,14 @@ class UnifiedRadixCache:
         the node): a new node takes that head and `node`'s place under its parent; `node` keeps
         the tail, its children and its identity. Returns the new upper node. Sizes and locks are
         unchanged (the upper node copies the lock counts)."""
-        cut = num_tokens * TOKEN_BYTES
-        assert 0 < cut < len(node.key) and cut % self._page_bytes == 0, (
-            f"split of node {node.id} at {num_tokens} tokens: not a page boundary inside it"
-        )
-        parent = node.parent
-        assert parent is not None, "the root never splits"
-        key = node.key
-        upper = self._new_node(
-            key=key[:cut],
-            value=node.value[:num_tokens],
-            parent=parent,
-            namespace=node.namespace,
-            tick=node.last_access,
-        )
-        upper.created = node.created
-        upper.hit_count = node.hit_count
-        upper.priority = node.priority
-        upper.in_storage = node.in_storage
-        if self.host_tier is not None:
-            self.host_tier.on_split(upper, node)
-        parent.children[
-            (node.namespace, key[: self._page_bytes])
-            if parent is self._root
-            else key[: self._page_bytes]
-        ] = upper
-        node.key = key[cut:]
-        node.value = node.value[num_tokens:]
-        node.parent = upper
-        upper.children = {node.key[: self._page_bytes]: node}
-        if node.page_keys is not None:
-            pages = num_tokens // self.page_size
-            upper.page_keys = node.page_keys[:pages]
-            node.page_keys = node.page_keys[pages:]
-        self._full.on_split(upper, node)
-        for component in self._extras:
-            component.on_split(upper, node)
-        return upper
+        return structure.split_node(self, node, num_tokens)
 
     def remove_leaf(self, node: TreeNode, *, evicted: bool) -> int:
         """Take leaf `node` (unlocked, childless) out of the tree, releasing every component's
         data on it; its parent joins the evictable leaves if it is now an unlocked leaf. Slots
         are queued and reach the allocators at the end of the calling operation. Returns the
         Full tokens removed."""
-        assert not node.children and node.lock_ref == 0 and node.parent is not None, (
-            f"remove_leaf({node.id}): not an unlocked leaf"
-        )
-        if self._events is not None and len(node.value):
-            self._events.removed(self, node)
-        for component in self._extras:
-            if component.node_size(node):
-                freed = component.release(node, node_goes=True)
-                if evicted:
-                    component.evicted_total += freed
-        full = self._full
-        if node.heap_entry is not None:
-            self._heap.discard(node)
-        size = full.release(node, node_goes=True)
-        if evicted:
-            full.evicted_total += size
-        parent = node.parent
-        first = node.key[: self._page_bytes]
-        children = parent.children
-        del children[(node.namespace, first) if parent is self._root else first]
-        node.parent = None
-        self.num_nodes -= 1
-        if not children and parent.parent is not None:
-            parent.children = NO_CHILDREN
-            if self.host_tier is not None:
-                self.host_tier.on_child_gone(parent)
-            elif parent.lock_ref == 0:
-                self._heap.push(parent)
-        elif self.host_tier is not None and parent.parent is not None:
-            self.host_tier.on_child_gone(parent)
-        return size
+        return structure.remove_leaf(self, node, evicted=evicted)
 
     def truncate_leaf(self, node: TreeNode, keep: int) -> int:
         """Evict the tail of unlocked leaf `node`, keeping its first `keep` tokens (whole pages,
@@ -709,15 +514,7 @@ class UnifiedRadixCache:
     ) -> TreeNode:
         """A new node under `parent` for `key` that holds no device slots (the caller gives it
         a host value). Only the structure changes: no size, heap or event."""
-        node = self._new_node(
-            key=key, value=_EMPTY_SLOTS, parent=parent, namespace=namespace, tick=tick
-        )
-        children = parent.children
-        if children is NO_CHILDREN:
-            parent.children = children = {}
-        first = key[: self._page_bytes]
-        children[(namespace, first) if parent is self._root else first] = node
-        return node
+        return structure.add_off_device_child(self, parent, key, namespace, tick)
 
     def emit_stored(self, node: TreeNode) -> None:
         """Queue a device-tier BlockStored for `node`'s pages (when events are on)."""
@@ -728,24 +525,6 @@ class UnifiedRadixCache:
         """Queue a device-tier BlockRemoved for `node`'s pages (when events are on)."""
         if self._events is not None:
             self._events.removed(self, node)
-
-    def _new_root(self) -> TreeNode:
-        root = TreeNode(0, b"", _EMPTY_SLOTS, None, None, 0, self._num_components)
-        root.lock_ref = 1  # the root is shared by every namespace and never evicted
-        root.children = {}
-        return root
-
-    def _new_node(
-        self,
-        *,
-        key: bytes,
-        value: npt.NDArray[np.int64],
-        parent: TreeNode,
-        namespace: Namespace | None,
-        tick: int,
-    ) -> TreeNode:
-        self.num_nodes += 1
-        return TreeNode(next(self._ids), key, value, parent, namespace, tick, self._num_components)
 
     # ------------------------------------------------------------------------------------------
     # Eviction
@@ -810,47 +589,13 @@ class UnifiedRadixCache:
         root; SWA: one window upward; Mamba: this node's state). Moves that data from evictable
         to protected. Locking the root is allowed and protects nothing. O(depth).
         Raises ForeignNode for a node not in this tree (e.g. one evicted since the match)."""
-        probe = node
-        while probe.parent is not None:
-            probe = probe.parent
-        if probe is not self._root:
-            raise ForeignNode(f"node {node.id} is not in this tree")
-        if self._extras:
-            boundaries = tuple(c.lock(node) for c in self._components)
-            skipped = tuple(
-                c.name for c, b in zip(self._extras, boundaries[1:], strict=True) if b is None
-            )
-        else:
-            boundaries = (self._full.lock(node),)
-            skipped = ()
-        receipt = LockReceipt(next(self._receipt_ids), node, boundaries, skipped, self._uid)
-        self._receipts[receipt.receipt_id] = receipt
-        return receipt
+        return locks.lock(self, node)
 
     def unlock(self, receipt: LockReceipt) -> None:
         """Release exactly the lock `receipt` proves. Raises ReceiptAlreadyReleased for a second
         unlock, UnknownReceipt for a receipt this tree never issued, ReceiptMismatch for an
         altered one, all before changing anything."""
-        stored = self._receipts.get(receipt.receipt_id)
-        if receipt.tree_id != self._uid:
-            raise UnknownReceipt(f"receipt {receipt.receipt_id} was issued by another tree")
-        if stored is None:
-            raise ReceiptAlreadyReleased(f"receipt {receipt.receipt_id} was already released")
-        if stored is not receipt and stored != receipt:
-            raise ReceiptMismatch(
-                f"receipt {receipt.receipt_id} does not match the lock it names (anchor "
-                f"{stored.anchor.id} {stored.boundaries} vs "
-                f"{receipt.anchor.id} {receipt.boundaries})"
-            )
-        del self._receipts[receipt.receipt_id]
-        anchor = stored.anchor
-        if not self._extras:
-            self._full.unlock(anchor, None)
-            return
-        for component, boundary in zip(
-            reversed(self._components), reversed(stored.boundaries), strict=True
-        ):
-            component.unlock(anchor, boundary)
+        locks.unlock(self, receipt)
 
     def outstanding_receipts(self) -> list[LockReceipt]:
         return list(self._receipts.values())

@@ -1,0 +1,146 @@
+"""Node structure edits of `UnifiedRadixCache`: split a node at a page boundary, take a leaf
+out of the tree. Components reach them through the tree's `split_node` / `remove_leaf`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from kvstrata.unified_radix_cache.key import TOKEN_BYTES, Namespace
+from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
+
+if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+
+# The value of a node with no device slots (and of the root): empty, and numpy's storage of an
+# empty array cannot be resized, so sharing it is safe.
+_EMPTY_SLOTS = np.empty(0, dtype=np.int64)
+
+
+def split_node(tree: UnifiedRadixCache, node: TreeNode, num_tokens: int) -> TreeNode:
+    """Split `node` after its first `num_tokens` tokens (a whole number of pages, less than
+    the node): a new node takes that head and `node`'s place under its parent; `node` keeps
+    the tail, its children and its identity. Returns the new upper node. Sizes and locks are
+    unchanged (the upper node copies the lock counts)."""
+    cut = num_tokens * TOKEN_BYTES
+    assert 0 < cut < len(node.key) and cut % tree._page_bytes == 0, (
+        f"split of node {node.id} at {num_tokens} tokens: not a page boundary inside it"
+    )
+    parent = node.parent
+    assert parent is not None, "the root never splits"
+    key = node.key
+    upper = new_node(
+        tree,
+        key=key[:cut],
+        value=node.value[:num_tokens],
+        parent=parent,
+        namespace=node.namespace,
+        tick=node.last_access,
+    )
+    upper.created = node.created
+    upper.hit_count = node.hit_count
+    upper.priority = node.priority
+    upper.in_storage = node.in_storage
+    if tree.host_tier is not None:
+        tree.host_tier.on_split(upper, node)
+    parent.children[
+        (node.namespace, key[: tree._page_bytes])
+        if parent is tree._root
+        else key[: tree._page_bytes]
+    ] = upper
+    node.key = key[cut:]
+    node.value = node.value[num_tokens:]
+    node.parent = upper
+    upper.children = {node.key[: tree._page_bytes]: node}
+    if node.page_keys is not None:
+        pages = num_tokens // tree.page_size
+        upper.page_keys = node.page_keys[:pages]
+        node.page_keys = node.page_keys[pages:]
+    tree._full.on_split(upper, node)
+    for component in tree._extras:
+        component.on_split(upper, node)
+    return upper
+
+
+def remove_leaf(tree: UnifiedRadixCache, node: TreeNode, *, evicted: bool) -> int:
+    """Take leaf `node` (unlocked, childless) out of the tree, releasing every component's
+    data on it; its parent joins the evictable leaves if it is now an unlocked leaf. Slots
+    are queued and reach the allocators at the end of the calling operation. Returns the
+    Full tokens removed."""
+    assert not node.children and node.lock_ref == 0 and node.parent is not None, (
+        f"remove_leaf({node.id}): not an unlocked leaf"
+    )
+    if tree._events is not None and len(node.value):
+        tree._events.removed(tree, node)
+    for component in tree._extras:
+        if component.node_size(node):
+            freed = component.release(node, node_goes=True)
+            if evicted:
+                component.evicted_total += freed
+    full = tree._full
+    if node.heap_entry is not None:
+        tree._heap.discard(node)
+    size = full.release(node, node_goes=True)
+    if evicted:
+        full.evicted_total += size
+    parent = node.parent
+    first = node.key[: tree._page_bytes]
+    children = parent.children
+    del children[(node.namespace, first) if parent is tree._root else first]
+    node.parent = None
+    tree.num_nodes -= 1
+    if not children and parent.parent is not None:
+        parent.children = NO_CHILDREN
+        if tree.host_tier is not None:
+            tree.host_tier.on_child_gone(parent)
+        elif parent.lock_ref == 0:
+            tree._heap.push(parent)
+    elif tree.host_tier is not None and parent.parent is not None:
+        tree.host_tier.on_child_gone(parent)
+    return size
+
+
+def add_off_device_child(
+    tree: UnifiedRadixCache,
+    parent: TreeNode,
+    key: bytes,
+    namespace: Namespace | None,
+    tick: int,
+) -> TreeNode:
+    """A new node under `parent` for `key` with no device slots (the caller gives it a host
+    value). Only the structure changes: no size, heap or event."""
+    node = new_node(
+        tree, key=key, value=_EMPTY_SLOTS, parent=parent, namespace=namespace, tick=tick
+    )
+    children = parent.children
+    if children is NO_CHILDREN:
+        parent.children = children = {}
+    first = key[: tree._page_bytes]
+    children[(namespace, first) if parent is tree.root else first] = node
+    return node
+
+
+def new_root(num_components: int) -> TreeNode:
+    """An empty root: locked once (shared by every namespace, never evicted), with its own
+    children dict."""
+    root = TreeNode(0, b"", _EMPTY_SLOTS, None, None, 0, num_components)
+    root.lock_ref = 1
+    root.children = {}
+    return root
+
+
+def new_node(
+    tree: UnifiedRadixCache,
+    *,
+    key: bytes,
+    value: npt.NDArray[np.int64],
+    parent: TreeNode,
+    namespace: Namespace | None,
+    tick: int,
+) -> TreeNode:
+    """A new node (counted in `tree.num_nodes`); the caller links it under `parent`."""
+    tree.num_nodes += 1
+    return TreeNode(next(tree._ids), key, value, parent, namespace, tick, tree._num_components)
