@@ -27,6 +27,7 @@ from kvstrata.unified_radix_cache import (
 )
 from kvstrata.unified_radix_cache.errors import (
     DuplicateSlot,
+    HeldSlotsNotAllocated,
     InvalidInsert,
     SlotInTree,
     SlotNotAllocated,
@@ -63,6 +64,48 @@ def test_issue_example_is_refused_at_insert_and_evict_stays_whole() -> None:
     alloc.free(v)
     assert alloc.available_size() == 64
     alloc.check_integrity()
+
+
+def _full_sums(
+    tree: UnifiedRadixCache, full: FullComponent, alloc: PagedAllocator
+) -> tuple[object, ...]:
+    return (_snapshot(tree), full.evictable_size, full.evicted_total, alloc.available_size())
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("events", [False, True])
+@pytest.mark.parametrize("amount", [64, 36])  # everything; ends inside leaf c (truncation)
+def test_evict_of_slots_freed_behind_the_tree_raises_with_nothing_changed(
+    page_size: int, events: bool, amount: int
+) -> None:
+    alloc = PagedAllocator(size=128, page_size=page_size, device="cpu")
+    full = FullComponent(alloc)
+    tree = UnifiedRadixCache([full], page_size=page_size, enable_events=events)
+    held: list[torch.Tensor] = []
+    # A shared 8-token prefix, then three branches (LRU order: a, b, c) and one more key: the
+    # prefix node becomes a leaf mid-eviction, so the roll-back must take it off the heap again.
+    for tail in (range(100, 108), range(200, 216), range(300, 316), range(400, 416)):
+        tokens = [*range(8), *tail] if tail.start < 400 else list(tail)
+        slots = alloc.alloc(len(tokens))
+        assert slots is not None
+        result = tree.insert(RadixKey(tokens), slots)
+        alloc.free(result.duplicates(slots))
+        held.append(slots[result.prefix_len :])
+    tree.take_events()
+    # The engine frees branch c's own slots itself (a double free in waiting).
+    alloc.free(held[2])
+    before = _full_sums(tree, full, alloc)
+    with pytest.raises(HeldSlotsNotAllocated) as caught:
+        tree.evict(EvictRequest.full(amount))
+    assert isinstance(caught.value, NotAllocated)
+    assert _full_sums(tree, full, alloc) == before
+    assert tree.take_events() == []
+    # The heap survived: a small eviction still takes the least recent leaf (branch a) only.
+    done = tree.evict(EvictRequest.full(8))
+    assert done.evicted["full"] == 8
+    assert tree.match_prefix(RadixKey([*range(8), *range(100, 108)])).prefix_len == 8
+    assert tree.match_prefix(RadixKey([*range(8), *range(200, 216)])).prefix_len == 24
+    assert tree.match_prefix(RadixKey(range(400, 416))).prefix_len == 16
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -48,6 +48,12 @@ class SlotInTree(InvalidSlots, DuplicateIndex):
     """A slot the tree already holds for another key (or another position)."""
 
 
+class HeldSlotsNotAllocated(RadixCacheError, NotAllocated):
+    """`evict` found slots the tree holds that the allocator no longer has handed out (the
+    engine freed them behind the tree's back). Raised with the tree, its sizes and the
+    allocator as they were before the call."""
+
+
 class InvalidEvictRequest(RadixCacheError, ValueError):
     """An `EvictRequest` with a negative target or a component name the tree does not have."""
 

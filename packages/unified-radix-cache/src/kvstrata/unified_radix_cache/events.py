@@ -178,6 +178,11 @@ class EventLog:
     def cleared(self) -> None:
         self._queue.append(AllBlocksCleared(tier=DEVICE_TIER))
 
+    @property
+    def queue(self) -> list[KVEvent]:
+        """The queued events, not drained (`evict` truncates it back when it rolls back)."""
+        return self._queue
+
     def drain(self) -> list[KVEvent]:
         out = self._queue
         self._queue = []

@@ -550,9 +550,10 @@ class UnifiedRadixCache:
             if amount > 0:
                 if self.host_tier is not None:
                     self.host_tier.evict_device(amount)
-                else:
-                    full.evict(amount)
-                full.flush()
+                    full.flush()
+                else:  # checked: a free behind the tree's back raises with nothing changed
+                    events = self._events
+                    full.evict_checked(amount, events.queue if events is not None else None)
             seconds = time.perf_counter() - start
             self.evict_calls += 1
             self.evict_seconds += seconds

@@ -15,11 +15,15 @@ import numpy.typing as npt
 import torch
 
 from kvstrata.allocator import SWAAllocator
+from kvstrata.allocator.errors import IndexOutOfRange, NotAllocated, ReservedIndex
 from kvstrata.unified_radix_cache.components.base import SlotSink, TreeComponent
-from kvstrata.unified_radix_cache.errors import IntegrityError
+from kvstrata.unified_radix_cache.errors import HeldSlotsNotAllocated, IntegrityError
+from kvstrata.unified_radix_cache.key import TOKEN_BYTES
+from kvstrata.unified_radix_cache.node import NO_CHILDREN
 from kvstrata.unified_radix_cache.policies import LeafHeap
 
 if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.events import KVEvent
     from kvstrata.unified_radix_cache.node import TreeNode
     from kvstrata.unified_radix_cache.results import LockReceipt
     from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
@@ -37,6 +41,11 @@ class FullComponent(TreeComponent):
         self.allocator = allocator
         self.device = torch.device(allocator.device)
         self._on_cpu = self.device.type == "cpu"
+        check = getattr(allocator, "check_allocated", None)
+        #: The allocator's `check_allocated` (None when it has none): `evict_checked` uses it.
+        self._check_allocated: Callable[[torch.Tensor, str], None] | None = (
+            check if callable(check) else None
+        )
         # An SWA allocator manages two pools; Full accounts against its full pool only (its
         # available_size() is the smaller of the two).
         if isinstance(allocator, SWAAllocator):
@@ -83,6 +92,14 @@ class FullComponent(TreeComponent):
     def evict(self, amount: int) -> int:
         """Take whole leaves in policy order; from the last one only the tail pages needed, so
         at most `page_size - 1` tokens more than asked go."""
+        return self._evict(amount, None, None)
+
+    def _evict(
+        self,
+        amount: int,
+        removed: list[tuple[TreeNode, TreeNode]] | None,
+        cut: list[tuple[TreeNode, npt.NDArray[np.int64], bytes, list[bytes] | None]] | None,
+    ) -> int:
         tree = self.tree
         heap = self.heap
         assert heap is not None
@@ -96,11 +113,74 @@ class FullComponent(TreeComponent):
             # not change) and gives up just enough tail pages.
             keep = len(node.value) - -(-(amount - freed) // page) * page
             if keep > 0:
+                if cut is not None:
+                    cut.append((node, node.value, node.key, node.page_keys))
                 freed += tree.truncate_leaf(node, keep)
                 break
             heap.pop_peeked(node)
+            if removed is not None:
+                assert node.parent is not None
+                removed.append((node, node.parent))
             freed += tree.remove_leaf(node, evicted=True)
         return freed
+
+    def evict_checked(self, amount: int, events: list[KVEvent] | None) -> None:
+        """`evict(amount)` then `flush()` on a Full-only device tree, checking the freed slots
+        with the allocator's `check_allocated` (one call) first: when the allocator no longer
+        has them handed out (a free behind the tree's back), every node, size, heap entry and
+        queued event is put back and `HeldSlotsNotAllocated` is raised with the allocator
+        untouched. `events`: the tree's event queue (None when events are off)."""
+        check = self._check_allocated
+        if check is None:
+            self.evict(amount)
+            self.flush()
+            return
+        removed: list[tuple[TreeNode, TreeNode]] = []
+        cut: list[tuple[TreeNode, npt.NDArray[np.int64], bytes, list[bytes] | None]] = []
+        queued = len(events) if events is not None else 0
+        pending = len(self._pending)
+        self._evict(amount, removed, cut)
+        if len(self._pending) > pending:
+            slots = np.concatenate(self._pending[pending:])
+            try:
+                check(self.to_device(slots), "evict: tree-held slots")
+            except (IndexOutOfRange, NotAllocated, ReservedIndex) as exc:
+                del self._pending[pending:]
+                if events is not None:
+                    del events[queued:]
+                self._roll_back(removed, cut)
+                raise HeldSlotsNotAllocated(
+                    f"evict: the allocator no longer has slots the tree holds handed out "
+                    f"(freed behind the tree's back?); nothing was evicted: {exc}"
+                ) from exc
+        self.flush()
+
+    def _roll_back(
+        self,
+        removed: list[tuple[TreeNode, TreeNode]],
+        cut: list[tuple[TreeNode, npt.NDArray[np.int64], bytes, list[bytes] | None]],
+    ) -> None:
+        tree = self.tree
+        heap = self.heap
+        assert heap is not None
+        for node, value, key, page_keys in cut:
+            size = len(value) - len(node.value)
+            node.value, node.key, node.page_keys = value, key, page_keys
+            self.evictable_size += size
+            self.evicted_total -= size
+        for node, parent in reversed(removed):
+            if parent.heap_entry is not None:  # it became a leaf when `node` went
+                heap.discard(parent)
+            if parent.children is NO_CHILDREN:
+                parent.children = {}
+            first = node.key[: tree.page_size * TOKEN_BYTES]
+            parent.children[(node.namespace, first) if parent.parent is None else first] = node
+            node.parent = parent
+            tree.num_nodes += 1
+            size = len(node.value)
+            self.evictable_size += size
+            self.evicted_total -= size
+            heap.push(node)
 
     def release(self, node: TreeNode, node_goes: bool) -> int:
         assert node.lock_ref == 0, f"FullComponent: releasing locked node {node.id}"
