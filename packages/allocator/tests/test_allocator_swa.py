@@ -160,3 +160,35 @@ def test_usage_and_description(backend: Backend) -> None:
     assert a.full_to_swa.shape == (18,) and a.full_to_swa.dtype == torch.int64
     assert [u.pool for u in a.usage()] == ["full", "swa"]
     assert a.full_allocator.size == 16 and a.swa_allocator.size == 8
+
+
+def test_a_partly_used_page_is_mapped_whole(backend: Backend) -> None:
+    """The map pairs whole pages (what `SWAKVPool.check_integrity` checks): a page the
+    request fills only partly, by extend or by a decode starting it, is mapped at every
+    offset, so later decode slots in it are already translated."""
+    a = make_swa(backend=backend)
+    out = a.alloc_extend(idx([0]), idx([3]), idx([-1]))
+    assert out is not None and out.tolist() == [4, 5, 6]
+    assert a.full_to_swa[4:8].tolist() == [4, 5, 6, 7]
+    a.check_integrity()
+    step = a.alloc_decode(idx([4]), idx([6]))
+    assert step is not None and step.tolist() == [7]
+    step = a.alloc_decode(idx([5]), idx([7]))
+    assert step is not None and step.tolist() == [8]
+    assert a.full_to_swa[8:12].tolist() == [8, 9, 10, 11]
+    assert a.translate(idx([7, 8])).tolist() == [7, 8]
+    a.check_integrity()
+    a.free_swa(idx([8]))
+    assert a.full_to_swa[8:12].tolist() == [0, 0, 0, 0]
+    a.check_integrity()
+    a.free(idx([4, 5, 6, 7, 8]))
+    assert not a.full_to_swa.any() and a.swa_available_size() == 32
+    a.check_integrity()
+
+
+def test_integrity_catches_a_partly_mapped_page(backend: Backend) -> None:
+    a = make_swa(backend=backend)
+    assert a.alloc_extend(idx([0]), idx([3]), idx([-1])) is not None
+    a.full_to_swa[7] = 0
+    with pytest.raises(IntegrityError, match="partly"):
+        a.check_integrity()

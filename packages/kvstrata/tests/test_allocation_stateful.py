@@ -166,11 +166,10 @@ class MambaAllocationMachine(AllocationMachine):
     kind = "mamba"
 
 
-# The SWA-hybrid machine (SWAAllocationMachine) is not run yet: after decode batches the SWA
-# pool's own check (`SWAKVPool.check_integrity`: "a full page is not mapped onto one SWA page,
-# offsets kept") fails; see the kvstrata CHANGELOG (0.2.0, known issue).
 @pytest.mark.parametrize(
-    "machine", [AllocationMachine, MambaAllocationMachine], ids=["mha", "mamba"]
+    "machine",
+    [AllocationMachine, SWAAllocationMachine, MambaAllocationMachine],
+    ids=["mha", "swa", "mamba"],
 )
 def test_allocation_state_machine(machine: type[AllocationMachine]) -> None:
     machine.TestCase().runTest()

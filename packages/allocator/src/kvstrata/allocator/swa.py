@@ -8,7 +8,8 @@ the window while their full slots stay.
 
 Both sub-allocators see the same lengths, so a request's tokens sit at the same offset in a
 full page and in its SWA page: the map is page-consistent, and freeing the SWA side of any token
-of a full page frees that page's whole SWA page (and clears the page's map entries):
+of a full page frees that page's whole SWA page (and clears the page's map entries). A page is
+mapped whole when it is handed out, also at the offsets its request has not reached yet:
 
 ```
  full page f:  [ f*P+0  f*P+1  ...  f*P+P-1 ]      full_to_swa[f*P+o] = s*P+o  (or 0 for all o)
@@ -66,6 +67,7 @@ class SWAAllocator(SlotAllocator):
         self._map = torch.zeros(size + page_size, dtype=torch.int64, device=self._full.device)
         # One row per full page: clears a page's entries with one index_fill_.
         self._map_pages = self._map.view(-1, page_size)
+        self._offsets = torch.arange(page_size, dtype=torch.int64, device=self._full.device)
         self._counters = AllocatorCounters()
         self._owner = object()
 
@@ -203,7 +205,12 @@ class SWAAllocator(SlotAllocator):
         return swa
 
     def _commit(self, full: torch.Tensor, swa: torch.Tensor) -> torch.Tensor:
-        self._map.index_copy_(0, full, swa)
+        # Whole pages are paired (every offset, also those not handed out yet): the pages a
+        # request continues were mapped whole when first taken, so writing the rows of all
+        # touched pages again rewrites equal values.
+        size = self.page_size
+        rows = (swa - swa % size).unsqueeze(1) + self._offsets
+        self._map_pages.index_copy_(0, full // size, rows)
         self._counters.alloc_calls += 1
         self._counters.allocated_slots += len(full)
         return full
@@ -291,7 +298,8 @@ class SWAAllocator(SlotAllocator):
 
     def check_integrity(self) -> None:
         """Both free lists, plus the map: page 0 unmapped; every mapped slot in an allocated
-        full page, pointing into an allocated SWA page at the same offset; full pages and SWA
+        full page, pointing into an allocated SWA page at the same offset; each full page mapped
+        at every offset or at none; full pages and SWA
         pages paired one to one; and no allocated SWA page left without a full page."""
         self._full.check_integrity()
         self._swa.check_integrity()
@@ -311,6 +319,9 @@ class SWAAllocator(SlotAllocator):
             raise IntegrityError(f"map points outside the SWA pool: {sample(y.tolist())}")
         if (x % size != y % size).any():
             raise IntegrityError("a full slot maps to an SWA slot at another page offset")
+        pages = full_map.reshape(-1, size)
+        if not pages[pages.any(axis=1)].all():
+            raise IntegrityError("a full page is partly mapped to SWA slots")
         fp, sp = x // size, y // size
         if not full_used[fp].all():
             bad = fp[~full_used[fp]].tolist()
