@@ -27,6 +27,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -347,12 +348,18 @@ def test_prometheus_agrees_with_the_replay_summary(
         # The tree's own eviction counter (cascades included) covers the replay's.
         tree = f'kvstrata_radix_evicted_tokens_total{{{job},component="full"}}'
         assert _value(base, tree) >= evicted
-        # Every panel of the Grafana board answers from this scrape, with at least one series.
+        # Every panel of the Grafana board answers from this scrape, with at least one series. A
+        # rate() needs two samples in its window: a replay that finished within one scrape
+        # interval has one at first, so each panel gets a few scrapes to answer.
         board = json.loads((ROOT / "ops" / "grafana" / "kvstrata.json").read_text("utf-8"))
         for panel in board["panels"]:
             for target in panel["targets"]:
                 expr = target["expr"].replace("$__rate_interval", "30s")
-                assert _query(base, expr), f"{panel['title']}: no series for {expr}"
+                _wait(
+                    f"{panel['title']}: a series for {expr}",
+                    partial(_query, base, expr),
+                    timeout=15,
+                )
         # Every sample carries the configuration's name.
         configs = _query(base, f"count by (config) (kvstrata_replay_requests_total{{{job}}})")
         assert [r["metric"]["config"] for r in configs] == ["device+host+storage"]
