@@ -195,7 +195,7 @@ def run_peer(python: str, script: Path, args: argparse.Namespace, impl: str) -> 
     cmd = [
         python,
         str(script),
-        str(args.trace),
+        str(Path(args.trace).resolve()),  # the peer runs from its own folder
         "--impl",
         impl,
         "--tokens-per-block",
