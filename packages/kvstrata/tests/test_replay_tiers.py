@@ -18,6 +18,7 @@ from kvstrata.cli.main import main
 from kvstrata.cli.replay_command import JSON_KEYS, TIER_JSON_KEYS
 from kvstrata.hybrid_cache import PrefetchPolicy, TierController
 from kvstrata.pool import SWAKVPool
+from kvstrata.pool_host import HostLayout
 from kvstrata.replay import (
     ReplayCollector,
     ReplayEngine,
@@ -25,6 +26,7 @@ from kvstrata.replay import (
     WorkloadSpec,
     generate_workload,
 )
+from kvstrata.storage import MemoryStorage
 from kvstrata.unified_radix_cache.errors import InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
@@ -82,7 +84,28 @@ def test_build_tiers_refuses_before_allocating() -> None:
         build_tiers(mha, host_tokens=1024, host_ratio=2.0)
     with pytest.raises(InvalidCapacity):
         build_tiers(mha, host_ratio=-1.0)
+    with pytest.raises(TiersUnsupported, match="storage_url and storage"):
+        build_tiers(mha, storage_url="memory://", storage=MemoryStorage(capacity_bytes=1 << 20))
     assert mha.tree.host_tier is None
+
+
+def test_build_tiers_takes_an_opened_storage_and_sizes_mirrors_in_whole_slots() -> None:
+    """An opened storage object becomes the L3 tier as given; `host_tokens` sizes the other
+    mirrors in exact proportion (11 state slots x 15/11 = 15, which a float ratio rounds to
+    14) and `host_layout` is the mirrors' layout."""
+    mamba = build_memory_system(
+        family="mamba", capacity_tokens=11 * 16, page_size=16, mamba_slots=11
+    )
+    storage = MemoryStorage(capacity_bytes=1 << 22)
+    tiers = build_tiers(
+        mamba, host_tokens=15 * 16, storage=storage, host_layout=HostLayout.layer_first
+    )
+    try:
+        assert tiers.storage is storage and tiers.controller.storage is storage
+        assert tiers.host_tokens == 15 * 16 and tiers.host_state_slots == 15
+        assert {h.layout for h in tiers.host_pools.values()} == {HostLayout.layer_first}
+    finally:
+        tiers.close()
 
 
 @pytest.mark.parametrize("family", ["mamba", "swa"])

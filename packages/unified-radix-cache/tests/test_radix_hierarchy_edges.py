@@ -10,7 +10,7 @@ import pytest
 
 from kvstrata.hybrid_cache import Ack, AckStatus, OpKind, PrefetchPolicy
 from kvstrata.storage import MemoryStorage
-from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, make_swa_hierarchy, serve_swa
+from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, serve
 from kvstrata.unified_radix_cache import RadixKey
 from kvstrata.unified_radix_cache.errors import ForeignNode, IntegrityError
 from kvstrata.unified_radix_cache.host_tier import HostReceipt
@@ -296,11 +296,11 @@ def test_integrity_sees_a_host_slot_held_twice_and_a_foreign_receipt(
 def test_a_backup_remembers_only_the_last_windows_swa_pages() -> None:
     # The WINDOW restore rule acknowledges `done` pages when the SWA pages of the last window
     # before `done` are stored; SWA pages before that window may have failed.
-    h = make_swa_hierarchy(page_size=P)
+    h = make_hierarchy("swa", page_size=P)
     try:
         c = h.cache
         tokens = list(range(1, 4 * P + 1))
-        serve_swa(h, tokens)
+        serve(h, tokens)
         c.drain()
         node = node_at(h.tree, RadixKey(tokens))
         assert node is not None

@@ -15,12 +15,9 @@ from __future__ import annotations
 import torch
 
 from kvstrata.testkit.tiers import (
-    MambaHierarchy,
-    SWAHierarchy,
-    make_mamba_hierarchy,
-    make_swa_hierarchy,
-    serve_mamba,
-    serve_swa,
+    Hierarchy,
+    make_hierarchy,
+    serve,
 )
 from kvstrata.unified_radix_cache import HierarchicalCache, RadixKey, TreeNode
 
@@ -50,11 +47,11 @@ def _end_node(cache: HierarchicalCache, tokens: list[int]) -> TreeNode | None:
     return None
 
 
-def _swa_non_holder(h: SWAHierarchy, base: int) -> TreeNode:
+def _swa_non_holder(h: Hierarchy, base: int) -> TreeNode:
     """Write a 16-token prefix through, push it off the device, host-evict its window node:
     its head stays as a host candidate without host SWA slots."""
     cache = h.cache
-    serve_swa(h, _tokens(base, 4 * P))
+    serve(h, _tokens(base, 4 * P))
     cache.evict_device(cache.device_tree.evictable_size())
     assert cache.evict_host(2 * P) == 2 * P
     head = _end_node(cache, _tokens(base, 2 * P))
@@ -62,13 +59,13 @@ def _swa_non_holder(h: SWAHierarchy, base: int) -> TreeNode:
     return head
 
 
-def _mamba_non_holder(h: MambaHierarchy, base: int) -> TreeNode:
+def _mamba_non_holder(h: Hierarchy, base: int) -> TreeNode:
     """Two prefixes sharing 8 tokens, off the device, both ends host-evicted: the shared head
     stays as a host candidate without a host state."""
     cache = h.cache
     first = _tokens(base, 4 * P)
-    serve_mamba(h, first)
-    serve_mamba(h, first[: 2 * P] + _tokens(base + 500, 2 * P))
+    serve(h, first)
+    serve(h, first[: 2 * P] + _tokens(base + 500, 2 * P))
     cache.evict_device(cache.device_tree.evictable_size())
     assert cache.evict_host(4 * P) == 4 * P
     head = _end_node(cache, first[: 2 * P])
@@ -79,11 +76,11 @@ def _mamba_non_holder(h: MambaHierarchy, base: int) -> TreeNode:
 def test_failed_host_swa_allocation_evicts_nothing() -> None:
     """The reviewer's R3 scene: host SWA slots are all taken by copies that cannot be evicted;
     a write wanting host SWA slots must not host-evict copies that hold none."""
-    h = make_swa_hierarchy(page_size=P, device_pages=64, host_pages=64)
+    h = make_hierarchy("swa", page_size=P, device_pages=64, host_pages=64)
     cache = h.cache
     try:
         _swa_non_holder(h, 1000)
-        serve_swa(h, _tokens(9000, 4 * P))  # stays on the device: its host SWA copy is pinned
+        serve(h, _tokens(9000, 4 * P))  # stays on the device: its host SWA copy is pinned
         assert cache.tier.candidate_swa_size == 0
         before = set(_host_nodes(cache))
         evicted = cache.counters.host_evicted_tokens
@@ -91,7 +88,7 @@ def test_failed_host_swa_allocation_evicts_nothing() -> None:
         assert hoard is not None
         held = hoard.alloc(hoard.available_size())
         assert held is not None
-        serve_swa(h, _tokens(7000, 3 * P), check=False)  # write_through wants host SWA slots
+        serve(h, _tokens(7000, 3 * P), check=False)  # write_through wants host SWA slots
         assert cache.counters.host_evicted_tokens == evicted, "evicted for a hopeless allocation"
         assert before <= set(_host_nodes(cache)), "a host copy went for nothing"
         written = _end_node(cache, _tokens(7000, 3 * P))
@@ -105,11 +102,11 @@ def test_failed_host_swa_allocation_evicts_nothing() -> None:
 def test_host_swa_allocation_evicts_only_holders() -> None:
     """An older candidate without host SWA slots comes first in LRU order; the allocation skips
     it and evicts the newer candidate holding host SWA slots, and succeeds."""
-    h = make_swa_hierarchy(page_size=P, device_pages=64, host_pages=64)
+    h = make_hierarchy("swa", page_size=P, device_pages=64, host_pages=64)
     cache = h.cache
     try:
         old = _swa_non_holder(h, 1000)
-        serve_swa(h, _tokens(2000, 4 * P))
+        serve(h, _tokens(2000, 4 * P))
         cache.evict_device(cache.device_tree.evictable_size())
         holder = _end_node(cache, _tokens(2000, 4 * P))
         assert holder is not None and holder.host_swa is not None and holder in cache.tier.heap
@@ -120,7 +117,7 @@ def test_host_swa_allocation_evicts_only_holders() -> None:
         held = hoard.alloc(hoard.available_size())
         assert held is not None
         evicted = cache.counters.host_evicted_tokens
-        serve_swa(h, _tokens(7000, 3 * P), check=False)
+        serve(h, _tokens(7000, 3 * P), check=False)
         assert old.id in _host_nodes(cache), "a candidate without host SWA slots was evicted"
         assert holder.id not in _host_nodes(cache)
         assert cache.counters.host_evicted_tokens == evicted + 2 * P
@@ -133,7 +130,7 @@ def test_host_swa_allocation_evicts_only_holders() -> None:
 
 
 def test_failed_host_state_allocation_evicts_nothing() -> None:
-    h = make_mamba_hierarchy(page_size=P, device_pages=64, host_pages=64)
+    h = make_hierarchy("mamba", page_size=P, device_pages=64, host_pages=64)
     cache = h.cache
     try:
         _mamba_non_holder(h, 1000)
@@ -144,7 +141,7 @@ def test_failed_host_state_allocation_evicts_nothing() -> None:
         assert hoard is not None
         held = hoard.alloc(hoard.available_size())
         assert held is not None
-        serve_mamba(h, _tokens(7000, 3 * P), check=False)  # write_through wants a host state
+        serve(h, _tokens(7000, 3 * P), check=False)  # write_through wants a host state
         assert cache.counters.host_evicted_tokens == evicted, "evicted for a hopeless allocation"
         assert before <= set(_host_nodes(cache)), "a host copy went for nothing"
         written = _end_node(cache, _tokens(7000, 3 * P))
@@ -156,11 +153,11 @@ def test_failed_host_state_allocation_evicts_nothing() -> None:
 
 
 def test_host_state_allocation_evicts_only_holders() -> None:
-    h = make_mamba_hierarchy(page_size=P, device_pages=64, host_pages=64)
+    h = make_hierarchy("mamba", page_size=P, device_pages=64, host_pages=64)
     cache = h.cache
     try:
         old = _mamba_non_holder(h, 1000)
-        serve_mamba(h, _tokens(2000, 4 * P))
+        serve(h, _tokens(2000, 4 * P))
         cache.evict_device(cache.device_tree.evictable_size())
         holder = _end_node(cache, _tokens(2000, 4 * P))
         assert holder is not None and holder.host_state is not None and holder in cache.tier.heap
@@ -171,7 +168,7 @@ def test_host_state_allocation_evicts_only_holders() -> None:
         held = hoard.alloc(hoard.available_size())
         assert held is not None
         evicted = cache.counters.host_evicted_tokens
-        serve_mamba(h, _tokens(7000, 3 * P), check=False)
+        serve(h, _tokens(7000, 3 * P), check=False)
         assert old.id in _host_nodes(cache), "a candidate without a host state was evicted"
         assert holder.id not in _host_nodes(cache)
         assert cache.counters.host_evicted_tokens == evicted + 4 * P
@@ -186,11 +183,11 @@ def test_host_state_allocation_evicts_only_holders() -> None:
 def test_candidate_counts_follow_a_split_and_a_lock() -> None:
     """A split of a candidate moves its head's host SWA slots out of the candidate count (the
     head has a child); a host lock takes a candidate out of it, the unlock puts it back."""
-    h = make_swa_hierarchy(page_size=P, device_pages=64, host_pages=64)
+    h = make_hierarchy("swa", page_size=P, device_pages=64, host_pages=64)
     cache = h.cache
     tier = cache.tier
     try:
-        serve_swa(h, _tokens(1000, 4 * P))
+        serve(h, _tokens(1000, 4 * P))
         cache.evict_device(cache.device_tree.evictable_size())
         assert tier.candidate_swa_size == 2 * P
         tail = _end_node(cache, _tokens(1000, 4 * P))
