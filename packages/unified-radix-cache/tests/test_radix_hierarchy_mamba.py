@@ -13,7 +13,7 @@ from kvstrata.testkit.tiers import (
     assert_prefix_kv,
     assert_prefix_state,
     make_hierarchy,
-    scramble,
+    scramble_free_device,
     serve,
     write_prefix_kv,
     write_prefix_state,
@@ -37,19 +37,6 @@ def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:
     h = make_hierarchy("mamba", page_size=P, **kw)  # type: ignore[arg-type]
     closing.append(h)
     return h
-
-
-def _scramble_free(h: Hierarchy, seed: int) -> None:
-    """Overwrite every free device KV page and state slot: what comes back must come from the
-    host copies, not from bytes the device happened to keep."""
-    taken = h.allocator.alloc(h.allocator.available_size())
-    if taken is not None and len(taken):
-        scramble(h.device_pool, taken, seed=seed)
-        h.allocator.free(taken)
-    states = h.states.alloc(h.states.available_size())
-    if states is not None and len(states):
-        scramble(h.mamba_pool, states, seed=seed + 1)
-        h.states.free(states)
 
 
 def test_write_through_carries_the_state_to_the_host(closing: list[Hierarchy]) -> None:
@@ -78,7 +65,7 @@ def test_round_trips_are_bit_identical_through_write_evict_load(
         h.cache.evict_device(h.tree.evictable_size())
         assert h.tree.evictable_size() == 0 and h.tree.evictable_size("mamba") == 0
         h.cache.check_integrity()
-        _scramble_free(h, seed=cycle)
+        scramble_free_device(h, seed=cycle)
         # The whole of b comes back from the host (pages + the state at its end).
         hit = serve(h, [*b, 7, 7, 7, 7])
         assert hit == len(b)
@@ -112,7 +99,7 @@ def test_a_tombstoned_device_state_is_loaded_alone(closing: list[Hierarchy]) -> 
     assert node is not None and node.on_device and node.host_state is not None
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
     assert m.device.prefix_len == 0 and m.host_hit_len == len(a)
-    _scramble_free(h, seed=3)
+    scramble_free_device(h, seed=3)
     assert serve(h, [*a, 5, 5, 5, 5]) == len(a)
     assert h.cache.counters.loaded_tokens == moved  # no page moved, only the state
 
@@ -149,7 +136,7 @@ def test_no_device_state_slot_refuses_the_load(closing: list[Hierarchy]) -> None
     assert result.loaded_len == 0 and h.cache.counters.load_backs_refused == 1
     h.cache.check_integrity({"mamba": len(hoard)})
     h.states.free(hoard)
-    _scramble_free(h, seed=5)
+    scramble_free_device(h, seed=5)
     assert serve(h, [*a, 5, 5, 5, 5]) == len(a)
 
 
@@ -179,7 +166,7 @@ def test_other_write_policies_carry_the_state(
     h.cache.evict_device(h.tree.evictable_size())
     h.cache.drain()
     assert h.tree.evictable_size() == 0
-    _scramble_free(h, seed=7)
+    scramble_free_device(h, seed=7)
     assert serve(h, [*a, 9, 9, 9, 9, 1, 1, 1, 1]) == len(a) + P
 
 
@@ -307,5 +294,5 @@ def test_insert_with_a_state_and_the_host_state_gauge(closing: list[Hierarchy]) 
     )
     assert held == 1
     h.cache.evict_device(h.tree.evictable_size())
-    _scramble_free(h, seed=11)
+    scramble_free_device(h, seed=11)
     assert serve(h, [*ids.tolist(), 4, 4, 4, 4]) == len(ids)

@@ -10,7 +10,7 @@ import pytest
 
 from kvstrata.hybrid_cache import PrefetchPolicy
 from kvstrata.storage import FaultInjectingStorage, FaultRules, MemoryStorage, Storage
-from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, scramble, serve
+from kvstrata.testkit.tiers import Hierarchy, drop_all_but_storage, make_hierarchy, serve
 from kvstrata.unified_radix_cache import RadixKey
 from kvstrata.unified_radix_cache.errors import InvalidConfig
 from kvstrata.unified_radix_cache.paths import node_at
@@ -25,29 +25,6 @@ def _build(closing: list[Hierarchy], storage: Storage, **kw: object) -> Hierarch
     h = make_hierarchy("mamba", page_size=P, storage=storage, **kw)  # type: ignore[arg-type]
     closing.append(h)
     return h
-
-
-def _drop_everything_but_storage(h: Hierarchy, seed: int) -> None:
-    """Evict every device and host copy, and overwrite the freed device and host bytes: what
-    comes back must come from storage."""
-    h.cache.evict_device(h.tree.evictable_size())
-    h.cache.evict_host(10**6)
-    assert h.tree.num_nodes == 0 and h.cache.tier.num_host_states == 0
-    taken = h.allocator.alloc(h.allocator.available_size())
-    assert taken is not None
-    scramble(h.device_pool, taken, seed=seed)
-    h.allocator.free(taken)
-    states = h.states.alloc(h.states.available_size())
-    assert states is not None
-    scramble(h.mamba_pool, states, seed=seed + 1)
-    h.states.free(states)
-    for name, pool in h.tiers.hosts.items():
-        zeros = bytes(pool.page_size_bytes)
-        pages = pool.size // pool.page_size
-        for page in range(pages):
-            pool.write_page_from(page, zeros)
-        assert name in ("full", "mamba")
-    h.cache.check_integrity()
 
 
 def _state_key(h: Hierarchy, tokens: list[int]) -> bytes:
@@ -81,7 +58,7 @@ def test_round_trip_through_storage_is_bit_identical(closing: list[Hierarchy]) -
     a = list(range(1, 3 * P + 1))
     serve(h, a)
     for cycle in range(3):
-        _drop_everything_but_storage(h, seed=cycle)
+        drop_all_but_storage(h, seed=cycle)
         hit = serve(h, [*a, 7, 7, 7, 7])
         assert hit == len(a)
     counters = h.cache.counters
@@ -102,15 +79,15 @@ def test_prefetch_takes_the_deepest_stored_state(closing: list[Hierarchy]) -> No
     b = [*a, *range(50, 50 + 2 * P)]
     serve(h, a)
     serve(h, b)  # b's write covers its last 2 pages; its state sits at b's end
-    _drop_everything_but_storage(h, seed=1)
+    drop_all_but_storage(h, seed=1)
     assert serve(h, [*b, 3, 3, 3, 3]) == len(b)
     # Storage loses b's state: the next prefetch of b finds nothing at its end, forgets that
     # state, and the one after falls back to a's boundary.
     storage.delete([_state_key(h, b)])
-    _drop_everything_but_storage(h, seed=2)
+    drop_all_but_storage(h, seed=2)
     assert serve(h, [*b, 4, 4, 4, 4]) == 0
     assert h.cache.counters.short_prefetches == 1
-    _drop_everything_but_storage(h, seed=3)
+    drop_all_but_storage(h, seed=3)
     # (the recomputed request stored the state at the end of [*b, 4, 4, 4, 4], not at b's end)
     assert serve(h, [*b, 5, 5, 5, 5]) == len(a)
     h.cache.check_integrity()
@@ -130,7 +107,7 @@ def test_known_stored_states_is_bounded(closing: list[Hierarchy]) -> None:
     b = list(range(100, 100 + 2 * P))
     serve(h, a)
     serve(h, b)  # remembering b's state forgets a's (the oldest)
-    _drop_everything_but_storage(h, seed=6)
+    drop_all_but_storage(h, seed=6)
     assert serve(h, [*b, 1, 1, 1, 1]) == len(b)
     assert serve(h, [*a, 1, 1, 1, 1]) == 0
     h.cache.check_integrity()
@@ -165,7 +142,7 @@ def test_a_bad_state_or_page_gives_a_shorter_hit(closing: list[Hierarchy], fault
         "corrupt_page": FaultRules(corrupt_keys=frozenset({keys[1]})),
         "fail_state": FaultRules(fail_keys=frozenset({_state_key(h, a)})),
     }[fault]
-    _drop_everything_but_storage(h, seed=5)
+    drop_all_but_storage(h, seed=5)
     storage.set_rules(bad)
     # Nothing restorable arrives: the request recomputes (serve checks no wrong KV or state).
     assert serve(h, [*a, 2, 2, 2, 2]) == 0

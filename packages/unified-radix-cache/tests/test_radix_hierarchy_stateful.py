@@ -29,7 +29,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvstrata.hybrid_cache import PrefetchPolicy
 from kvstrata.storage import FaultInjectingStorage, FaultRules, MemoryStorage
-from kvstrata.testkit.tiers import Hierarchy, Shape, check_hit, compute, make_hierarchy, scramble
+from kvstrata.testkit.tiers import (
+    Hierarchy,
+    Shape,
+    check_hit,
+    compute,
+    make_hierarchy,
+    scramble_free_device,
+)
 from kvstrata.unified_radix_cache import CacheRequest, EvictRequest, RadixKey
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
@@ -230,17 +237,7 @@ class HierarchyMachine(RuleBasedStateMachine):
         h.cache.evict_device(h.tree.evictable_size())
         h.cache.drain()
         h.cache.evict_host(10**6)
-        taken = h.allocator.alloc(h.allocator.available_size())
-        if taken is not None and len(taken):
-            scramble(h.device_pool, taken, seed=seed)
-            if h.shape == "swa":
-                scramble(h.swa_pool, h.swa_allocator.translate(taken), seed=seed + 1)
-            h.allocator.free(taken)
-        if h.shape == "mamba":
-            states = h.states.alloc(h.states.available_size())
-            if states is not None and len(states):
-                scramble(h.mamba_pool, states, seed=seed + 2)
-                h.states.free(states)
+        scramble_free_device(h, seed=seed)
 
     @precondition(lambda self: self.storage is not None)
     @rule(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvstrata.allocator import SWAAllocator
-from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, scramble, serve
+from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, scramble_free_device, serve
 from kvstrata.unified_radix_cache import (
     EvictRequest,
     FullComponent,
@@ -29,15 +29,6 @@ def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:
     h = make_hierarchy("swa", page_size=P, **kw)  # type: ignore[arg-type]
     closing.append(h)
     return h
-
-
-def _scramble_free(h: Hierarchy, seed: int) -> None:
-    """Overwrite every free full and SWA device page: what comes back must come from the host."""
-    taken = h.allocator.alloc(h.allocator.available_size())
-    if taken is not None and len(taken):
-        scramble(h.full_pool, taken, seed=seed)
-        scramble(h.swa_pool, h.allocator.translate(taken), seed=seed + 1)
-        h.allocator.free(taken)
 
 
 def _host_swa(h: Hierarchy) -> int:
@@ -72,11 +63,11 @@ def test_round_trips_are_bit_identical(closing: list[Hierarchy]) -> None:
         h.cache.evict_device(h.tree.evictable_size())
         assert h.tree.evictable_size() == 0 and h.tree.evictable_size("swa") == 0
         h.cache.check_integrity()
-        _scramble_free(h, seed=cycle)
+        scramble_free_device(h, seed=cycle)
         # All of b comes back: its full pages, and the SWA pages of its last window.
         assert serve(h, [*b, 7, 7, 7, 7]) == len(b)
         h.cache.evict_device(h.tree.evictable_size())
-        _scramble_free(h, seed=10 + cycle)
+        scramble_free_device(h, seed=10 + cycle)
         # a's end has its own host window (written when a was served).
         assert serve(h, [*a, 9, 9, 9, 9]) == len(a)
     assert h.cache.counters.loaded_tokens > 0
@@ -137,7 +128,7 @@ def test_other_write_policies_copy_the_window(
     h.cache.evict_device(h.tree.evictable_size())
     h.cache.drain()
     assert h.tree.evictable_size() == 0
-    _scramble_free(h, seed=7)
+    scramble_free_device(h, seed=7)
     assert serve(h, [*a, 9, 9, 9, 9, 1, 1, 1, 1]) == len(a) + P
 
 
@@ -174,7 +165,7 @@ def test_layer_wise_load_brings_full_and_swa_layers(closing: list[Hierarchy]) ->
     group = h.cache.controller.group
     assert h.cache.counters.bytes_h2d == 3 * group.page_bytes("full") + 2 * group.page_bytes("swa")
     h.cache.check_integrity()
-    _scramble_free(h, seed=2)
+    scramble_free_device(h, seed=2)
     assert serve(h, [*a, 5, 5, 5, 5]) == len(a)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvstrata.hybrid_cache import PrefetchPolicy
 from kvstrata.storage import FaultInjectingStorage, FaultRules, MemoryStorage, Storage
-from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, scramble, serve
+from kvstrata.testkit.tiers import Hierarchy, drop_all_but_storage, make_hierarchy, serve
 from kvstrata.unified_radix_cache import RadixKey
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams
@@ -24,25 +24,6 @@ def _build(closing: list[Hierarchy], storage: Storage, **kw: object) -> Hierarch
     h = make_hierarchy("swa", page_size=P, storage=storage, **kw)  # type: ignore[arg-type]
     closing.append(h)
     return h
-
-
-def _drop_everything_but_storage(h: Hierarchy, seed: int) -> None:
-    """Evict every device and host copy, and overwrite the freed device and host bytes: what
-    comes back must come from storage."""
-    h.cache.evict_device(h.tree.evictable_size())
-    h.cache.evict_host(10**6)
-    assert h.tree.num_nodes == 0 and h.cache.tier.host_swa_size == 0
-    taken = h.allocator.alloc(h.allocator.available_size())
-    assert taken is not None
-    scramble(h.full_pool, taken, seed=seed)
-    scramble(h.swa_pool, h.allocator.translate(taken), seed=seed + 1)
-    h.allocator.free(taken)
-    for name, pool in h.tiers.hosts.items():
-        zeros = bytes(pool.page_size_bytes)
-        for page in range(pool.size // pool.page_size):
-            pool.write_page_from(page, zeros)
-        assert name in ("full", "swa")
-    h.cache.check_integrity()
 
 
 def _swa_keys(h: Hierarchy, tokens: list[int]) -> list[bytes]:
@@ -77,7 +58,7 @@ def test_round_trip_through_storage_is_bit_identical(closing: list[Hierarchy]) -
     a = list(range(1, 4 * P + 1))
     serve(h, a)
     for cycle in range(3):
-        _drop_everything_but_storage(h, seed=cycle)
+        drop_all_but_storage(h, seed=cycle)
         assert serve(h, [*a, 7, 7, 7, 7]) == len(a)
     counters = h.cache.counters
     assert counters.storage_hit_tokens == 3 * len(a)
@@ -101,7 +82,7 @@ def test_window_before_the_write_is_backed_up_too(closing: list[Hierarchy]) -> N
     assert h.cache.counters.backed_up_tokens - events_before == P  # only b's page is new
     swa = _swa_keys(h, b)
     assert storage.batch_exists(swa[2:]) == 2
-    _drop_everything_but_storage(h, seed=4)
+    drop_all_but_storage(h, seed=4)
     assert serve(h, [*b, 9, 9, 9, 9]) == len(b)
     h.cache.check_integrity()
 
@@ -119,7 +100,7 @@ def test_a_bad_swa_or_full_page_gives_a_shorter_hit(closing: list[Hierarchy], fa
         "fail_swa": FaultRules(fail_keys=frozenset({swa[2]})),
         "corrupt_full": FaultRules(corrupt_keys=frozenset({keys[1]})),
     }[fault]
-    _drop_everything_but_storage(h, seed=5)
+    drop_all_but_storage(h, seed=5)
     storage.set_rules(bad)
     # Nothing restorable arrives: the request recomputes (serve checks no wrong KV).
     assert serve(h, [*a, 2, 2, 2, 2]) == 0
@@ -137,14 +118,14 @@ def test_a_lost_window_is_forgotten_and_an_earlier_one_used(
     b = [*a, *range(50, 50 + 2 * P)]
     serve(h, a)
     serve(h, b)
-    _drop_everything_but_storage(h, seed=1)
+    drop_all_but_storage(h, seed=1)
     assert serve(h, [*b, 3, 3, 3, 3]) == len(b)
     # Storage loses b's last SWA page: the next prefetch of b gets nothing restorable and
     # forgets that window; the one after falls back to a's window.
     storage.delete([_swa_keys(h, b)[-1]])
-    _drop_everything_but_storage(h, seed=2)
+    drop_all_but_storage(h, seed=2)
     assert serve(h, [*b, 4, 4, 4, 4]) == 0
-    _drop_everything_but_storage(h, seed=3)
+    drop_all_but_storage(h, seed=3)
     assert serve(h, [*b, 5, 5, 5, 5]) == len(a)
     h.cache.check_integrity()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
@@ -44,6 +44,7 @@ from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 Shape = Literal["full", "swa", "mamba"]
 SHAPES: tuple[Shape, ...] = ("full", "swa", "mamba")
+T = TypeVar("T")
 
 #: The `kvstrata.build` family of each shape.
 FAMILY: Mapping[Shape, str] = {"full": "mha", "swa": "swa", "mamba": "mamba"}
@@ -224,9 +225,7 @@ class Hierarchy:
     @property
     def device_pool(self) -> MHAKVPool:
         """The full-attention device pool."""
-        pool = self.tiers.hosts["full"].device_pool
-        assert isinstance(pool, MHAKVPool), "the full member is an MHA pool"
-        return pool
+        return _mha(self.tiers.hosts["full"].device_pool)
 
     @property
     def full_pool(self) -> MHAKVPool:
@@ -234,34 +233,34 @@ class Hierarchy:
 
     @property
     def swa_pool(self) -> MHAKVPool:
-        pool = self.tiers.hosts["swa"].device_pool
-        assert isinstance(pool, MHAKVPool), "the swa member is an MHA pool"
-        return pool
+        return _mha(self.tiers.hosts["swa"].device_pool)
 
     @property
     def swa_allocator(self) -> SWAAllocator:
-        allocator = self.system.swa_allocator
-        assert allocator is not None, f"a {self.shape} model has no SWA allocator"
-        return allocator
+        return _present(self.system.swa_allocator, "SWA allocator", self.shape)
 
     @property
     def window(self) -> int:
         """The sliding window in tokens (two pages)."""
-        window = self.system.sliding_window
-        assert window is not None, f"a {self.shape} model has no sliding window"
-        return window
+        return _present(self.system.sliding_window, "sliding window", self.shape)
 
     @property
     def mamba_pool(self) -> MambaPool:
-        pool = self.system.mamba_pool
-        assert pool is not None, f"a {self.shape} model has no Mamba pool"
-        return pool
+        return _present(self.system.mamba_pool, "Mamba pool", self.shape)
 
     @property
     def states(self) -> MambaSlotAllocator:
-        allocator = self.system.mamba_allocator
-        assert allocator is not None, f"a {self.shape} model has no state allocator"
-        return allocator
+        return _present(self.system.mamba_allocator, "state allocator", self.shape)
+
+
+def _present(value: T | None, what: str, shape: Shape) -> T:
+    assert value is not None, f"a {shape} model has no {what}"
+    return value
+
+
+def _mha(pool: object) -> MHAKVPool:
+    assert isinstance(pool, MHAKVPool), "full and SWA members are MHA pools"
+    return pool
 
 
 def make_hierarchy(
@@ -299,6 +298,36 @@ def make_hierarchy(
         page_size=page_size,
     )
     return Hierarchy(tiers=tiers, tiered=tiered)
+
+
+def scramble_free_device(h: Hierarchy, *, seed: int) -> None:
+    """Overwrite every free device slot with other bytes (full KV, the SWA slots in step, free
+    Mamba state slots): whatever is read from them next must have been loaded anew."""
+    taken = h.allocator.alloc(h.allocator.available_size())
+    if taken is not None and len(taken):
+        scramble(h.device_pool, taken, seed=seed)
+        if h.shape == "swa":
+            scramble(h.swa_pool, h.swa_allocator.translate(taken), seed=seed + 1)
+        h.allocator.free(taken)
+    if h.shape == "mamba":
+        states = h.states.alloc(h.states.available_size())
+        if states is not None and len(states):
+            scramble(h.mamba_pool, states, seed=seed + 2)
+            h.states.free(states)
+
+
+def drop_all_but_storage(h: Hierarchy, *, seed: int) -> None:
+    """Evict every device and host copy (the tree ends empty), scramble the free device slots
+    and zero every host page: what comes back must come from storage. Checks integrity."""
+    h.cache.evict_device(h.tree.evictable_size())
+    h.cache.evict_host(10**6)
+    assert h.tree.num_nodes == 0, "nothing is locked, so everything can go"
+    scramble_free_device(h, seed=seed)
+    for pool in h.tiers.hosts.values():
+        zeros = bytes(pool.page_size_bytes)
+        for page in range(pool.size // pool.page_size):
+            pool.write_page_from(page, zeros)
+    h.cache.check_integrity()
 
 
 def check_hit(h: Hierarchy, tokens: torch.Tensor, req: CacheRequest) -> int:
