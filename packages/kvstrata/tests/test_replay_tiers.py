@@ -11,7 +11,13 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvstrata.build import InvalidCapacity, TiersUnsupported, build_memory_system
+from kvstrata.build import (
+    InvalidCapacity,
+    MemorySystem,
+    TieredSystem,
+    TiersUnsupported,
+    build_memory_system,
+)
 from kvstrata.build import tiers as tiers_module
 from kvstrata.build.tiers import build_tiers
 from kvstrata.cli.main import main
@@ -23,6 +29,8 @@ from kvstrata.replay import (
     ReplayCollector,
     ReplayEngine,
     ReplayRequest,
+    ReplayStats,
+    TierStats,
     WorkloadSpec,
     generate_workload,
 )
@@ -39,6 +47,27 @@ def restore_torch_threads() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+def _verified_replay(
+    system: MemorySystem, tiers: TieredSystem, requests: list[ReplayRequest]
+) -> tuple[ReplayEngine, ReplayStats, TierStats]:
+    """Replay `requests` with `verify` (every hit read back against the KV written for its
+    tokens), drain, check both tiers' integrity and close them. The stats are read after the
+    drain: host writes go out in batches, so the last ones finish after the run returns. The
+    hits of the three tiers add up to the run's hits."""
+    try:
+        engine = ReplayEngine(system, verify=True, tiers=tiers)
+        engine.run(requests)
+        tiers.cache.drain()
+        stats = engine.stats()
+        tiers.check_integrity()
+    finally:
+        tiers.close()
+    t = stats.tiers
+    assert t is not None
+    assert t.device_hit_tokens + t.host_hit_tokens + t.storage_hit_tokens == stats.hit_tokens
+    return engine, stats, t
+
+
 @pytest.mark.parametrize("policy", list(WritePolicy))
 def test_tiered_replay_verifies_every_hit(policy: WritePolicy) -> None:
     """A device too small for the workload: hits come back from the host and storage, and
@@ -51,19 +80,7 @@ def test_tiered_replay_verifies_every_hit(policy: WritePolicy) -> None:
     tiers = build_tiers(
         system, host_tokens=8192, storage_url="memory://?capacity_bytes=100000000", params=params
     )
-    try:
-        engine = ReplayEngine(system, verify=True, tiers=tiers)
-        engine.run(requests)
-        tiers.cache.drain()
-        # Read after the drain: host writes go out in batches, so the last ones finish after
-        # the run returns, and the counters compared below include them.
-        stats = engine.stats()
-        tiers.check_integrity()
-    finally:
-        tiers.close()
-    t = stats.tiers
-    assert t is not None
-    assert t.device_hit_tokens + t.host_hit_tokens + t.storage_hit_tokens == stats.hit_tokens
+    engine, stats, t = _verified_replay(system, tiers, requests)
     assert stats.evicted_tokens > 0 and t.host_hit_tokens > 0
     assert t.bytes_d2h > 0 and t.bytes_h2d > 0 and t.failed_transfers == 0
     registry = CollectorRegistry()
@@ -117,19 +134,7 @@ def test_tiered_hybrid_replay_verifies_every_hit(family: str, policy: WritePolic
     requests = generate_workload(WorkloadSpec(seed=1))[:48]
     system = build_memory_system(family=family, capacity_tokens=4096, page_size=16)
     tiers = build_tiers(system, host_ratio=2.0, params=TierParams(write_policy=policy))
-    try:
-        engine = ReplayEngine(system, verify=True, tiers=tiers)
-        engine.run(requests)
-        tiers.cache.drain()
-        # Read after the drain: host writes go out in batches, so the last ones finish after
-        # the run returns, and the counters compared below include them.
-        stats = engine.stats()
-        tiers.check_integrity()
-    finally:
-        tiers.close()
-    t = stats.tiers
-    assert t is not None
-    assert t.device_hit_tokens + t.host_hit_tokens + t.storage_hit_tokens == stats.hit_tokens
+    _, stats, t = _verified_replay(system, tiers, requests)
     assert t.failed_transfers == 0 and t.storage_hit_tokens == 0
     counters = tiers.cache.counters
     full_bytes = tiers.host_pool.bytes_per_token
@@ -163,15 +168,8 @@ def test_tiered_swa_replay_with_storage() -> None:
     tiers = build_tiers(
         system, host_ratio=1.0, storage_url="memory://?capacity_bytes=100000000", params=params
     )
-    try:
-        stats = ReplayEngine(system, verify=True, tiers=tiers).run(requests)
-        tiers.cache.drain()
-        tiers.check_integrity()
-    finally:
-        tiers.close()
-    t = stats.tiers
-    assert t is not None and t.failed_transfers == 0
-    assert t.device_hit_tokens + t.host_hit_tokens + t.storage_hit_tokens == stats.hit_tokens
+    _, _, t = _verified_replay(system, tiers, requests)
+    assert t.failed_transfers == 0
     assert t.bytes_storage_set > 0
 
 
