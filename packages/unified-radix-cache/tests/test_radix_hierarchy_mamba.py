@@ -154,22 +154,6 @@ def test_host_eviction_frees_host_state_slots(closing: list[Hierarchy]) -> None:
     h.cache.check_integrity()
 
 
-@pytest.mark.parametrize("policy", [WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH_SELECTIVE])
-def test_other_write_policies_carry_the_state(
-    closing: list[Hierarchy], policy: WritePolicy
-) -> None:
-    h = _build(closing, write_policy=policy)
-    a = list(range(1, 3 * P + 1))
-    serve(h, [*a, 9, 9, 9, 9])
-    for _ in range(2):  # selective: the prefix is written once it is hit the second time
-        assert serve(h, [*a, 9, 9, 9, 9, 8, 8, 8, 8]) == len(a) + P
-    h.cache.evict_device(h.tree.evictable_size())
-    h.cache.drain()
-    assert h.tree.evictable_size() == 0
-    scramble_free_device(h, seed=7)
-    assert serve(h, [*a, 9, 9, 9, 9, 1, 1, 1, 1]) == len(a) + P
-
-
 def test_refusals(closing: list[Hierarchy]) -> None:
     h = _build(closing)
     tiers = h.tiers

@@ -20,7 +20,6 @@ from kvstrata.unified_radix_cache import (
 from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
 from kvstrata.unified_radix_cache.paths import node_at
-from kvstrata.unified_radix_cache.tiers import WritePolicy
 
 P = 4
 
@@ -114,22 +113,6 @@ def test_evictions_free_both_pools_on_both_tiers(closing: list[Hierarchy]) -> No
     assert h.tree.num_nodes == 0 and _host_swa(h) == 0
     assert h.cache.tier.evicted_swa_total == 2 * h.window
     h.cache.check_integrity()
-
-
-@pytest.mark.parametrize("policy", [WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH_SELECTIVE])
-def test_other_write_policies_copy_the_window(
-    closing: list[Hierarchy], policy: WritePolicy
-) -> None:
-    h = _build(closing, write_policy=policy)
-    a = list(range(1, 3 * P + 1))
-    serve(h, [*a, 9, 9, 9, 9])
-    for _ in range(2):
-        assert serve(h, [*a, 9, 9, 9, 9, 8, 8, 8, 8]) == len(a) + P
-    h.cache.evict_device(h.tree.evictable_size())
-    h.cache.drain()
-    assert h.tree.evictable_size() == 0
-    scramble_free_device(h, seed=7)
-    assert serve(h, [*a, 9, 9, 9, 9, 1, 1, 1, 1]) == len(a) + P
 
 
 def test_no_host_swa_room_means_a_shorter_hit(closing: list[Hierarchy]) -> None:
