@@ -465,3 +465,25 @@ def test_other_write_policies_bring_hits_back_from_the_host(
     assert h.tree.evictable_size() == 0
     scramble_free_device(h, seed=7)
     assert serve(h, [*a, 9, 9, 9, 9, 1, 1, 1, 1]) == len(a) + P
+
+
+@pytest.mark.parametrize("shape", ["swa", "mamba"])
+def test_only_boundaries_this_cache_backed_up_are_prefetched(
+    closing: list[Hierarchy], shape: Shape
+) -> None:
+    """Storage can only say how long a run of keys it holds from the first, so a cache learns
+    where stored windows (SWA) or states (Mamba) are from its own backups; another cache over
+    the same storage does not know them and starts no prefetch (the pages alone could never be
+    a hit)."""
+    storage = MemoryStorage(capacity_bytes=1 << 24)
+    params = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+    first, other = (
+        make_hierarchy(shape, page_size=P, storage=storage, params=params) for _ in range(2)
+    )
+    closing += [first, other]
+    a = list(range(1, 3 * P + 1))
+    serve(first, a)
+    skipped = other.cache.counters.prefetches_skipped
+    m = other.cache.match_prefix(RadixKey([*a, 1, 1, 1, 1]))
+    assert m.prefetch_id is None and other.cache.counters.prefetches_skipped == skipped + 1
+    other.cache.check_integrity()

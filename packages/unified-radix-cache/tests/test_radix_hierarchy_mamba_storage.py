@@ -113,23 +113,6 @@ def test_known_stored_states_is_bounded(closing: list[Hierarchy]) -> None:
     h.cache.check_integrity()
 
 
-def test_only_states_this_cache_backed_up_are_prefetched(
-    closing: list[Hierarchy],
-) -> None:
-    """Storage can only say how long a run of keys it holds from the first, so a cache learns
-    where stored states are from its own backups; another cache over the same storage does not
-    know them and starts no prefetch (the pages alone could never be a hit)."""
-    storage = MemoryStorage(capacity_bytes=1 << 24)
-    first = _build(closing, storage)
-    a = list(range(1, 3 * P + 1))
-    serve(first, a)
-    other = _build(closing, storage)
-    skipped = other.cache.counters.prefetches_skipped
-    m = other.cache.match_prefix(RadixKey([*a, 1, 1, 1, 1]))
-    assert m.prefetch_id is None and other.cache.counters.prefetches_skipped == skipped + 1
-    other.cache.check_integrity()
-
-
 @pytest.mark.parametrize("fault", ["corrupt_state", "corrupt_page", "fail_state"])
 def test_a_bad_state_or_page_gives_a_shorter_hit(closing: list[Hierarchy], fault: str) -> None:
     storage = FaultInjectingStorage(MemoryStorage(capacity_bytes=1 << 24))

@@ -128,15 +128,3 @@ def test_a_lost_window_is_forgotten_and_an_earlier_one_used(
     drop_all_but_storage(h, seed=3)
     assert serve(h, [*b, 5, 5, 5, 5]) == len(a)
     h.cache.check_integrity()
-
-
-def test_only_windows_this_cache_backed_up_are_prefetched(closing: list[Hierarchy]) -> None:
-    storage = MemoryStorage(capacity_bytes=1 << 24)
-    first = _build(closing, storage)
-    a = list(range(1, 3 * P + 1))
-    serve(first, a)
-    other = _build(closing, storage)
-    skipped = other.cache.counters.prefetches_skipped
-    m = other.cache.match_prefix(RadixKey([*a, 1, 1, 1, 1]))
-    assert m.prefetch_id is None and other.cache.counters.prefetches_skipped == skipped + 1
-    other.cache.check_integrity()
