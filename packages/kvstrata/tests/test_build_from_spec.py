@@ -145,13 +145,19 @@ def test_fractional_budget_uses_the_given_free_memory() -> None:
     assert built.plan.used_bytes <= 16 * MiB
 
 
-def test_tiered_build_adds_the_plans_host_tier_and_storage() -> None:
+def _qwen3_next_tiered() -> tuple[ModelMemorySpec, BuildOptions]:
+    """Qwen3-Next on one of 8 ranks, a host tier as large as the device and memory storage."""
     spec = ModelMemorySpec.from_hf_config(QWEN3_NEXT_80B, tp_size=8)
     options = BuildOptions(
         sizing=SizingParams(context_len=256, max_running_requests=4, host_ratio=1.0),
         free_host_bytes=1 << 40,
         storage_url="memory://?capacity_bytes=100000000",
     )
+    return spec, options
+
+
+def test_tiered_build_adds_the_plans_host_tier_and_storage() -> None:
+    spec, options = _qwen3_next_tiered()
     tiered = build_tiered(spec, 96 * MiB, options)
     try:
         plan = build_with_plan(spec, 96 * MiB, options).plan
@@ -177,12 +183,7 @@ def test_tiered_build_refusals() -> None:
 
 
 def test_collectors_export_every_wired_part() -> None:
-    spec = ModelMemorySpec.from_hf_config(QWEN3_NEXT_80B, tp_size=8)
-    options = BuildOptions(
-        sizing=SizingParams(context_len=256, max_running_requests=4, host_ratio=1.0),
-        free_host_bytes=1 << 40,
-        storage_url="memory://?capacity_bytes=100000000",
-    )
+    spec, options = _qwen3_next_tiered()
     tiered = build_tiered(spec, 96 * MiB, options)
     try:
         registry = CollectorRegistry()

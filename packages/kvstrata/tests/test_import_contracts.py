@@ -7,10 +7,12 @@ kept off `sys.path`, so the copy is what gets analysed).
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,50 @@ def test_unplaced_subpackage_is_reported(tmp_path: Path) -> None:
     result = _lint(tmp_path)
     assert result.returncode != 0
     assert "kvstrata.stray" in result.stdout + result.stderr
+
+
+def _layer_index() -> dict[str, int]:
+    """Each subpackage of kvstrata -> its line in the layers contract (0 = top)."""
+    config = tomllib.loads((WORKSPACE_ROOT / "pyproject.toml").read_text())
+    contracts = config["tool"]["importlinter"]["contracts"]
+    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+    return {
+        name.strip().strip("()"): i for i, line in enumerate(layers) for name in line.split("|")
+    }
+
+
+def _imported_subpackages(path: Path) -> set[str]:
+    """The kvstrata subpackages a file imports (any import statement, at any depth)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+            if node.module == "kvstrata":
+                names = [f"kvstrata.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {n.split(".")[1] for n in names if n.startswith("kvstrata.")}
+    return found
+
+
+def test_member_tests_import_only_their_member_the_layers_below_and_the_testkit() -> None:
+    """A member's tests run against what the member declares: its own subpackages, the
+    layers strictly below its lowest one (not a sibling on the same line), and the testkit."""
+    index = _layer_index()
+    wrong: list[str] = []
+    for member in member_dirs():
+        own = {p.name for p in (member / "src" / "kvstrata").iterdir() if p.is_dir()}
+        own.discard("__pycache__")
+        if own == {"testkit"} or not (member / "tests").is_dir():
+            continue
+        floor = max(index[name] for name in own)
+        for path in sorted((member / "tests").rglob("*.py")):
+            where = path.relative_to(WORKSPACE_ROOT)
+            wrong += [
+                f"{where} imports kvstrata.{name}"
+                for name in sorted(_imported_subpackages(path) - own - {"testkit"})
+                if index[name] <= floor
+            ]
+    assert not wrong, "\n".join(wrong)

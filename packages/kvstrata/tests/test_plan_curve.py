@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstrata.bench.radix import SlotCounter
+from kvstrata.allocator import SlotCounter
 from kvstrata.plan import (
     BlockTrace,
     HitCurve,

@@ -11,20 +11,30 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvstrata.build import InvalidCapacity, TiersUnsupported, build_memory_system
+from kvstrata.build import (
+    InvalidCapacity,
+    MemorySystem,
+    TieredSystem,
+    TiersUnsupported,
+    build_memory_system,
+)
 from kvstrata.build import tiers as tiers_module
 from kvstrata.build.tiers import build_tiers
 from kvstrata.cli.main import main
 from kvstrata.cli.replay_command import JSON_KEYS, TIER_JSON_KEYS
 from kvstrata.hybrid_cache import PrefetchPolicy, TierController
 from kvstrata.pool import SWAKVPool
+from kvstrata.pool_host import HostLayout
 from kvstrata.replay import (
     ReplayCollector,
     ReplayEngine,
     ReplayRequest,
+    ReplayStats,
+    TierStats,
     WorkloadSpec,
     generate_workload,
 )
+from kvstrata.storage import MemoryStorage
 from kvstrata.unified_radix_cache.errors import InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
@@ -35,6 +45,27 @@ def restore_torch_threads() -> Iterator[None]:
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+def _verified_replay(
+    system: MemorySystem, tiers: TieredSystem, requests: list[ReplayRequest]
+) -> tuple[ReplayEngine, ReplayStats, TierStats]:
+    """Replay `requests` with `verify` (every hit read back against the KV written for its
+    tokens), drain, check both tiers' integrity and close them. The stats are read after the
+    drain: host writes go out in batches, so the last ones finish after the run returns. The
+    hits of the three tiers add up to the run's hits."""
+    try:
+        engine = ReplayEngine(system, verify=True, tiers=tiers)
+        engine.run(requests)
+        tiers.cache.drain()
+        stats = engine.stats()
+        tiers.check_integrity()
+    finally:
+        tiers.close()
+    t = stats.tiers
+    assert t is not None
+    assert t.device_hit_tokens + t.host_hit_tokens + t.storage_hit_tokens == stats.hit_tokens
+    return engine, stats, t
 
 
 @pytest.mark.parametrize("policy", list(WritePolicy))
@@ -49,19 +80,7 @@ def test_tiered_replay_verifies_every_hit(policy: WritePolicy) -> None:
     tiers = build_tiers(
         system, host_tokens=8192, storage_url="memory://?capacity_bytes=100000000", params=params
     )
-    try:
-        engine = ReplayEngine(system, verify=True, tiers=tiers)
-        engine.run(requests)
-        tiers.cache.drain()
-        # Read after the drain: host writes go out in batches, so the last ones finish after
-        # the run returns, and the counters compared below include them.
-        stats = engine.stats()
-        tiers.check_integrity()
-    finally:
-        tiers.close()
-    t = stats.tiers
-    assert t is not None
-    assert t.device_hit_tokens + t.host_hit_tokens + t.storage_hit_tokens == stats.hit_tokens
+    engine, stats, t = _verified_replay(system, tiers, requests)
     assert stats.evicted_tokens > 0 and t.host_hit_tokens > 0
     assert t.bytes_d2h > 0 and t.bytes_h2d > 0 and t.failed_transfers == 0
     registry = CollectorRegistry()
@@ -82,7 +101,28 @@ def test_build_tiers_refuses_before_allocating() -> None:
         build_tiers(mha, host_tokens=1024, host_ratio=2.0)
     with pytest.raises(InvalidCapacity):
         build_tiers(mha, host_ratio=-1.0)
+    with pytest.raises(TiersUnsupported, match="storage_url and storage"):
+        build_tiers(mha, storage_url="memory://", storage=MemoryStorage(capacity_bytes=1 << 20))
     assert mha.tree.host_tier is None
+
+
+def test_build_tiers_takes_an_opened_storage_and_sizes_mirrors_in_whole_slots() -> None:
+    """An opened storage object becomes the L3 tier as given; `host_tokens` sizes the other
+    mirrors in exact proportion (11 state slots x 15/11 = 15, which a float ratio rounds to
+    14) and `host_layout` is the mirrors' layout."""
+    mamba = build_memory_system(
+        family="mamba", capacity_tokens=11 * 16, page_size=16, mamba_slots=11
+    )
+    storage = MemoryStorage(capacity_bytes=1 << 22)
+    tiers = build_tiers(
+        mamba, host_tokens=15 * 16, storage=storage, host_layout=HostLayout.layer_first
+    )
+    try:
+        assert tiers.storage is storage and tiers.controller.storage is storage
+        assert tiers.host_tokens == 15 * 16 and tiers.host_state_slots == 15
+        assert {h.layout for h in tiers.host_pools.values()} == {HostLayout.layer_first}
+    finally:
+        tiers.close()
 
 
 @pytest.mark.parametrize("family", ["mamba", "swa"])
@@ -94,19 +134,7 @@ def test_tiered_hybrid_replay_verifies_every_hit(family: str, policy: WritePolic
     requests = generate_workload(WorkloadSpec(seed=1))[:48]
     system = build_memory_system(family=family, capacity_tokens=4096, page_size=16)
     tiers = build_tiers(system, host_ratio=2.0, params=TierParams(write_policy=policy))
-    try:
-        engine = ReplayEngine(system, verify=True, tiers=tiers)
-        engine.run(requests)
-        tiers.cache.drain()
-        # Read after the drain: host writes go out in batches, so the last ones finish after
-        # the run returns, and the counters compared below include them.
-        stats = engine.stats()
-        tiers.check_integrity()
-    finally:
-        tiers.close()
-    t = stats.tiers
-    assert t is not None
-    assert t.device_hit_tokens + t.host_hit_tokens + t.storage_hit_tokens == stats.hit_tokens
+    _, stats, t = _verified_replay(system, tiers, requests)
     assert t.failed_transfers == 0 and t.storage_hit_tokens == 0
     counters = tiers.cache.counters
     full_bytes = tiers.host_pool.bytes_per_token
@@ -140,15 +168,8 @@ def test_tiered_swa_replay_with_storage() -> None:
     tiers = build_tiers(
         system, host_ratio=1.0, storage_url="memory://?capacity_bytes=100000000", params=params
     )
-    try:
-        stats = ReplayEngine(system, verify=True, tiers=tiers).run(requests)
-        tiers.cache.drain()
-        tiers.check_integrity()
-    finally:
-        tiers.close()
-    t = stats.tiers
-    assert t is not None and t.failed_transfers == 0
-    assert t.device_hit_tokens + t.host_hit_tokens + t.storage_hit_tokens == stats.hit_tokens
+    _, _, t = _verified_replay(system, tiers, requests)
+    assert t.failed_transfers == 0
     assert t.bytes_storage_set > 0
 
 

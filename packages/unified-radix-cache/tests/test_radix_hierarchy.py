@@ -15,7 +15,17 @@ import torch
 from kvstrata.hybrid_cache import ControllerParams, PrefetchPolicy
 from kvstrata.pool_host import HostSlotAllocator
 from kvstrata.storage import FaultInjectingStorage, FaultRules, MemoryStorage
-from kvstrata.testkit.tiers import Hierarchy, assert_pages_equal, make_hierarchy, scramble, snapshot
+from kvstrata.testkit.tiers import (
+    SHAPES,
+    Hierarchy,
+    Shape,
+    assert_pages_equal,
+    make_hierarchy,
+    scramble,
+    scramble_free_device,
+    serve,
+    snapshot,
+)
 from kvstrata.testkit.trees import make_tree
 from kvstrata.unified_radix_cache import BlockStored, RadixKey
 from kvstrata.unified_radix_cache.errors import ForeignNode, InvalidConfig
@@ -433,3 +443,47 @@ def test_best_effort_prefetch_commits_late_pages_on_its_ack(closing: list[Hierar
     assert h.cache.counters.storage_hit_tokens == 4 * P
     h.cache.check_integrity()
     _reload(h, key, expected)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("policy", [WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH_SELECTIVE])
+def test_other_write_policies_bring_hits_back_from_the_host(
+    closing: list[Hierarchy], shape: Shape, policy: WritePolicy
+) -> None:
+    """write_back (on eviction) and write_through_selective (once a prefix is hit twice) put a
+    prefix on the host with everything a hit needs (an SWA model's window, a Mamba model's
+    state): after the device lost it and its bytes were overwritten, the hit comes back,
+    checked bit for bit by `serve`."""
+    h = make_hierarchy(shape, page_size=P, write_policy=policy)
+    closing.append(h)
+    a = list(range(1, 3 * P + 1))
+    serve(h, [*a, 9, 9, 9, 9])
+    for _ in range(2):  # selective: the prefix is written once it is hit the second time
+        assert serve(h, [*a, 9, 9, 9, 9, 8, 8, 8, 8]) == len(a) + P
+    h.cache.evict_device(h.tree.evictable_size())
+    h.cache.drain()
+    assert h.tree.evictable_size() == 0
+    scramble_free_device(h, seed=7)
+    assert serve(h, [*a, 9, 9, 9, 9, 1, 1, 1, 1]) == len(a) + P
+
+
+@pytest.mark.parametrize("shape", ["swa", "mamba"])
+def test_only_boundaries_this_cache_backed_up_are_prefetched(
+    closing: list[Hierarchy], shape: Shape
+) -> None:
+    """Storage can only say how long a run of keys it holds from the first, so a cache learns
+    where stored windows (SWA) or states (Mamba) are from its own backups; another cache over
+    the same storage does not know them and starts no prefetch (the pages alone could never be
+    a hit)."""
+    storage = MemoryStorage(capacity_bytes=1 << 24)
+    params = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+    first, other = (
+        make_hierarchy(shape, page_size=P, storage=storage, params=params) for _ in range(2)
+    )
+    closing += [first, other]
+    a = list(range(1, 3 * P + 1))
+    serve(first, a)
+    skipped = other.cache.counters.prefetches_skipped
+    m = other.cache.match_prefix(RadixKey([*a, 1, 1, 1, 1]))
+    assert m.prefetch_id is None and other.cache.counters.prefetches_skipped == skipped + 1
+    other.cache.check_integrity()

@@ -10,8 +10,8 @@ import pytest
 
 from kvstrata.hybrid_cache import Ack, AckStatus, OpKind, PrefetchPolicy
 from kvstrata.storage import MemoryStorage
-from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, make_swa_hierarchy, serve_swa
-from kvstrata.unified_radix_cache import RadixKey
+from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, serve
+from kvstrata.unified_radix_cache import RadixKey, TreeNode
 from kvstrata.unified_radix_cache.errors import ForeignNode, IntegrityError
 from kvstrata.unified_radix_cache.host_tier import HostReceipt
 from kvstrata.unified_radix_cache.paths import node_at
@@ -32,6 +32,18 @@ def _insert(h: Hierarchy, key: RadixKey) -> None:
     assert slots is not None
     result = h.cache.insert(key, slots)
     h.allocator.free(result.duplicates(slots))
+
+
+def _host_only(h: Hierarchy) -> tuple[RadixKey, TreeNode]:
+    """Insert three pages, write them to the host and evict them from the device: returns the
+    key and the host node a match stops at."""
+    key = RadixKey(list(range(1, 3 * P + 1)))
+    _insert(h, key)
+    h.cache.drain()
+    h.cache.evict_device(3 * P)
+    match = h.cache.match_prefix(key)
+    assert match.host_node is not None and match.host_hit_len == 3 * P
+    return key, match.host_node
 
 
 def _stall_acks(h: Hierarchy, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,17 +70,12 @@ def test_load_back_behind_a_slow_write_is_refused_and_leaks_no_lock(
 ) -> None:
     h = _build(closing, device_pages=9, host_pages=32)
     c = h.cache
-    a = RadixKey(list(range(1, 3 * P + 1)))
-    _insert(h, a)
-    c.drain()
-    c.evict_device(3 * P)  # a: host only
-    match = c.match_prefix(a)
-    assert match.host_node is not None and match.host_hit_len == 3 * P
+    _, host_node = _host_only(h)
     b = RadixKey([100 + i for i in range(h.allocator.available_size())])
     with monkeypatch.context() as m:
         _stall_acks(h, m)
         _insert(h, b)  # its write_through write stays in flight and device-locks b
-        load = c.start_load_back(match.host_node)  # no TimeoutError: refused, no room
+        load = c.start_load_back(host_node)  # no TimeoutError: refused, no room
         assert load.done and load.num_tokens == 0
         assert c.counters.load_backs_refused == 1
     c.drain()
@@ -84,12 +91,7 @@ def test_load_back_releases_both_locks_when_allocation_raises(
 ) -> None:
     h = _build(closing)
     c = h.cache
-    a = RadixKey(list(range(1, 3 * P + 1)))
-    _insert(h, a)
-    c.drain()
-    c.evict_device(3 * P)
-    match = c.match_prefix(a)
-    assert match.host_node is not None
+    _, host_node = _host_only(h)
 
     def broken(num_tokens: int) -> object:
         raise RuntimeError("allocator broke")
@@ -97,7 +99,7 @@ def test_load_back_releases_both_locks_when_allocation_raises(
     with monkeypatch.context() as m:
         m.setattr(c, "_alloc_device", broken)
         with pytest.raises(RuntimeError, match="allocator broke"):
-            c.start_load_back(match.host_node)
+            c.start_load_back(host_node)
     assert c.device_tree.num_locked == 0
     assert c.tier.num_locked == 0
     c.check_integrity()
@@ -242,15 +244,10 @@ def test_a_timed_out_load_back_is_no_failure_when_its_late_ack_commits(
 ) -> None:
     h = _build(closing)
     c = h.cache
-    key = RadixKey(list(range(1, 3 * P + 1)))
-    _insert(h, key)
-    c.drain()
-    c.evict_device(3 * P)
-    match = c.match_prefix(key)
-    assert match.host_node is not None
+    key, host_node = _host_only(h)
     with monkeypatch.context() as m:
         _stall_acks(h, m)
-        back = c.load_back(match.host_node)
+        back = c.load_back(host_node)
     assert back.loaded_len == 0
     assert c.counters.transfer_timeouts == 1
     c.drain()  # the late ack commits the load
@@ -296,11 +293,11 @@ def test_integrity_sees_a_host_slot_held_twice_and_a_foreign_receipt(
 def test_a_backup_remembers_only_the_last_windows_swa_pages() -> None:
     # The WINDOW restore rule acknowledges `done` pages when the SWA pages of the last window
     # before `done` are stored; SWA pages before that window may have failed.
-    h = make_swa_hierarchy(page_size=P)
+    h = make_hierarchy("swa", page_size=P)
     try:
         c = h.cache
         tokens = list(range(1, 4 * P + 1))
-        serve_swa(h, tokens)
+        serve(h, tokens)
         c.drain()
         node = node_at(h.tree, RadixKey(tokens))
         assert node is not None

@@ -12,16 +12,14 @@ device or by transfers), so the allocation depends on what eviction can free.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
+import pytest
 import torch
 
-from kvstrata.testkit.tiers import (
-    MambaHierarchy,
-    SWAHierarchy,
-    make_mamba_hierarchy,
-    make_swa_hierarchy,
-    serve_mamba,
-    serve_swa,
-)
+from kvstrata.pool_host import HostSlotAllocator
+from kvstrata.testkit.tiers import Hierarchy, Shape, make_hierarchy, serve
 from kvstrata.unified_radix_cache import HierarchicalCache, RadixKey, TreeNode
 
 P = 4
@@ -50,11 +48,11 @@ def _end_node(cache: HierarchicalCache, tokens: list[int]) -> TreeNode | None:
     return None
 
 
-def _swa_non_holder(h: SWAHierarchy, base: int) -> TreeNode:
+def _swa_non_holder(h: Hierarchy, base: int) -> TreeNode:
     """Write a 16-token prefix through, push it off the device, host-evict its window node:
     its head stays as a host candidate without host SWA slots."""
     cache = h.cache
-    serve_swa(h, _tokens(base, 4 * P))
+    serve(h, _tokens(base, 4 * P))
     cache.evict_device(cache.device_tree.evictable_size())
     assert cache.evict_host(2 * P) == 2 * P
     head = _end_node(cache, _tokens(base, 2 * P))
@@ -62,13 +60,13 @@ def _swa_non_holder(h: SWAHierarchy, base: int) -> TreeNode:
     return head
 
 
-def _mamba_non_holder(h: MambaHierarchy, base: int) -> TreeNode:
+def _mamba_non_holder(h: Hierarchy, base: int) -> TreeNode:
     """Two prefixes sharing 8 tokens, off the device, both ends host-evicted: the shared head
     stays as a host candidate without a host state."""
     cache = h.cache
     first = _tokens(base, 4 * P)
-    serve_mamba(h, first)
-    serve_mamba(h, first[: 2 * P] + _tokens(base + 500, 2 * P))
+    serve(h, first)
+    serve(h, first[: 2 * P] + _tokens(base + 500, 2 * P))
     cache.evict_device(cache.device_tree.evictable_size())
     assert cache.evict_host(4 * P) == 4 * P
     head = _end_node(cache, first[: 2 * P])
@@ -76,107 +74,97 @@ def _mamba_non_holder(h: MambaHierarchy, base: int) -> TreeNode:
     return head
 
 
-def test_failed_host_swa_allocation_evicts_nothing() -> None:
-    """The reviewer's R3 scene: host SWA slots are all taken by copies that cannot be evicted;
-    a write wanting host SWA slots must not host-evict copies that hold none."""
-    h = make_swa_hierarchy(page_size=P, device_pages=64, host_pages=64)
+class ComponentPool(NamedTuple):
+    """What the scenes read of one component's host pool, per shape."""
+
+    shape: Shape
+    non_holder: Callable[[Hierarchy, int], TreeNode]
+    host_value: Callable[[TreeNode], torch.Tensor | None]
+    allocator: Callable[[HierarchicalCache], HostSlotAllocator | None]
+    #: The tier's count of what its eviction candidates hold of this pool.
+    candidates: Callable[[HierarchicalCache], int]
+    #: What one candidate holding this pool counts for.
+    held_by: Callable[[TreeNode], int]
+    #: Tokens host-evicted with the holder (its whole host run).
+    holder_tokens: int
+
+
+POOLS = [
+    ComponentPool(
+        "swa",
+        _swa_non_holder,
+        lambda node: node.host_swa,
+        lambda cache: cache.host_swa_allocator,
+        lambda cache: cache.tier.candidate_swa_size,
+        lambda node: len(node.host_swa) if node.host_swa is not None else 0,
+        2 * P,
+    ),
+    ComponentPool(
+        "mamba",
+        _mamba_non_holder,
+        lambda node: node.host_state,
+        lambda cache: cache.host_state_allocator,
+        lambda cache: cache.tier.candidate_states,
+        lambda node: 1,
+        4 * P,
+    ),
+]
+
+
+@pytest.mark.parametrize("pool", POOLS, ids=lambda p: p.shape)
+def test_failed_host_component_allocation_evicts_nothing(pool: ComponentPool) -> None:
+    """The reviewer's R3 scene: the component's host slots are all taken by copies that cannot
+    be evicted; a write wanting some must not host-evict copies that hold none."""
+    h = make_hierarchy(pool.shape, page_size=P, device_pages=64, host_pages=64)
     cache = h.cache
     try:
-        _swa_non_holder(h, 1000)
-        serve_swa(h, _tokens(9000, 4 * P))  # stays on the device: its host SWA copy is pinned
-        assert cache.tier.candidate_swa_size == 0
+        pool.non_holder(h, 1000)
+        if pool.shape == "swa":
+            serve(h, _tokens(9000, 4 * P))  # stays on the device: its host SWA copy is pinned
+        assert pool.candidates(cache) == 0
         before = set(_host_nodes(cache))
         evicted = cache.counters.host_evicted_tokens
-        hoard = cache.host_swa_allocator
+        hoard = pool.allocator(cache)
         assert hoard is not None
         held = hoard.alloc(hoard.available_size())
         assert held is not None
-        serve_swa(h, _tokens(7000, 3 * P), check=False)  # write_through wants host SWA slots
+        serve(h, _tokens(7000, 3 * P), check=False)  # write_through wants component slots
         assert cache.counters.host_evicted_tokens == evicted, "evicted for a hopeless allocation"
         assert before <= set(_host_nodes(cache)), "a host copy went for nothing"
         written = _end_node(cache, _tokens(7000, 3 * P))
-        assert written is not None and written.host_swa is None, "the pages went alone"
+        assert written is not None and pool.host_value(written) is None, "the pages went alone"
         hoard.free(held)
         cache.check_integrity()
     finally:
         cache.controller.close()
 
 
-def test_host_swa_allocation_evicts_only_holders() -> None:
-    """An older candidate without host SWA slots comes first in LRU order; the allocation skips
-    it and evicts the newer candidate holding host SWA slots, and succeeds."""
-    h = make_swa_hierarchy(page_size=P, device_pages=64, host_pages=64)
+@pytest.mark.parametrize("pool", POOLS, ids=lambda p: p.shape)
+def test_host_component_allocation_evicts_only_holders(pool: ComponentPool) -> None:
+    """An older candidate without the component's host slots comes first in LRU order; the
+    allocation skips it and evicts the newer candidate holding some, and succeeds."""
+    h = make_hierarchy(pool.shape, page_size=P, device_pages=64, host_pages=64)
     cache = h.cache
     try:
-        old = _swa_non_holder(h, 1000)
-        serve_swa(h, _tokens(2000, 4 * P))
+        old = pool.non_holder(h, 1000)
+        serve(h, _tokens(2000, 4 * P))
         cache.evict_device(cache.device_tree.evictable_size())
         holder = _end_node(cache, _tokens(2000, 4 * P))
-        assert holder is not None and holder.host_swa is not None and holder in cache.tier.heap
-        assert cache.tier.candidate_swa_size == len(holder.host_swa)
+        assert holder is not None and pool.host_value(holder) is not None
+        assert holder in cache.tier.heap
+        assert pool.candidates(cache) == pool.held_by(holder)
         cache.check_integrity()
-        hoard = cache.host_swa_allocator
+        hoard = pool.allocator(cache)
         assert hoard is not None
         held = hoard.alloc(hoard.available_size())
         assert held is not None
         evicted = cache.counters.host_evicted_tokens
-        serve_swa(h, _tokens(7000, 3 * P), check=False)
-        assert old.id in _host_nodes(cache), "a candidate without host SWA slots was evicted"
+        serve(h, _tokens(7000, 3 * P), check=False)
+        assert old.id in _host_nodes(cache), "a candidate without component slots was evicted"
         assert holder.id not in _host_nodes(cache)
-        assert cache.counters.host_evicted_tokens == evicted + 2 * P
+        assert cache.counters.host_evicted_tokens == evicted + pool.holder_tokens
         written = _end_node(cache, _tokens(7000, 3 * P))
-        assert written is not None and written.host_swa is not None, "the window went too"
-        hoard.free(held)
-        cache.check_integrity()
-    finally:
-        cache.controller.close()
-
-
-def test_failed_host_state_allocation_evicts_nothing() -> None:
-    h = make_mamba_hierarchy(page_size=P, device_pages=64, host_pages=64)
-    cache = h.cache
-    try:
-        _mamba_non_holder(h, 1000)
-        assert cache.tier.candidate_states == 0
-        before = set(_host_nodes(cache))
-        evicted = cache.counters.host_evicted_tokens
-        hoard = cache.host_state_allocator
-        assert hoard is not None
-        held = hoard.alloc(hoard.available_size())
-        assert held is not None
-        serve_mamba(h, _tokens(7000, 3 * P), check=False)  # write_through wants a host state
-        assert cache.counters.host_evicted_tokens == evicted, "evicted for a hopeless allocation"
-        assert before <= set(_host_nodes(cache)), "a host copy went for nothing"
-        written = _end_node(cache, _tokens(7000, 3 * P))
-        assert written is not None and written.host_state is None, "the pages went alone"
-        hoard.free(held)
-        cache.check_integrity()
-    finally:
-        cache.controller.close()
-
-
-def test_host_state_allocation_evicts_only_holders() -> None:
-    h = make_mamba_hierarchy(page_size=P, device_pages=64, host_pages=64)
-    cache = h.cache
-    try:
-        old = _mamba_non_holder(h, 1000)
-        serve_mamba(h, _tokens(2000, 4 * P))
-        cache.evict_device(cache.device_tree.evictable_size())
-        holder = _end_node(cache, _tokens(2000, 4 * P))
-        assert holder is not None and holder.host_state is not None and holder in cache.tier.heap
-        assert cache.tier.candidate_states == 1
-        cache.check_integrity()
-        hoard = cache.host_state_allocator
-        assert hoard is not None
-        held = hoard.alloc(hoard.available_size())
-        assert held is not None
-        evicted = cache.counters.host_evicted_tokens
-        serve_mamba(h, _tokens(7000, 3 * P), check=False)
-        assert old.id in _host_nodes(cache), "a candidate without a host state was evicted"
-        assert holder.id not in _host_nodes(cache)
-        assert cache.counters.host_evicted_tokens == evicted + 4 * P
-        written = _end_node(cache, _tokens(7000, 3 * P))
-        assert written is not None and written.host_state is not None
+        assert written is not None and pool.host_value(written) is not None, "it went too"
         hoard.free(held)
         cache.check_integrity()
     finally:
@@ -186,11 +174,11 @@ def test_host_state_allocation_evicts_only_holders() -> None:
 def test_candidate_counts_follow_a_split_and_a_lock() -> None:
     """A split of a candidate moves its head's host SWA slots out of the candidate count (the
     head has a child); a host lock takes a candidate out of it, the unlock puts it back."""
-    h = make_swa_hierarchy(page_size=P, device_pages=64, host_pages=64)
+    h = make_hierarchy("swa", page_size=P, device_pages=64, host_pages=64)
     cache = h.cache
     tier = cache.tier
     try:
-        serve_swa(h, _tokens(1000, 4 * P))
+        serve(h, _tokens(1000, 4 * P))
         cache.evict_device(cache.device_tree.evictable_size())
         assert tier.candidate_swa_size == 2 * P
         tail = _end_node(cache, _tokens(1000, 4 * P))

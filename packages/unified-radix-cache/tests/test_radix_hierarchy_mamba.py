@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from kvstrata.testkit.tiers import (
-    MambaHierarchy,
+    Hierarchy,
     assert_prefix_kv,
     assert_prefix_state,
-    make_mamba_hierarchy,
-    scramble,
-    serve_mamba,
+    make_hierarchy,
+    scramble_free_device,
+    serve,
     write_prefix_kv,
     write_prefix_state,
 )
@@ -33,28 +33,15 @@ from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 P = 4
 
 
-def _build(closing: list[MambaHierarchy], **kw: object) -> MambaHierarchy:
-    h = make_mamba_hierarchy(page_size=P, **kw)  # type: ignore[arg-type]
+def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:
+    h = make_hierarchy("mamba", page_size=P, **kw)  # type: ignore[arg-type]
     closing.append(h)
     return h
 
 
-def _scramble_free(h: MambaHierarchy, seed: int) -> None:
-    """Overwrite every free device KV page and state slot: what comes back must come from the
-    host copies, not from bytes the device happened to keep."""
-    taken = h.allocator.alloc(h.allocator.available_size())
-    if taken is not None and len(taken):
-        scramble(h.device_pool, taken, seed=seed)
-        h.allocator.free(taken)
-    states = h.states.alloc(h.states.available_size())
-    if states is not None and len(states):
-        scramble(h.mamba_pool, states, seed=seed + 1)
-        h.states.free(states)
-
-
-def test_write_through_carries_the_state_to_the_host(closing: list[MambaHierarchy]) -> None:
+def test_write_through_carries_the_state_to_the_host(closing: list[Hierarchy]) -> None:
     h = _build(closing)
-    serve_mamba(h, list(range(1, 3 * P + 1)))
+    serve(h, list(range(1, 3 * P + 1)))
     node = node_at(h.tree, RadixKey(list(range(1, 3 * P + 1))))
     assert node is not None
     assert node.host_value is not None and node.host_state is not None
@@ -66,30 +53,30 @@ def test_write_through_carries_the_state_to_the_host(closing: list[MambaHierarch
 
 
 def test_round_trips_are_bit_identical_through_write_evict_load(
-    closing: list[MambaHierarchy],
+    closing: list[Hierarchy],
 ) -> None:
     h = _build(closing, device_pages=12)
     a = list(range(1, 3 * P + 1))
     b = [*a, *range(50, 50 + 2 * P)]
-    assert serve_mamba(h, [*a, 99, 98, 97, 96]) == 0
+    assert serve(h, [*a, 99, 98, 97, 96]) == 0
     # b shares a's first 3 pages, but the state there is not cached (it ends inside a node).
-    assert serve_mamba(h, b) == 0
+    assert serve(h, b) == 0
     for cycle in range(4):
         h.cache.evict_device(h.tree.evictable_size())
         assert h.tree.evictable_size() == 0 and h.tree.evictable_size("mamba") == 0
         h.cache.check_integrity()
-        _scramble_free(h, seed=cycle)
+        scramble_free_device(h, seed=cycle)
         # The whole of b comes back from the host (pages + the state at its end).
-        hit = serve_mamba(h, [*b, 7, 7, 7, 7])
+        hit = serve(h, [*b, 7, 7, 7, 7])
         assert hit == len(b)
         assert h.cache.counters.loaded_tokens > 0
     assert h.cache.counters.host_hit_tokens >= 4 * len(b)
 
 
-def test_host_hit_ends_only_where_a_state_is_restorable(closing: list[MambaHierarchy]) -> None:
+def test_host_hit_ends_only_where_a_state_is_restorable(closing: list[Hierarchy]) -> None:
     h = _build(closing)
     a = list(range(1, 4 * P + 1))
-    serve_mamba(h, a)
+    serve(h, a)
     h.cache.evict_device(h.tree.evictable_size())
     # A query ending inside a's node: the split head has pages on the host but no state.
     m = h.cache.match_prefix(RadixKey(a[: 3 * P]))
@@ -100,10 +87,10 @@ def test_host_hit_ends_only_where_a_state_is_restorable(closing: list[MambaHiera
     h.cache.check_integrity()
 
 
-def test_a_tombstoned_device_state_is_loaded_alone(closing: list[MambaHierarchy]) -> None:
+def test_a_tombstoned_device_state_is_loaded_alone(closing: list[Hierarchy]) -> None:
     h = _build(closing)
     a = list(range(1, 3 * P + 1))
-    serve_mamba(h, a)
+    serve(h, a)
     moved = h.cache.counters.loaded_tokens
     # Mamba eviction drops the device state; the pages stay on the device (a leaf with a host
     # copy is kept, not removed).
@@ -112,34 +99,34 @@ def test_a_tombstoned_device_state_is_loaded_alone(closing: list[MambaHierarchy]
     assert node is not None and node.on_device and node.host_state is not None
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
     assert m.device.prefix_len == 0 and m.host_hit_len == len(a)
-    _scramble_free(h, seed=3)
-    assert serve_mamba(h, [*a, 5, 5, 5, 5]) == len(a)
+    scramble_free_device(h, seed=3)
+    assert serve(h, [*a, 5, 5, 5, 5]) == len(a)
     assert h.cache.counters.loaded_tokens == moved  # no page moved, only the state
 
 
-def test_no_host_state_slot_means_a_shorter_hit(closing: list[MambaHierarchy]) -> None:
+def test_no_host_state_slot_means_a_shorter_hit(closing: list[Hierarchy]) -> None:
     h = _build(closing, host_pages=32)
     allocator = h.cache.host_state_allocator
     assert allocator is not None
     hoard = allocator.alloc(allocator.available_size())
     assert hoard is not None
     a = list(range(1, 3 * P + 1))
-    serve_mamba(h, a, check=False)  # pages go to the host, the state cannot
+    serve(h, a, check=False)  # pages go to the host, the state cannot
     node = node_at(h.tree, RadixKey(a))
     assert node is not None and node.host_value is not None and node.host_state is None
     h.cache.evict_device(h.tree.evictable_size())
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
     assert m.device.prefix_len == 0 and m.host_hit_len == 0
     # Recomputed, never restored without its state.
-    assert serve_mamba(h, [*a, 5, 5, 5, 5], check=False) == 0
+    assert serve(h, [*a, 5, 5, 5, 5], check=False) == 0
     allocator.free(hoard)
     h.cache.check_integrity()
 
 
-def test_no_device_state_slot_refuses_the_load(closing: list[MambaHierarchy]) -> None:
+def test_no_device_state_slot_refuses_the_load(closing: list[Hierarchy]) -> None:
     h = _build(closing)
     a = list(range(1, 3 * P + 1))
-    serve_mamba(h, a)
+    serve(h, a)
     h.cache.evict_device(h.tree.evictable_size())
     hoard = h.states.alloc(h.states.available_size())
     assert hoard is not None
@@ -149,14 +136,14 @@ def test_no_device_state_slot_refuses_the_load(closing: list[MambaHierarchy]) ->
     assert result.loaded_len == 0 and h.cache.counters.load_backs_refused == 1
     h.cache.check_integrity({"mamba": len(hoard)})
     h.states.free(hoard)
-    _scramble_free(h, seed=5)
-    assert serve_mamba(h, [*a, 5, 5, 5, 5]) == len(a)
+    scramble_free_device(h, seed=5)
+    assert serve(h, [*a, 5, 5, 5, 5]) == len(a)
 
 
-def test_host_eviction_frees_host_state_slots(closing: list[MambaHierarchy]) -> None:
+def test_host_eviction_frees_host_state_slots(closing: list[Hierarchy]) -> None:
     h = _build(closing)
-    serve_mamba(h, list(range(1, 3 * P + 1)))
-    serve_mamba(h, list(range(100, 100 + 2 * P)))
+    serve(h, list(range(1, 3 * P + 1)))
+    serve(h, list(range(100, 100 + 2 * P)))
     assert h.cache.tier.num_host_states == 2
     h.cache.evict_device(h.tree.evictable_size())
     h.cache.evict_host(10**6)
@@ -167,23 +154,7 @@ def test_host_eviction_frees_host_state_slots(closing: list[MambaHierarchy]) -> 
     h.cache.check_integrity()
 
 
-@pytest.mark.parametrize("policy", [WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH_SELECTIVE])
-def test_other_write_policies_carry_the_state(
-    closing: list[MambaHierarchy], policy: WritePolicy
-) -> None:
-    h = _build(closing, write_policy=policy)
-    a = list(range(1, 3 * P + 1))
-    serve_mamba(h, [*a, 9, 9, 9, 9])
-    for _ in range(2):  # selective: the prefix is written once it is hit the second time
-        assert serve_mamba(h, [*a, 9, 9, 9, 9, 8, 8, 8, 8]) == len(a) + P
-    h.cache.evict_device(h.tree.evictable_size())
-    h.cache.drain()
-    assert h.tree.evictable_size() == 0
-    _scramble_free(h, seed=7)
-    assert serve_mamba(h, [*a, 9, 9, 9, 9, 1, 1, 1, 1]) == len(a) + P
-
-
-def test_refusals(closing: list[MambaHierarchy]) -> None:
+def test_refusals(closing: list[Hierarchy]) -> None:
     h = _build(closing)
     tiers = h.tiers
     with pytest.raises(InvalidConfig, match="host_state_allocator"):
@@ -202,10 +173,10 @@ def test_refusals(closing: list[MambaHierarchy]) -> None:
     assert TierParams().write_policy is WritePolicy.WRITE_THROUGH
 
 
-def test_layer_wise_load_brings_pages_and_state(closing: list[MambaHierarchy]) -> None:
+def test_layer_wise_load_brings_pages_and_state(closing: list[Hierarchy]) -> None:
     h = _build(closing)
     a = list(range(1, 3 * P + 1))
-    serve_mamba(h, a)
+    serve(h, a)
     h.cache.evict_device(h.tree.evictable_size())
     node = node_at(h.tree, RadixKey(a))
     assert node is not None and not node.on_device
@@ -227,10 +198,10 @@ def test_layer_wise_load_brings_pages_and_state(closing: list[MambaHierarchy]) -
     h.cache.check_integrity()
 
 
-def test_a_failed_load_frees_the_state_slot_too(closing: list[MambaHierarchy]) -> None:
+def test_a_failed_load_frees_the_state_slot_too(closing: list[Hierarchy]) -> None:
     h = _build(closing)
     a = list(range(1, 2 * P + 1))
-    serve_mamba(h, a)
+    serve(h, a)
     h.cache.evict_device(h.tree.evictable_size())
     node = node_at(h.tree, RadixKey(a))
     assert node is not None
@@ -249,7 +220,7 @@ def test_a_failed_load_frees_the_state_slot_too(closing: list[MambaHierarchy]) -
     h.cache.check_integrity()
 
 
-def test_a_failed_write_leaves_no_host_state(closing: list[MambaHierarchy]) -> None:
+def test_a_failed_write_leaves_no_host_state(closing: list[Hierarchy]) -> None:
     h = _build(closing)
 
     def broken(*args: object, **kwargs: object) -> None:
@@ -257,7 +228,7 @@ def test_a_failed_write_leaves_no_host_state(closing: list[MambaHierarchy]) -> N
 
     h.cache.controller.group.backup = broken
     a = list(range(1, 2 * P + 1))
-    serve_mamba(h, a)
+    serve(h, a)
     node = node_at(h.tree, RadixKey(a))
     assert node is not None and node.host_value is None and node.host_state is None
     allocator = h.cache.host_state_allocator
@@ -266,11 +237,11 @@ def test_a_failed_write_leaves_no_host_state(closing: list[MambaHierarchy]) -> N
 
 
 def test_the_device_tree_api_copies_the_state_on_a_tiered_tree(
-    closing: list[MambaHierarchy],
+    closing: list[Hierarchy],
 ) -> None:
     h = _build(closing)
     a = list(range(1, 2 * P + 1))
-    serve_mamba(h, a)
+    serve(h, a)
     ids = torch.tensor([*a, 3, 3, 3, 3], dtype=torch.int64)
     req = h.tree.begin_request(RadixKey(ids))
     assert req.cached_len == len(a) and req.state_slot is not None
@@ -284,7 +255,7 @@ def test_the_device_tree_api_copies_the_state_on_a_tiered_tree(
     h.cache.check_integrity()
 
 
-def test_insert_with_a_state_and_the_host_state_gauge(closing: list[MambaHierarchy]) -> None:
+def test_insert_with_a_state_and_the_host_state_gauge(closing: list[Hierarchy]) -> None:
     from prometheus_client import CollectorRegistry
 
     from kvstrata.unified_radix_cache import MambaInsert
@@ -307,5 +278,5 @@ def test_insert_with_a_state_and_the_host_state_gauge(closing: list[MambaHierarc
     )
     assert held == 1
     h.cache.evict_device(h.tree.evictable_size())
-    _scramble_free(h, seed=11)
-    assert serve_mamba(h, [*ids.tolist(), 4, 4, 4, 4]) == len(ids)
+    scramble_free_device(h, seed=11)
+    assert serve(h, [*ids.tolist(), 4, 4, 4, 4]) == len(ids)

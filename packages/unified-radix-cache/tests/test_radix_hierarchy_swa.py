@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvstrata.allocator import SWAAllocator
-from kvstrata.testkit.tiers import SWAHierarchy, make_swa_hierarchy, scramble, serve_swa
+from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, scramble_free_device, serve
 from kvstrata.unified_radix_cache import (
     EvictRequest,
     FullComponent,
@@ -20,36 +20,26 @@ from kvstrata.unified_radix_cache import (
 from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
 from kvstrata.unified_radix_cache.paths import node_at
-from kvstrata.unified_radix_cache.tiers import WritePolicy
 
 P = 4
 
 
-def _build(closing: list[SWAHierarchy], **kw: object) -> SWAHierarchy:
-    h = make_swa_hierarchy(page_size=P, **kw)  # type: ignore[arg-type]
+def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:
+    h = make_hierarchy("swa", page_size=P, **kw)  # type: ignore[arg-type]
     closing.append(h)
     return h
 
 
-def _scramble_free(h: SWAHierarchy, seed: int) -> None:
-    """Overwrite every free full and SWA device page: what comes back must come from the host."""
-    taken = h.allocator.alloc(h.allocator.available_size())
-    if taken is not None and len(taken):
-        scramble(h.full_pool, taken, seed=seed)
-        scramble(h.swa_pool, h.allocator.translate(taken), seed=seed + 1)
-        h.allocator.free(taken)
-
-
-def _host_swa(h: SWAHierarchy) -> int:
+def _host_swa(h: Hierarchy) -> int:
     allocator = h.cache.host_swa_allocator
     assert allocator is not None
     return allocator.size - allocator.available_size()
 
 
-def test_a_write_copies_only_the_window_of_swa_pages(closing: list[SWAHierarchy]) -> None:
+def test_a_write_copies_only_the_window_of_swa_pages(closing: list[Hierarchy]) -> None:
     h = _build(closing)
     a = list(range(1, 5 * P + 1))
-    serve_swa(h, a)
+    serve(h, a)
     node = node_at(h.tree, RadixKey(a))
     assert node is not None and node.host_swa is not None
     # The write split the node at the window: the head has full pages on the host only.
@@ -62,31 +52,31 @@ def test_a_write_copies_only_the_window_of_swa_pages(closing: list[SWAHierarchy]
     assert h.cache.counters.bytes_d2h == pages
 
 
-def test_round_trips_are_bit_identical(closing: list[SWAHierarchy]) -> None:
+def test_round_trips_are_bit_identical(closing: list[Hierarchy]) -> None:
     h = _build(closing, device_pages=12)
     a = list(range(1, 4 * P + 1))
     b = [*a, *range(50, 50 + 3 * P)]
-    assert serve_swa(h, a) == 0
-    assert serve_swa(h, b) == len(a)
+    assert serve(h, a) == 0
+    assert serve(h, b) == len(a)
     for cycle in range(4):
         h.cache.evict_device(h.tree.evictable_size())
         assert h.tree.evictable_size() == 0 and h.tree.evictable_size("swa") == 0
         h.cache.check_integrity()
-        _scramble_free(h, seed=cycle)
+        scramble_free_device(h, seed=cycle)
         # All of b comes back: its full pages, and the SWA pages of its last window.
-        assert serve_swa(h, [*b, 7, 7, 7, 7]) == len(b)
+        assert serve(h, [*b, 7, 7, 7, 7]) == len(b)
         h.cache.evict_device(h.tree.evictable_size())
-        _scramble_free(h, seed=10 + cycle)
+        scramble_free_device(h, seed=10 + cycle)
         # a's end has its own host window (written when a was served).
-        assert serve_swa(h, [*a, 9, 9, 9, 9]) == len(a)
+        assert serve(h, [*a, 9, 9, 9, 9]) == len(a)
     assert h.cache.counters.loaded_tokens > 0
     h.cache.check_integrity()
 
 
-def test_host_hit_ends_where_a_window_is_restorable(closing: list[SWAHierarchy]) -> None:
+def test_host_hit_ends_where_a_window_is_restorable(closing: list[Hierarchy]) -> None:
     h = _build(closing)
     a = list(range(1, 6 * P + 1))
-    serve_swa(h, a)
+    serve(h, a)
     h.cache.evict_device(h.tree.evictable_size())
     # Inside a, 4 pages in: the window before it was never copied to the host.
     m = h.cache.match_prefix(RadixKey([*a[: 4 * P], 5, 5, 5, 5]))
@@ -97,24 +87,24 @@ def test_host_hit_ends_where_a_window_is_restorable(closing: list[SWAHierarchy])
 
 
 def test_a_device_swa_tombstone_is_not_restored_from_the_host(
-    closing: list[SWAHierarchy],
+    closing: list[Hierarchy],
 ) -> None:
     h = _build(closing)
     a = list(range(1, 4 * P + 1))
-    serve_swa(h, a)
+    serve(h, a)
     # SWA eviction tombstones the window node: full pages stay on the device, SWA slots go.
     h.tree.evict(EvictRequest(targets={"swa": 10**6}))
     assert h.tree.evictable_size("swa") == 0
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
     assert m.prefix_len == 0  # (the allocator cannot give existing full slots new SWA slots)
-    assert serve_swa(h, [*a, 5, 5, 5, 5]) == 0
+    assert serve(h, [*a, 5, 5, 5, 5]) == 0
     h.cache.check_integrity()
 
 
-def test_evictions_free_both_pools_on_both_tiers(closing: list[SWAHierarchy]) -> None:
+def test_evictions_free_both_pools_on_both_tiers(closing: list[Hierarchy]) -> None:
     h = _build(closing)
-    serve_swa(h, list(range(1, 3 * P + 1)))
-    serve_swa(h, list(range(100, 100 + 4 * P)))
+    serve(h, list(range(1, 3 * P + 1)))
+    serve(h, list(range(100, 100 + 4 * P)))
     assert _host_swa(h) == 2 * h.window
     h.cache.evict_device(h.tree.evictable_size())
     assert h.allocator.full_available_size() == h.allocator.full_size
@@ -125,30 +115,14 @@ def test_evictions_free_both_pools_on_both_tiers(closing: list[SWAHierarchy]) ->
     h.cache.check_integrity()
 
 
-@pytest.mark.parametrize("policy", [WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH_SELECTIVE])
-def test_other_write_policies_copy_the_window(
-    closing: list[SWAHierarchy], policy: WritePolicy
-) -> None:
-    h = _build(closing, write_policy=policy)
-    a = list(range(1, 3 * P + 1))
-    serve_swa(h, [*a, 9, 9, 9, 9])
-    for _ in range(2):
-        assert serve_swa(h, [*a, 9, 9, 9, 9, 8, 8, 8, 8]) == len(a) + P
-    h.cache.evict_device(h.tree.evictable_size())
-    h.cache.drain()
-    assert h.tree.evictable_size() == 0
-    _scramble_free(h, seed=7)
-    assert serve_swa(h, [*a, 9, 9, 9, 9, 1, 1, 1, 1]) == len(a) + P
-
-
-def test_no_host_swa_room_means_a_shorter_hit(closing: list[SWAHierarchy]) -> None:
+def test_no_host_swa_room_means_a_shorter_hit(closing: list[Hierarchy]) -> None:
     h = _build(closing)
     allocator = h.cache.host_swa_allocator
     assert allocator is not None
     hoard = allocator.alloc(allocator.available_size())
     assert hoard is not None
     a = list(range(1, 3 * P + 1))
-    serve_swa(h, a, check=False)
+    serve(h, a, check=False)
     node = node_at(h.tree, RadixKey(a))
     assert node is not None and node.host_value is not None and node.host_swa is None
     h.cache.evict_device(h.tree.evictable_size())
@@ -158,10 +132,10 @@ def test_no_host_swa_room_means_a_shorter_hit(closing: list[SWAHierarchy]) -> No
     h.cache.check_integrity()
 
 
-def test_layer_wise_load_brings_full_and_swa_layers(closing: list[SWAHierarchy]) -> None:
+def test_layer_wise_load_brings_full_and_swa_layers(closing: list[Hierarchy]) -> None:
     h = _build(closing)
     a = list(range(1, 3 * P + 1))
-    serve_swa(h, a)
+    serve(h, a)
     h.cache.evict_device(h.tree.evictable_size())
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
     assert m.host_hit_len == len(a)
@@ -174,16 +148,16 @@ def test_layer_wise_load_brings_full_and_swa_layers(closing: list[SWAHierarchy])
     group = h.cache.controller.group
     assert h.cache.counters.bytes_h2d == 3 * group.page_bytes("full") + 2 * group.page_bytes("swa")
     h.cache.check_integrity()
-    _scramble_free(h, seed=2)
-    assert serve_swa(h, [*a, 5, 5, 5, 5]) == len(a)
+    scramble_free_device(h, seed=2)
+    assert serve(h, [*a, 5, 5, 5, 5]) == len(a)
 
 
 def test_a_failed_load_frees_full_and_swa_slots(
-    closing: list[SWAHierarchy], monkeypatch: pytest.MonkeyPatch
+    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     h = _build(closing)
     a = list(range(1, 3 * P + 1))
-    serve_swa(h, a)
+    serve(h, a)
     h.cache.evict_device(h.tree.evictable_size())
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
 
@@ -198,10 +172,10 @@ def test_a_failed_load_frees_full_and_swa_slots(
     assert h.allocator.full_available_size() == h.allocator.full_size
     assert h.allocator.swa_available_size() == h.allocator.swa_size
     h.cache.check_integrity()
-    assert serve_swa(h, [*a, 5, 5, 5, 5]) == len(a)
+    assert serve(h, [*a, 5, 5, 5, 5]) == len(a)
 
 
-def test_refusals(closing: list[SWAHierarchy]) -> None:
+def test_refusals(closing: list[Hierarchy]) -> None:
     """An SWA tree needs the host SWA allocator (storage: test_radix_hierarchy_swa_storage)."""
     h = _build(closing)
     tiers = h.tiers
@@ -220,10 +194,10 @@ def test_refusals(closing: list[SWAHierarchy]) -> None:
         )
 
 
-def test_integrity_catches_a_leaked_host_swa_copy(closing: list[SWAHierarchy]) -> None:
+def test_integrity_catches_a_leaked_host_swa_copy(closing: list[Hierarchy]) -> None:
     h = _build(closing)
     a = list(range(1, 3 * P + 1))
-    serve_swa(h, a)
+    serve(h, a)
     node = node_at(h.tree, RadixKey(a))
     assert node is not None and node.host_swa is not None
     value = node.host_swa
@@ -234,13 +208,13 @@ def test_integrity_catches_a_leaked_host_swa_copy(closing: list[SWAHierarchy]) -
     h.cache.check_integrity()
 
 
-def test_collector_reports_host_swa_slots(closing: list[SWAHierarchy]) -> None:
+def test_collector_reports_host_swa_slots(closing: list[Hierarchy]) -> None:
     from prometheus_client import CollectorRegistry
 
     from kvstrata.unified_radix_cache.tier_metrics import TierCacheCollector
 
     h = _build(closing)
-    serve_swa(h, list(range(1, 3 * P + 1)))
+    serve(h, list(range(1, 3 * P + 1)))
     registry = CollectorRegistry()
     registry.register(TierCacheCollector(h.cache, labels={"instance": "s"}))
     labels = {"instance": "s"}

@@ -10,7 +10,7 @@ import pytest
 
 from kvstrata.hybrid_cache import PrefetchPolicy
 from kvstrata.storage import FaultInjectingStorage, FaultRules, MemoryStorage, Storage
-from kvstrata.testkit.tiers import SWAHierarchy, make_swa_hierarchy, scramble, serve_swa
+from kvstrata.testkit.tiers import Hierarchy, drop_all_but_storage, make_hierarchy, serve
 from kvstrata.unified_radix_cache import RadixKey
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams
@@ -19,43 +19,24 @@ P = 4
 PARAMS = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
 
 
-def _build(closing: list[SWAHierarchy], storage: Storage, **kw: object) -> SWAHierarchy:
+def _build(closing: list[Hierarchy], storage: Storage, **kw: object) -> Hierarchy:
     kw.setdefault("params", PARAMS)
-    h = make_swa_hierarchy(page_size=P, storage=storage, **kw)  # type: ignore[arg-type]
+    h = make_hierarchy("swa", page_size=P, storage=storage, **kw)  # type: ignore[arg-type]
     closing.append(h)
     return h
 
 
-def _drop_everything_but_storage(h: SWAHierarchy, seed: int) -> None:
-    """Evict every device and host copy, and overwrite the freed device and host bytes: what
-    comes back must come from storage."""
-    h.cache.evict_device(h.tree.evictable_size())
-    h.cache.evict_host(10**6)
-    assert h.tree.num_nodes == 0 and h.cache.tier.host_swa_size == 0
-    taken = h.allocator.alloc(h.allocator.available_size())
-    assert taken is not None
-    scramble(h.full_pool, taken, seed=seed)
-    scramble(h.swa_pool, h.allocator.translate(taken), seed=seed + 1)
-    h.allocator.free(taken)
-    for name, pool in h.tiers.hosts.items():
-        zeros = bytes(pool.page_size_bytes)
-        for page in range(pool.size // pool.page_size):
-            pool.write_page_from(page, zeros)
-        assert name in ("full", "swa")
-    h.cache.check_integrity()
-
-
-def _swa_keys(h: SWAHierarchy, tokens: list[int]) -> list[bytes]:
+def _swa_keys(h: Hierarchy, tokens: list[int]) -> list[bytes]:
     group = h.cache.controller.group
     keys = h.cache.keyer.page_keys(RadixKey(tokens).tokens())
     return [group.storage_key("swa", k) for k in keys]
 
 
-def test_backup_stores_the_window_swa_pages(closing: list[SWAHierarchy]) -> None:
+def test_backup_stores_the_window_swa_pages(closing: list[Hierarchy]) -> None:
     storage = MemoryStorage(capacity_bytes=1 << 24)
     h = _build(closing, storage)
     a = list(range(1, 4 * P + 1))
-    serve_swa(h, a)
+    serve(h, a)
     node = node_at(h.tree, RadixKey(a))
     assert node is not None and node.in_storage and node.host_swa is not None
     keys = h.cache.keyer.page_keys(RadixKey(a).tokens())
@@ -70,15 +51,15 @@ def test_backup_stores_the_window_swa_pages(closing: list[SWAHierarchy]) -> None
     )
 
 
-def test_round_trip_through_storage_is_bit_identical(closing: list[SWAHierarchy]) -> None:
+def test_round_trip_through_storage_is_bit_identical(closing: list[Hierarchy]) -> None:
     """device -> host -> storage -> (host evicted) -> prefetch -> load back, three times: the
-    hit's full KV and its window's SWA KV are the ones computed (serve_swa checks every page)."""
+    hit's full KV and its window's SWA KV are the ones computed (serve checks every page)."""
     h = _build(closing, MemoryStorage(capacity_bytes=1 << 24))
     a = list(range(1, 4 * P + 1))
-    serve_swa(h, a)
+    serve(h, a)
     for cycle in range(3):
-        _drop_everything_but_storage(h, seed=cycle)
-        assert serve_swa(h, [*a, 7, 7, 7, 7]) == len(a)
+        drop_all_but_storage(h, seed=cycle)
+        assert serve(h, [*a, 7, 7, 7, 7]) == len(a)
     counters = h.cache.counters
     assert counters.storage_hit_tokens == 3 * len(a)
     group = h.cache.controller.group
@@ -88,32 +69,30 @@ def test_round_trip_through_storage_is_bit_identical(closing: list[SWAHierarchy]
     h.cache.check_integrity()
 
 
-def test_window_before_the_write_is_backed_up_too(closing: list[SWAHierarchy]) -> None:
+def test_window_before_the_write_is_backed_up_too(closing: list[Hierarchy]) -> None:
     """A write whose window reaches back over pages the host (and storage) already had sends
     those pages' SWA pages to storage, so a prefetch can end inside the old part's tail."""
     storage = MemoryStorage(capacity_bytes=1 << 24)
     h = _build(closing, storage, device_pages=24)
     a = list(range(1, 3 * P + 1))
     b = [*a, *range(50, 50 + P)]  # one new page: its window is a's last page + its own
-    serve_swa(h, a)
+    serve(h, a)
     events_before = h.cache.counters.backed_up_tokens
-    serve_swa(h, b)
+    serve(h, b)
     assert h.cache.counters.backed_up_tokens - events_before == P  # only b's page is new
     swa = _swa_keys(h, b)
     assert storage.batch_exists(swa[2:]) == 2
-    _drop_everything_but_storage(h, seed=4)
-    assert serve_swa(h, [*b, 9, 9, 9, 9]) == len(b)
+    drop_all_but_storage(h, seed=4)
+    assert serve(h, [*b, 9, 9, 9, 9]) == len(b)
     h.cache.check_integrity()
 
 
 @pytest.mark.parametrize("fault", ["corrupt_swa", "fail_swa", "corrupt_full"])
-def test_a_bad_swa_or_full_page_gives_a_shorter_hit(
-    closing: list[SWAHierarchy], fault: str
-) -> None:
+def test_a_bad_swa_or_full_page_gives_a_shorter_hit(closing: list[Hierarchy], fault: str) -> None:
     storage = FaultInjectingStorage(MemoryStorage(capacity_bytes=1 << 24))
     h = _build(closing, storage)
     a = list(range(1, 4 * P + 1))
-    serve_swa(h, a)
+    serve(h, a)
     swa = _swa_keys(h, a)
     keys = h.cache.keyer.page_keys(RadixKey(a).tokens())
     bad = {
@@ -121,43 +100,31 @@ def test_a_bad_swa_or_full_page_gives_a_shorter_hit(
         "fail_swa": FaultRules(fail_keys=frozenset({swa[2]})),
         "corrupt_full": FaultRules(corrupt_keys=frozenset({keys[1]})),
     }[fault]
-    _drop_everything_but_storage(h, seed=5)
+    drop_all_but_storage(h, seed=5)
     storage.set_rules(bad)
     # Nothing restorable arrives: the request recomputes (serve checks no wrong KV).
-    assert serve_swa(h, [*a, 2, 2, 2, 2]) == 0
+    assert serve(h, [*a, 2, 2, 2, 2]) == 0
     assert h.cache.counters.short_prefetches == 1
     assert h.cache.counters.storage_hit_tokens == 0
     h.cache.check_integrity()
 
 
 def test_a_lost_window_is_forgotten_and_an_earlier_one_used(
-    closing: list[SWAHierarchy],
+    closing: list[Hierarchy],
 ) -> None:
     storage = MemoryStorage(capacity_bytes=1 << 24)
     h = _build(closing, storage, device_pages=24)
     a = list(range(1, 2 * P + 1))
     b = [*a, *range(50, 50 + 2 * P)]
-    serve_swa(h, a)
-    serve_swa(h, b)
-    _drop_everything_but_storage(h, seed=1)
-    assert serve_swa(h, [*b, 3, 3, 3, 3]) == len(b)
+    serve(h, a)
+    serve(h, b)
+    drop_all_but_storage(h, seed=1)
+    assert serve(h, [*b, 3, 3, 3, 3]) == len(b)
     # Storage loses b's last SWA page: the next prefetch of b gets nothing restorable and
     # forgets that window; the one after falls back to a's window.
     storage.delete([_swa_keys(h, b)[-1]])
-    _drop_everything_but_storage(h, seed=2)
-    assert serve_swa(h, [*b, 4, 4, 4, 4]) == 0
-    _drop_everything_but_storage(h, seed=3)
-    assert serve_swa(h, [*b, 5, 5, 5, 5]) == len(a)
+    drop_all_but_storage(h, seed=2)
+    assert serve(h, [*b, 4, 4, 4, 4]) == 0
+    drop_all_but_storage(h, seed=3)
+    assert serve(h, [*b, 5, 5, 5, 5]) == len(a)
     h.cache.check_integrity()
-
-
-def test_only_windows_this_cache_backed_up_are_prefetched(closing: list[SWAHierarchy]) -> None:
-    storage = MemoryStorage(capacity_bytes=1 << 24)
-    first = _build(closing, storage)
-    a = list(range(1, 3 * P + 1))
-    serve_swa(first, a)
-    other = _build(closing, storage)
-    skipped = other.cache.counters.prefetches_skipped
-    m = other.cache.match_prefix(RadixKey([*a, 1, 1, 1, 1]))
-    assert m.prefetch_id is None and other.cache.counters.prefetches_skipped == skipped + 1
-    other.cache.check_integrity()

@@ -33,6 +33,15 @@ def _insert(h: Hierarchy, tokens: list[int]) -> tuple[RadixKey, list[torch.Tenso
     return key, snapshot(h.device_pool, slots)
 
 
+def _off_device(h: Hierarchy, num_pages: int, *, evict: int) -> tuple[RadixKey, list[torch.Tensor]]:
+    """`_insert` tokens 1.. of `num_pages` pages, wait for the host write, then evict `evict`
+    device tokens (the host copies stay)."""
+    key, expected = _insert(h, list(range(1, num_pages * P + 1)))
+    h.cache.drain()
+    h.cache.evict_device(evict)
+    return key, expected
+
+
 def _path(h: Hierarchy, key: RadixKey) -> list[TreeNode]:
     node = node_at(h.tree, key)
     assert node is not None
@@ -95,9 +104,7 @@ def test_device_eviction_without_host_copy_drops_the_tail(closing: list[Hierarch
 
 def test_insert_over_off_device_nodes_revives_them(closing: list[Hierarchy]) -> None:
     h = _build(closing)
-    key, _ = _insert(h, list(range(1, 2 * P + 1)))
-    h.cache.drain()
-    h.cache.evict_device(2 * P)
+    key, _ = _off_device(h, 2, evict=2 * P)
     (node,) = _path(h, key)
     assert not node.on_device
     slots = h.allocator.alloc(len(key))
@@ -115,9 +122,7 @@ def test_load_back_handle_waits_per_layer_and_commits_on_the_ack(
     closing: list[Hierarchy],
 ) -> None:
     h = _build(closing)
-    key, expected = _insert(h, list(range(1, 3 * P + 1)))
-    h.cache.drain()
-    h.cache.evict_device(2 * P)
+    key, expected = _off_device(h, 3, evict=2 * P)
     free = h.allocator.alloc(h.allocator.available_size())
     assert free is not None
     scramble(h.device_pool, free, seed=1)
@@ -142,9 +147,7 @@ def test_load_back_handle_waits_per_layer_and_commits_on_the_ack(
 
 def test_a_load_committed_by_poll(closing: list[Hierarchy]) -> None:
     h = _build(closing)
-    key, expected = _insert(h, list(range(1, 2 * P + 1)))
-    h.cache.drain()
-    h.cache.evict_device(2 * P)
+    key, expected = _off_device(h, 2, evict=2 * P)
     load = h.cache.start_load_back(h.cache.match_prefix(key).host_node)
     h.cache.drain()  # the ack arrives through the cache: it commits
     assert load.done and load.result is not None and load.result.loaded_len == 2 * P
@@ -157,9 +160,7 @@ def test_a_load_committed_by_poll(closing: list[Hierarchy]) -> None:
 
 def test_a_failed_load_leaves_the_tree_unchanged(closing: list[Hierarchy]) -> None:
     h = _build(closing)
-    key, _ = _insert(h, list(range(1, 2 * P + 1)))
-    h.cache.drain()
-    h.cache.evict_device(2 * P)
+    key, _ = _off_device(h, 2, evict=2 * P)
     (node,) = _path(h, key)
     free_before = h.allocator.available_size()
     group = h.cache.controller.group
@@ -201,9 +202,7 @@ def test_begin_request_counts_a_query_once(closing: list[Hierarchy]) -> None:
 
 def test_check_integrity_catches_a_broken_closure(closing: list[Hierarchy]) -> None:
     h = _build(closing, params=TierParams(write_policy=WritePolicy.WRITE_THROUGH))
-    key, _ = _insert(h, list(range(1, 2 * P + 1)))
-    h.cache.drain()
-    h.cache.evict_device(2 * P)
+    key, _ = _off_device(h, 2, evict=2 * P)
     (node,) = _path(h, key)
     saved = node.host_value
     node.host_value = None  # an off-device node without its host copy

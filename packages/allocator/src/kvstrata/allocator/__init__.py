@@ -7,6 +7,7 @@ nothing when it fails; bad indices raise from `kvstrata.allocator.errors` before
 from __future__ import annotations
 
 from kvstrata.allocator.base import AllocatorCounters, AllocatorState, PoolUsage, SlotAllocator
+from kvstrata.allocator.counting import SlotCounter
 from kvstrata.allocator.errors import (
     AllocatorError,
     DoubleFree,
@@ -45,5 +46,6 @@ __all__ = [
     "SWAState",
     "SlotAllocator",
     "SlotCopy",
+    "SlotCounter",
     "TokenAllocator",
 ]

@@ -43,6 +43,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvstrata.allocator import SlotCounter
 from kvstrata.bench.report import emit, environment, pin_threads, ratio
 from kvstrata.unified_radix_cache import (
     POLICIES,
@@ -53,34 +54,6 @@ from kvstrata.unified_radix_cache import (
 )
 
 _PEER_SCRIPT_PARTS = ("shared", "bench", "peer", "radix_replay.py")
-
-
-class SlotCounter:
-    """Stand-in for the KV slot allocator: hands out fresh consecutive slot numbers, never runs
-    out, and counts the slots the tree hands back (evictions)."""
-
-    device = torch.device("cpu")
-    size = 1 << 62
-
-    def __init__(self) -> None:
-        self.next_slot = 0
-        self.freed = 0
-
-    def available_size(self) -> int:
-        return 1 << 62
-
-    def free(self, indices: torch.Tensor) -> None:
-        self.freed += int(indices.numel())
-
-    def take_torch(self, n: int) -> torch.Tensor:
-        start = self.next_slot
-        self.next_slot = start + n
-        return torch.arange(start, start + n, dtype=torch.int64)
-
-    def take_numpy(self, n: int) -> npt.NDArray[np.int64]:
-        start = self.next_slot
-        self.next_slot = start + n
-        return np.arange(start, start + n, dtype=np.int64)
 
 
 def read_keys(path: Path, tokens_per_block: int, limit: int) -> list[array]:

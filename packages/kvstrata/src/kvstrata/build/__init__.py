@@ -30,7 +30,7 @@ from kvstrata.build.model_spec import ModelMemorySpec
 from kvstrata.build.sizing import HostPlan, MemoryPlan, SizingParams, plan_memory
 from kvstrata.build.swa import SWAModel
 from kvstrata.build.system import BuildParams, MemorySystem
-from kvstrata.build.tiers import TieredSystem, build_tiers
+from kvstrata.build.tiers import TieredSystem, build_host_pools, build_tiers
 
 __all__ = [
     "FAMILIES",
@@ -61,6 +61,7 @@ __all__ = [
     "build",
     "build_memory_system",
     "build_tiered",
+    "build_host_pools",
     "build_tiers",
     "build_with_plan",
     "collectors",

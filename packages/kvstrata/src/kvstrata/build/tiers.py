@@ -78,26 +78,22 @@ class TieredSystem:
         self.controller.close()
 
 
-def build_tiers(
+def build_host_pools(
     system: MemorySystem,
     *,
     host_tokens: int | None = None,
     host_ratio: float | None = None,
     host_bytes: int | None = None,
-    storage_url: str | None = None,
-    params: TierParams | None = None,
-    controller_params: ControllerParams | None = None,
-) -> TieredSystem:
-    """Add a host tier of `host_tokens` (full-attention slots), `host_ratio` x each device
-    pool, or `host_bytes` in all (at most one; default ratio 2.0) and, with `storage_url`
-    (`memory://...`, `file:///...`), an L3 tier, for an mha, swa or mamba system whose tree is
-    still empty. Mutates `system.tree` (the cache attaches its host tier to it).
+    layout: HostLayout = HostLayout.page_first,
+) -> dict[str, AnyHostPool]:
+    """One host mirror (in `layout`) per pool group member of `system`, sized as the module
+    docstring says: `host_tokens` full-attention slots (the other mirrors in the same
+    proportion, whole slots), `host_ratio` x each device pool, or `host_bytes` in all (at most
+    one; default ratio 2.0). The mirrors only: `build_tiers` adds the controller and the cache.
 
     Raises InvalidCapacity for more than one size or a non-positive one and InvalidModel for a
     system of another layout, before anything is allocated; HostPoolError (a mirror under one
-    page, more than the host holds) while allocating the mirrors; TiersUnsupported when the
-    hierarchical cache refuses the combination (its InvalidConfig), after
-    stopping the controller it started and before the tree is touched.
+    page, more than the host holds) while allocating the mirrors.
     """
     sizes = [s for s in (host_tokens, host_ratio, host_bytes) if s is not None]
     if len(sizes) > 1:
@@ -112,16 +108,16 @@ def build_tiers(
     hosts: dict[str, AnyHostPool] = {}
     for name, pool in devices.items():
         # Exactly one of the three is set for each mirror (see the module docstring).
-        size: int | None = host_tokens if name == "full" else None
+        size: int | None = None
         ratio: float | None = None
         nbytes: int | None = None
         if host_bytes is not None:
             nbytes = host_bytes * bytes_of[name] // total_bytes
-        elif host_tokens is not None and name != "full":
-            ratio = host_tokens / full.size
-        elif host_tokens is None:
+        elif host_tokens is not None:
+            # Integer proportion: a float ratio can land a hair under a whole slot.
+            size = host_tokens * pool.size // full.size
+        else:
             ratio = host_ratio or DEFAULT_HOST_RATIO
-        layout = HostLayout.page_first
         if isinstance(pool, MambaPool):
             hosts[name] = MambaHostPool(
                 pool, layout=layout, size=size, ratio=ratio, size_bytes=nbytes
@@ -130,7 +126,45 @@ def build_tiers(
             hosts[name] = MHAHostPool(
                 pool, layout=layout, size=size, ratio=ratio, size_bytes=nbytes
             )
-    storage = open_storage(storage_url) if storage_url else None
+    return hosts
+
+
+def build_tiers(
+    system: MemorySystem,
+    *,
+    host_tokens: int | None = None,
+    host_ratio: float | None = None,
+    host_bytes: int | None = None,
+    storage_url: str | None = None,
+    storage: Storage | None = None,
+    params: TierParams | None = None,
+    controller_params: ControllerParams | None = None,
+    host_layout: HostLayout = HostLayout.page_first,
+) -> TieredSystem:
+    """Add a host tier of `host_tokens` (full-attention slots), `host_ratio` x each device
+    pool, or `host_bytes` in all (at most one; default ratio 2.0; mirrors in `host_layout`,
+    see `build_host_pools`) and, with `storage_url` (`memory://...`, `file:///...`) or an
+    opened `storage` (at most one), an L3 tier, for an mha, swa or mamba system whose tree is
+    still empty. Mutates `system.tree` (the cache attaches its host tier to it).
+
+    Raises InvalidCapacity for more than one size or a non-positive one, TiersUnsupported for
+    both `storage_url` and `storage`, and InvalidModel for a system of another layout, before
+    anything is allocated; HostPoolError (a mirror under one
+    page, more than the host holds) while allocating the mirrors; TiersUnsupported when the
+    hierarchical cache refuses the combination (its InvalidConfig), after
+    stopping the controller it started and before the tree is touched.
+    """
+    if storage_url and storage is not None:
+        raise TiersUnsupported("give at most one of storage_url and storage")
+    hosts = build_host_pools(
+        system,
+        host_tokens=host_tokens,
+        host_ratio=host_ratio,
+        host_bytes=host_bytes,
+        layout=host_layout,
+    )
+    if storage_url:
+        storage = open_storage(storage_url)
     controller = TierController(
         PoolGroup(system.layers, hosts), storage=storage, params=controller_params
     )

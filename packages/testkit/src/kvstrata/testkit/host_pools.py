@@ -9,13 +9,19 @@ bf16 bit patterns compare exactly. `DTYPES` and `fill_random` are the device-poo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, overload
+from typing import Literal
 
 import torch
 
-from kvstrata.pool import MambaPool, MambaSpec, MHAKVPool, MHASpec, MLAKVPool, MLASpec
+from kvstrata.pool import MambaPool, MHAKVPool, MLAKVPool
 from kvstrata.pool_host import HostPool, MambaHostPool, MHAHostPool, MLAHostPool
-from kvstrata.testkit.pools import POOL_DTYPES, fill_random_bytes
+from kvstrata.testkit.pools import (
+    POOL_DTYPES,
+    fill_random_bytes,
+    make_mamba_pool,
+    make_mha_pool,
+    make_mla_pool,
+)
 
 Family = Literal["mha", "mla", "mamba"]
 FAMILIES: tuple[Family, ...] = ("mha", "mla", "mamba")
@@ -31,50 +37,6 @@ HOST_CLASSES: dict[Family, type[HostPool]] = {
 }
 
 
-@overload
-def make_device_pool(
-    family: Literal["mha"],
-    *,
-    dtype: torch.dtype = ...,
-    page_size: int = ...,
-    num_pages: int = ...,
-    num_layers: int = ...,
-    start_layer: int = ...,
-    device: str = ...,
-) -> MHAKVPool: ...
-@overload
-def make_device_pool(
-    family: Literal["mla"],
-    *,
-    dtype: torch.dtype = ...,
-    page_size: int = ...,
-    num_pages: int = ...,
-    num_layers: int = ...,
-    start_layer: int = ...,
-    device: str = ...,
-) -> MLAKVPool: ...
-@overload
-def make_device_pool(
-    family: Literal["mamba"],
-    *,
-    dtype: torch.dtype = ...,
-    page_size: int = ...,
-    num_pages: int = ...,
-    num_layers: int = ...,
-    start_layer: int = ...,
-    device: str = ...,
-) -> MambaPool: ...
-@overload
-def make_device_pool(
-    family: Family,
-    *,
-    dtype: torch.dtype = ...,
-    page_size: int = ...,
-    num_pages: int = ...,
-    num_layers: int = ...,
-    start_layer: int = ...,
-    device: str = ...,
-) -> DevicePool: ...
 def make_device_pool(
     family: Family,
     *,
@@ -85,39 +47,40 @@ def make_device_pool(
     start_layer: int = 0,
     device: str = "cpu",
 ) -> DevicePool:
-    """A small device pool with `num_pages` usable pages (Mamba: slots, page size 1). MHA has
-    V narrower than K, so per-buffer offsets are exercised; Mamba keeps fp32 SSM state when
-    `dtype` is fp8 for the conv state."""
+    """A small device pool (`kvstrata.testkit.pools` factories) with `num_pages` usable pages
+    (Mamba: slots, page size 1). MHA has V narrower than K, so per-buffer offsets are
+    exercised; Mamba keeps fp32 SSM state when `dtype` is fp8 for the conv state."""
+    size = num_pages * page_size
     if family == "mha":
-        spec = MHASpec(
+        return make_mha_pool(
             num_layers=num_layers,
-            num_kv_heads=2,
             head_dim=8,
             v_head_dim=4,
             dtype=dtype,
             start_layer=start_layer,
+            size=size,
+            page_size=page_size,
+            device=device,
         )
-        return MHAKVPool(spec, num_pages * page_size, page_size, device)
     if family == "mla":
-        mla = MLASpec(
+        return make_mla_pool(
             num_layers=num_layers,
-            kv_lora_rank=8,
-            qk_rope_head_dim=4,
             dtype=dtype,
             start_layer=start_layer,
+            size=size,
+            page_size=page_size,
+            device=device,
         )
-        return MLAKVPool(mla, num_pages * page_size, page_size, device)
-    mamba = MambaSpec(
+    return make_mamba_pool(
         num_layers=num_layers,
         conv_dim=3,
-        conv_kernel=4,
-        num_heads=2,
         head_dim=4,
         state_size=3,
         conv_dtype=dtype,
         ssm_dtype=torch.float32 if dtype.itemsize == 1 else dtype,
+        size=num_pages,
+        device=device,
     )
-    return MambaPool(mamba, num_pages, device)
 
 
 def fill_random(pool: DevicePool, *, seed: int) -> None:

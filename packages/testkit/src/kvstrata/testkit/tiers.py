@@ -1,49 +1,62 @@
-"""Factories for tests of the tier controller and the tiers above it.
+"""Factories for tests of the tier controller and the tiers above it, built through
+`kvstrata.build` (the construction layer engines use), so tests run what engines run.
 
 `make_tiers(shape)` builds a small model of one of the three shapes the router knows (full only,
-full + SWA, attention + Mamba), on CPU by default: device pools whose every byte is seeded noise
-(so every token slot of every layer differs and a misplaced copy shows), one host mirror per
-pool, the HybridPool and the PoolGroup. `snapshot` / `assert_pages_equal` compare what a member
+full + SWA, attention + Mamba) with `build_memory_system`, and its host mirrors with
+`build_host_pools`, on CPU by default: device pools whose every byte is seeded noise (so every
+token slot of every layer differs and a misplaced copy shows), one host mirror per pool, the
+HybridPool and the PoolGroup. `make_hierarchy(shape)` adds the controller and the
+`HierarchicalCache` with `build_tiers`. `snapshot` / `assert_pages_equal` compare what a member
 holds in given slots, buffer by buffer, so a reload can be checked bit-for-bit against what was
-written before.
+written before; `serve` runs one request through the engine-facing `PrefixCache` protocol and
+checks every hit against the stand-in forward (`write_prefix_kv`, `write_prefix_state`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
 from kvstrata.allocator import MambaSlotAllocator, PagedAllocator, SWAAllocator
-from kvstrata.hybrid_cache import ControllerParams, HybridPool, PoolGroup, TierController
+from kvstrata.build import (
+    MambaModel,
+    MemorySystem,
+    MHAModel,
+    SWAModel,
+    TieredSystem,
+    build_host_pools,
+    build_memory_system,
+    build_tiers,
+)
+from kvstrata.hybrid_cache import ControllerParams, HybridPool, PoolGroup
 from kvstrata.hybrid_cache.group import AnyHostPool
-from kvstrata.pool import MambaPool, MambaSpec, MHAKVPool, MHASpec, SWAKVPool, SWASpec
-from kvstrata.pool_host import HostLayout, MambaHostPool, MHAHostPool
+from kvstrata.pool import MambaPool, MHAKVPool
+from kvstrata.pool_host import HostLayout
 from kvstrata.storage import PageKeyer, Storage
 from kvstrata.testkit.host_pools import page_tokens
 from kvstrata.testkit.pools import fill_random_bytes
-from kvstrata.unified_radix_cache import (
-    EvictRequest,
-    FullComponent,
-    MambaComponent,
-    RadixKey,
-    SWAComponent,
-    UnifiedRadixCache,
-)
+from kvstrata.unified_radix_cache import CacheRequest, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 Shape = Literal["full", "swa", "mamba"]
 SHAPES: tuple[Shape, ...] = ("full", "swa", "mamba")
+T = TypeVar("T")
+
+#: The `kvstrata.build` family of each shape.
+FAMILY: Mapping[Shape, str] = {"full": "mha", "swa": "swa", "mamba": "mamba"}
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Tiers:
-    """A model's device pools, their host mirrors, the router and the pool group."""
+    """A model's device pools, their host mirrors, the router and the pool group. `system` is
+    the built device side (allocators and tree too, unused by controller tests)."""
 
     shape: Shape
+    system: MemorySystem
     pools: HybridPool
     hosts: dict[str, AnyHostPool]
     group: PoolGroup
@@ -51,6 +64,50 @@ class Tiers:
 
     def member_page_size(self, member: str) -> int:
         return self.hosts[member].page_size
+
+
+def tiny_model(shape: Shape, page_size: int) -> MHAModel | SWAModel | MambaModel:
+    """The small model of `shape` (bf16 KV of 2 heads x 8 dims):
+
+    full:  4 MHA layers.
+    swa:   layers 0, 2 full and 1, 3 sliding-window (window 2 pages).
+    mamba: attention layers 1, 3; mamba layers 0, 2 (bf16 conv state, fp32 SSM state).
+    """
+    head = {"num_kv_heads": 2, "head_dim": 8, "dtype": torch.bfloat16}
+    if shape == "full":
+        return MHAModel(num_layers=4, **head)
+    if shape == "swa":
+        return SWAModel(
+            full_layer_ids=(0, 2), swa_layer_ids=(1, 3), sliding_window=2 * page_size, **head
+        )
+    return MambaModel(
+        attention_layer_ids=(1, 3),
+        mamba_layer_ids=(0, 2),
+        conv_dim=6,
+        conv_kernel=4,
+        num_heads=2,
+        state_head_dim=4,
+        state_size=3,
+        conv_dtype=torch.bfloat16,
+        ssm_dtype=torch.float32,
+        **head,
+    )
+
+
+def make_system(
+    shape: Shape, *, page_size: int = 4, device_pages: int = 16, device: str = "cpu"
+) -> MemorySystem:
+    """`build_memory_system` for `tiny_model(shape)`: `device_pages` pages of KV (page 0
+    reserved); the SWA pool as large as the full one; `device_pages` Mamba state slots."""
+    return build_memory_system(
+        family=FAMILY[shape],
+        model=tiny_model(shape, page_size),
+        capacity_tokens=device_pages * page_size,
+        page_size=page_size,
+        device=device,
+        swa_ratio=1.0,
+        mamba_slots=device_pages if shape == "mamba" else None,
+    )
 
 
 def make_tiers(
@@ -63,63 +120,33 @@ def make_tiers(
     seed: int = 0,
     device: str = "cpu",
 ) -> Tiers:
-    """A small model of `shape` on `device` with distinct bytes in every device slot.
+    """A small model of `shape` (`tiny_model`) on `device` with distinct bytes in every device
+    slot, and host mirrors of `host_pages` pages each (Mamba: `host_pages` state slots for
+    `device_pages` device ones)."""
+    system = make_system(shape, page_size=page_size, device_pages=device_pages, device=device)
+    return _tiers(shape, system, host_pages=host_pages, layout=layout, seed=seed)
 
-    full:  4 MHA layers.
-    swa:   layers 0, 2 full and 1, 3 sliding-window (window 2 pages), SWA pool as large as full.
-    mamba: attention layers 1, 3 in an MHA pool; mamba layers 0, 2 in a MambaPool with
-           `device_pages` state slots (its host mirror has `host_pages` slots).
-    """
-    size = device_pages * page_size
-    head = {"num_kv_heads": 2, "head_dim": 8, "dtype": torch.bfloat16}
-    if shape == "full":
-        pool = MHAKVPool(
-            MHASpec(num_layers=4, **head), size=size, page_size=page_size, device=device
-        )
-        pools = HybridPool.full(pool)
-        device_pools: dict[str, MHAKVPool | MambaPool] = {"full": pool}
-    elif shape == "swa":
-        spec = SWASpec(
-            full=MHASpec(num_layers=2, **head),
-            swa=MHASpec(num_layers=2, **head),
-            full_layer_ids=(0, 2),
-            swa_layer_ids=(1, 3),
-            sliding_window=2 * page_size,
-        )
-        swa = SWAKVPool(spec, size=size, swa_size=size, page_size=page_size, device=device)
-        pools = HybridPool.swa(swa)
-        device_pools = {"full": swa.full_pool, "swa": swa.swa_pool}
-    else:
-        kv = MHAKVPool(MHASpec(num_layers=2, **head), size=size, page_size=page_size, device=device)
-        mamba_spec = MambaSpec(
-            num_layers=2,
-            conv_dim=6,
-            conv_kernel=4,
-            num_heads=2,
-            head_dim=4,
-            state_size=3,
-            conv_dtype=torch.bfloat16,
-            ssm_dtype=torch.float32,
-        )
-        mamba = MambaPool(mamba_spec, size=device_pages, device=device)
-        pools = HybridPool.with_mamba(
-            attention=kv, attention_layer_ids=(1, 3), mamba=mamba, mamba_layer_ids=(0, 2)
-        )
-        device_pools = {"full": kv, "mamba": mamba}
-    hosts: dict[str, AnyHostPool] = {}
-    for i, (name, pool) in enumerate(device_pools.items()):
-        fill_random_bytes(pool, seed=seed * 10 + i)
-        if isinstance(pool, MambaPool):
-            hosts[name] = MambaHostPool(pool, layout=layout, size=host_pages)
-        else:
-            hosts[name] = MHAHostPool(pool, layout=layout, size=host_pages * page_size)
+
+def _tiers(
+    shape: Shape, system: MemorySystem, *, host_pages: int, layout: HostLayout, seed: int
+) -> Tiers:
+    page_size = system.page_size
+    hosts = build_host_pools(system, host_tokens=host_pages * page_size, layout=layout)
+    _seed_pools(hosts, seed)
     return Tiers(
         shape=shape,
-        pools=pools,
+        system=system,
+        pools=system.layers,
         hosts=hosts,
-        group=PoolGroup(pools, hosts),
+        group=PoolGroup(system.layers, hosts),
         page_size=page_size,
     )
+
+
+def _seed_pools(hosts: Mapping[str, AnyHostPool], seed: int) -> None:
+    """Seeded noise in every byte of every member's device pool (member i: seed * 10 + i)."""
+    for i, host in enumerate(hosts.values()):
+        fill_random_bytes(host.device_pool, seed=seed * 10 + i)
 
 
 def page_indices(pages: list[int], page_size: int) -> torch.Tensor:
@@ -166,20 +193,78 @@ def device_pools(tiers: Tiers) -> Mapping[str, MHAKVPool | MambaPool]:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Hierarchy:
-    """A full-only model on both tiers: one tree holding device and host values (`tree`,
-    `cache.tier`), the cache and its controller."""
+    """A model of `tiers.shape` on both tiers, built by `build_tiers`: one tree holding device
+    and host values (`tree`, `cache.tier`), the cache (a `PrefixCache`) and its controller (with
+    a storage when one was given). The per-shape pools and allocators are properties that
+    assert the shape has them."""
 
     tiers: Tiers
-    device_pool: MHAKVPool
-    allocator: PagedAllocator
-    cache: HierarchicalCache
+    tiered: TieredSystem
+
+    @property
+    def shape(self) -> Shape:
+        return self.tiers.shape
+
+    @property
+    def system(self) -> MemorySystem:
+        return self.tiered.system
+
+    @property
+    def cache(self) -> HierarchicalCache:
+        return self.tiered.cache
 
     @property
     def tree(self) -> UnifiedRadixCache:
-        return self.cache.device_tree
+        return self.system.tree
+
+    @property
+    def allocator(self) -> PagedAllocator | SWAAllocator:
+        """The full-attention slot allocator (an SWA model's hands out SWA slots in step)."""
+        return self.system.kv_allocator
+
+    @property
+    def device_pool(self) -> MHAKVPool:
+        """The full-attention device pool."""
+        return _mha(self.tiers.hosts["full"].device_pool)
+
+    @property
+    def full_pool(self) -> MHAKVPool:
+        return self.device_pool
+
+    @property
+    def swa_pool(self) -> MHAKVPool:
+        return _mha(self.tiers.hosts["swa"].device_pool)
+
+    @property
+    def swa_allocator(self) -> SWAAllocator:
+        return _present(self.system.swa_allocator, "SWA allocator", self.shape)
+
+    @property
+    def window(self) -> int:
+        """The sliding window in tokens (two pages)."""
+        return _present(self.system.sliding_window, "sliding window", self.shape)
+
+    @property
+    def mamba_pool(self) -> MambaPool:
+        return _present(self.system.mamba_pool, "Mamba pool", self.shape)
+
+    @property
+    def states(self) -> MambaSlotAllocator:
+        return _present(self.system.mamba_allocator, "state allocator", self.shape)
+
+
+def _present(value: T | None, what: str, shape: Shape) -> T:
+    assert value is not None, f"a {shape} model has no {what}"
+    return value
+
+
+def _mha(pool: object) -> MHAKVPool:
+    assert isinstance(pool, MHAKVPool), "full and SWA members are MHA pools"
+    return pool
 
 
 def make_hierarchy(
+    shape: Shape = "full",
     *,
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
     page_size: int = 4,
@@ -191,91 +276,121 @@ def make_hierarchy(
     seed: int = 0,
     device: str = "cpu",
 ) -> Hierarchy:
-    """A `HierarchicalCache` over `make_tiers("full")`: a paged device allocator of
-    `device_pages` pages (page 0 reserved), a host allocator of `host_pages` pages, and a
-    controller (with `storage` when given). Close `h.cache.controller` when done."""
-    tiers = make_tiers(
-        "full",
+    """`build_tiers` over `make_system(shape)`: `device_pages` device pages (page 0 reserved;
+    Mamba: as many state slots), host mirrors of `host_pages` pages (Mamba: state slots), and a
+    controller (with `storage` when given) under `params` (default: `write_policy`, prefetch
+    threshold one page). Device bytes are seeded noise. Close `h.cache.controller` when done."""
+    system = make_system(shape, page_size=page_size, device_pages=device_pages, device=device)
+    tiered = build_tiers(
+        system,
+        host_tokens=host_pages * page_size,
+        storage=storage,
+        params=params or TierParams(write_policy=write_policy, prefetch_threshold=page_size),
+        controller_params=controller_params,
+    )
+    _seed_pools(tiered.host_pools, seed)
+    tiers = Tiers(
+        shape=shape,
+        system=system,
+        pools=system.layers,
+        hosts=dict(tiered.host_pools),
+        group=tiered.controller.group,
         page_size=page_size,
-        device_pages=device_pages,
-        host_pages=host_pages,
-        seed=seed,
-        device=device,
     )
-    pool = tiers.pools.members[0].pool
-    assert isinstance(pool, MHAKVPool), "make_tiers('full') has one MHA pool"
-    allocator = PagedAllocator(size=pool.size, page_size=page_size, device=device)
-    tree = UnifiedRadixCache([FullComponent(allocator)], page_size=page_size)
-    host = tiers.hosts["full"]
-    controller = TierController(tiers.group, storage=storage, params=controller_params)
-    cache = HierarchicalCache(
-        tree,
-        controller=controller,
-        host_allocator=host.make_allocator(),
-        params=params or TierParams(write_policy=write_policy, prefetch_threshold=page_size),
-    )
-    return Hierarchy(tiers=tiers, device_pool=pool, allocator=allocator, cache=cache)
+    return Hierarchy(tiers=tiers, tiered=tiered)
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
-class MambaHierarchy:
-    """An attention + Mamba model on both tiers: one Full + Mamba tree holding device and host
-    values (host token slots and host state slots), the cache and its controller (with a
-    storage when one was given)."""
-
-    tiers: Tiers
-    device_pool: MHAKVPool
-    mamba_pool: MambaPool
-    allocator: PagedAllocator
-    states: MambaSlotAllocator
-    cache: HierarchicalCache
-
-    @property
-    def tree(self) -> UnifiedRadixCache:
-        return self.cache.device_tree
+def scramble_free_device(h: Hierarchy, *, seed: int) -> None:
+    """Overwrite every free device slot with other bytes (full KV, the SWA slots in step, free
+    Mamba state slots): whatever is read from them next must have been loaded anew."""
+    taken = h.allocator.alloc(h.allocator.available_size())
+    if taken is not None and len(taken):
+        scramble(h.device_pool, taken, seed=seed)
+        if h.shape == "swa":
+            scramble(h.swa_pool, h.swa_allocator.translate(taken), seed=seed + 1)
+        h.allocator.free(taken)
+    if h.shape == "mamba":
+        states = h.states.alloc(h.states.available_size())
+        if states is not None and len(states):
+            scramble(h.mamba_pool, states, seed=seed + 2)
+            h.states.free(states)
 
 
-def make_mamba_hierarchy(
-    *,
-    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
-    page_size: int = 4,
-    device_pages: int = 16,
-    host_pages: int = 32,
-    storage: Storage | None = None,
-    params: TierParams | None = None,
-    controller_params: ControllerParams | None = None,
-    seed: int = 0,
-) -> MambaHierarchy:
-    """A `HierarchicalCache` over `make_tiers("mamba")` on CPU: a paged device allocator of
-    `device_pages` pages (page 0 reserved), `device_pages` device state slots, host
-    allocators of `host_pages` pages and `host_pages` state slots, and a controller (with
-    `storage` when given). Close the controller when done."""
-    tiers = make_tiers(
-        "mamba", page_size=page_size, device_pages=device_pages, host_pages=host_pages, seed=seed
-    )
-    pools = device_pools(tiers)
-    kv, mamba = pools["full"], pools["mamba"]
-    assert isinstance(kv, MHAKVPool) and isinstance(mamba, MambaPool), "make_tiers('mamba')"
-    allocator = PagedAllocator(size=kv.size, page_size=page_size, device="cpu")
-    states = MambaSlotAllocator(size=mamba.size, device="cpu")
-    tree = UnifiedRadixCache(
-        [FullComponent(allocator), MambaComponent(states, mamba)], page_size=page_size
-    )
-    cache = HierarchicalCache(
-        tree,
-        controller=TierController(tiers.group, storage=storage, params=controller_params),
-        host_allocator=tiers.hosts["full"].make_allocator(),
-        host_state_allocator=tiers.hosts["mamba"].make_allocator(),
-        params=params or TierParams(write_policy=write_policy, prefetch_threshold=page_size),
-    )
-    return MambaHierarchy(
-        tiers=tiers,
-        device_pool=kv,
-        mamba_pool=mamba,
-        allocator=allocator,
-        states=states,
-        cache=cache,
-    )
+def drop_all_but_storage(h: Hierarchy, *, seed: int) -> None:
+    """Evict every device and host copy (the tree ends empty), scramble the free device slots
+    and zero every host page: what comes back must come from storage. Checks integrity."""
+    h.cache.evict_device(h.tree.evictable_size())
+    h.cache.evict_host(10**6)
+    assert h.tree.num_nodes == 0, "nothing is locked, so everything can go"
+    scramble_free_device(h, seed=seed)
+    for pool in h.tiers.hosts.values():
+        zeros = bytes(pool.page_size_bytes)
+        for page in range(pool.size // pool.page_size):
+            pool.write_page_from(page, zeros)
+    h.cache.check_integrity()
+
+
+def check_hit(h: Hierarchy, tokens: torch.Tensor, req: CacheRequest) -> int:
+    """`req` just began for `tokens`: its hit is at most `len(tokens) - 1` tokens, the tiers
+    it came from add up, and what it holds is what the stand-in forward computed for that
+    prefix, bit for bit: the full KV; an SWA model's last window of SWA KV (every slot of it
+    present); a Mamba model's copy of the state at the hit's end (no state without a hit).
+    Returns the hit length."""
+    hit = req.cached_len
+    assert hit == req.hit.total_len and hit < len(tokens), "a hit is at most N - 1 tokens"
+    keyer = h.cache.keyer
+    assert_prefix_kv(h.device_pool, keyer, tokens, req.kv_indices[:hit], what="hit KV")
+    if h.shape == "swa":
+        lo = max(hit - h.window, 0)
+        window = h.swa_allocator.translate(req.kv_indices[lo:hit])
+        assert bool((window > 0).all()), "a hit's last window keeps its SWA slots"
+        assert_window_kv(h.swa_pool, keyer, tokens[:hit], window, lo, what="hit SWA KV")
+    if h.shape == "mamba":
+        if hit:
+            assert req.state_slot is not None, "a hit comes with the request's state copy"
+            assert_prefix_state(h.mamba_pool, keyer, tokens[:hit], req.state_slot, what="hit")
+        else:
+            assert req.state_slot is None, "no hit, no state"
+    return hit
+
+
+def compute(h: Hierarchy, tokens: torch.Tensor, req: CacheRequest, slots: torch.Tensor) -> None:
+    """The stand-in forward of the next `len(slots)` tokens of `tokens` (whole pages) after
+    those `req` has slots for: their full (and SWA) KV into `slots`, a Mamba model's state
+    after them into `req.state_slot`; then `req.extend(slots)`."""
+    start = len(req.kv_indices)
+    end = start + len(slots)
+    keyer = h.cache.keyer
+    full = torch.cat([req.kv_indices, slots])
+    write_prefix_kv(h.device_pool, keyer, tokens[:end], full, start)
+    if h.shape == "swa":
+        write_prefix_kv(h.swa_pool, keyer, tokens[:end], h.swa_allocator.translate(full), start)
+    if h.shape == "mamba":
+        assert req.state_slot is not None, "a Mamba request computes into its own state slot"
+        write_prefix_state(h.mamba_pool, keyer, tokens[:end], req.state_slot)
+    req.extend(slots)
+
+
+def serve(h: Hierarchy, tokens: list[int], *, check: bool = True) -> int:
+    """One request as an engine runs it, through the `PrefixCache` protocol: begin (match,
+    load back), `check_hit`, a state slot for a Mamba request without a hit, allocate-or-evict
+    and `compute` the rest, finish (insert + write policy), wait for every transfer, and
+    (`check`) both tiers' integrity. Returns the hit length (device + host + storage)."""
+    cache = h.cache
+    ids = torch.tensor(tokens, dtype=torch.int64)
+    req = cache.begin_request(RadixKey(ids))
+    hit = check_hit(h, ids, req)
+    if h.shape == "mamba" and req.state_slot is None:
+        req.state_slot = cache.alloc_state()
+        assert req.state_slot is not None
+    slots = cache.alloc_tokens(len(tokens) - hit)
+    assert slots is not None
+    compute(h, ids, req, slots)
+    cache.cache_finished_request(req)
+    cache.drain()
+    if check:  # (not while a test hoards host slots outside the tree)
+        cache.check_integrity()
+    return hit
 
 
 def _page_noise(key: bytes, buf: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -305,16 +420,7 @@ def assert_prefix_kv(
 ) -> None:
     """The KV at `slots` (one per token of a whole-page prefix of `tokens`) is exactly what
     `write_prefix_kv` wrote for that prefix, bit for bit."""
-    page = keyer.page_size
-    keys = keyer.page_keys(tokens[: len(slots)])
-    for i in range(len(slots) // page):
-        rows = slots[i * page : (i + 1) * page]
-        for b, buf in enumerate(pool.layer_buffers()):
-            got, want = (
-                buf[rows].view(torch.uint8),
-                _page_noise(keys[i], buf, page).view(torch.uint8),
-            )
-            assert torch.equal(got, want), f"{what}: page {i} buffer {b} holds other KV"
+    assert_window_kv(pool, keyer, tokens[: len(slots)], slots, 0, what=what)
 
 
 def _state_noise(key: bytes, buf: torch.Tensor) -> torch.Tensor:
@@ -347,133 +453,6 @@ def assert_prefix_state(
     for b, buf in enumerate(pool.layer_buffers()):
         got, want = buf[rows].view(torch.uint8), _state_noise(last, buf).view(torch.uint8)
         assert torch.equal(got, want), f"{what}: state buffer {b} holds another prefix's state"
-
-
-def serve_mamba(h: MambaHierarchy, tokens: list[int], *, check: bool = True) -> int:
-    """One request as an engine runs it: begin (match, load back), check that the hit's KV and
-    the request's copy of the boundary state are the ones computed for that prefix, compute the
-    rest (KV + state), finish (insert + write policy), wait for every transfer. Returns the
-    hit length (device + host + storage)."""
-    cache = h.cache
-    ids = torch.tensor(tokens, dtype=torch.int64)
-    req = cache.begin_request(RadixKey(ids))
-    hit = req.cached_len
-    assert hit == req.hit.total_len
-    assert_prefix_kv(h.device_pool, cache.keyer, ids, req.kv_indices[:hit], what="hit KV")
-    if hit:
-        assert req.state_slot is not None, "a hit always comes with the request's state copy"
-        assert_prefix_state(h.mamba_pool, cache.keyer, ids[:hit], req.state_slot, what="hit")
-    else:
-        assert req.state_slot is None
-        req.state_slot = h.states.alloc(1)
-        if req.state_slot is None:
-            h.tree.evict(EvictRequest(targets={"mamba": 1}))
-            req.state_slot = h.states.alloc(1)
-        assert req.state_slot is not None
-    need = len(tokens) - hit
-    if need > h.allocator.available_size():
-        cache.evict_device(need - h.allocator.available_size())
-    slots = h.allocator.alloc(need)
-    assert slots is not None
-    full = torch.cat([req.kv_indices, slots])
-    write_prefix_kv(h.device_pool, cache.keyer, ids, full, hit)
-    write_prefix_state(h.mamba_pool, cache.keyer, ids, req.state_slot)
-    req.extend(slots)
-    cache.cache_finished_request(req)
-    cache.drain()
-    if check:  # (not while a test hoards host state slots outside the tree)
-        cache.check_integrity()
-    return hit
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class SWAHierarchy:
-    """A full + sliding-window model on both tiers: one Full + SWA tree holding device values
-    and host values (host full slots and, for nodes that lay in a window, host SWA slots), the
-    cache and its controller (with a storage when one was given)."""
-
-    tiers: Tiers
-    full_pool: MHAKVPool
-    swa_pool: MHAKVPool
-    allocator: SWAAllocator
-    cache: HierarchicalCache
-
-    @property
-    def tree(self) -> UnifiedRadixCache:
-        return self.cache.device_tree
-
-    @property
-    def window(self) -> int:
-        """The sliding window in tokens (two pages)."""
-        return 2 * self.tiers.page_size
-
-
-def make_swa_hierarchy(
-    *,
-    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
-    page_size: int = 4,
-    device_pages: int = 16,
-    host_pages: int = 32,
-    params: TierParams | None = None,
-    controller_params: ControllerParams | None = None,
-    storage: Storage | None = None,
-    seed: int = 0,
-) -> SWAHierarchy:
-    """A `HierarchicalCache` over `make_tiers("swa")` on CPU (window 2 pages): an
-    `SWAAllocator` of `device_pages` full and SWA pages (page 0 reserved), and host allocators
-    of `host_pages` pages for each of the full and SWA host pools; the controller has
-    `storage` when given. Close the controller when done."""
-    tiers = make_tiers(
-        "swa", page_size=page_size, device_pages=device_pages, host_pages=host_pages, seed=seed
-    )
-    pools = device_pools(tiers)
-    full, swa = pools["full"], pools["swa"]
-    assert isinstance(full, MHAKVPool) and isinstance(swa, MHAKVPool), "make_tiers('swa')"
-    allocator = SWAAllocator(size=full.size, swa_size=swa.size, page_size=page_size, device="cpu")
-    tree = UnifiedRadixCache(
-        [FullComponent(allocator), SWAComponent(allocator, sliding_window=2 * page_size)],
-        page_size=page_size,
-    )
-    cache = HierarchicalCache(
-        tree,
-        controller=TierController(tiers.group, storage=storage, params=controller_params),
-        host_allocator=tiers.hosts["full"].make_allocator(),
-        host_swa_allocator=tiers.hosts["swa"].make_allocator(),
-        params=params or TierParams(write_policy=write_policy, prefetch_threshold=page_size),
-    )
-    return SWAHierarchy(tiers=tiers, full_pool=full, swa_pool=swa, allocator=allocator, cache=cache)
-
-
-def serve_swa(h: SWAHierarchy, tokens: list[int], *, check: bool = True) -> int:
-    """One request as an engine runs it: begin (match, load back), check that the hit's full KV
-    and the SWA KV of its last window are the ones computed for that prefix, compute the rest
-    (full and SWA KV of the new tokens), finish (insert + write policy), wait for every
-    transfer. Returns the hit length (device + host + storage)."""
-    cache = h.cache
-    ids = torch.tensor(tokens, dtype=torch.int64)
-    req = cache.begin_request(RadixKey(ids))
-    hit = req.cached_len
-    assert hit == req.hit.total_len
-    hit_slots = req.kv_indices[:hit]
-    assert_prefix_kv(h.full_pool, cache.keyer, ids, hit_slots, what="hit full KV")
-    lo = max(hit - h.window, 0)
-    window = h.allocator.translate(hit_slots[lo:])
-    assert bool((window > 0).all()), "a hit's last window keeps its SWA slots"
-    assert_window_kv(h.swa_pool, cache.keyer, ids[:hit], window, lo, what="hit SWA KV")
-    need = len(tokens) - hit
-    if need > h.allocator.available_size():
-        cache.evict_device(need - h.allocator.available_size())
-    slots = h.allocator.alloc(need)
-    assert slots is not None
-    full = torch.cat([req.kv_indices, slots])
-    write_prefix_kv(h.full_pool, cache.keyer, ids, full, hit)
-    write_prefix_kv(h.swa_pool, cache.keyer, ids, h.allocator.translate(full), hit)
-    req.extend(slots)
-    cache.cache_finished_request(req)
-    cache.drain()
-    if check:
-        cache.check_integrity()
-    return hit
 
 
 def assert_window_kv(

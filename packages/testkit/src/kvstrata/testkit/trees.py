@@ -14,7 +14,8 @@ import torch
 
 from kvstrata.allocator import MambaSlotAllocator, PagedAllocator, SWAAllocator, TokenAllocator
 from kvstrata.allocator.base import SlotAllocator
-from kvstrata.pool import MambaPool, MambaSpec
+from kvstrata.pool import MambaPool
+from kvstrata.testkit.pools import make_mamba_pool
 from kvstrata.unified_radix_cache import (
     ComponentInsert,
     FullComponent,
@@ -126,7 +127,7 @@ def make_tree(
     elif family == "mamba":
         full = make_full_allocator(size=size, page_size=page_size)
         kit_mamba = MambaSlotAllocator(size=mamba_slots, device="cpu")
-        spec = MambaSpec(
+        kit_pool = make_mamba_pool(
             num_layers=1,
             conv_dim=2,
             conv_kernel=2,
@@ -134,9 +135,8 @@ def make_tree(
             head_dim=2,
             state_size=2,
             conv_dtype=torch.float32,
-            ssm_dtype=torch.float32,
+            size=mamba_slots,
         )
-        kit_pool = MambaPool(spec, mamba_slots, device="cpu")
         components = [FullComponent(full), MambaComponent(kit_mamba, kit_pool)]
     else:
         raise ValueError(f"unknown tree family {family!r}; choose from {TREE_FAMILIES}")

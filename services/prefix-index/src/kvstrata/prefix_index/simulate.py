@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
+from kvstrata.allocator import SlotCounter
 from kvstrata.prefix_index.errors import InvalidParameter
 from kvstrata.prefix_index.index import PrefixIndex
 from kvstrata.prefix_index.router import Router
@@ -35,29 +35,6 @@ from kvstrata.unified_radix_cache import (
     RadixKey,
     UnifiedRadixCache,
 )
-
-
-class SlotCounter:
-    """Stand-in slot allocator of a simulated instance: fresh slot numbers, never runs out
-    (capacity is enforced by evicting before each insert), counts what the tree frees."""
-
-    device = torch.device("cpu")
-    size = 1 << 62
-
-    def __init__(self) -> None:
-        self.next_slot = 0
-        self.freed = 0
-
-    def available_size(self) -> int:
-        return self.size
-
-    def free(self, indices: torch.Tensor, /) -> None:
-        self.freed += int(indices.numel())
-
-    def take(self, n: int) -> np.ndarray:
-        start = self.next_slot
-        self.next_slot = start + n
-        return np.arange(start, start + n, dtype=np.int64)
 
 
 class SimInstance:
@@ -87,7 +64,7 @@ class SimInstance:
         excess = tree.total_size() + aligned - hit - self.capacity_tokens
         if excess > 0:
             tree.evict(EvictRequest.full(excess))
-        tree.insert(key, self.slots.take(len(key)))
+        tree.insert(key, self.slots.take_numpy(len(key)))
         tree.unlock(receipt)
         return hit // self.page_size
 
