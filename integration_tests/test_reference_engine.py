@@ -1,4 +1,4 @@
-"""The reference engine (`kvstrata.testkit.reference_engine`): for MHA (GQA), MLA, SWA-hybrid
+"""The reference engine (`kvstrata.replay.reference_engine`): for MHA (GQA), MLA, SWA-hybrid
 and Mamba-hybrid models, every request's logits at every output step are bitwise identical
 with the prefix cache on and off, on a memory system tight enough that requests are retracted
 and cached prefixes evicted (both asserted to happen)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstrata.build import BuildOptions, ModelMemorySpec, SizingParams, build_tiered
-from kvstrata.testkit.reference_engine import EngineRun, ReferenceEngine, ReferenceModel
+from kvstrata.replay.reference_engine import EngineRun, ReferenceEngine, ReferenceModel
 from kvstrata.testkit.tiny_models import TINY_MODELS, tiny_system
 
 SHARED = [list(range(1, 14)), list(range(20, 29))]
