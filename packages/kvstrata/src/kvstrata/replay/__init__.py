@@ -16,6 +16,7 @@ from kvstrata.replay.errors import (
     ReferenceModelTooLarge,
     ReplayError,
     ReplayOptionError,
+    RequestDoesNotFit,
     TraceFormatError,
     WorkloadSpecError,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "ReplayOptionError",
     "ReplayRequest",
     "ReplayStats",
+    "RequestDoesNotFit",
     "StepResult",
     "TierStats",
     "TraceFormatError",

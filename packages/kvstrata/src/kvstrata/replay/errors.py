@@ -69,3 +69,8 @@ class ReferenceModelTooLarge(ReplayError, ValueError):
         self.architecture = architecture
         self.parameters = parameters
         self.limit = limit
+
+
+class RequestDoesNotFit(ReplayError, RuntimeError):
+    """The reference engine cannot run a request even alone: the memory system is too small
+    for one prompt plus its decoded tokens (raise the device budget)."""

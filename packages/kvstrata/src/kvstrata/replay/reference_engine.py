@@ -33,7 +33,11 @@ from kvstrata.allocation import BatchAllocator, Running
 from kvstrata.build import MemorySystem, ModelMemorySpec
 from kvstrata.build.hf_layout import AttentionShape, LatentShape
 from kvstrata.pool import MLAKVPool, SWAKVPool
-from kvstrata.replay.errors import ReferenceModelTooLarge, ReplayOptionError
+from kvstrata.replay.errors import (
+    ReferenceModelTooLarge,
+    ReplayOptionError,
+    RequestDoesNotFit,
+)
 from kvstrata.unified_radix_cache import PrefixCache
 
 __all__ = [
@@ -340,7 +344,8 @@ class ReferenceEngine:
 
     `cache_prefixes=False` is the cache-off baseline: requests end with `abort` (nothing is
     cached), so every token is computed. Under memory pressure (a prepare call returns None)
-    the newest running request is retracted and re-admitted when others finished.
+    the newest running request is retracted and re-admitted when others finished; a request
+    that does not fit alone raises RequestDoesNotFit.
     """
 
     def __init__(
@@ -377,11 +382,18 @@ class ReferenceEngine:
                 out.hit_tokens += job.running.hit_len
                 running.append(waiting.popleft())
             if not running:
-                raise RuntimeError("no request fits the memory system")
+                raise RequestDoesNotFit(
+                    f"request {waiting[0].rid} does not fit the memory system: no table row, "
+                    "state slot or KV room for its matched prefix"
+                )
             out.steps += 1
             if not self._step(running, out):
                 if len(running) == 1:
-                    raise RuntimeError("one request alone does not fit the memory system")
+                    raise RequestDoesNotFit(
+                        f"request {running[0].rid} alone does not fit the memory system "
+                        f"({running[0].running.seq_len if running[0].running else 0} tokens "
+                        "computed); raise the device budget"
+                    )
                 held_back = True
                 victim = running.pop()
                 assert victim.running is not None
