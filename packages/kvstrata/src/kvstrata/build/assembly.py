@@ -39,6 +39,7 @@ from kvstrata.build.swa import SWAModel, build_swa_system
 from kvstrata.build.system import BuildParams, MemorySystem
 from kvstrata.build.tiers import TieredSystem, build_tiers
 from kvstrata.pool import MLAKVPool, MLASpec, ReqToTokenPool
+from kvstrata.unified_radix_cache.tiers import TierParams
 
 #: Torch dtype of each `ModelMemorySpec.kv_dtype` / SSM / conv dtype name.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -53,9 +54,10 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 @dataclass(frozen=True, kw_only=True)
 class BuildOptions:
     """How to build: the sizing knobs (`SizingParams`), the tree's eviction policy, the device,
-    KV events, the L3 `storage_url` (`build_tiered`). `free_device_bytes` / `free_host_bytes`:
-    what a fractional budget and the host check refer to (None: measured on `device` / read
-    from /proc/meminfo when needed)."""
+    KV events, the L3 `storage_url` and the hierarchical cache's `tier_params` (write and
+    prefetch policies; `build_tiered`). `free_device_bytes` / `free_host_bytes`: what a
+    fractional budget and the host check refer to (None: measured on `device` / read from
+    /proc/meminfo when needed)."""
 
     sizing: SizingParams = field(default_factory=SizingParams)
     policy: str = "lru"
@@ -64,6 +66,7 @@ class BuildOptions:
     free_device_bytes: int | None = None
     free_host_bytes: int | None = None
     storage_url: str | None = None
+    tier_params: TierParams | None = None
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -137,7 +140,12 @@ def build_tiered(
     built = build_with_plan(spec, budget, options)
     host = built.plan.host
     assert host is not None, "plan_memory sizes a host tier when asked (checked above)"
-    return build_tiers(built.system, host_tokens=host.full_tokens, storage_url=options.storage_url)
+    return build_tiers(
+        built.system,
+        host_tokens=host.full_tokens,
+        storage_url=options.storage_url,
+        params=options.tier_params,
+    )
 
 
 def _check_buildable(spec: ModelMemorySpec) -> None:
