@@ -93,7 +93,7 @@ def _assert_same_logits(on: EngineRun, kind: str, repeats: int = 1) -> None:
             assert torch.equal(a, b), f"request {rid}: logits differ"
 
 
-@pytest.mark.parametrize("kind", ["mha", "mamba"])
+@pytest.mark.parametrize("kind", ["mha", "mla", "mamba"])
 def test_logits_are_identical_after_pages_went_to_host_and_back(kind: str) -> None:
     on, counters = _tiered_run(kind, host_ratio=3.0, storage=False)
     assert counters.bytes_h2d > 0  # hits loaded back from the host
@@ -104,7 +104,7 @@ def test_logits_are_identical_after_pages_went_to_host_and_back(kind: str) -> No
 # Mamba is not here: this schedule caches no state where a storage prefix of the second pass
 # could end (the cache prefetches a Mamba prefix only up to a stored state), so nothing comes
 # back from storage; the host test covers its state transfers.
-@pytest.mark.parametrize("kind", ["mha"])
+@pytest.mark.parametrize("kind", ["mha", "mla"])
 def test_logits_are_identical_after_pages_went_to_storage_and_back(kind: str) -> None:
     # A host tier the size of the device: what it drops was backed up to storage, and the
     # second pass over the prompts finds part of its prefixes only there.

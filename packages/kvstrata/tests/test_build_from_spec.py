@@ -22,6 +22,7 @@ from kvstrata.build import (
     collectors,
 )
 from kvstrata.pool import MambaPool, MHAKVPool, MLAKVPool, SWAKVPool
+from kvstrata.pool_host import MLAHostPool
 from kvstrata.testkit.hf_configs import (
     DEEPSEEK_V3,
     FALCON_H1_7B,
@@ -168,12 +169,27 @@ def test_tiered_build_refusals() -> None:
     llama = ModelMemorySpec.from_hf_config(LLAMA_3_1_8B, tp_size=8)
     with pytest.raises(InvalidCapacity, match="needs a host tier"):
         build_tiered(llama, "8MiB", _options())
+
+
+def test_tiered_mla_build_mirrors_the_latent_pool() -> None:
     deepseek = ModelMemorySpec.from_hf_config(DEEPSEEK_V3, tp_size=8, kv_dtype="fp8_e4m3")
     options = BuildOptions(
-        sizing=SizingParams(context_len=256, max_running_requests=4, host_ratio=1.0)
+        sizing=SizingParams(context_len=256, max_running_requests=4, host_ratio=1.5),
+        free_host_bytes=1 << 40,
+        storage_url="memory://?capacity_bytes=10000000",
     )
-    with pytest.raises(InvalidModel, match="no host mirror"):
-        build_tiered(deepseek, "16MiB", options)
+    tiered = build_tiered(deepseek, "16MiB", options)
+    try:
+        plan = build_with_plan(deepseek, "16MiB", options).plan
+        assert plan.host is not None
+        assert isinstance(tiered.host_pool, MLAHostPool)
+        assert tiered.host_pool.device_pool is tiered.system.kv_pool
+        assert tiered.host_tokens == plan.host.full_tokens
+        assert (tiered.host_state_slots, tiered.host_swa_tokens) == (None, None)
+        assert tiered.storage is not None
+        tiered.check_integrity()
+    finally:
+        tiered.close()
 
 
 def test_collectors_export_every_wired_part() -> None:

@@ -129,14 +129,12 @@ def build_tiered(
     """`build`, then the host tier of the plan (`options.sizing.host_ratio` or `host_bytes`,
     required) and storage at `options.storage_url` under it: pools, allocators, tree, host
     mirrors, transfer controller and hierarchical cache. `close()` it when done. Raises what
-    `build` and `build_tiers` raise (InvalidCapacity without a host size, InvalidModel for
-    an MLA model, whose latent pool has no host mirror yet)."""
+    `build` and `build_tiers` raise (InvalidCapacity without a host size). MLA models get a
+    host mirror of the latent pool (`pool_host.MLAHostPool`)."""
     options = BuildOptions() if options is None else options
     sizing = options.sizing
     if sizing.host_ratio is None and sizing.host_bytes is None:
         raise InvalidCapacity("build_tiered needs a host tier: set sizing.host_ratio or host_bytes")
-    if spec.is_mla:
-        raise InvalidModel(f"{spec.architecture}: MLA pools have no host mirror yet")
     built = build_with_plan(spec, budget, options)
     host = built.plan.host
     assert host is not None, "plan_memory sizes a host tier when asked (checked above)"
