@@ -113,3 +113,17 @@ def test_logits_are_identical_after_pages_went_to_storage_and_back(kind: str) ->
     assert counters.bytes_h2d > 0
     assert on.retractions > 0
     _assert_same_logits(on, kind, repeats=2)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="SWA-hybrid through the host tier: logits of requests whose hit was loaded back "
+    "from the host differ from the cache-off run (requests 7, 13, 15 of this schedule; the "
+    "device-only SWA run above is bitwise equal). Open: the SWA load-back path of the "
+    "hierarchical cache / BatchAllocator. strict: this fails once it is fixed, so the marker "
+    "goes then.",
+)
+def test_swa_logits_after_pages_went_to_host_and_back() -> None:
+    on, counters = _tiered_run("swa", host_ratio=3.0, storage=False)
+    assert counters.bytes_h2d > 0
+    _assert_same_logits(on, "swa", repeats=2)
