@@ -38,7 +38,7 @@ def _run(kind: str, *, cache_prefixes: bool, kv_tokens: int) -> tuple[EngineRun,
     return run, system.cache.evicted_tokens
 
 
-@pytest.mark.parametrize("kind", ["mha", "mla", "swa", "mamba"])
+@pytest.mark.parametrize("kind", ["mha", "mla", "swa", "mamba", "falcon_h1"])
 def test_logits_are_bitwise_identical_with_the_cache_on_and_off(kind: str) -> None:
     on, evicted = _run(kind, cache_prefixes=True, kv_tokens=40)
     off, _ = _run(kind, cache_prefixes=False, kv_tokens=400)
@@ -93,7 +93,7 @@ def _assert_same_logits(on: EngineRun, kind: str, repeats: int = 1) -> None:
             assert torch.equal(a, b), f"request {rid}: logits differ"
 
 
-@pytest.mark.parametrize("kind", ["mha", "mla", "mamba"])
+@pytest.mark.parametrize("kind", ["mha", "mla", "mamba", "falcon_h1"])
 def test_logits_are_identical_after_pages_went_to_host_and_back(kind: str) -> None:
     on, counters = _tiered_run(kind, host_ratio=3.0, storage=False)
     assert counters.bytes_h2d > 0  # hits loaded back from the host

@@ -6,6 +6,8 @@ request-to-token table and the pools; MLA-style latent attention (the latent and
 stored per token in an `MLAKVPool`, queries absorbed into the latent space); a simple
 recurrent layer (a causal conv + diagonal linear recurrence over the `[heads, head_dim,
 d_state]` SSM state) whose conv and SSM state live in the `MambaPool` slot of the request;
+both side by side in a parallel hybrid block (Falcon-H1: the state under
+`MemorySystem.state_layer_id`);
 layers without a cache (Nemotron-H's MLP layers) only run the MLP every layer has.
 
 Every token is computed on its own (one token through every layer, in position order), so
@@ -78,11 +80,6 @@ class ReferenceDims:
         text = config.get("text_config")
         cfg: Mapping[str, object] = text if isinstance(text, Mapping) else config
         kinds = tuple(str(k) for k in spec.layer_kinds)
-        if "full+mamba" in kinds:
-            raise ReplayOptionError(
-                f"the reference model has no layer with attention and Mamba state at once "
-                f"({spec.architecture})"
-            )
         layout = spec.layout
         attention = latent = state = None
         if isinstance(layout.full, LatentShape):
@@ -114,6 +111,8 @@ class ReferenceDims:
         """The weights of one layer of `kind`, name -> shape (the MLP's included)."""
         d, heads = self.hidden, self.heads
         shapes: dict[str, tuple[int, ...]] = {}
+        if kind == "full+mamba":  # a parallel hybrid block: both mixers, their outputs summed
+            return self.layer_shapes("full") | self.layer_shapes("mamba")
         if kind == "mamba":
             assert self.state is not None, "a Mamba layer has a state shape (spec invariant)"
             c, k, h, p, n = self.state
@@ -216,6 +215,9 @@ class ReferenceModel:
             x = _norm(h)
             if kind == "mamba":
                 h = h + self._recurrent(layer, w, x, state)
+            elif kind == "full+mamba":
+                y = self._attention(layer, "full", w, x, row, pos, loc)
+                h = h + (y + self._recurrent(layer, w, x, state))
             elif kind == "none":
                 pass
             elif isinstance(self.system.kv_pool, MLAKVPool):
@@ -274,7 +276,7 @@ class ReferenceModel:
     ) -> torch.Tensor:
         pool = self.system.mamba_pool
         assert pool is not None and state is not None
-        local = self.system.mamba_layer_ids.index(layer)
+        local = self.system.mamba_layer_ids.index(self.system.state_layer_id(layer))
         conv, ssm = pool.conv_state[local], pool.ssm_state[local]
         window = torch.cat([conv[state], (x @ w["in"]).unsqueeze(-1)], dim=-1)
         xc = (window * w["conv"]).sum(-1)
