@@ -44,7 +44,8 @@ class CapacityTooSmall(ReplayError, ValueError):
     def __init__(self, *, capacity_tokens: int, needed_tokens: int, request_index: int) -> None:
         super().__init__(
             f"capacity of {capacity_tokens} tokens cannot hold request {request_index}, "
-            f"which needs {needed_tokens} tokens (page-rounded); raise --capacity-tokens"
+            f"which needs {needed_tokens} tokens (page-rounded); raise --capacity-tokens "
+            "(or --device-memory)"
         )
         self.capacity_tokens = capacity_tokens
         self.needed_tokens = needed_tokens
