@@ -52,7 +52,9 @@ def test_logits_are_bitwise_identical_with_the_cache_on_and_off(kind: str) -> No
             assert torch.equal(a, b), f"request {rid}: logits differ"
 
 
-def _tiered_run(kind: str, *, host_ratio: float, storage: bool) -> tuple[EngineRun, TierCounters]:
+def _tiered_run(
+    kind: str, *, host_ratio: float, storage: bool, chunk: int = 6
+) -> tuple[EngineRun, TierCounters]:
     spec = ModelMemorySpec.from_hf_config(TINY_MODELS[kind])
     mamba = bool(spec.mamba_layer_ids)
     sizing = SizingParams(
@@ -73,7 +75,7 @@ def _tiered_run(kind: str, *, host_ratio: float, storage: bool) -> tuple[EngineR
     tiers = build_tiered(spec, budget, options)
     try:
         model = ReferenceModel(TINY_MODELS[kind], tiers.system, seed=3)
-        engine = ReferenceEngine(model, tiers.cache, chunk=6, max_running=4)
+        engine = ReferenceEngine(model, tiers.cache, chunk=chunk, max_running=4)
         on = engine.run(_prompts() * 2, max_new_tokens=5)
     finally:
         tiers.close()
@@ -101,14 +103,15 @@ def test_logits_are_identical_after_pages_went_to_host_and_back(kind: str) -> No
     _assert_same_logits(on, kind, repeats=2)
 
 
-# Mamba is not here: this schedule caches no state where a storage prefix of the second pass
-# could end (the cache prefetches a Mamba prefix only up to a stored state), so nothing comes
-# back from storage; the host test covers its state transfers.
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_logits_are_identical_after_pages_went_to_storage_and_back(kind: str) -> None:
+# Mamba-hybrids prefill in page-sized chunks here: the cache prefetches a Mamba prefix from
+# storage only up to a stored state, and a state is cached where a chunk ends on a page.
+@pytest.mark.parametrize(
+    ("kind", "chunk"), [("mha", 6), ("mla", 6), ("mamba", 4), ("falcon_h1", 4)]
+)
+def test_logits_are_identical_after_pages_went_to_storage_and_back(kind: str, chunk: int) -> None:
     # A host tier the size of the device: what it drops was backed up to storage, and the
     # second pass over the prompts finds part of its prefixes only there.
-    on, counters = _tiered_run(kind, host_ratio=1.0, storage=True)
+    on, counters = _tiered_run(kind, host_ratio=1.0, storage=True, chunk=chunk)
     assert counters.bytes_storage_set > 0 and counters.bytes_storage_get > 0
     assert counters.bytes_h2d > 0
     assert on.retractions > 0
