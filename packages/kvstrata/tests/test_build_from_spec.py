@@ -3,6 +3,8 @@ pool has exactly the plan's capacity and bytes, and the system works (allocate, 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
@@ -22,6 +24,7 @@ from kvstrata.build import (
     collectors,
 )
 from kvstrata.pool import MambaPool, MHAKVPool, MLAKVPool, SWAKVPool
+from kvstrata.pool_host import MLAHostPool
 from kvstrata.testkit.hf_configs import (
     DEEPSEEK_V3,
     FALCON_H1_7B,
@@ -120,10 +123,42 @@ def test_mamba_hybrid_gets_a_state_pool(config: dict[str, object], tp: int) -> N
     system.check_integrity()
 
 
+def test_falcon_h1_layers_get_a_kv_id_and_a_state_id() -> None:
+    spec = ModelMemorySpec.from_hf_config(FALCON_H1_7B, tp_size=8)
+    built = build_with_plan(spec, "1GiB", _options(context_len=4096))
+    system, plan = built.system, built.plan
+    layers = len(spec.layer_kinds)
+    assert system.family == "mamba" and system.parallel_state_offset == layers
+    assert system.attention_layer_ids == tuple(range(layers))
+    assert system.mamba_layer_ids == tuple(range(layers, 2 * layers))
+    assert [system.state_layer_id(i) for i in (0, 43)] == [layers, layers + 43]
+    state = system.mamba_pool
+    assert isinstance(state, MambaPool) and state.size == plan.mamba_slots
+    assert state.bytes_per_token == spec.state_bytes_per_request
+    assert system.kv_pool.size == plan.full_tokens
+    assert plan.used_bytes <= plan.budget_bytes
+    system.check_integrity()
+    with pytest.raises(KeyError, match="no Mamba state"):
+        build(ModelMemorySpec.from_hf_config(LLAMA_3_1_8B), "1GiB", _options()).state_layer_id(0)
+
+
+def test_swa_with_mamba_is_refused_naming_the_missing_tree_family() -> None:
+    mamba = ModelMemorySpec.from_hf_config(JAMBA_V0_1)
+    gemma = ModelMemorySpec.from_hf_config(GEMMA_3_27B)
+    kinds = ("swa", "full", "mamba", "swa")
+    layout = replace(
+        mamba.layout,
+        layer_kinds=kinds,
+        swa=gemma.layout.swa,
+        sliding_window=gemma.sliding_window,
+        full=gemma.layout.full,
+    )
+    spec = ModelMemorySpec.from_layout(layout, kv_dtype=None, mamba_ssm_dtype="float32", tp_size=1)
+    with pytest.raises(InvalidModel, match="no tree family has both an SWA and a Mamba"):
+        build(spec, "1GiB", _options())
+
+
 def test_refusals_come_before_any_allocation() -> None:
-    falcon = ModelMemorySpec.from_hf_config(FALCON_H1_7B, tp_size=8)
-    with pytest.raises(InvalidModel, match="attention and Mamba state at once"):
-        build(falcon, "1GiB", _options())
     llama = ModelMemorySpec.from_hf_config(LLAMA_3_1_8B)
     with pytest.raises(UnknownPolicy, match="'lifo'"):
         build(llama, "1GiB", BuildOptions(policy="lifo"))
@@ -174,12 +209,27 @@ def test_tiered_build_refusals() -> None:
     llama = ModelMemorySpec.from_hf_config(LLAMA_3_1_8B, tp_size=8)
     with pytest.raises(InvalidCapacity, match="needs a host tier"):
         build_tiered(llama, "8MiB", _options())
+
+
+def test_tiered_mla_build_mirrors_the_latent_pool() -> None:
     deepseek = ModelMemorySpec.from_hf_config(DEEPSEEK_V3, tp_size=8, kv_dtype="fp8_e4m3")
     options = BuildOptions(
-        sizing=SizingParams(context_len=256, max_running_requests=4, host_ratio=1.0)
+        sizing=SizingParams(context_len=256, max_running_requests=4, host_ratio=1.5),
+        free_host_bytes=1 << 40,
+        storage_url="memory://?capacity_bytes=10000000",
     )
-    with pytest.raises(InvalidModel, match="no host mirror"):
-        build_tiered(deepseek, "16MiB", options)
+    tiered = build_tiered(deepseek, "16MiB", options)
+    try:
+        plan = build_with_plan(deepseek, "16MiB", options).plan
+        assert plan.host is not None
+        assert isinstance(tiered.host_pool, MLAHostPool)
+        assert tiered.host_pool.device_pool is tiered.system.kv_pool
+        assert tiered.host_tokens == plan.host.full_tokens
+        assert (tiered.host_state_slots, tiered.host_swa_tokens) == (None, None)
+        assert tiered.storage is not None
+        tiered.check_integrity()
+    finally:
+        tiered.close()
 
 
 def test_collectors_export_every_wired_part() -> None:

@@ -10,9 +10,13 @@
 The families are told apart by the layer kinds: MLA (a latent pool, Full tree), full attention
 only (`mha`), full + sliding-window (`swa`), attention + Mamba (`mamba`). Mamba-1 states
 (Jamba) fit the state pool as `[channels, 1, d_state]`: the same bytes as `[channels, d_state]`.
-Not buildable yet, refused by name before anything is allocated: a layer holding attention and
-Mamba state at once (Falcon-H1: the layer router gives each layer id one pool), and models with
-sliding-window and Mamba layers together (no tree family has both).
+A layer holding attention and Mamba state at once (Falcon-H1's parallel hybrid blocks) gets
+two router ids, since the layer router gives each id one pool: its KV is layer i, its state
+layer `num_layers + i` (`MemorySystem.parallel_state_offset`, `state_layer_id(i)`).
+Not buildable yet, refused by name before anything is allocated: models with sliding-window and
+Mamba layers together (no tree family has both a sliding-window and a Mamba component: the
+missing piece is an SWA + Mamba tree family and its builder), and models of sliding-window
+layers only.
 
 `build_tiered` adds the host tier the plan sized (`SizingParams.host_ratio` / `host_bytes`,
 checked against the free host memory) and, with `BuildOptions.storage_url`, storage, through
@@ -39,6 +43,7 @@ from kvstrata.build.swa import SWAModel, build_swa_system
 from kvstrata.build.system import BuildParams, MemorySystem
 from kvstrata.build.tiers import TieredSystem, build_tiers
 from kvstrata.pool import MLAKVPool, MLASpec, ReqToTokenPool
+from kvstrata.unified_radix_cache.tiers import TierParams
 
 #: Torch dtype of each `ModelMemorySpec.kv_dtype` / SSM / conv dtype name.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -53,9 +58,10 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 @dataclass(frozen=True, kw_only=True)
 class BuildOptions:
     """How to build: the sizing knobs (`SizingParams`), the tree's eviction policy, the device,
-    KV events, the L3 `storage_url` (`build_tiered`). `free_device_bytes` / `free_host_bytes`:
-    what a fractional budget and the host check refer to (None: measured on `device` / read
-    from /proc/meminfo when needed)."""
+    KV events, the L3 `storage_url` and the hierarchical cache's `tier_params` (write and
+    prefetch policies; `build_tiered`). `free_device_bytes` / `free_host_bytes`: what a
+    fractional budget and the host check refer to (None: measured on `device` / read from
+    /proc/meminfo when needed)."""
 
     sizing: SizingParams = field(default_factory=SizingParams)
     policy: str = "lru"
@@ -64,6 +70,7 @@ class BuildOptions:
     free_device_bytes: int | None = None
     free_host_bytes: int | None = None
     storage_url: str | None = None
+    tier_params: TierParams | None = None
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -126,32 +133,35 @@ def build_tiered(
     """`build`, then the host tier of the plan (`options.sizing.host_ratio` or `host_bytes`,
     required) and storage at `options.storage_url` under it: pools, allocators, tree, host
     mirrors, transfer controller and hierarchical cache. `close()` it when done. Raises what
-    `build` and `build_tiers` raise (InvalidCapacity without a host size, InvalidModel for
-    an MLA model, whose latent pool has no host mirror yet)."""
+    `build` and `build_tiers` raise (InvalidCapacity without a host size). MLA models get a
+    host mirror of the latent pool (`pool_host.MLAHostPool`)."""
     options = BuildOptions() if options is None else options
     sizing = options.sizing
     if sizing.host_ratio is None and sizing.host_bytes is None:
         raise InvalidCapacity("build_tiered needs a host tier: set sizing.host_ratio or host_bytes")
-    if spec.is_mla:
-        raise InvalidModel(f"{spec.architecture}: MLA pools have no host mirror yet")
     built = build_with_plan(spec, budget, options)
     host = built.plan.host
     assert host is not None, "plan_memory sizes a host tier when asked (checked above)"
-    return build_tiers(built.system, host_tokens=host.full_tokens, storage_url=options.storage_url)
+    return build_tiers(
+        built.system,
+        host_tokens=host.full_tokens,
+        storage_url=options.storage_url,
+        params=options.tier_params,
+    )
 
 
 def _check_buildable(spec: ModelMemorySpec) -> None:
     kinds = set(spec.layer_kinds)
-    if "full+mamba" in kinds:
-        raise InvalidModel(
-            f"{spec.architecture}: layers with attention and Mamba state at once cannot be "
-            "built yet (the layer router maps each layer id to one pool); kvstrata size "
-            "sizes them"
-        )
-    if "swa" in kinds and "mamba" in kinds:
+    if "swa" in kinds and kinds & {"mamba", "full+mamba"}:
         raise InvalidModel(
             f"{spec.architecture}: sliding-window and Mamba layers together cannot be built "
-            "yet (no tree family has both)"
+            "yet (no tree family has both an SWA and a Mamba component); kvstrata size "
+            "sizes them"
+        )
+    if spec.is_mla and spec.mamba_layer_ids:
+        raise InvalidModel(
+            f"{spec.architecture}: MLA and Mamba layers together cannot be built yet (the "
+            "Mamba family's KV pool is an MHA pool)"
         )
     if "swa" in kinds and "full" not in kinds:
         raise InvalidModel(
@@ -176,7 +186,11 @@ def _build_family(spec: ModelMemorySpec, params: BuildParams) -> MemorySystem:
     full = layout.full
     assert isinstance(full, AttentionShape), "a buildable layout has full attention (checked)"
     if layout.state is not None:
-        return build_mamba_system(_mamba_model(spec, full, kv_dtype, layout.state), params)
+        mamba = _mamba_model(spec, full, kv_dtype, layout.state)
+        system = build_mamba_system(mamba, params)
+        if mamba.mamba_layer_ids != spec.mamba_layer_ids:
+            system = replace(system, parallel_state_offset=len(spec.layer_kinds))
+        return system
     if layout.swa is not None:
         window = spec.sliding_window
         assert window is not None, "an SWA layout has a window (reader invariant)"
@@ -202,16 +216,22 @@ def _mamba_model(
     spec: ModelMemorySpec, full: AttentionShape, kv_dtype: torch.dtype, state: StateShape
 ) -> MambaModel:
     """The MambaModel of a layout; a Mamba-1 SSM state `[channels, d_state]` becomes
-    `[channels, 1, d_state]` (the same bytes)."""
+    `[channels, 1, d_state]` (the same bytes); parallel hybrid layers' states get ids past the
+    last model layer."""
     assert spec.conv_dtype is not None, "a spec with state has a conv dtype (from_layout)"
     conv_dim, conv_width = state.conv
     if len(state.ssm) == 2:
         heads, state_head_dim, state_size = state.ssm[0], 1, state.ssm[1]
     else:
         heads, state_head_dim, state_size = state.ssm
+    # A parallel hybrid layer's state is routed as layer num_layers + i (module docstring).
+    num_layers = len(spec.layer_kinds)
+    mamba_ids = tuple(
+        i + num_layers if spec.layer_kinds[i] == "full+mamba" else i for i in spec.mamba_layer_ids
+    )
     return MambaModel(
         attention_layer_ids=spec.full_layer_ids,
-        mamba_layer_ids=spec.mamba_layer_ids,
+        mamba_layer_ids=mamba_ids,
         num_kv_heads=full.num_kv_heads,
         head_dim=full.head_dim,
         dtype=kv_dtype,

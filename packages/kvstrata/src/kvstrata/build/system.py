@@ -68,6 +68,23 @@ class MemorySystem:
     tree: UnifiedRadixCache
     #: The request-to-token table (`build` from a model spec sizes one; None otherwise).
     req_to_token: ReqToTokenPool | None = None
+    #: Models whose layers hold attention KV and a Mamba state at once (Falcon-H1's parallel
+    #: hybrid blocks): the state of such a model layer i is routed as layer id
+    #: `parallel_state_offset + i` (the number of model layers), its KV as layer i. None for
+    #: every other model. `state_layer_id` maps a model layer to its state's id.
+    parallel_state_offset: int | None = None
+
+    def state_layer_id(self, layer_id: int) -> int:
+        """The router's layer id of model layer `layer_id`'s Mamba state: itself for a Mamba
+        layer, `parallel_state_offset + layer_id` for a parallel hybrid layer (KeyError for a
+        layer without state)."""
+        mamba = self.mamba_layer_ids
+        if layer_id in mamba:
+            return layer_id
+        offset = self.parallel_state_offset
+        if offset is not None and offset + layer_id in mamba:
+            return offset + layer_id
+        raise KeyError(f"model layer {layer_id} has no Mamba state")
 
     @cached_property
     def cache(self) -> DeviceCache:

@@ -7,6 +7,7 @@
 Members of the pool group, by family:
 
     mha    "full": MHAHostPool(kv_pool)
+    mla    "full": MLAHostPool(kv_pool) (the latent + rope rows of every layer)
     mamba  "full": MHAHostPool(kv_pool), "mamba": MambaHostPool(mamba_pool) (host state slots)
     swa    "full": MHAHostPool(kv_pool.full_pool), "swa": MHAHostPool(kv_pool.swa_pool)
 
@@ -26,8 +27,8 @@ from kvstrata.build.errors import InvalidCapacity, InvalidModel, TiersUnsupporte
 from kvstrata.build.system import MemorySystem
 from kvstrata.hybrid_cache import ControllerParams, PoolGroup, TierController
 from kvstrata.hybrid_cache.group import AnyHostPool
-from kvstrata.pool import MambaPool, MHAKVPool, SWAKVPool
-from kvstrata.pool_host import HostLayout, MambaHostPool, MHAHostPool
+from kvstrata.pool import MambaPool, MHAKVPool, MLAKVPool, SWAKVPool
+from kvstrata.pool_host import HostLayout, MambaHostPool, MHAHostPool, MLAHostPool
 from kvstrata.storage import Storage, open_storage
 from kvstrata.unified_radix_cache.errors import InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
@@ -40,11 +41,12 @@ DEFAULT_HOST_RATIO = 2.0
 @dataclass(frozen=True, kw_only=True, eq=False)
 class TieredSystem:
     """The host mirrors, their controller and the hierarchical cache over a `MemorySystem`.
-    `host_pool` is the full-attention mirror; `host_pools` maps every pool group member
-    ("full", and "mamba" or "swa") to its mirror. `close()` stops the controller's workers."""
+    `host_pool` is the full-attention mirror (MHA, or MLA's latent pool); `host_pools` maps
+    every pool group member ("full", and "mamba" or "swa") to its mirror. `close()` stops the
+    controller's workers."""
 
     system: MemorySystem
-    host_pool: MHAHostPool
+    host_pool: MHAHostPool | MLAHostPool
     host_pools: Mapping[str, AnyHostPool]
     controller: TierController
     cache: HierarchicalCache
@@ -102,7 +104,7 @@ def build_host_pools(
         raise InvalidCapacity(f"the host size must be positive, got {sizes[0]}")
     devices = _device_pools(system)
     full = devices["full"]
-    assert isinstance(full, MHAKVPool), "the full member is an MHA pool"
+    assert isinstance(full, MHAKVPool | MLAKVPool), "the full member is an MHA or MLA pool"
     bytes_of = {name: _device_bytes(pool) for name, pool in devices.items()}
     total_bytes = sum(bytes_of.values())
     hosts: dict[str, AnyHostPool] = {}
@@ -120,6 +122,10 @@ def build_host_pools(
             ratio = host_ratio or DEFAULT_HOST_RATIO
         if isinstance(pool, MambaPool):
             hosts[name] = MambaHostPool(
+                pool, layout=layout, size=size, ratio=ratio, size_bytes=nbytes
+            )
+        elif isinstance(pool, MLAKVPool):
+            hosts[name] = MLAHostPool(
                 pool, layout=layout, size=size, ratio=ratio, size_bytes=nbytes
             )
         else:
@@ -144,8 +150,8 @@ def build_tiers(
     """Add a host tier of `host_tokens` (full-attention slots), `host_ratio` x each device
     pool, or `host_bytes` in all (at most one; default ratio 2.0; mirrors in `host_layout`,
     see `build_host_pools`) and, with `storage_url` (`memory://...`, `file:///...`) or an
-    opened `storage` (at most one), an L3 tier, for an mha, swa or mamba system whose tree is
-    still empty. Mutates `system.tree` (the cache attaches its host tier to it).
+    opened `storage` (at most one), an L3 tier, for an mha, mla, swa or mamba system whose
+    tree is still empty. Mutates `system.tree` (the cache attaches its host tier to it).
 
     Raises InvalidCapacity for more than one size or a non-positive one, TiersUnsupported for
     both `storage_url` and `storage`, and InvalidModel for a system of another layout, before
@@ -185,7 +191,7 @@ def build_tiers(
             f"{' (storage)' if storage is not None else ''}: {exc}"
         ) from exc
     host_full = hosts["full"]
-    assert isinstance(host_full, MHAHostPool), "the full mirror is an MHAHostPool"
+    assert isinstance(host_full, MHAHostPool | MLAHostPool), "the full mirror is MHA or MLA"
     return TieredSystem(
         system=system,
         host_pool=host_full,
@@ -196,18 +202,22 @@ def build_tiers(
     )
 
 
-def _device_pools(system: MemorySystem) -> dict[str, MHAKVPool | MambaPool]:
+def _device_pools(system: MemorySystem) -> dict[str, MHAKVPool | MLAKVPool | MambaPool]:
     """The device pool of every pool group member, by member name. InvalidModel for a system
-    whose pools do not form one of the three layouts the hierarchical cache knows."""
+    whose pools do not form one of the layouts the hierarchical cache knows."""
     pool = system.kv_pool
     if isinstance(pool, SWAKVPool):
         return {"full": pool.full_pool, "swa": pool.swa_pool}
+    if isinstance(pool, MLAKVPool):
+        if system.mamba_pool is not None:
+            raise InvalidModel("tiers of an MLA pool with Mamba state are not wired")
+        return {"full": pool}
     if not isinstance(pool, MHAKVPool):
-        raise InvalidModel(f"tiers need an MHA or SWA KV pool, got {type(pool).__name__}")
+        raise InvalidModel(f"tiers need an MHA, MLA or SWA KV pool, got {type(pool).__name__}")
     if system.mamba_pool is not None:
         return {"full": pool, "mamba": system.mamba_pool}
     return {"full": pool}
 
 
-def _device_bytes(pool: MHAKVPool | MambaPool) -> int:
+def _device_bytes(pool: MHAKVPool | MLAKVPool | MambaPool) -> int:
     return sum(b.numel() * b.element_size() for b in pool.layer_buffers())

@@ -20,6 +20,12 @@ from typing import TYPE_CHECKING, TextIO
 
 from kvstrata.cli.errors import print_error
 from kvstrata.cli.replay_cluster import add_cluster_arguments, run_cluster_replay
+from kvstrata.cli.replay_model import (
+    add_model_arguments,
+    check_model_options,
+    model_build,
+    run_reference_replay,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -30,6 +36,7 @@ if TYPE_CHECKING:
     from kvstrata.replay import ReplayEngine, ReplayRequest, ReplayStats
     from kvstrata.replay.compare import ConfigRun, TierConfig
     from kvstrata.replay.exporter import MetricsServer
+    from kvstrata.replay.model import ModelBuild
 
 FAMILY_CHOICES: tuple[str, ...] = ("mha", "swa", "mamba")
 POLICY_CHOICES: tuple[str, ...] = ("lru", "lfu", "fifo", "mru", "filo", "priority")
@@ -37,6 +44,8 @@ POLICY_CHOICES: tuple[str, ...] = ("lru", "lfu", "fifo", "mru", "filo", "priorit
 #: Keys of the `--json` record, in order (the summary table shows the same figures).
 JSON_KEYS: tuple[str, ...] = (
     "source",
+    "model",
+    "device_memory",
     "family",
     "policy",
     "page_size",
@@ -109,7 +118,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="device KV capacity in tokens (default: unbounded, room for every prompt)",
     )
     parser.add_argument("--policy", choices=POLICY_CHOICES, default="lru", help="eviction policy")
-    parser.add_argument("--family", choices=FAMILY_CHOICES, default="mha", help="model family")
+    parser.add_argument(
+        "--family", choices=FAMILY_CHOICES, help="toy model family (default mha; not with --model)"
+    )
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument("--seed", type=int, default=0, help="seed of the embedded workload")
     parser.add_argument("--device", default="cpu", help="device of the pools (default cpu)")
@@ -192,6 +203,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_cluster_arguments(parser)
+    add_model_arguments(parser)
     parser.set_defaults(handler=run_replay)
 
 
@@ -207,14 +219,22 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
     from kvstrata.storage.errors import StorageError
 
     out = stdout if stdout is not None else sys.stdout
+    if args.model is None and args.family is None:
+        args.family = "mha"  # None only tells an explicit --family apart for --model
     if args.instances is not None:
+        if args.model is not None:
+            print_error("--instances replays toy device-only trees: it takes no --model")
+            return 2
         return run_cluster_replay(args, out)
     err = Console(file=sys.stderr)
     server: MetricsServer | None = None
     try:
         _check_options(args)
+        if args.engine == "reference":
+            return run_reference_replay(args, out)
         torch.set_num_threads(args.threads)
         requests, source = _requests(args)
+        model = None if args.model is None else model_build(args, requests)
         configs = _configs(args, requests)
         registry = None
         if args.metrics_port is not None:
@@ -225,7 +245,10 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
             registry = CollectorRegistry()
             server = MetricsServer(registry, port=args.metrics_port, addr=args.metrics_addr)
             err.print(f"serving metrics on {server.url}", highlight=False)
-        runs = [_run_with_progress(args, config, requests, registry=registry) for config in configs]
+        runs = [
+            _run_with_progress(args, config, requests, registry=registry, model=model)
+            for config in configs
+        ]
         if args.plot is not None:
             from kvstrata.replay.plot import plot_runs
 
@@ -268,6 +291,7 @@ def _check_options(args: argparse.Namespace) -> None:
     """Every option checked before anything is built or served (ReplayError)."""
     from kvstrata.replay import ReplayError
 
+    check_model_options(args)
     if args.threads < 1:
         raise ReplayError(f"--threads must be >= 1, got {args.threads}")
     if args.limit is not None and args.limit < 0:
@@ -289,8 +313,13 @@ def _tier_options(args: argparse.Namespace) -> bool:
 
 
 def _comparing(args: argparse.Namespace) -> bool:
-    """The default: no capacity, tier or --unbounded option given."""
-    return not (args.unbounded or args.capacity_tokens is not None or _tier_options(args))
+    """The default: no capacity, tier, --unbounded or --model option given."""
+    return not (
+        args.unbounded
+        or args.capacity_tokens is not None
+        or _tier_options(args)
+        or args.model is not None
+    )
 
 
 def _requests(args: argparse.Namespace) -> tuple[list[ReplayRequest], str]:
@@ -339,12 +368,14 @@ def _record(args: argparse.Namespace, run: ConfigRun, source: str) -> dict[str, 
     config = run.config
     record: dict[str, object] = {
         "source": source,
-        "family": args.family,
+        "model": run.model,
+        "device_memory": args.device_memory,
+        "family": run.family,
         "policy": args.policy,
-        "page_size": args.page_size,
+        "page_size": run.page_size,
         "tokens_per_block": args.tokens_per_block if args.trace is not None else None,
         "capacity_tokens": run.capacity_tokens,
-        "unbounded": config.capacity_tokens is None,
+        "unbounded": config.capacity_tokens is None and run.model is None,
         "device": run.device,
     }
     if config.tiered:
@@ -387,6 +418,7 @@ def _run_with_progress(
     requests: list[ReplayRequest],
     *,
     registry: CollectorRegistry | None,
+    model: ModelBuild | None = None,
 ) -> ConfigRun:
     from rich.console import Console
     from rich.progress import (
@@ -407,6 +439,7 @@ def _run_with_progress(
         "device": args.device,
         "verify": args.verify,
         "registry": registry,
+        "model": model,
     }
     if not _progress_enabled(args):
         return run_configuration(config, requests, **options)
@@ -497,6 +530,11 @@ def _summary_table(record: dict[str, object], stats: ReplayStats) -> Table:
     capacity = "unbounded" if record["unbounded"] else f"{record['capacity_tokens']:,} tokens"
     rows = [
         ("family / policy", f"{record['family']} / {record['policy']}"),
+        *(
+            [("model / device memory", f"{record['model']} / {record['device_memory']}")]
+            if record["model"] is not None
+            else []
+        ),
         ("page size", f"{record['page_size']}"),
         ("capacity", capacity),
         ("requests", f"{stats.requests:,}"),

@@ -22,6 +22,7 @@ from kvstrata.hybrid_cache import PrefetchPolicy
 from kvstrata.replay.engine import ReplayEngine, unbounded_capacity
 from kvstrata.replay.errors import ReplayOptionError
 from kvstrata.replay.exporter import ConfigCollector, replay_collectors
+from kvstrata.replay.model import ModelBuild
 from kvstrata.replay.request import ReplayRequest
 from kvstrata.replay.stats import ReplayStats
 from kvstrata.unified_radix_cache.errors import InvalidConfig
@@ -112,6 +113,11 @@ class ConfigRun:
     wall_seconds: float
     device: str
     collectors: list[Collector] = field(default_factory=list)
+    #: The built system's family (mha, swa, mamba, mla) and, for a `ModelBuild`, the model's
+    #: architecture (None for a toy family).
+    family: str = ""
+    model: str | None = None
+    page_size: int = 0
 
 
 def default_configs(
@@ -168,18 +174,33 @@ def run_configuration(
     registry: CollectorRegistry | None = None,
     sample_every: int = 16,
     on_progress: Callable[[int, ReplayEngine], None] | None = None,
+    model: ModelBuild | None = None,
 ) -> ConfigRun:
     """Build `config`'s memory system, replay `requests` through it and return the result.
 
     With `registry`, every layer's collectors are registered on it under `config=<name>` for
-    the rest of the process. Raises what the builders raise (BuildError, HostPoolError,
-    StorageError, ReplayError) before any request runs; KVMismatch under `verify`."""
+    the rest of the process. With `model`, the system is built from the model's spec and
+    budget (`ModelBuild.build`: `family`, `page_size` and the capacity of `config` are then the
+    plan's; its host and storage options still apply). Raises what the builders raise
+    (BuildError, HostPoolError, StorageError, ReplayError) before any request runs;
+    KVMismatch under `verify`."""
     if sample_every < 1:
         raise ReplayOptionError(f"sample_every must be >= 1, got {sample_every}")
-    system = _build_system(
-        config, requests, family=family, policy=policy, page_size=page_size, device=device
-    )
-    tiers = _build_tiers(config, system)
+    if model is not None:
+        built, tiers = model.build(
+            policy=policy,
+            device=device,
+            host_ratio=config.host_ratio,
+            host_bytes=config.host_bytes,
+            storage_url=config.storage_url,
+            tier_params=_tier_params(config) if config.tiered else None,
+        )
+        system = built.system
+    else:
+        system = _build_system(
+            config, requests, family=family, policy=policy, page_size=page_size, device=device
+        )
+        tiers = _build_tiers(config, system)
     samples: list[Sample] = []
     try:
         engine = ReplayEngine(system, verify=verify, tiers=tiers)
@@ -217,6 +238,9 @@ def run_configuration(
         wall_seconds=wall_seconds,
         device=str(system.device),
         collectors=collectors,
+        family=system.family,
+        model=None if model is None else model.spec.architecture,
+        page_size=system.page_size,
     )
 
 
@@ -255,21 +279,25 @@ def _build_tiers(config: TierConfig, system: MemorySystem) -> TieredSystem | Non
     BuildError for bad combinations, before anything is allocated."""
     if not config.tiered:
         return None
+    return build_tiers(
+        system,
+        host_ratio=config.host_ratio,
+        host_bytes=config.host_bytes,
+        storage_url=config.storage_url,
+        params=_tier_params(config),
+    )
+
+
+def _tier_params(config: TierConfig) -> TierParams:
+    """The hierarchical cache's parameters of `config` (ReplayOptionError when out of range)."""
     try:
-        params = TierParams(
+        return TierParams(
             write_policy=WritePolicy(config.write_policy),
             prefetch_policy=PrefetchPolicy(config.prefetch_policy),
             prefetch_threshold=config.prefetch_threshold,
         )
     except (InvalidConfig, ValueError) as exc:
         raise ReplayOptionError(str(exc)) from exc
-    return build_tiers(
-        system,
-        host_ratio=config.host_ratio,
-        host_bytes=config.host_bytes,
-        storage_url=config.storage_url,
-        params=params,
-    )
 
 
 def _sample(

@@ -44,7 +44,8 @@ class CapacityTooSmall(ReplayError, ValueError):
     def __init__(self, *, capacity_tokens: int, needed_tokens: int, request_index: int) -> None:
         super().__init__(
             f"capacity of {capacity_tokens} tokens cannot hold request {request_index}, "
-            f"which needs {needed_tokens} tokens (page-rounded); raise --capacity-tokens"
+            f"which needs {needed_tokens} tokens (page-rounded); raise --capacity-tokens "
+            "(or --device-memory)"
         )
         self.capacity_tokens = capacity_tokens
         self.needed_tokens = needed_tokens
@@ -54,3 +55,23 @@ class CapacityTooSmall(ReplayError, ValueError):
 class KVMismatch(ReplayError):
     """`verify=True` read back KV or Mamba state that differs from what was written for the hit's
     tokens: a lower layer handed out a slot holding someone else's data. A bug, not bad input."""
+
+
+class ReferenceModelTooLarge(ReplayError, ValueError):
+    """`--engine reference` on a model whose reference weights exceed the limit: the reference
+    model computes every token on its own, which only a small config does in reasonable time."""
+
+    def __init__(self, *, architecture: str, parameters: int, limit: int) -> None:
+        super().__init__(
+            f"{architecture} is too large for the reference engine: {parameters:,} weights, "
+            f"the limit is {limit:,} (give a small config: hidden_size, num_hidden_layers, "
+            "vocab_size)"
+        )
+        self.architecture = architecture
+        self.parameters = parameters
+        self.limit = limit
+
+
+class RequestDoesNotFit(ReplayError, RuntimeError):
+    """The reference engine cannot run a request even alone: the memory system is too small
+    for one prompt plus its decoded tokens (raise the device budget)."""

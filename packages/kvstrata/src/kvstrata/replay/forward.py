@@ -9,6 +9,9 @@ replay writes values derived from the tokens instead, so that a later hit can be
                                               (0 where the prompt is shorter), plus l;
                                               SSM: p, plus l
 
+An MLA layer keeps one latent row per token: the token id fills its `kv_lora_rank` part (the
+"K" above) and the V value its rotary part.
+
 All of these are small integers, exact in float32 (token ids below 2**24), so `verify_hit` can
 compare with `torch.equal`. A cached prefix holds exactly what its tokens wrote, wherever the
 tree put it: a slot handed out for the wrong tokens reads back other values.
@@ -21,6 +24,7 @@ import numpy.typing as npt
 import torch
 
 from kvstrata.build import MemorySystem
+from kvstrata.pool import MLAKVPool
 from kvstrata.replay.errors import KVMismatch, ReplayOptionError
 
 _EXACT_DTYPES = (torch.float32, torch.float64)
@@ -40,6 +44,9 @@ class StandInForward:
         self._mamba_layers = system.mamba_layer_ids
         self._num_layers = len(layers.layer_ids)
         # [heads, dim] of K and V per attention layer, looked up once: writes run per request.
+        # An MLA layer's "K" is the latent and its "V" the rotary key (`MLAKVPool.set_kv`).
+        pool = system.kv_pool
+        self._latent_rank = pool.spec.kv_lora_rank if isinstance(pool, MLAKVPool) else None
         self._kv_shapes = {
             layer_id: (
                 tuple(layers.get_key_buffer(layer_id).shape[1:]),
@@ -47,6 +54,9 @@ class StandInForward:
             )
             for layer_id in self._attention_layers
         }
+        if isinstance(pool, MLAKVPool):
+            rank, rope = pool.spec.kv_lora_rank, pool.spec.qk_rope_head_dim
+            self._kv_shapes = {layer_id: ((1, rank), (1, rope)) for layer_id in self._kv_shapes}
         self._mamba_locals = {
             layer_id: layers.route(layer_id).local_layer_id for layer_id in self._mamba_layers
         }
@@ -115,7 +125,10 @@ class StandInForward:
             first = self._live_from(layer_id, hit)
             loc = layers.layer_loc(layer_id, slots[first:])
             k = layers.get_key_buffer(layer_id)[loc].float()
-            v = layers.get_value_buffer(layer_id)[loc].float()
+            if self._latent_rank is not None:
+                k, v = k[..., : self._latent_rank], k[..., self._latent_rank :]
+            else:
+                v = layers.get_value_buffer(layer_id)[loc].float()
             want_v = positions[first:] * self._num_layers + layer_id
             if not (
                 torch.equal(k, ids[first:].view(-1, 1, 1).expand_as(k))

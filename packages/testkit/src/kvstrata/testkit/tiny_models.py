@@ -1,4 +1,4 @@
-"""Tiny Hugging Face configs (float32) of the four cache kinds, for engines run on a CPU.
+"""Tiny Hugging Face configs (float32) of the cache kinds, for engines run on a CPU.
 
 Each carries the fields `kvstrata.build.ModelMemorySpec.from_hf_config` reads and the few a
 reference model needs (`vocab_size`, `intermediate_size`). Small enough that a model with
@@ -55,11 +55,28 @@ TINY_JAMBA: dict[str, object] = {
     "mamba_expand": 1,
 }
 
+#: Parallel hybrid (Falcon-H1): 2 layers, each an attention and a Mamba-2 mixer side by side
+#: (2 SSM heads of 8 over d_state 4; conv over 16 + 2 x 4 channels).
+TINY_FALCON_H1: dict[str, object] = {
+    **_COMMON,
+    "model_type": "falcon_h1",
+    "head_dim": 8,
+    "num_hidden_layers": 2,
+    "mamba_d_conv": 4,
+    "mamba_d_head": 8,
+    "mamba_d_ssm": 16,
+    "mamba_d_state": 4,
+    "mamba_expand": 1,
+    "mamba_n_groups": 1,
+    "mamba_n_heads": 2,
+}
+
 TINY_MODELS: dict[str, dict[str, object]] = {
     "mha": TINY_LLAMA,
     "mla": TINY_DEEPSEEK,
     "swa": TINY_GPT_OSS,
     "mamba": TINY_JAMBA,
+    "falcon_h1": TINY_FALCON_H1,
 }
 
 
