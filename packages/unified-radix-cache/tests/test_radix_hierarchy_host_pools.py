@@ -23,6 +23,13 @@ from kvstrata.testkit.tiers import (
     serve_swa,
 )
 from kvstrata.unified_radix_cache import HierarchicalCache, RadixKey, TreeNode
+from kvstrata.unified_radix_cache.node import ComponentValue
+
+
+def _host_copy(node: TreeNode) -> ComponentValue:
+    """The host copy on `node` of the tree's one component besides Full (index 1)."""
+    return None if node.comp_hosts is None else node.comp_hosts[1]
+
 
 P = 4
 
@@ -58,7 +65,7 @@ def _swa_non_holder(h: SWAHierarchy, base: int) -> TreeNode:
     cache.evict_device(cache.device_tree.evictable_size())
     assert cache.evict_host(2 * P) == 2 * P
     head = _end_node(cache, _tokens(base, 2 * P))
-    assert head is not None and head in cache.tier.heap and head.host_swa is None
+    assert head is not None and head in cache.tier.heap and _host_copy(head) is None
     return head
 
 
@@ -72,7 +79,7 @@ def _mamba_non_holder(h: MambaHierarchy, base: int) -> TreeNode:
     cache.evict_device(cache.device_tree.evictable_size())
     assert cache.evict_host(4 * P) == 4 * P
     head = _end_node(cache, first[: 2 * P])
-    assert head is not None and head in cache.tier.heap and head.host_state is None
+    assert head is not None and head in cache.tier.heap and _host_copy(head) is None
     return head
 
 
@@ -84,7 +91,7 @@ def test_failed_host_swa_allocation_evicts_nothing() -> None:
     try:
         _swa_non_holder(h, 1000)
         serve_swa(h, _tokens(9000, 4 * P))  # stays on the device: its host SWA copy is pinned
-        assert cache.tier.candidate_swa_size == 0
+        assert cache.tier.candidate_size("swa") == 0
         before = set(_host_nodes(cache))
         evicted = cache.counters.host_evicted_tokens
         hoard = cache.host_swa_allocator
@@ -95,7 +102,7 @@ def test_failed_host_swa_allocation_evicts_nothing() -> None:
         assert cache.counters.host_evicted_tokens == evicted, "evicted for a hopeless allocation"
         assert before <= set(_host_nodes(cache)), "a host copy went for nothing"
         written = _end_node(cache, _tokens(7000, 3 * P))
-        assert written is not None and written.host_swa is None, "the pages went alone"
+        assert written is not None and _host_copy(written) is None, "the pages went alone"
         hoard.free(held)
         cache.check_integrity()
     finally:
@@ -112,8 +119,8 @@ def test_host_swa_allocation_evicts_only_holders() -> None:
         serve_swa(h, _tokens(2000, 4 * P))
         cache.evict_device(cache.device_tree.evictable_size())
         holder = _end_node(cache, _tokens(2000, 4 * P))
-        assert holder is not None and holder.host_swa is not None and holder in cache.tier.heap
-        assert cache.tier.candidate_swa_size == len(holder.host_swa)
+        assert holder is not None and _host_copy(holder) is not None and holder in cache.tier.heap
+        assert cache.tier.candidate_size("swa") == len(_host_copy(holder))
         cache.check_integrity()
         hoard = cache.host_swa_allocator
         assert hoard is not None
@@ -125,7 +132,7 @@ def test_host_swa_allocation_evicts_only_holders() -> None:
         assert holder.id not in _host_nodes(cache)
         assert cache.counters.host_evicted_tokens == evicted + 2 * P
         written = _end_node(cache, _tokens(7000, 3 * P))
-        assert written is not None and written.host_swa is not None, "the window went too"
+        assert written is not None and _host_copy(written) is not None, "the window went too"
         hoard.free(held)
         cache.check_integrity()
     finally:
@@ -137,7 +144,7 @@ def test_failed_host_state_allocation_evicts_nothing() -> None:
     cache = h.cache
     try:
         _mamba_non_holder(h, 1000)
-        assert cache.tier.candidate_states == 0
+        assert cache.tier.candidate_size("mamba") == 0
         before = set(_host_nodes(cache))
         evicted = cache.counters.host_evicted_tokens
         hoard = cache.host_state_allocator
@@ -148,7 +155,7 @@ def test_failed_host_state_allocation_evicts_nothing() -> None:
         assert cache.counters.host_evicted_tokens == evicted, "evicted for a hopeless allocation"
         assert before <= set(_host_nodes(cache)), "a host copy went for nothing"
         written = _end_node(cache, _tokens(7000, 3 * P))
-        assert written is not None and written.host_state is None, "the pages went alone"
+        assert written is not None and _host_copy(written) is None, "the pages went alone"
         hoard.free(held)
         cache.check_integrity()
     finally:
@@ -163,8 +170,8 @@ def test_host_state_allocation_evicts_only_holders() -> None:
         serve_mamba(h, _tokens(2000, 4 * P))
         cache.evict_device(cache.device_tree.evictable_size())
         holder = _end_node(cache, _tokens(2000, 4 * P))
-        assert holder is not None and holder.host_state is not None and holder in cache.tier.heap
-        assert cache.tier.candidate_states == 1
+        assert holder is not None and _host_copy(holder) is not None and holder in cache.tier.heap
+        assert cache.tier.candidate_size("mamba") == 1
         cache.check_integrity()
         hoard = cache.host_state_allocator
         assert hoard is not None
@@ -176,7 +183,7 @@ def test_host_state_allocation_evicts_only_holders() -> None:
         assert holder.id not in _host_nodes(cache)
         assert cache.counters.host_evicted_tokens == evicted + 4 * P
         written = _end_node(cache, _tokens(7000, 3 * P))
-        assert written is not None and written.host_state is not None
+        assert written is not None and _host_copy(written) is not None
         hoard.free(held)
         cache.check_integrity()
     finally:
@@ -192,16 +199,16 @@ def test_candidate_counts_follow_a_split_and_a_lock() -> None:
     try:
         serve_swa(h, _tokens(1000, 4 * P))
         cache.evict_device(cache.device_tree.evictable_size())
-        assert tier.candidate_swa_size == 2 * P
+        assert tier.candidate_size("swa") == 2 * P
         tail = _end_node(cache, _tokens(1000, 4 * P))
-        assert tail is not None and tail.host_swa is not None and tail in tier.heap
+        assert tail is not None and _host_copy(tail) is not None and tail in tier.heap
         cache.device_tree.split_node(tail, P)  # the head (with its host SWA) is no candidate
         cache.check_integrity()
-        assert tier.candidate_swa_size == len(tail.host_swa)
+        assert tier.candidate_size("swa") == len(_host_copy(tail))
         receipt = tier.lock(tail)
-        assert tier.candidate_swa_size == 0 and tail not in tier.heap
+        assert tier.candidate_size("swa") == 0 and tail not in tier.heap
         tier.unlock(receipt)
-        assert tier.candidate_swa_size == len(tail.host_swa)
+        assert tier.candidate_size("swa") == len(_host_copy(tail))
         cache.check_integrity()
     finally:
         cache.controller.close()

@@ -23,7 +23,14 @@ from kvstrata.testkit.tiers import (
     write_prefix_state,
 )
 from kvstrata.unified_radix_cache import EvictRequest, RadixKey
+from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
+
+
+def _host_copy(node: TreeNode) -> ComponentValue:
+    """The host copy on `node` of the tree's one component besides Full (index 1)."""
+    return None if node.comp_hosts is None else node.comp_hosts[1]
+
 
 P = 2
 PREFIXES = ([1, 2, 3, 4], [1, 2, 5, 6], [7, 8, 9, 10, 11, 12], [])
@@ -98,7 +105,7 @@ class MambaTwoTierMachine(RuleBasedStateMachine):
         m = h.cache.match_prefix(RadixKey(torch.tensor([*prefix, 20, 20], dtype=torch.int64)))
         if not m.host_hit_len:
             return
-        assert m.host_node is not None and m.host_node.host_state is not None
+        assert m.host_node is not None and _host_copy(m.host_node) is not None
         load = h.cache.start_load_back(m.host_node)
         if first_layer and not load.done:
             assert load.wait_layer(h.tiers.pools.layer_ids[0], 10.0)

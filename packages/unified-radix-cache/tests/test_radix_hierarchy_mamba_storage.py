@@ -13,8 +13,15 @@ from kvstrata.storage import FaultInjectingStorage, FaultRules, MemoryStorage, S
 from kvstrata.testkit.tiers import MambaHierarchy, make_mamba_hierarchy, scramble, serve_mamba
 from kvstrata.unified_radix_cache import RadixKey
 from kvstrata.unified_radix_cache.errors import InvalidConfig
+from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams
+
+
+def _host_copy(node: TreeNode) -> ComponentValue:
+    """The host copy on `node` of the tree's one component besides Full (index 1)."""
+    return None if node.comp_hosts is None else node.comp_hosts[1]
+
 
 P = 4
 PARAMS = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
@@ -32,7 +39,7 @@ def _drop_everything_but_storage(h: MambaHierarchy, seed: int) -> None:
     comes back must come from storage."""
     h.cache.evict_device(h.tree.evictable_size())
     h.cache.evict_host(10**6)
-    assert h.tree.num_nodes == 0 and h.cache.tier.num_host_states == 0
+    assert h.tree.num_nodes == 0 and h.cache.device_tree.component("mamba").host_held_size == 0
     taken = h.allocator.alloc(h.allocator.available_size())
     assert taken is not None
     scramble(h.device_pool, taken, seed=seed)
@@ -63,7 +70,7 @@ def test_backup_stores_the_boundary_state_beside_its_page(
     a = list(range(1, 3 * P + 1))
     serve_mamba(h, a)
     node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.in_storage and node.host_state is not None
+    assert node is not None and node.in_storage and _host_copy(node) is not None
     keys = h.cache.keyer.page_keys(RadixKey(a).tokens())
     assert storage.batch_exists(keys) == 3
     # Only the boundary page carries a state.

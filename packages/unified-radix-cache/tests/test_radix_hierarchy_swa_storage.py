@@ -12,8 +12,15 @@ from kvstrata.hybrid_cache import PrefetchPolicy
 from kvstrata.storage import FaultInjectingStorage, FaultRules, MemoryStorage, Storage
 from kvstrata.testkit.tiers import SWAHierarchy, make_swa_hierarchy, scramble, serve_swa
 from kvstrata.unified_radix_cache import RadixKey
+from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams
+
+
+def _host_copy(node: TreeNode) -> ComponentValue:
+    """The host copy on `node` of the tree's one component besides Full (index 1)."""
+    return None if node.comp_hosts is None else node.comp_hosts[1]
+
 
 P = 4
 PARAMS = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
@@ -31,7 +38,7 @@ def _drop_everything_but_storage(h: SWAHierarchy, seed: int) -> None:
     comes back must come from storage."""
     h.cache.evict_device(h.tree.evictable_size())
     h.cache.evict_host(10**6)
-    assert h.tree.num_nodes == 0 and h.cache.tier.host_swa_size == 0
+    assert h.tree.num_nodes == 0 and h.cache.device_tree.component("swa").host_held_size == 0
     taken = h.allocator.alloc(h.allocator.available_size())
     assert taken is not None
     scramble(h.full_pool, taken, seed=seed)
@@ -57,7 +64,7 @@ def test_backup_stores_the_window_swa_pages(closing: list[SWAHierarchy]) -> None
     a = list(range(1, 4 * P + 1))
     serve_swa(h, a)
     node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.in_storage and node.host_swa is not None
+    assert node is not None and node.in_storage and _host_copy(node) is not None
     keys = h.cache.keyer.page_keys(RadixKey(a).tokens())
     assert storage.batch_exists(keys) == 4
     swa = _swa_keys(h, a)

@@ -265,7 +265,7 @@ def make_mamba_hierarchy(
         tree,
         controller=TierController(tiers.group, storage=storage, params=controller_params),
         host_allocator=tiers.hosts["full"].make_allocator(),
-        host_state_allocator=tiers.hosts["mamba"].make_allocator(),
+        component_hosts={"mamba": tiers.hosts["mamba"].make_allocator()},
         params=params or TierParams(write_policy=write_policy, prefetch_threshold=page_size),
     )
     return MambaHierarchy(
@@ -438,7 +438,7 @@ def make_swa_hierarchy(
         tree,
         controller=TierController(tiers.group, storage=storage, params=controller_params),
         host_allocator=tiers.hosts["full"].make_allocator(),
-        host_swa_allocator=tiers.hosts["swa"].make_allocator(),
+        component_hosts={"swa": tiers.hosts["swa"].make_allocator()},
         params=params or TierParams(write_policy=write_policy, prefetch_threshold=page_size),
     )
     return SWAHierarchy(tiers=tiers, full_pool=full, swa_pool=swa, allocator=allocator, cache=cache)

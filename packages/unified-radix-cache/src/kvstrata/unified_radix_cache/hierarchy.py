@@ -137,10 +137,9 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
     with a storage it prefetches and backs up.
     `host_allocator`: the host pool's `HostSlotAllocator` (same page size as the tree).
     `keyer`: the chained page keyer naming storage pages (the tree's, or one for the page size).
-    `host_state_allocator`: for a Full + Mamba tree (and only then), the `MambaHostPool`'s
-    allocator (page size 1: one host state slot per entry).
-    `host_swa_allocator`: for a Full + SWA tree (and only then), the SWA host pool's allocator
-    (same page size as the tree).
+    `component_hosts`: per component besides Full (by name, exactly those of the tree), the
+    host allocator of its host copies: for "mamba" the `MambaHostPool`'s (page size 1: one
+    host state slot per entry), for "swa" the SWA host pool's (same page size as the tree).
 
     Not thread-safe: call it from the scheduler thread; the controller's workers never touch it.
     """
@@ -153,8 +152,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         host_allocator: HostSlotAllocator,
         params: TierParams | None = None,
         keyer: PageKeyer | None = None,
-        host_state_allocator: HostSlotAllocator | None = None,
-        host_swa_allocator: HostSlotAllocator | None = None,
+        component_hosts: Mapping[str, HostSlotAllocator] | None = None,
     ) -> None:
         extras = device_tree.components[1:]
         extra = extras[0] if len(extras) == 1 else None
@@ -165,10 +163,11 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             )
         mamba = extra if isinstance(extra, MambaComponent) else None
         swa = extra if isinstance(extra, SWAComponent) else None
-        if (swa is None) != (host_swa_allocator is None):
+        hosts = dict(component_hosts or {})
+        if set(hosts) != {c.name for c in extras}:
             raise InvalidConfig(
-                "host_swa_allocator (the host SWA pool's) is required for an SWA tree and only "
-                "for one"
+                "component_hosts must give a host allocator for each component besides Full "
+                f"({[c.name for c in extras]}) and no other, got {sorted(hosts)}"
             )
         members = (FULL,) + ((MAMBA,) if mamba else ()) + ((SWA,) if swa else ())
         if sorted(controller.group.member_names) != sorted(members):
@@ -176,19 +175,18 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
                 f"the controller's pool group must have the members {members}, got "
                 f"{controller.group.member_names}"
             )
-        if (mamba is None) != (host_state_allocator is None):
-            raise InvalidConfig(
-                "host_state_allocator is required for a Mamba tree and only for one"
-            )
         page = device_tree.page_size
         if host_allocator.page_size != page:
             raise InvalidConfig(
                 f"host page size {host_allocator.page_size} != tree page size {page}"
             )
-        if host_swa_allocator is not None and host_swa_allocator.page_size != page:
-            raise InvalidConfig(
-                f"host SWA page size {host_swa_allocator.page_size} != tree page size {page}"
-            )
+        for component in extras:
+            allocator = hosts[component.name]
+            if component.unit == "tokens" and allocator.page_size != page:
+                raise InvalidConfig(
+                    f"host {component.name} page size {allocator.page_size} != tree page size "
+                    f"{page}"
+                )
         keyer = keyer or device_tree.keyer or PageKeyer(page_size=page)
         if keyer.page_size != page:
             raise InvalidConfig(f"keyer page size {keyer.page_size} != tree page size {page}")
@@ -203,16 +201,17 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         assert isinstance(full, FullComponent), "component 0 of every tree is Full"
         self._device_full = full
         self._mamba = mamba
-        self.host_state_allocator = host_state_allocator
         self._swa = swa
-        self.host_swa_allocator = host_swa_allocator
+        #: The host allocators of the components besides Full, by name.
+        self.component_hosts = hosts
+        self.host_state_allocator = hosts.get(MAMBA)
+        self.host_swa_allocator = hosts.get(SWA)
         self.tier = HostTier(
             device_tree,
             HostSlots(host_allocator),
             eviction_policy=self.params.host_eviction_policy,
             keyer=keyer,
-            host_states=None if host_state_allocator is None else HostSlots(host_state_allocator),
-            host_swa=None if host_swa_allocator is None else HostSlots(host_swa_allocator),
+            component_hosts={name: HostSlots(a) for name, a in self.component_hosts.items()},
         )
         self.keyer = self.tier.keyer
         self._page_bytes = controller.group.page_bytes(FULL)
@@ -602,12 +601,10 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             for p in self._pending.values()
             if isinstance(p, (PendingWrite, PendingPrefetch)) and p.host_swa is not None
         )
-        self.tier.check_integrity(in_flight, states_in_flight, swa_in_flight)
+        self.tier.check_integrity(in_flight, {MAMBA: states_in_flight, SWA: swa_in_flight})
         self.host_allocator.check_integrity()
-        if self.host_swa_allocator is not None:
-            self.host_swa_allocator.check_integrity()
-        if self.host_state_allocator is not None:
-            self.host_state_allocator.check_integrity()
+        for allocator in self.component_hosts.values():
+            allocator.check_integrity()
         self.controller.check_integrity()
         if self.tier.num_locked != len(self._pending):
             raise IntegrityError(

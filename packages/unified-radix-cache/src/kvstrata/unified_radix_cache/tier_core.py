@@ -191,13 +191,14 @@ class TierCore(ABC):
         pages: list[npt.NDArray[np.int64]] = []
         states: list[int] = []
         swa: list[npt.NDArray[np.int64]] = []
+        mamba, swa_component = self._mamba, self._swa
         for node in self.device_tree.iter_nodes():
             if node.host_value is not None:
                 pages.append(node.host_value)
-            if node.host_state is not None:
-                states.append(node.host_state)
-            if node.host_swa is not None:
-                swa.append(node.host_swa)
+            if mamba is not None and (slot := mamba.host_slot(node)) is not None:
+                states.append(slot)
+            if swa_component is not None and (copy := swa_component.host_copy(node)) is not None:
+                swa.append(copy)
         for p in self._pending.values():
             if isinstance(p, PendingWrite):
                 pages.append(p.host_slots.numpy())
@@ -238,12 +239,13 @@ class TierCore(ABC):
     def _alloc_host_state(self) -> torch.Tensor | None:
         """One host state slot; when the pool is out, host-evicts (in the host policy's order)
         only off-device nodes holding a host state, and only when one of them can go (see
-        `HostTier.evict_for_states`). None, with nothing evicted, when none can."""
+        `HostTier.evict_for`). None, with nothing evicted, when none can."""
         allocator = self.host_state_allocator
         assert allocator is not None, "host states in a tree without Mamba"
         slot = allocator.alloc(1)
         if slot is None:
-            freed = self.tier.evict_for_states(1 - allocator.available_size())
+            assert self._mamba is not None
+            freed = self.tier.evict_for(self._mamba, 1 - allocator.available_size())
             self.counters.host_evicted_tokens += freed.tokens
             slot = allocator.alloc(1) if freed.slots else None
         return slot
@@ -251,13 +253,14 @@ class TierCore(ABC):
     def _alloc_host_swa(self, num_tokens: int) -> torch.Tensor | None:
         """Host SWA slots; when the pool is short, host-evicts (in the host policy's order)
         only off-device nodes holding host SWA slots, and only when together they hold enough
-        (see `HostTier.evict_for_swa`). None, with nothing evicted, when they do not: the host
+        (see `HostTier.evict_for`). None, with nothing evicted, when they do not: the host
         SWA pool is then held by copies of nodes still on the device (or by transfers)."""
         allocator = self.host_swa_allocator
         assert allocator is not None, "host SWA slots in a tree without SWA"
         slots = allocator.alloc(num_tokens)
         if slots is None:
-            freed = self.tier.evict_for_swa(num_tokens - allocator.available_size())
+            assert self._swa is not None
+            freed = self.tier.evict_for(self._swa, num_tokens - allocator.available_size())
             self.counters.host_evicted_tokens += freed.tokens
             slots = allocator.alloc(num_tokens) if freed.slots else None
         return slots
@@ -298,7 +301,8 @@ class TierCore(ABC):
                 )
                 at = offsets[k] + first - lo
                 part = values[at : at + probe.num_tokens].copy()
-                if not self.tier.set_host_swa(probe, part):
+                assert self._swa is not None
+                if not self.tier.set_host(self._swa, probe, part):
                     self._free_host_swa(torch.from_numpy(part))
                 if first == lo:
                     k -= 1

@@ -65,7 +65,7 @@ class TierLoads(TierCore):
             while anchor.parent is not None and not len(anchor.value):
                 anchor = anchor.parent
             if mamba is not None and mamba.slot(node) is None:
-                host_state = node.host_state
+                host_state = mamba.host_slot(node)
         start, end = prefix_len(anchor), len(key)
         swa_from = self._host_window_start(node, start, end)
         if start >= end and host_state is None:
@@ -140,7 +140,7 @@ class TierLoads(TierCore):
             pos > start
             and end - pos < swa.sliding_window
             and probe.parent is not None
-            and probe.host_swa is not None
+            and swa.host_copy(probe) is not None
         ):
             pos -= probe.num_tokens
             probe = probe.parent
@@ -151,7 +151,8 @@ class TierLoads(TierCore):
         parts: list[torch.Tensor] = []
         pos, probe = end, node
         while pos > swa_from:
-            value = probe.host_swa
+            assert self._swa is not None
+            value = self._swa.host_copy(probe)
             assert value is not None, f"node {probe.id} in a loaded window without host SWA"
             parts.append(torch.from_numpy(value))
             pos -= probe.num_tokens

@@ -212,7 +212,8 @@ class TierPrefetches(TierCore):
         (pages past that could never be a hit). O(len(keys) + nodes in the window)."""
         known = self._stored_states
         window = self._window_pages()
-        before_ok = start == 0 or self.tier.window_restorable(anchor)
+        assert self._swa is not None
+        before_ok = start == 0 or self._swa.window_restorable(anchor)
         best = run = 0
         for e, page_key in enumerate(keys, start=1):
             run = run + 1 if page_key in known else 0
@@ -236,7 +237,8 @@ class TierPrefetches(TierCore):
         got_state = state is not None and upto == len(pending.host_slots)
         if got_state and state is not None:
             pending.host_state = None
-            if not self.tier.set_host_state(pending.host_receipt.anchor, state):
+            assert self._mamba is not None
+            if not self.tier.set_host(self._mamba, pending.host_receipt.anchor, state):
                 self._free_host_state(torch.tensor([state], dtype=torch.int64))
         host_swa = pending.host_swa
         got_swa = 0

@@ -55,7 +55,9 @@ class TierWrites(TierCore):
         start, end = prefix_len(anchor), len(key)
         mamba = self._mamba
         device_state = mamba.slot(node) if mamba is not None else None
-        want_state = device_state is not None and node.host_state is None
+        want_state = (
+            mamba is not None and device_state is not None and mamba.host_slot(node) is None
+        )
         swa_ranges = self._window_ranges(node, end) if self._swa is not None else ()
         if start >= end and not want_state and not swa_ranges:
             return None
@@ -192,7 +194,7 @@ class TierWrites(TierCore):
             if first < lo:
                 self.device_tree.split_node(probe, lo - first)  # probe keeps [lo, pos)
                 first = lo
-            if probe.host_swa is None:
+            if swa.host_copy(probe) is None:
                 ranges.append((first, pos))
             pos = first
             probe = probe.parent
@@ -212,7 +214,12 @@ class TierWrites(TierCore):
             return
         num = len(pending.host_slots)
         receipt = self.tier.commit(pending.host_receipt, pending.key, pending.host_slots)
-        if state is not None and not self.tier.set_host_state(receipt.anchor, int(state.item())):
+        mamba = self._mamba
+        if (
+            state is not None
+            and mamba is not None
+            and not self.tier.set_host(mamba, receipt.anchor, int(state.item()))
+        ):
             self._free_host_state(state)
         swa_tokens = 0
         if pending.host_swa is not None:
@@ -254,8 +261,9 @@ class TierWrites(TierCore):
             end = len(keys) * self.page_size
             probe = node
             while probe.parent is not None and end > start:
-                if probe.host_state is not None:
-                    states[end // self.page_size - 1 - first] = probe.host_state
+                slot = self._mamba.host_slot(probe)
+                if slot is not None:
+                    states[end // self.page_size - 1 - first] = slot
                 end -= probe.num_tokens
                 probe = probe.parent
             host_pages[MAMBA] = states
@@ -300,6 +308,8 @@ class TierWrites(TierCore):
     def _backup_swa_pages(self, node: TreeNode, num_keys: int, first: int) -> list[int | None]:
         """SWA: per page of keys[first:num_keys] (the prefix ending at `node`), the host SWA
         page of the node holding it, or None where the node has no host SWA copy."""
+        swa = self._swa
+        assert swa is not None, "_backup_swa_pages on a tree without SWA"
         page = self.page_size
         pages: list[int | None] = [None] * (num_keys - first)
         start = first * page
@@ -307,7 +317,7 @@ class TierWrites(TierCore):
         probe = node
         while probe.parent is not None and end > start:
             lo = end - probe.num_tokens
-            host_swa = probe.host_swa
+            host_swa = swa.host_copy(probe)
             if host_swa is not None:
                 for at in range(max(lo, start), end, page):
                     pages[at // page - first] = int(host_swa[at - lo]) // page
