@@ -75,12 +75,12 @@ from kvstrata.unified_radix_cache.host_tier import HostTier
 from kvstrata.unified_radix_cache.key import RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.paths import key_of
-from kvstrata.unified_radix_cache.protocol import PrefixHit
 from kvstrata.unified_radix_cache.request import CacheRequest
 from kvstrata.unified_radix_cache.results import (
     EvictRequest,
     InsertResult,
     MatchResult,
+    PrefixHit,
 )
 from kvstrata.unified_radix_cache.tier_core import (
     FULL,

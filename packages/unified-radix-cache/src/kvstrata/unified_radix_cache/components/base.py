@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
     from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
     from kvstrata.unified_radix_cache.results import LockReceipt
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+    from kvstrata.unified_radix_cache.tree_view import TreeView
 
 
 _NO_SLOTS = np.empty(0, dtype=np.int64)
@@ -88,7 +88,7 @@ class TreeComponent(ABC):
 
     def __init__(self) -> None:
         self.index = -1
-        self._tree: UnifiedRadixCache | None = None
+        self._tree: TreeView[TreeComponent] | None = None
         #: Data not protected by any lock, and data protected by one (in `unit`).
         self.evictable_size = 0
         self.protected_size = 0
@@ -102,7 +102,7 @@ class TreeComponent(ABC):
         self.host_evicted_total = 0
 
     # -- wiring ---------------------------------------------------------------------------
-    def bind(self, tree: UnifiedRadixCache, index: int) -> None:
+    def bind(self, tree: TreeView[TreeComponent], index: int) -> None:
         """Attach to `tree` at component position `index` (called once by the tree)."""
         if self._tree is not None:
             raise InvalidConfig(f"component {self.name!r} is already bound to a tree")
@@ -110,7 +110,7 @@ class TreeComponent(ABC):
         self.index = index
 
     @property
-    def tree(self) -> UnifiedRadixCache:
+    def tree(self) -> TreeView[TreeComponent]:
         assert self._tree is not None, f"component {self.name!r} used before bind()"
         return self._tree
 

@@ -34,9 +34,10 @@ from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig, I
 from kvstrata.unified_radix_cache.policies import LRUList
 
 if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.components.base import TreeComponent
     from kvstrata.unified_radix_cache.node import TreeNode
     from kvstrata.unified_radix_cache.results import LockReceipt
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+    from kvstrata.unified_radix_cache.tree_view import TreeView
 
 
 class SWASlotSink(Protocol):
@@ -78,7 +79,7 @@ class SWAComponent(LRUListComponent):
         self.device = torch.device(allocator.device)
         self.lru = LRUList()
 
-    def bind(self, tree: UnifiedRadixCache, index: int) -> None:
+    def bind(self, tree: TreeView[TreeComponent], index: int) -> None:
         super().bind(tree, index)
 
     def capacity(self) -> int:
