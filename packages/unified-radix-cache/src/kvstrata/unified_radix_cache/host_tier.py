@@ -48,7 +48,6 @@ import numpy.typing as npt
 import torch
 
 from kvstrata.storage.keys import PageKeyer
-from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.errors import (
     ForeignNode,
     IntegrityError,
@@ -116,7 +115,6 @@ class HostTier(HostWalks):
         keyer: PageKeyer | None = None,
         component_hosts: Mapping[str, SlotSink] | None = None,
     ) -> None:
-        full = tree.components[0]
         extras = tree.components[1:]
         sinks = dict(component_hosts or {})
         names = {c.name for c in extras}
@@ -125,20 +123,14 @@ class HostTier(HostWalks):
                 f"component_hosts must name exactly the tree's components besides Full "
                 f"{sorted(names)}, got {sorted(sinks)}"
             )
-        assert isinstance(full, FullComponent) and full.heap is not None, "a bound Full tree"
         keyer = tree.keyer or keyer or PageKeyer(page_size=tree.page_size)
         if keyer.page_size != tree.page_size:
             raise InvalidConfig(f"keyer page size {keyer.page_size} != {tree.page_size}")
         if any(c.host is not None for c in extras):
             raise InvalidConfig("a component of this tree already has a host sink")
-        self.tree = tree
+        super().__init__(tree, LeafHeap(make_policy(eviction_policy)))
         self.host = host
         self.keyer = keyer
-        self._full = full
-        self._extras: tuple[TreeComponent, ...] = tuple(extras)
-        self._device_heap = full.heap
-        self.heap = LeafHeap(make_policy(eviction_policy))
-        self._page_bytes = tree.page_size * TOKEN_BYTES
         self._log = EventLog(keyer)
         self._receipts: dict[int, HostReceipt] = {}
         self._ids = itertools.count(1)
@@ -146,11 +138,6 @@ class HostTier(HostWalks):
         self.evictable_size = 0
         self.protected_size = 0
         self.evicted_total = 0
-        #: Per component index: host slots held by host eviction candidates (the members of
-        #: `heap`), what evicting every candidate would give back to that pool. Kept in step by
-        #: `_add_candidate` / `_drop_candidate`, `set_host` and `on_split`, so `evict_for`
-        #: knows in O(1) whether evicting can help at all.
-        self.candidate_sizes = [0] * len(tree.components)
         tree.attach_host_tier(self)
         for component in extras:
             component.attach_host(sinks[component.name])

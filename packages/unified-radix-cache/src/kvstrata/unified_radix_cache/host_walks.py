@@ -37,17 +37,25 @@ _NO_SLOTS = np.empty(0, dtype=np.int64)
 
 class HostWalks:
     """Match and insert over both tiers of a hierarchical tree, and the host heap's membership
-    bookkeeping both they and `HostTier` go through (each candidate's host slots are counted
-    per component as nodes join and leave). The attributes are set by `HostTier.__init__`."""
+    bookkeeping both they and `HostTier` (its subclass) go through (each candidate's host slots
+    are counted per component as nodes join and leave).
 
-    tree: UnifiedRadixCache
-    heap: LeafHeap
-    _full: FullComponent
-    _extras: tuple[TreeComponent, ...]
-    _device_heap: LeafHeap
-    _page_bytes: int
-    #: Per component index: host slots held by the host eviction candidates.
-    candidate_sizes: list[int]
+    `tree`: the tree (Full first); `heap`: the host eviction heap (the candidates)."""
+
+    def __init__(self, tree: UnifiedRadixCache, heap: LeafHeap) -> None:
+        full = tree.components[0]
+        assert isinstance(full, FullComponent) and full.heap is not None, "a bound Full tree"
+        self.tree = tree
+        self.heap = heap
+        self._full = full
+        self._extras: tuple[TreeComponent, ...] = tuple(tree.components[1:])
+        self._device_heap = full.heap
+        self._page_bytes = tree.page_size * TOKEN_BYTES
+        #: Per component index: host slots held by host eviction candidates (the members of
+        #: `heap`), what evicting every candidate would give back to that pool. Kept in step by
+        #: `_add_candidate` / `_drop_candidate`, `HostTier.set_host` and `HostTier.on_split`,
+        #: so `HostTier.evict_for` knows in O(1) whether evicting can help at all.
+        self.candidate_sizes = [0] * len(tree.components)
 
     def _add_candidate(self, node: TreeNode) -> None:
         """`node` joins the host heap (a re-push only re-keys it; the counts move once)."""
