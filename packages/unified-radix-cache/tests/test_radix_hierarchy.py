@@ -264,14 +264,14 @@ def test_rejects_hybrid_trees_and_mismatched_pages(closing: list[Hierarchy]) -> 
         TierParams(prefetch_threshold=0)
     host = HostSlotAllocator(num_pages=4, page_size=P)
     swa = make_tree("swa", size=64, page_size=P).tree
-    with pytest.raises(InvalidConfig, match="host_swa_allocator"):
+    with pytest.raises(InvalidConfig, match="component_hosts"):
         HierarchicalCache(swa, controller=h.cache.controller, host_allocator=host)
     with pytest.raises(InvalidConfig, match="members"):
         HierarchicalCache(
             swa,
             controller=h.cache.controller,
             host_allocator=host,
-            host_swa_allocator=HostSlotAllocator(num_pages=4, page_size=P),
+            component_hosts={"swa": HostSlotAllocator(num_pages=4, page_size=P)},
         )
     with pytest.raises(InvalidConfig, match="page size"):
         HierarchicalCache(

@@ -97,7 +97,7 @@ def test_load_back_releases_both_locks_when_allocation_raises(
         raise RuntimeError("allocator broke")
 
     with monkeypatch.context() as m:
-        m.setattr(c, "_alloc_device", broken)
+        m.setattr(c.room, "alloc", broken)
         with pytest.raises(RuntimeError, match="allocator broke"):
             c.start_load_back(host_node)
     assert c.device_tree.num_locked == 0
@@ -280,7 +280,7 @@ def test_integrity_sees_a_host_slot_held_twice_and_a_foreign_receipt(
     with monkeypatch.context() as m:
         _stall_acks(h, m)
         _insert(h, RadixKey(list(range(900, 900 + 2 * P))))  # a write stays in flight
-        (pending,) = c._pending.values()
+        (pending,) = c.core.pending.values()
         real = pending.host_receipt
         pending.host_receipt = HostReceipt(receipt_id=real.receipt_id + 1000, anchor=real.anchor)
         with pytest.raises(IntegrityError, match="host receipts"):
@@ -313,9 +313,9 @@ def test_a_backup_remembers_only_the_last_windows_swa_pages() -> None:
         ack = Ack(
             op_id=10_000, kind=OpKind.BACKUP, status=AckStatus.DONE, num_pages=4, num_pages_done=4
         )
-        c._backup_acked(pending, ack)
-        window = -(-h.cache._swa.sliding_window // P)  # pyright: ignore[reportOptionalMemberAccess]
-        assert list(c._stored_states) == keys[4 - window :]
+        c.writer.commit_backup(pending, ack)
+        window = -(-h.cache.core.swa.sliding_window // P)  # pyright: ignore[reportOptionalMemberAccess]
+        assert list(c.core.stored_states) == keys[4 - window :]
         c.check_integrity()
     finally:
         h.cache.controller.close()

@@ -19,7 +19,14 @@ from kvstrata.unified_radix_cache import (
 )
 from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
+from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
 from kvstrata.unified_radix_cache.paths import node_at
+
+
+def _host_copy(node: TreeNode) -> ComponentValue:
+    """The host copy on `node` of the tree's one component besides Full (index 1)."""
+    return None if node.comp_hosts is None else node.comp_hosts[1]
+
 
 P = 4
 
@@ -41,12 +48,12 @@ def test_a_write_copies_only_the_window_of_swa_pages(closing: list[Hierarchy]) -
     a = list(range(1, 5 * P + 1))
     serve(h, a)
     node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.host_swa is not None
+    assert node is not None and _host_copy(node) is not None
     # The write split the node at the window: the head has full pages on the host only.
     assert node.num_tokens == h.window
     assert node.parent is not None and node.parent.host_value is not None
-    assert node.parent.host_swa is None
-    assert _host_swa(h) == h.window == h.cache.tier.host_swa_size
+    assert _host_copy(node.parent) is None
+    assert _host_swa(h) == h.window == h.cache.device_tree.component("swa").host_held_size
     group = h.cache.controller.group
     pages = 5 * group.page_bytes("full") + 2 * group.page_bytes("swa")
     assert h.cache.counters.bytes_d2h == pages
@@ -111,7 +118,7 @@ def test_evictions_free_both_pools_on_both_tiers(closing: list[Hierarchy]) -> No
     assert h.allocator.swa_available_size() == h.allocator.swa_size
     h.cache.evict_host(10**6)
     assert h.tree.num_nodes == 0 and _host_swa(h) == 0
-    assert h.cache.tier.evicted_swa_total == 2 * h.window
+    assert h.cache.device_tree.component("swa").host_evicted_total == 2 * h.window
     h.cache.check_integrity()
 
 
@@ -124,7 +131,7 @@ def test_no_host_swa_room_means_a_shorter_hit(closing: list[Hierarchy]) -> None:
     a = list(range(1, 3 * P + 1))
     serve(h, a, check=False)
     node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.host_value is not None and node.host_swa is None
+    assert node is not None and node.host_value is not None and _host_copy(node) is None
     h.cache.evict_device(h.tree.evictable_size())
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
     assert m.prefix_len == 0
@@ -186,7 +193,7 @@ def test_refusals(closing: list[Hierarchy]) -> None:
             [FullComponent(alloc), SWAComponent(alloc, sliding_window=2 * P)], page_size=P
         )
 
-    with pytest.raises(InvalidConfig, match="host_swa_allocator"):
+    with pytest.raises(InvalidConfig, match="component_hosts"):
         HierarchicalCache(
             tree(),
             controller=h.cache.controller,
@@ -199,12 +206,13 @@ def test_integrity_catches_a_leaked_host_swa_copy(closing: list[Hierarchy]) -> N
     a = list(range(1, 3 * P + 1))
     serve(h, a)
     node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.host_swa is not None
-    value = node.host_swa
-    node.host_swa = None  # the slots stay allocated, no node holds them
-    with pytest.raises(IntegrityError, match="host SWA"):
+    assert node is not None and _host_copy(node) is not None
+    value = _host_copy(node)
+    assert node.comp_hosts is not None
+    node.comp_hosts[1] = None  # the slots stay allocated, no node holds them
+    with pytest.raises(IntegrityError, match="host swa"):
         h.cache.check_integrity()
-    node.host_swa = value
+    node.comp_hosts[1] = value
     h.cache.check_integrity()
 
 

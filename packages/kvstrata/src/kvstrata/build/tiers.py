@@ -174,15 +174,14 @@ def build_tiers(
     controller = TierController(
         PoolGroup(system.layers, hosts), storage=storage, params=controller_params
     )
-    state_host, swa_host = hosts.get("mamba"), hosts.get("swa")
     try:
         cache = HierarchicalCache(
             system.tree,
             controller=controller,
             host_allocator=hosts["full"].make_allocator(),
             params=params,
-            host_state_allocator=None if state_host is None else state_host.make_allocator(),
-            host_swa_allocator=None if swa_host is None else swa_host.make_allocator(),
+            # The pool group's members besides "full" are the tree's other components.
+            component_hosts={n: h.make_allocator() for n, h in hosts.items() if n != "full"},
         )
     except InvalidConfig as exc:
         controller.close()

@@ -23,7 +23,7 @@ from kvstrata.unified_radix_cache.key import Namespace
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.node import TreeNode
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+    from kvstrata.unified_radix_cache.tree_view import PagedTree
 
 #: Bumped on any change of the wire layout below; decoders refuse other versions.
 EVENT_FORMAT_VERSION = 1
@@ -131,7 +131,7 @@ class EventLog:
         self.keyer = keyer
         self._queue: list[KVEvent] = []
 
-    def page_keys(self, tree: UnifiedRadixCache, node: TreeNode) -> list[bytes]:
+    def page_keys(self, tree: PagedTree, node: TreeNode) -> list[bytes]:
         """Keys of `node`'s pages, computing (and caching) any missing ones on the path, root
         side first, each run continuing from its parent's last key."""
         if node.page_keys is not None:
@@ -155,7 +155,7 @@ class EventLog:
         assert node.page_keys is not None
         return node.page_keys
 
-    def stored(self, tree: UnifiedRadixCache, node: TreeNode) -> None:
+    def stored(self, tree: PagedTree, node: TreeNode) -> None:
         keys = self.page_keys(tree, node)
         parent = node.parent
         parent_key = parent.page_keys[-1] if parent is not None and parent.page_keys else None
@@ -168,7 +168,7 @@ class EventLog:
             )
         )
 
-    def removed(self, tree: UnifiedRadixCache, node: TreeNode) -> None:
+    def removed(self, tree: PagedTree, node: TreeNode) -> None:
         self._queue.append(BlockRemoved(page_keys=tuple(self.page_keys(tree, node))))
 
     def removed_keys(self, keys: list[bytes]) -> None:

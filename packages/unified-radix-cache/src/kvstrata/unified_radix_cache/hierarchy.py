@@ -37,10 +37,12 @@ is restorable. With storage, a backup stores the host SWA pages of the backed-up
 their pages (member "swa", None where a node has none), and a prefetch fetches the pages up to
 the deepest page whose last window's SWA pages this cache backed up, plus those SWA pages.
 
-The cache is split by transfer kind (tier_core.py has the map): `TierWrites` (tier_writes.py:
-writes and backups), `TierPrefetches` (tier_prefetch.py), `TierLoads` (tier_loads.py), over
-`TierCore` (tier_core.py: shared state, pending records, slot allocation); this module keeps
-construction, match, the request life cycle, eviction, acknowledgements and integrity.
+The cache is composed of one object per transfer kind (tier_core.py has the map), each given
+what it uses when built here: `TierWriter` (tier_writes.py: writes and backups), `DeviceRoom`
+(tier_room.py: device slots and eviction by write policy), `TierPrefetcher` (tier_prefetch.py),
+`TierLoader` (tier_loads.py), over `TierCore` (tier_core.py: shared state, pending records,
+ack routing, host slot allocation); this module builds and wires them and keeps match, the
+request life cycle and integrity.
 
 While an operation is in flight its source and destination are locked (a device receipt on a
 write's source or a load's device prefix, a host receipt on the prefix the host pages extend or
@@ -50,23 +52,17 @@ are read from), so eviction on either tier never frees a page a worker is readin
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 
 import torch
 
 from kvstrata.hybrid_cache import (
-    Ack,
-    AckStatus,
-    BackupOp,
     OpKind,
     TierController,
-    WriteOp,
 )
 from kvstrata.pool_host import HostSlotAllocator
 from kvstrata.storage.keys import PageKeyer
 from kvstrata.unified_radix_cache.components.base import ComponentInsert
-from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.components.mamba import MambaComponent
 from kvstrata.unified_radix_cache.components.swa import SWAComponent
 from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig
@@ -74,29 +70,30 @@ from kvstrata.unified_radix_cache.events import KVEvent
 from kvstrata.unified_radix_cache.host_tier import HostTier
 from kvstrata.unified_radix_cache.key import RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
-from kvstrata.unified_radix_cache.paths import key_of
-from kvstrata.unified_radix_cache.protocol import PrefixHit
 from kvstrata.unified_radix_cache.request import CacheRequest
 from kvstrata.unified_radix_cache.results import (
     EvictRequest,
     InsertResult,
     MatchResult,
+    PrefixHit,
 )
 from kvstrata.unified_radix_cache.tier_core import (
     FULL,
     MAMBA,
     SWA,
-    Pending,
     PendingBackup,
     PendingLoad,
     PendingPrefetch,
     PendingWrite,
+    TierCore,
     prefix_len,
 )
-from kvstrata.unified_radix_cache.tier_loads import TierLoads
-from kvstrata.unified_radix_cache.tier_prefetch import TierPrefetches
-from kvstrata.unified_radix_cache.tier_writes import TierWrites
+from kvstrata.unified_radix_cache.tier_loads import TierLoader
+from kvstrata.unified_radix_cache.tier_prefetch import TierPrefetcher
+from kvstrata.unified_radix_cache.tier_room import DeviceRoom
+from kvstrata.unified_radix_cache.tier_writes import TierWriter
 from kvstrata.unified_radix_cache.tiers import (
+    LoadBack,
     TierCounters,
     TieredMatch,
     TierLoad,
@@ -125,7 +122,7 @@ class HostSlots:
         return self.allocator.available_size()
 
 
-class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
+class HierarchicalCache:
     """Device, host and storage tiers of one Full-attention, attention + Mamba or full +
     sliding-window model's prefix cache.
 
@@ -137,10 +134,9 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
     with a storage it prefetches and backs up.
     `host_allocator`: the host pool's `HostSlotAllocator` (same page size as the tree).
     `keyer`: the chained page keyer naming storage pages (the tree's, or one for the page size).
-    `host_state_allocator`: for a Full + Mamba tree (and only then), the `MambaHostPool`'s
-    allocator (page size 1: one host state slot per entry).
-    `host_swa_allocator`: for a Full + SWA tree (and only then), the SWA host pool's allocator
-    (same page size as the tree).
+    `component_hosts`: per component besides Full (by name, exactly those of the tree), the
+    host allocator of its host copies: for "mamba" the `MambaHostPool`'s (page size 1: one
+    host state slot per entry), for "swa" the SWA host pool's (same page size as the tree).
 
     Not thread-safe: call it from the scheduler thread; the controller's workers never touch it.
     """
@@ -153,8 +149,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         host_allocator: HostSlotAllocator,
         params: TierParams | None = None,
         keyer: PageKeyer | None = None,
-        host_state_allocator: HostSlotAllocator | None = None,
-        host_swa_allocator: HostSlotAllocator | None = None,
+        component_hosts: Mapping[str, HostSlotAllocator] | None = None,
     ) -> None:
         extras = device_tree.components[1:]
         extra = extras[0] if len(extras) == 1 else None
@@ -165,10 +160,11 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             )
         mamba = extra if isinstance(extra, MambaComponent) else None
         swa = extra if isinstance(extra, SWAComponent) else None
-        if (swa is None) != (host_swa_allocator is None):
+        hosts = dict(component_hosts or {})
+        if set(hosts) != {c.name for c in extras}:
             raise InvalidConfig(
-                "host_swa_allocator (the host SWA pool's) is required for an SWA tree and only "
-                "for one"
+                "component_hosts must give a host allocator for each component besides Full "
+                f"({[c.name for c in extras]}) and no other, got {sorted(hosts)}"
             )
         members = (FULL,) + ((MAMBA,) if mamba else ()) + ((SWA,) if swa else ())
         if sorted(controller.group.member_names) != sorted(members):
@@ -176,19 +172,18 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
                 f"the controller's pool group must have the members {members}, got "
                 f"{controller.group.member_names}"
             )
-        if (mamba is None) != (host_state_allocator is None):
-            raise InvalidConfig(
-                "host_state_allocator is required for a Mamba tree and only for one"
-            )
         page = device_tree.page_size
         if host_allocator.page_size != page:
             raise InvalidConfig(
                 f"host page size {host_allocator.page_size} != tree page size {page}"
             )
-        if host_swa_allocator is not None and host_swa_allocator.page_size != page:
-            raise InvalidConfig(
-                f"host SWA page size {host_swa_allocator.page_size} != tree page size {page}"
-            )
+        for component in extras:
+            allocator = hosts[component.name]
+            if component.unit == "tokens" and allocator.page_size != page:
+                raise InvalidConfig(
+                    f"host {component.name} page size {allocator.page_size} != tree page size "
+                    f"{page}"
+                )
         keyer = keyer or device_tree.keyer or PageKeyer(page_size=page)
         if keyer.page_size != page:
             raise InvalidConfig(f"keyer page size {keyer.page_size} != tree page size {page}")
@@ -199,42 +194,38 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         self.controller = controller
         self.host_allocator = host_allocator
         self.page_size = page
-        full = device_tree.components[0]
-        assert isinstance(full, FullComponent), "component 0 of every tree is Full"
-        self._device_full = full
-        self._mamba = mamba
-        self.host_state_allocator = host_state_allocator
-        self._swa = swa
-        self.host_swa_allocator = host_swa_allocator
+        #: The host allocators of the components besides Full, by name.
+        self.component_hosts = hosts
+        self.host_state_allocator = hosts.get(MAMBA)
+        self.host_swa_allocator = hosts.get(SWA)
         self.tier = HostTier(
             device_tree,
             HostSlots(host_allocator),
             eviction_policy=self.params.host_eviction_policy,
             keyer=keyer,
-            host_states=None if host_state_allocator is None else HostSlots(host_state_allocator),
-            host_swa=None if host_swa_allocator is None else HostSlots(host_swa_allocator),
+            component_hosts={name: HostSlots(a) for name, a in hosts.items()},
         )
         self.keyer = self.tier.keyer
-        self._page_bytes = controller.group.page_bytes(FULL)
-        self._state_bytes = 0 if mamba is None else controller.group.page_bytes(MAMBA)
-        self._swa_page_bytes = 0 if swa is None else controller.group.page_bytes(SWA)
-        self._backups = self.params.backup_to_storage and controller.storage is not None
-        self._pending: dict[int, Pending] = {}
-        self._unsent: list[tuple[int, WriteOp]] = []
-        self._unsent_ids = 0
-        self._held_backups = None
-        self._num_requests = 0
-        self._unsent_since = 0
-        self._events: list[KVEvent] = []
-        # Mamba / SWA + storage: page keys whose boundary state (Mamba) or SWA page (SWA) a
-        # backup stored (oldest first, at most `params.known_stored_states`). The nodes that
-        # held them may have left the tree since, and storage can only say whether a run of
-        # keys exists from the first one, so this is how a prefetch picks the boundary whose
-        # state or window to fetch. An entry storage no longer holds costs one empty
-        # prefetch, which drops it.
-        self._stored_states: OrderedDict[bytes, None] = OrderedDict()
-        self._untaken_prefetches: OrderedDict[int, int] = OrderedDict()
-        self.counters = TierCounters()
+        # The parts, each given what it uses (tier_core.py has the map).
+        self.core = TierCore(
+            device_tree=device_tree,
+            tier=self.tier,
+            controller=controller,
+            host_allocator=host_allocator,
+            component_hosts=hosts,
+            params=self.params,
+            mamba=mamba,
+            swa=swa,
+        )
+        self.counters = self.core.counters
+        self.writer = TierWriter(self.core)
+        self.room = DeviceRoom(self.core, self.writer)
+        self.prefetcher = TierPrefetcher(self.core, self.writer)
+        self.loader = TierLoader(self.core, self.writer, self.room)
+        self.core.route(PendingWrite, self.writer.commit_write)
+        self.core.route(PendingBackup, self.writer.commit_backup)
+        self.core.route(PendingPrefetch, self.prefetcher.commit)
+        self.core.route(PendingLoad, self.loader.commit)
 
     def match_prefix(
         self, key: RadixKey, *, max_len: int | None = None, wait_now: bool = False
@@ -280,9 +271,9 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             and device.prefix_len
             and node.host_value is None
             and node.hit_count >= 2
-            and not self._write_in_flight(node)
+            and not self.writer.in_flight(node)
         ):
-            self._write(key[: device.prefix_len], node)
+            self.writer.write(key[: device.prefix_len], node)
         return TieredMatch(device, extra, host_indices, host_node, prefetch_id)
 
     def _prefetch_beyond(
@@ -296,11 +287,11 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         last_host = device.last_host_node
         anchor = self.tier.host_prefix(last_host if last_host is not None else device.last_node)
         if prefix_len(anchor) >= device.prefix_len:
-            return self._start_prefetch(key, anchor, end, wait_now=wait_now)
+            return self.prefetcher.start(key, anchor, end, wait_now=wait_now)
         self.counters.prefetches_skipped += 1
         node = device.last_node
-        if not self._write_in_flight(node):
-            self._write(key[: device.prefix_len], node)
+        if not self.writer.in_flight(node):
+            self.writer.write(key[: device.prefix_len], node)
         return None
 
     # ------------------------------------------------------------------------------------------
@@ -310,7 +301,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
     def evicted_tokens(self) -> int:
         """Full-attention tokens evicted from the device so far (off-device host copies and
         nodes that left the tree alike)."""
-        return self._device_full.evicted_total
+        return self.core.device_full.evicted_total
 
     def begin_request(self, key: RadixKey, *, priority: int = 0) -> CacheRequest:
         """Start a request (`PrefixCache.begin_request`): match at most `len(key) - 1` tokens
@@ -322,9 +313,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         failed load leaves the shorter device hit)."""
         usable = len(key) - 1
         tree = self.device_tree
-        self._num_requests += 1
-        if self._unsent and self._num_requests - self._unsent_since > self.params.write_batch:
-            self._flush_writes()
+        self.writer.on_request()
         match = self.match_prefix(key, max_len=usable, wait_now=True)
         device_len, host_len = match.device.prefix_len, match.prefix_len
         final = match.device
@@ -373,20 +362,20 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         """Allocate-or-evict (`PrefixCache.alloc_tokens`): Full pages go through the write
         policy (`evict_device`: write_back copies a leaf before it goes), then the other token
         components (SWA) drop their own shortfall."""
-        return self._alloc_device(num_tokens)
+        return self.room.alloc(num_tokens)
 
     def alloc_state(self) -> torch.Tensor | None:
         """One device state slot, evicting an unlocked cached state when the pool is out."""
-        if self._mamba is None:
+        if self.core.mamba is None:
             raise InvalidConfig("alloc_state on a tree without a state component")
-        return self._alloc_device_state()
+        return self.room.alloc_state()
 
     def cache_unfinished_request(self, req: CacheRequest) -> None:
         """The device tree's `cache_unfinished_request` (one state slot made free first for
         the chunk's state copy), then the write policy for the chunk: under write_through the
         part the host lacks is queued for a host write, so the state at the chunk's end can
         reach the host too."""
-        mamba = self._mamba
+        mamba = self.core.mamba
         if mamba is not None and req.state_slot is not None and mamba.free_size() < 1:
             self.device_tree.evict(EvictRequest(targets={mamba.name: 1}))
         node = self.device_tree.cache_unfinished_request(req)
@@ -406,14 +395,14 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
 
     def release(self, slots: torch.Tensor) -> None:
         """Give back KV slots from `alloc_tokens` that no request holds."""
-        self._device_full.give_back(slots)
+        self.core.device_full.give_back(slots)
 
     def transfer_counters(self) -> TierCounters:
         return self.counters
 
     def _written(self, key: RadixKey, node: TreeNode) -> None:
         if self.params.write_policy is WritePolicy.WRITE_THROUGH and len(key) and node.parent:
-            self._write(key, node)
+            self.writer.write(key, node)
 
     def insert(
         self,
@@ -435,68 +424,35 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
 
     def evict_device(self, num_tokens: int) -> int:
         """Free at least `num_tokens` device tokens (or all that is evictable), from the device
-        leaves in the tree's policy order: a leaf with a host copy goes off the device and stays
-        in the tree, one without leaves it. Under write_back each leaf is first written to the
-        host (the eviction waits for the copy). Writes still in flight hold device locks, so
-        when short this waits for them and tries again. Never raises on a slow write: a write
-        not acknowledged within `transfer_timeout_s` stays in flight (its late ack commits at
-        `poll`), its source stays on the device, and the eviction returns what it freed so
-        far (under write_back it stops at that leaf: an unsaved leaf is never dropped instead).
+        leaves in the tree's policy order, through the write policy (`DeviceRoom.evict`).
         Returns the tokens freed."""
-        self.poll()
-        freed = self._evict_device_once(num_tokens)
-        if freed < num_tokens and self._wait_writes():
-            freed += self._evict_device_once(num_tokens - freed)
-        return freed
+        return self.room.evict(num_tokens)
 
-    def _evict_device_once(self, num_tokens: int) -> int:
-        tree = self.device_tree
-        if self.params.write_policy is not WritePolicy.WRITE_BACK:
-            return tree.evict(EvictRequest.full(num_tokens)).num_evicted()
-        heap = self._device_full.heap
-        assert heap is not None, "a bound FullComponent has its heap"
-        freed = 0
-        while freed < num_tokens:
-            node = heap.peek()
-            if node is None:
-                break
-            op_id = self._write(key_of(tree, node), node, now=True)
-            if op_id is not None:
-                began = time.perf_counter()
-                ack = self.controller.wait(op_id, self.params.transfer_timeout_s)
-                self.counters.transfer_wait_seconds += time.perf_counter() - began
-                if ack is None:
-                    # Still in flight: the leaf stays device-locked, and evicting on would
-                    # drop the next leaf unsaved. Its late ack commits at `poll`.
-                    self.counters.transfer_timeouts += 1
-                    break
-                self._on_ack(ack)
-            # The write unlocked the leaf again, with its old policy key: it is the heap top.
-            got = tree.evict(EvictRequest.full(min(num_tokens - freed, len(node.value))))
-            if got.num_evicted() == 0:
-                break
-            freed += got.num_evicted()
-        return freed
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` host tokens (`TierCore.evict_host`). Returns the tokens
+        freed."""
+        return self.core.evict_host(num_tokens)
+
+    def finish_prefetch(self, op_id: int) -> int:
+        """Take prefetch `op_id` by its policy and commit what arrived (`TierPrefetcher.finish`).
+        Returns the tokens committed now."""
+        return self.prefetcher.finish(op_id)
+
+    def start_load_back(self, node: TreeNode, *, wait_now: bool = False) -> TierLoad:
+        """Start bringing the prefix ending at `node` back to the device, layer by layer
+        (`TierLoader.start`)."""
+        return self.loader.start(node, wait_now=wait_now)
+
+    def load_back(self, node: TreeNode) -> LoadBack:
+        """Blocking load-back of the prefix ending at `node` (`TierLoader.load_back`)."""
+        return self.loader.load_back(node)
 
     def poll(self) -> None:
         """Commit every finished transfer: writes give their nodes host values (and start
         their storage backup), prefetches add host values as far as they arrived, loads give
         their nodes device slots again, backups flag stored nodes; failed ones release what
         they held. Never blocks."""
-        if not self._pending:
-            return
-        acks = self.controller.poll_acks()
-        if not acks:
-            return
-        # Backups the write acks start go to the controller together (one worker wake-up).
-        held: list[tuple[BackupOp, PendingBackup]] = []
-        self._held_backups = held
-        try:
-            for ack in acks:
-                self._on_ack(ack)
-        finally:
-            self._held_backups = None
-            self._send_backups(held)
+        self.core.poll()
 
     def drain(self, kind: OpKind | None = None) -> None:
         """Wait for every transfer in flight (of `kind`, or all) and commit it. Raises
@@ -508,12 +464,12 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             OpKind.PREFETCH: PendingPrefetch,
             OpKind.LOAD: PendingLoad,
         }
-        self._flush_writes()
+        self.writer.flush()
         began = time.perf_counter()
         while True:
             ids = [
                 op_id
-                for op_id, p in self._pending.items()
+                for op_id, p in self.core.pending.items()
                 if kind is None or isinstance(p, kinds[kind])
             ]
             if not ids:
@@ -521,32 +477,16 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
             ack = self.controller.wait(ids[0], self.params.transfer_timeout_s)
             if ack is None:
                 raise TimeoutError(f"transfer op {ids[0]} not acknowledged in time")
-            self._on_ack(ack)
+            self.core.on_ack(ack)
         self.counters.transfer_wait_seconds += time.perf_counter() - began
-
-    def _on_ack(self, ack: Ack) -> None:
-        pending = self._pending.pop(ack.op_id, None)
-        if pending is None:
-            return
-        if isinstance(pending, PendingLoad):
-            self._load_acked(pending, ack)
-            return
-        if ack.status is AckStatus.FAILED:
-            self.counters.failed_ops += 1
-        if isinstance(pending, PendingWrite):
-            self._write_acked(pending, ack)
-        elif isinstance(pending, PendingBackup):
-            self._backup_acked(pending, ack)
-        else:
-            self._prefetch_acked(pending, ack)
 
     def take_events(self) -> list[KVEvent]:
         """Drain the events of every tier, each carrying its tier: the device tree's (when it
         was built with events), the host tier's (`host`), storage backups (`storage`)."""
         out = list(self.device_tree.take_events())
         out.extend(self.tier.take_events())
-        out.extend(self._events)
-        self._events = []
+        out.extend(self.core.events)
+        self.core.events.clear()
         return out
 
     def reset(self) -> None:
@@ -560,7 +500,7 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
     @property
     def num_pending(self) -> int:
         """Transfers this cache has in flight (writes, backups, prefetches, loads)."""
-        return len(self._pending)
+        return len(self.core.pending)
 
     def check_integrity(self, held: dict[str, int] | None = None) -> None:
         """Both tiers of the one tree: device free + evictable + protected + `held` (+ the
@@ -572,15 +512,15 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         Raises IntegrityError. O(nodes + host slots log host slots)."""
         device_held = dict(held or {})
         loading = sum(
-            len(p.device_slots) for p in self._pending.values() if isinstance(p, PendingLoad)
+            len(p.device_slots) for p in self.core.pending.values() if isinstance(p, PendingLoad)
         )
         device_held["full"] = device_held.get("full", 0) + loading
-        if self._swa is not None:
+        if self.core.swa is not None:
             device_held[SWA] = device_held.get(SWA, 0) + loading
-        if self._mamba is not None:
+        if self.core.mamba is not None:
             states = sum(
                 1
-                for p in self._pending.values()
+                for p in self.core.pending.values()
                 if isinstance(p, PendingLoad) and p.device_state is not None
             )
             device_held[MAMBA] = device_held.get(MAMBA, 0) + states
@@ -589,29 +529,27 @@ class HierarchicalCache(TierWrites, TierPrefetches, TierLoads):
         # their ack commits them.
         in_flight = sum(
             len(p.host_slots) - (p.committed if isinstance(p, PendingPrefetch) else 0)
-            for p in self._pending.values()
+            for p in self.core.pending.values()
             if isinstance(p, (PendingWrite, PendingPrefetch))
         )
         states_in_flight = sum(
             1
-            for p in self._pending.values()
+            for p in self.core.pending.values()
             if isinstance(p, (PendingWrite, PendingPrefetch)) and p.host_state is not None
         )
         swa_in_flight = sum(
             len(p.host_swa)
-            for p in self._pending.values()
+            for p in self.core.pending.values()
             if isinstance(p, (PendingWrite, PendingPrefetch)) and p.host_swa is not None
         )
-        self.tier.check_integrity(in_flight, states_in_flight, swa_in_flight)
+        self.tier.check_integrity(in_flight, {MAMBA: states_in_flight, SWA: swa_in_flight})
         self.host_allocator.check_integrity()
-        if self.host_swa_allocator is not None:
-            self.host_swa_allocator.check_integrity()
-        if self.host_state_allocator is not None:
-            self.host_state_allocator.check_integrity()
+        for allocator in self.component_hosts.values():
+            allocator.check_integrity()
         self.controller.check_integrity()
-        if self.tier.num_locked != len(self._pending):
+        if self.tier.num_locked != len(self.core.pending):
             raise IntegrityError(
-                f"the host tier has {self.tier.num_locked} locks, but {len(self._pending)} "
+                f"the host tier has {self.tier.num_locked} locks, but {len(self.core.pending)} "
                 "transfers are in flight (each holds exactly one)"
             )
-        self._check_pending()
+        self.core.check_pending()

@@ -18,25 +18,18 @@ host_walks.py, `HostWalks`, which `HostTier` extends):
 - device eviction: device leaves are on-device nodes without an on-device child; one with a host
   copy goes off the device (the node stays), one without leaves the tree (it has no children);
 - host eviction: off-device, childless, host-unlocked nodes in the host policy's order; the node
-  leaves the tree (storage keeps its pages). Host eviction for a component pool (host SWA slots,
-  host state slots) takes only candidates holding slots of that pool, and nothing unless they
-  hold enough (`evict_for_swa`, `evict_for_states`).
+  leaves the tree (storage keeps its pages). Host eviction for another component's host pool
+  takes only candidates holding slots of that pool, and nothing unless they hold enough
+  (`evict_for`).
 
-Mamba (a Full + Mamba tree): a node's host data is per component, `host_value` (Full token
-slots) and `host_state` (a host state slot holding the state at the end of its run, or None).
-A device state lives only on an on-device node. The device hit ends at the last on-device node
-with a device state (the tree's Mamba rule); the host hit continues to the last node whose
-state is restorable from the host (`host_state`), never further. Device eviction of a node drops
-its device state with its pages; host eviction frees its host state slot with its host value.
-
-SWA (a Full + SWA tree): a node's host data is `host_value` (Full token slots) and `host_swa`
-(host SWA token slots of the whole run, or None: only nodes that lay in the sliding window
-before a write's end get one). A device SWA value lives only on an on-device node. The device
-hit ends where the SWA rule says (a live window behind it); the host hit continues to the last
-node with a host value whose window is restorable: every node of the last `sliding_window`
-tokens before its end is either on the device with live SWA slots or off the device with a
-host SWA copy. Device eviction of a node drops its SWA slots with its full ones; host eviction
-frees its host SWA slots with its host value.
+Hybrid trees: every other component keeps its host copy of a node in `node.comp_hosts` (a
+per-token slot array, or one slot for data at the end of the run), in slots of the host sink
+it was given (`component_hosts`), and the tier reaches it only through the component's host
+hooks (components/base.py): a host hit ends only where every component says its data is
+restorable from the host (`host_hit_may_end`); device eviction of a node drops the
+components' device data with its pages (`release`); a split slices or keeps the host copies
+(`split_host`); host eviction frees them with the host value (`take_host` / `free_host`).
+Adding a component kind needs no change here.
 
 A host lock (`HostReceipt`) protects the host values on the path to the root, like Full's device
 lock: transfers in flight hold one. The device `LeafHeap` and the host one share `heap_entry`:
@@ -46,7 +39,7 @@ a node is in at most one of them (device leaves are on the device, host candidat
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -55,9 +48,6 @@ import numpy.typing as npt
 import torch
 
 from kvstrata.storage.keys import PageKeyer
-from kvstrata.unified_radix_cache.components.full import FullComponent
-from kvstrata.unified_radix_cache.components.mamba import MambaComponent
-from kvstrata.unified_radix_cache.components.swa import SWAComponent
 from kvstrata.unified_radix_cache.errors import (
     ForeignNode,
     IntegrityError,
@@ -73,7 +63,7 @@ from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.policies import LeafHeap, make_policy
 
 if TYPE_CHECKING:
-    from kvstrata.unified_radix_cache.components.base import SlotSink
+    from kvstrata.unified_radix_cache.components.base import SlotSink, TreeComponent
     from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 HOST_TIER = "host"
@@ -88,8 +78,8 @@ class HostReceipt(NamedTuple):
 
 
 class HostEviction(NamedTuple):
-    """What one `HostTier.evict_for_swa` / `evict_for_states` freed: host Full tokens, and
-    slots of the pool it evicted for (host SWA tokens or host state slots)."""
+    """What one `HostTier.evict_for` freed: host Full tokens, and slots of the component pool
+    it evicted for."""
 
     tokens: int
     slots: int
@@ -101,23 +91,19 @@ class _Batch:
 
     tokens: int = 0
     values: list[npt.NDArray[np.int64]] = field(default_factory=list)
-    swa: list[npt.NDArray[np.int64]] = field(default_factory=list)
-    states: list[int] = field(default_factory=list)
+    #: Per component index: the host slots its copies held.
+    parts: dict[int, list[npt.NDArray[np.int64]]] = field(default_factory=dict)
 
 
 class HostTier(HostWalks):
-    """Host values, host locks, host sizes and host eviction of one tree (Full-only, Full + SWA
-    or Full + Mamba).
+    """Host values, host locks, host sizes and host eviction of one tree.
 
     `host`: the host slot allocator (as a `SlotSink`; its indices are CPU token slots).
     `eviction_policy`: order of host eviction (lru, lfu, fifo, mru, filo, priority).
     `keyer`: names pages for host events and storage (the tree's own when it has events).
-    `host_states`: the host Mamba state slot allocator (as a `SlotSink`), required for a
-    Full + Mamba tree and refused otherwise.
-    `host_swa`: the host SWA pool's token slot allocator (as a `SlotSink`), required for a
-    Full + SWA tree and refused otherwise.
-    Building one attaches it to `tree` (which must be empty: Full-only, Full + SWA or
-    Full + Mamba).
+    `component_hosts`: per component other than Full (by name), the host slot sink of its host
+    copies; every such component of the tree needs one, and no other name is accepted.
+    Building one attaches it to `tree` (which must be empty) and gives each component its sink.
     """
 
     def __init__(
@@ -127,36 +113,24 @@ class HostTier(HostWalks):
         *,
         eviction_policy: str = "lru",
         keyer: PageKeyer | None = None,
-        host_states: SlotSink | None = None,
-        host_swa: SlotSink | None = None,
+        component_hosts: Mapping[str, SlotSink] | None = None,
     ) -> None:
-        full = tree.components[0]
-        mamba = next((c for c in tree.components if isinstance(c, MambaComponent)), None)
-        swa = next((c for c in tree.components if isinstance(c, SWAComponent)), None)
-        if (mamba is None) != (host_states is None):
+        extras = tree.components[1:]
+        sinks = dict(component_hosts or {})
+        names = {c.name for c in extras}
+        if set(sinks) != names:
             raise InvalidConfig(
-                "host_states (a host Mamba state allocator) is required for a Mamba tree and "
-                "only for one"
+                f"component_hosts must name exactly the tree's components besides Full "
+                f"{sorted(names)}, got {sorted(sinks)}"
             )
-        if (swa is None) != (host_swa is None):
-            raise InvalidConfig(
-                "host_swa (a host SWA slot allocator) is required for an SWA tree and only for one"
-            )
-        assert isinstance(full, FullComponent) and full.heap is not None, "a bound Full tree"
         keyer = tree.keyer or keyer or PageKeyer(page_size=tree.page_size)
         if keyer.page_size != tree.page_size:
             raise InvalidConfig(f"keyer page size {keyer.page_size} != {tree.page_size}")
-        self.tree = tree
+        if any(c.host is not None for c in extras):
+            raise InvalidConfig("a component of this tree already has a host sink")
+        super().__init__(tree, LeafHeap(make_policy(eviction_policy)))
         self.host = host
         self.keyer = keyer
-        self._full = full
-        self._mamba = mamba
-        self.host_states = host_states
-        self._swa = swa
-        self.host_swa = host_swa
-        self._device_heap = full.heap
-        self.heap = LeafHeap(make_policy(eviction_policy))
-        self._page_bytes = tree.page_size * TOKEN_BYTES
         self._log = EventLog(keyer)
         self._receipts: dict[int, HostReceipt] = {}
         self._ids = itertools.count(1)
@@ -164,20 +138,13 @@ class HostTier(HostWalks):
         self.evictable_size = 0
         self.protected_size = 0
         self.evicted_total = 0
-        #: Host state slots held by nodes (Mamba trees), and those host eviction freed.
-        self.num_host_states = 0
-        self.evicted_states_total = 0
-        #: Host SWA tokens held by nodes (SWA trees), and those host eviction freed.
-        self.host_swa_size = 0
-        self.evicted_swa_total = 0
-        #: Host SWA tokens / host state slots held by host eviction candidates (the members of
-        #: `heap`): what evicting every candidate would give back to those pools. Kept in step
-        #: by `_add_candidate` / `_drop_candidate`, `set_host_swa` / `set_host_state` and
-        #: `on_split`, so `evict_for_swa` / `evict_for_states` know in O(1) whether evicting
-        #: can help at all.
-        self.candidate_swa_size = 0
-        self.candidate_states = 0
         tree.attach_host_tier(self)
+        for component in extras:
+            component.attach_host(sinks[component.name])
+
+    def candidate_size(self, component: str) -> int:
+        """Host slots of `component` held by the host eviction candidates."""
+        return self.candidate_sizes[self.tree.component(component).index]
 
     # ------------------------------------------------------------------------------------------
     # Device eviction
@@ -211,14 +178,11 @@ class HostTier(HostWalks):
             self.tree.remove_leaf(node, evicted=True)
             return size
         self.tree.emit_removed(node)
-        mamba = self._mamba
-        if mamba is not None and mamba.node_size(node):
-            # A device state needs the device pages before it: it goes with them.
-            mamba.evicted_total += mamba.release(node, node_goes=False)
-        swa = self._swa
-        if swa is not None and swa.node_size(node):
-            # Freeing the full slots frees the SWA pages mapped from them (SWAAllocator.free).
-            swa.evicted_total += swa.release(node, node_goes=True)
+        for component in self._extras:
+            if component.node_size(node):
+                # Device data needs the device pages: it goes with them (slots mapped from
+                # the full ones are freed with them, the others are queued by the component).
+                component.evicted_total += component.release(node, node_goes=True)
         full = self._full
         full.queue_free(node.value)
         full.evictable_size -= size
@@ -260,12 +224,13 @@ class HostTier(HostWalks):
             upper.host_value = host_value[:cut]
             node.host_value = host_value[cut:]
             upper.host_lock_ref = node.host_lock_ref
-        host_swa = node.host_swa
-        if host_swa is not None:
-            upper.host_swa = host_swa[:cut]
-            node.host_swa = host_swa[cut:]
-        if node in self.heap and upper.host_swa is not None:
-            self.candidate_swa_size -= len(upper.host_swa)
+        if node.comp_hosts is not None:
+            for component in self._extras:
+                component.split_host(upper, node)
+            if node in self.heap:
+                # `node` stays a candidate with only its tail; the head went to `upper`.
+                for component in self._extras:
+                    self.candidate_sizes[component.index] -= component.host_size(upper)
 
     # ------------------------------------------------------------------------------------------
     # Host values: commit, eviction, locks
@@ -325,24 +290,18 @@ class HostTier(HostWalks):
         self._finish(batch)
         return batch.tokens
 
-    def evict_for_swa(self, amount: int) -> HostEviction:
-        """Free at least `amount` host SWA tokens by host eviction, or evict nothing: when the
-        candidates (off-device, childless, host-unlocked nodes) hold fewer than `amount` host
-        SWA tokens in all (`candidate_swa_size`, O(1)) no eviction could make the room, so none
-        happens. Otherwise candidates go in the host policy's order, skipping those without a
-        host SWA copy (they stay cached, their place in the order unchanged); an evicted node
-        drops its whole host copy (Full, SWA). Returns what was freed (handed to the
-        allocators before this returns). O((k + s) log n) for k evicted and s skipped nodes."""
-        if amount <= 0 or self.candidate_swa_size < amount:
+    def evict_for(self, component: TreeComponent, amount: int) -> HostEviction:
+        """Free at least `amount` host slots of `component`'s host pool by host eviction, or
+        evict nothing: when the candidates (off-device, childless, host-unlocked nodes) hold
+        fewer than `amount` of them in all (`candidate_sizes`, O(1)) no eviction could make
+        the room, so none happens. Otherwise candidates go in the host policy's order,
+        skipping those without such a host copy (they stay cached, their place in the order
+        unchanged); an evicted node drops its whole host copy (every component). Returns what
+        was freed (handed to the allocators before this returns). O((k + s) log n) for k
+        evicted and s skipped nodes."""
+        if amount <= 0 or self.candidate_sizes[component.index] < amount:
             return HostEviction(0, 0)
-        return self._evict_holders(amount, lambda n: 0 if n.host_swa is None else len(n.host_swa))
-
-    def evict_for_states(self, amount: int) -> HostEviction:
-        """Free at least `amount` host state slots by host eviction, or evict nothing: as
-        `evict_for_swa`, over the candidates holding a host state (`candidate_states`)."""
-        if amount <= 0 or self.candidate_states < amount:
-            return HostEviction(0, 0)
-        return self._evict_holders(amount, lambda n: int(n.host_state is not None))
+        return self._evict_holders(amount, component.host_size)
 
     def _evict_holders(self, amount: int, held: Callable[[TreeNode], int]) -> HostEviction:
         """Evict candidates with `held(node) > 0` in policy order until they freed `amount`
@@ -377,12 +336,11 @@ class HostTier(HostWalks):
         self.evicted_total += len(value)
         batch.values.append(value)
         batch.tokens += len(value)
-        if node.host_state is not None:
-            batch.states.append(node.host_state)
-            node.host_state = None
-        if node.host_swa is not None:
-            batch.swa.append(node.host_swa)
-            node.host_swa = None
+        if node.comp_hosts is not None:
+            for component in self._extras:
+                slots = component.take_host(node)
+                if slots is not None:
+                    batch.parts.setdefault(component.index, []).append(slots)
         self.tree.remove_leaf(node, evicted=False)
 
     def _finish(self, batch: _Batch) -> None:
@@ -390,48 +348,21 @@ class HostTier(HostWalks):
         self.tree.flush_pending()
         if batch.values:
             self.host.free(torch.from_numpy(np.concatenate(batch.values)))
-        swa = sum(len(v) for v in batch.swa)
-        self._free_swa(batch.swa)
-        self.evicted_swa_total += swa
-        self._free_states(batch.states)
-        self.evicted_states_total += len(batch.states)
+        for component in self._extras:
+            parts = batch.parts.get(component.index)
+            if parts:
+                component.host_evicted_total += sum(len(p) for p in parts)
+                component.free_host(parts)
 
-    def _free_states(self, states: list[int]) -> None:
-        if states:
-            assert self.host_states is not None, "host states in a tree without Mamba"
-            self.num_host_states -= len(states)
-            self.host_states.free(torch.tensor(states, dtype=torch.int64))
-
-    def _free_swa(self, values: list[npt.NDArray[np.int64]]) -> None:
-        if values:
-            assert self.host_swa is not None, "host SWA slots in a tree without SWA"
-            merged = np.concatenate(values)
-            self.host_swa_size -= len(merged)
-            self.host_swa.free(torch.from_numpy(merged))
-
-    def set_host_swa(self, node: TreeNode, value: npt.NDArray[np.int64]) -> bool:
-        """`node` (with a host value) takes host SWA slots `value` (one per token of its run).
-        Returns False, taking nothing, when it already has some (the caller frees `value`)."""
-        assert node.host_value is not None, f"host SWA on node {node.id} without a host value"
-        assert len(value) == node.num_tokens, f"node {node.id}: {len(value)} host SWA slots"
-        if node.host_swa is not None:
+    def set_host(self, component: TreeComponent, node: TreeNode, value: object) -> bool:
+        """`node` (with a host value) takes `component`'s host copy `value` (its type is the
+        component's: see `TreeComponent.set_host`). Returns False, taking nothing, when it
+        already has one (the caller frees `value`)."""
+        assert value is None or isinstance(value, (int, np.ndarray))
+        if not component.set_host(node, value):
             return False
-        node.host_swa = value
-        self.host_swa_size += len(value)
         if node in self.heap:
-            self.candidate_swa_size += len(value)
-        return True
-
-    def set_host_state(self, node: TreeNode, slot: int) -> bool:
-        """`node` (with a host value) takes host state slot `slot` for the state at its end.
-        Returns False, taking nothing, when it already has one (the caller frees `slot`)."""
-        assert node.host_value is not None, f"host state on node {node.id} without a host value"
-        if node.host_state is not None:
-            return False
-        node.host_state = slot
-        self.num_host_states += 1
-        if node in self.heap:
-            self.candidate_states += 1
+            self.candidate_sizes[component.index] += component.host_size(node)
         return True
 
     def lock(self, anchor: TreeNode) -> HostReceipt:
@@ -530,17 +461,17 @@ class HostTier(HostWalks):
         or a device lock is outstanding."""
         if self._receipts or self.tree.num_locked:
             raise TreeLocked("locks outstanding; unlock them before a reset")
-        values = [n.host_value for n in self.tree.iter_nodes() if n.host_value is not None]
-        states = [n.host_state for n in self.tree.iter_nodes() if n.host_state is not None]
-        swa_values = [n.host_swa for n in self.tree.iter_nodes() if n.host_swa is not None]
-        for node in self.tree.iter_nodes():
+        nodes = self.tree.iter_nodes()
+        values = [n.host_value for n in nodes if n.host_value is not None]
+        for component in self._extras:
+            parts = [slots for n in nodes if (slots := component.take_host(n)) is not None]
+            component.free_host(parts)
+            component.reset_host()
+        for node in nodes:
             node.host_value = None
-            node.host_state = None
-            node.host_swa = None
-        self._free_states(states)
-        self._free_swa(swa_values)
+            node.comp_hosts = None
         self.heap.clear()
-        self.candidate_swa_size = self.candidate_states = 0
+        self.candidate_sizes = [0] * len(self.candidate_sizes)
         if values:
             self.host.free(torch.from_numpy(np.concatenate(values)))
         self.evictable_size = self.protected_size = 0
@@ -548,22 +479,18 @@ class HostTier(HostWalks):
         self._log.cleared()
 
     def check_integrity(
-        self, in_flight: int, states_in_flight: int = 0, swa_in_flight: int = 0
+        self, in_flight: int, components_in_flight: Mapping[str, int] | None = None
     ) -> None:
         """Host free + evictable + protected + `in_flight` == host capacity; both tiers
         prefix-closed; off-device nodes carry a host value; host values cover their node; host
         locks equal the outstanding receipts; the host heap holds exactly the candidates, and
-        `candidate_swa_size` / `candidate_states` equal the host SWA tokens / host states they
-        hold.
-        Mamba: a host state only with a host value, a device state only on the device, host
-        state free + evictable + protected + `states_in_flight` == host state capacity.
-        SWA: host SWA slots only with a host value and one per token, live SWA only on the
-        device, host SWA free + held + `swa_in_flight` == host SWA capacity."""
+        `candidate_sizes` equal the host slots they hold per component. Per other component
+        (`check_host_node`, `check_host_pool`): host copies only beside a host value, device
+        data only on the device, no host slot twice, host free + held +
+        `components_in_flight[name]` == its host capacity."""
         evictable = protected = 0
-        state_slots: list[int] = []
-        states_protected = 0
-        swa_held = 0
-        candidate_swa = candidate_states = 0
+        candidates = [0] * len(self.candidate_sizes)
+        held: dict[int, list[npt.NDArray[np.int64]]] = {c.index: [] for c in self._extras}
         expected: dict[int, int] = {}
         for receipt in self._receipts.values():
             probe = receipt.anchor
@@ -590,27 +517,18 @@ class HostTier(HostWalks):
             candidate = not len(node.value) and not node.children and node.host_lock_ref == 0
             if (node in self.heap) != candidate:
                 raise IntegrityError(f"node {node.id}: host heap membership != {candidate}")
-            if candidate:
-                candidate_swa += 0 if node.host_swa is None else len(node.host_swa)
-                candidate_states += node.host_state is not None
             if value is not None:
                 if node.host_lock_ref:
                     protected += len(value)
                 else:
                     evictable += len(value)
-            if node.host_state is not None:
-                if value is None:
-                    raise IntegrityError(f"node {node.id}: host state without a host value")
-                state_slots.append(node.host_state)
-                states_protected += node.host_lock_ref > 0
-            if self._mamba is not None and self._mamba.node_size(node) and not len(node.value):
-                raise IntegrityError(f"node {node.id}: device Mamba state off the device")
-            if node.host_swa is not None:
-                if value is None or len(node.host_swa) != node.num_tokens:
-                    raise IntegrityError(f"node {node.id}: host SWA slots without a host value")
-                swa_held += len(node.host_swa)
-            if self._swa is not None and self._swa.is_live(node) and not len(node.value):
-                raise IntegrityError(f"node {node.id}: live SWA slots off the device")
+            for component in self._extras:
+                component.check_host_node(node)
+                slots = component.host_slots(component.host_value(node))
+                if len(slots):
+                    held[component.index].append(slots)
+                    if candidate:
+                        candidates[component.index] += len(slots)
         if (evictable, protected) != (self.evictable_size, self.protected_size):
             raise IntegrityError(
                 f"host: counted evictable/protected {evictable}/{protected}, counters say "
@@ -623,35 +541,11 @@ class HostTier(HostWalks):
                 f"in flight {in_flight} != capacity {self.host.size}"
             )
         self.heap.check_integrity()
-        if (candidate_swa, candidate_states) != (self.candidate_swa_size, self.candidate_states):
+        if candidates != self.candidate_sizes:
             raise IntegrityError(
-                f"host candidates hold {candidate_swa} host SWA tokens / {candidate_states} "
-                f"host states, counters say {self.candidate_swa_size} / {self.candidate_states}"
+                f"host candidates hold {candidates} host slots per component, counters say "
+                f"{self.candidate_sizes}"
             )
-        if len(state_slots) != len(set(state_slots)) or len(state_slots) != self.num_host_states:
-            raise IntegrityError(
-                f"host states: {len(state_slots)} on nodes ({len(set(state_slots))} distinct), "
-                f"counter says {self.num_host_states}"
-            )
-        if swa_held != self.host_swa_size:
-            raise IntegrityError(
-                f"host SWA: {swa_held} tokens on nodes, counter says {self.host_swa_size}"
-            )
-        swa_sink = self.host_swa
-        if swa_sink is not None:
-            free = swa_sink.available_size()
-            if free + swa_held + swa_in_flight != swa_sink.size:
-                raise IntegrityError(
-                    f"host SWA pool: free {free} + held {swa_held} + in flight {swa_in_flight} "
-                    f"!= capacity {swa_sink.size}"
-                )
-        sink = self.host_states
-        if sink is not None:
-            free = sink.available_size()
-            held = len(state_slots)
-            if free + (held - states_protected) + states_protected + states_in_flight != sink.size:
-                raise IntegrityError(
-                    f"host state pool: free {free} + evictable {held - states_protected} + "
-                    f"protected {states_protected} + in flight {states_in_flight} != capacity "
-                    f"{sink.size}"
-                )
+        flights = components_in_flight or {}
+        for component in self._extras:
+            component.check_host_pool(held[component.index], flights.get(component.name, 0))

@@ -22,14 +22,14 @@ if TYPE_CHECKING:
     import torch
 
     from kvstrata.unified_radix_cache.components.base import ComponentInsert
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+    from kvstrata.unified_radix_cache.tree_internals import TreeInternals
 
 # An empty match's slots: no element to write, and numpy's storage cannot be resized.
 _EMPTY_SLOTS = np.empty(0, dtype=np.int64)
 
 
 def match_hybrid(
-    tree: UnifiedRadixCache, key: RadixKey, data: bytes, end: int, copy_state: bool
+    tree: TreeInternals, key: RadixKey, data: bytes, end: int, copy_state: bool
 ) -> MatchResult:
     """`match_prefix` with the component hooks: walk, cut where a component cannot restore
     its state, let components finalise (and copy) state at the last node, touch the path."""
@@ -53,7 +53,7 @@ def match_hybrid(
     return MatchResult(prefix_len, tree._full.to_device(slots), last)
 
 
-def touch_path(tree: UnifiedRadixCache, path: list[TreeNode]) -> None:
+def touch_path(tree: TreeInternals, path: list[TreeNode]) -> None:
     """One access tick on every node of `path`, with each component's access hook."""
     tree._tick += 1
     tick = tree._tick
@@ -67,7 +67,7 @@ def touch_path(tree: UnifiedRadixCache, path: list[TreeNode]) -> None:
 
 
 def insert_hybrid(
-    tree: UnifiedRadixCache,
+    tree: TreeInternals,
     key: RadixKey,
     data: bytes,
     end: int,

@@ -15,7 +15,7 @@ from kvstrata.unified_radix_cache.errors import InvalidInsert
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.components.base import ComponentInsert
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+    from kvstrata.unified_radix_cache.tree_internals import TreeInternals
 
 _INT64 = np.dtype(np.int64)
 
@@ -45,7 +45,7 @@ def slots_of(
 
 
 def check_inputs(
-    tree: UnifiedRadixCache, inputs: Mapping[str, ComponentInsert] | None, num_tokens: int
+    tree: TreeInternals, inputs: Mapping[str, ComponentInsert] | None, num_tokens: int
 ) -> Mapping[str, ComponentInsert] | None:
     """`inputs` if every entry names a state component of `tree` and that component accepts
     it for a key of `num_tokens` tokens; InvalidInsert otherwise."""

@@ -17,10 +17,10 @@ from kvstrata.unified_radix_cache.key import TOKEN_BYTES
 from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
 
 if TYPE_CHECKING:
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+    from kvstrata.unified_radix_cache.tree_internals import TreeInternals
 
 
-def _check_structure(tree: UnifiedRadixCache) -> list[TreeNode]:
+def _check_structure(tree: TreeInternals) -> list[TreeNode]:
     """Walk the tree checking links and keys; return every non-root node."""
     page_bytes = tree.page_size * TOKEN_BYTES
     root = tree.root
@@ -51,7 +51,7 @@ def _check_structure(tree: UnifiedRadixCache) -> list[TreeNode]:
     return nodes
 
 
-def check_tree(tree: UnifiedRadixCache, held: Mapping[str, int]) -> None:
+def check_tree(tree: TreeInternals, held: Mapping[str, int]) -> None:
     nodes = _check_structure(tree)
     components = tree.components
     for component in components:

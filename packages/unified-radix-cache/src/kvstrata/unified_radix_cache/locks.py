@@ -17,10 +17,10 @@ from kvstrata.unified_radix_cache.results import LockReceipt
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.node import TreeNode
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+    from kvstrata.unified_radix_cache.tree_internals import TreeInternals
 
 
-def lock(tree: UnifiedRadixCache, node: TreeNode) -> LockReceipt:
+def lock(tree: TreeInternals, node: TreeNode) -> LockReceipt:
     """Protect what a request ending at `node` needs, per component (Full: the path to the
     root; SWA: one window upward; Mamba: this node's state). Moves that data from evictable
     to protected. Locking the root is allowed and protects nothing. O(depth).
@@ -43,7 +43,7 @@ def lock(tree: UnifiedRadixCache, node: TreeNode) -> LockReceipt:
     return receipt
 
 
-def unlock(tree: UnifiedRadixCache, receipt: LockReceipt) -> None:
+def unlock(tree: TreeInternals, receipt: LockReceipt) -> None:
     """Release exactly the lock `receipt` proves. Raises ReceiptAlreadyReleased for a second
     unlock, UnknownReceipt for a receipt this tree never issued, ReceiptMismatch for an
     altered one, all before changing anything."""

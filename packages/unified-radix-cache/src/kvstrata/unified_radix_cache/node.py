@@ -13,11 +13,10 @@ hot loop reads it):
                              a leaf shares the read-only NO_CHILDREN instead of its own dict
     host_value    ndarray    hierarchical mode: host token slot of each token, or None
     host_lock_ref int        hierarchical mode: transfers protecting the host copy
-    host_state    int        hierarchical Mamba mode: host state slot of the state at the end
-                             of the run, or None (only on a node with a host value)
-    host_swa      ndarray    hierarchical SWA mode: host SWA token slot of each token (the
-                             node lay in a sliding window when written), or None (only on a
-                             node with a host value)
+    comp_hosts    list       hierarchical mode, per component index >= 1: that component's
+                             host copy on this node or None (its type is the component's
+                             business, see `TreeComponent.host_value`); None until a
+                             component stores its first host copy here
     in_storage    bool       hierarchical mode: storage acknowledged this node's pages
 
 A node's namespace is the one of the root child it descends from, so below the root a child is
@@ -40,7 +39,8 @@ if TYPE_CHECKING:
 #: Heap entry of an evictable leaf: (policy key 1, policy key 2, node id). Ints only, so the
 #: garbage collector stops tracking it: a large tree adds few objects to each GC pass.
 HeapEntry = tuple[int, int, int]
-#: Data a non-Full component keeps on a node (SWA: the slots it frees; Mamba: a state slot).
+#: Data a non-Full component keeps on a node, on the device or on the host (a slot array or one
+#: slot; each component says which).
 ComponentValue = npt.NDArray[np.int64] | int | None
 
 
@@ -56,14 +56,13 @@ class TreeNode:
 
     __slots__ = (
         "children",
+        "comp_hosts",
         "comp_locks",
         "comp_values",
         "created",
         "heap_entry",
         "hit_count",
         "host_lock_ref",
-        "host_state",
-        "host_swa",
         "host_value",
         "id",
         "in_storage",
@@ -113,8 +112,8 @@ class TreeNode:
         # whether storage holds the pages. Device-only trees never touch them.
         self.host_value: npt.NDArray[np.int64] | None = None
         self.host_lock_ref = 0
-        self.host_state: int | None = None
-        self.host_swa: npt.NDArray[np.int64] | None = None
+        # Host copies of the other components (index >= 1), made on first use.
+        self.comp_hosts: list[ComponentValue] | None = None
         self.in_storage = False
 
     @property

@@ -23,7 +23,11 @@ A request's slots by position (`req.kv_indices`):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from kvstrata.unified_radix_cache.results import LayerWait, PrefixHit
+
+__all__ = ["LayerWait", "PrefixCache", "PrefixHit"]
 
 if TYPE_CHECKING:
     import torch
@@ -31,34 +35,6 @@ if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.key import RadixKey
     from kvstrata.unified_radix_cache.request import CacheRequest
     from kvstrata.unified_radix_cache.tiers import TierCounters
-
-
-class LayerWait(Protocol):
-    """What a forward waits on before reading the loaded part of a hit in one layer."""
-
-    def wait_layer(self, layer_id: int, timeout_s: float | None = None) -> bool:
-        """Block until layer `layer_id`'s pages are on the device (True), or `timeout_s`
-        passed (False)."""
-        ...
-
-
-class PrefixHit(NamedTuple):
-    """Where a request's cached prefix came from (`CacheRequest.hit`), in tokens.
-
-    `device_len`: already on the device when matched. `host_len`: loaded back from the host.
-    `storage_len`: fetched from storage into the host, then loaded back. They sum to the
-    request's `cached_len`. `load`: the per-layer handle of the load (None when nothing was
-    loaded); `wait_layer(i)` returns once layer i of the loaded part is on the device.
-    """
-
-    device_len: int
-    host_len: int = 0
-    storage_len: int = 0
-    load: LayerWait | None = None
-
-    @property
-    def total_len(self) -> int:
-        return self.device_len + self.host_len + self.storage_len
 
 
 class PrefixCache(Protocol):

@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.node import TreeNode
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+    from kvstrata.unified_radix_cache.tree_internals import TreeInternals
 
 
-def _describe(tree: UnifiedRadixCache, node: TreeNode, max_tokens: int) -> str:
+def _describe(tree: TreeInternals, node: TreeNode, max_tokens: int) -> str:
     tokens = node.tokens()
     shown = " ".join(str(int(t)) for t in tokens[:max_tokens])
     if len(tokens) > max_tokens:
@@ -26,7 +26,7 @@ def _describe(tree: UnifiedRadixCache, node: TreeNode, max_tokens: int) -> str:
     return "  ".join(parts)
 
 
-def render_tree(tree: UnifiedRadixCache, *, max_tokens: int = 8) -> str:
+def render_tree(tree: TreeInternals, *, max_tokens: int = 8) -> str:
     """One line per node, indented by depth, children in insertion order."""
     lines = [
         f"root  nodes={tree.num_nodes}  "

@@ -27,15 +27,14 @@ from kvstrata.unified_radix_cache.components.mamba import MambaComponent, MambaI
 from kvstrata.unified_radix_cache.components.swa import SWAInsert
 from kvstrata.unified_radix_cache.errors import InvalidInsert, RequestFinished
 from kvstrata.unified_radix_cache.key import RadixKey
-from kvstrata.unified_radix_cache.protocol import PrefixHit
-from kvstrata.unified_radix_cache.results import LockReceipt
+from kvstrata.unified_radix_cache.results import LockReceipt, PrefixHit
 
 #: The hit of a request built by hand (not through `begin_request`): nothing matched.
 NO_HIT = PrefixHit(0)
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.node import TreeNode
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+    from kvstrata.unified_radix_cache.tree_internals import TreeInternals
 
 
 @dataclass(eq=False, kw_only=True)
@@ -93,7 +92,7 @@ class CacheRequest:
 
 
 def begin_request(
-    tree: UnifiedRadixCache, key: RadixKey, *, priority: int = 0, copy_state: bool = True
+    tree: TreeInternals, key: RadixKey, *, priority: int = 0, copy_state: bool = True
 ) -> CacheRequest:
     match = tree.match_prefix(key, max_len=len(key) - 1, copy_state=copy_state)
     receipt = tree.lock(match.last_node)
@@ -111,7 +110,7 @@ def begin_request(
 
 
 def _inputs(
-    tree: UnifiedRadixCache, req: CacheRequest, state: int | None
+    tree: TreeInternals, req: CacheRequest, state: int | None
 ) -> dict[str, ComponentInsert]:
     inputs: dict[str, ComponentInsert] = {}
     names = {c.name for c in tree.components}
@@ -122,7 +121,7 @@ def _inputs(
     return inputs
 
 
-def _mamba(tree: UnifiedRadixCache) -> MambaComponent | None:
+def _mamba(tree: TreeInternals) -> MambaComponent | None:
     for component in tree.components:
         if isinstance(component, MambaComponent):
             return component
@@ -130,7 +129,7 @@ def _mamba(tree: UnifiedRadixCache) -> MambaComponent | None:
 
 
 def _insert(
-    tree: UnifiedRadixCache, req: CacheRequest, state: int | None
+    tree: TreeInternals, req: CacheRequest, state: int | None
 ) -> tuple[int, bool, TreeNode]:
     """Insert the whole pages that have KV; free the request's duplicates. Returns how many
     leading tokens the tree now holds for the request, whether `state` was adopted, and the
@@ -156,7 +155,7 @@ def _insert(
     return held, "mamba" in result.adopted_states, last
 
 
-def cache_unfinished_request(tree: UnifiedRadixCache, req: CacheRequest) -> TreeNode:
+def cache_unfinished_request(tree: TreeInternals, req: CacheRequest) -> TreeNode:
     if req.finished:
         raise RequestFinished("the request was already finished")
     state_copy: torch.Tensor | None = None
@@ -182,7 +181,7 @@ def cache_unfinished_request(tree: UnifiedRadixCache, req: CacheRequest) -> Tree
     return anchor
 
 
-def cache_finished_request(tree: UnifiedRadixCache, req: CacheRequest) -> TreeNode:
+def cache_finished_request(tree: TreeInternals, req: CacheRequest) -> TreeNode:
     state = None if req.state_slot is None else int(req.state_slot.reshape(-1)[0].item())
     held, adopted, last = _insert(tree, req, state)
     tail = req.kv_indices[held:]
@@ -194,7 +193,7 @@ def cache_finished_request(tree: UnifiedRadixCache, req: CacheRequest) -> TreeNo
     return last
 
 
-def abort_request(tree: UnifiedRadixCache, req: CacheRequest) -> None:
+def abort_request(tree: TreeInternals, req: CacheRequest) -> None:
     if req.finished:
         raise RequestFinished("the request was already finished")
     own = req.kv_indices[req.cached_len :]
@@ -205,7 +204,7 @@ def abort_request(tree: UnifiedRadixCache, req: CacheRequest) -> None:
     _close(tree, req)
 
 
-def _close(tree: UnifiedRadixCache, req: CacheRequest) -> None:
+def _close(tree: TreeInternals, req: CacheRequest) -> None:
     if req.receipt is not None:
         tree.unlock(req.receipt)
     req.receipt = None

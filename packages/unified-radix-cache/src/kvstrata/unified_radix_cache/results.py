@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -114,3 +114,31 @@ class EvictResult:
 
     def num_evicted(self, component: str = "full") -> int:
         return self.evicted.get(component, 0)
+
+
+class LayerWait(Protocol):
+    """What a forward waits on before reading the loaded part of a hit in one layer."""
+
+    def wait_layer(self, layer_id: int, timeout_s: float | None = None) -> bool:
+        """Block until layer `layer_id`'s pages are on the device (True), or `timeout_s`
+        passed (False)."""
+        ...
+
+
+class PrefixHit(NamedTuple):
+    """Where a request's cached prefix came from (`CacheRequest.hit`), in tokens.
+
+    `device_len`: already on the device when matched. `host_len`: loaded back from the host.
+    `storage_len`: fetched from storage into the host, then loaded back. They sum to the
+    request's `cached_len`. `load`: the per-layer handle of the load (None when nothing was
+    loaded); `wait_layer(i)` returns once layer i of the loaded part is on the device.
+    """
+
+    device_len: int
+    host_len: int = 0
+    storage_len: int = 0
+    load: LayerWait | None = None
+
+    @property
+    def total_len(self) -> int:
+        return self.device_len + self.host_len + self.storage_len

@@ -13,14 +13,14 @@ from kvstrata.unified_radix_cache.key import TOKEN_BYTES, Namespace
 from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
 
 if TYPE_CHECKING:
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+    from kvstrata.unified_radix_cache.tree_internals import TreeInternals
 
 # The value of a node with no device slots (and of the root): empty, and numpy's storage of an
 # empty array cannot be resized, so sharing it is safe.
 _EMPTY_SLOTS = np.empty(0, dtype=np.int64)
 
 
-def split_node(tree: UnifiedRadixCache, node: TreeNode, num_tokens: int) -> TreeNode:
+def split_node(tree: TreeInternals, node: TreeNode, num_tokens: int) -> TreeNode:
     """Split `node` after its first `num_tokens` tokens (a whole number of pages, less than
     the node): a new node takes that head and `node`'s place under its parent; `node` keeps
     the tail, its children and its identity. Returns the new upper node. Sizes and locks are
@@ -65,7 +65,7 @@ def split_node(tree: UnifiedRadixCache, node: TreeNode, num_tokens: int) -> Tree
     return upper
 
 
-def remove_leaf(tree: UnifiedRadixCache, node: TreeNode, *, evicted: bool) -> int:
+def remove_leaf(tree: TreeInternals, node: TreeNode, *, evicted: bool) -> int:
     """Take leaf `node` (unlocked, childless) out of the tree, releasing every component's
     data on it; its parent joins the evictable leaves if it is now an unlocked leaf. Slots
     are queued and reach the allocators at the end of the calling operation. Returns the
@@ -104,7 +104,7 @@ def remove_leaf(tree: UnifiedRadixCache, node: TreeNode, *, evicted: bool) -> in
 
 
 def add_off_device_child(
-    tree: UnifiedRadixCache,
+    tree: TreeInternals,
     parent: TreeNode,
     key: bytes,
     namespace: Namespace | None,
@@ -133,7 +133,7 @@ def new_root(num_components: int) -> TreeNode:
 
 
 def new_node(
-    tree: UnifiedRadixCache,
+    tree: TreeInternals,
     *,
     key: bytes,
     value: npt.NDArray[np.int64],

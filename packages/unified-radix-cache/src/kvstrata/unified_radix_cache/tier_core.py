@@ -1,14 +1,19 @@
-"""`TierCore`: the state a `HierarchicalCache` shares between its transfer kinds, and the slot
-allocation every kind uses (host pages, host states, host SWA slots, device slots), each
-evicting on its own tier when short.
+"""`TierCore`: the state a `HierarchicalCache` shares between its transfer kinds, the routing of
+acknowledgements to them, and the host slot allocation every kind uses (host pages, host
+states, host SWA slots), each evicting on the host tier when short.
 
 The cache is split by transfer kind along the seams of its life cycle (hierarchy.py):
 
-    tier_core.py      TierCore       shared state, pending records, slot allocation, host eviction
-    tier_writes.py    TierWrites     device -> host writes and host -> storage backups
-    tier_prefetch.py  TierPrefetches storage -> host prefetches
-    tier_loads.py     TierLoads      host -> device load-backs (layer-wise)
-    hierarchy.py      HierarchicalCache  match, request life cycle, eviction, acks, integrity
+    tier_core.py      TierCore         shared state, pending records, ack routing, host slots
+    tier_writes.py    TierWriter(core) device -> host writes and host -> storage backups
+    tier_room.py      DeviceRoom(core, writer)            device slots, eviction by write policy
+    tier_prefetch.py  TierPrefetcher(core, writer)        storage -> host prefetches
+    tier_loads.py     TierLoader(core, writer, room)      host -> device load-backs (layer-wise)
+    hierarchy.py      HierarchicalCache  builds and wires them; match, request life cycle,
+                                         integrity
+
+Each is a separate object that gets what it uses through its constructor; none sets another's
+attributes.
 
 Every pending record belongs to exactly one transfer in flight and holds exactly one host lock
 (see `HierarchicalCache.check_integrity`).
@@ -16,9 +21,10 @@ Every pending record belongs to exactly one transfer in flight and holds exactly
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -26,12 +32,11 @@ import torch
 
 from kvstrata.hybrid_cache import (
     Ack,
+    AckStatus,
     BackupOp,
     TierController,
-    WriteOp,
 )
 from kvstrata.pool_host import HostSlotAllocator
-from kvstrata.storage.keys import PageKeyer
 from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.components.mamba import MambaComponent
 from kvstrata.unified_radix_cache.components.swa import SWAComponent
@@ -41,7 +46,6 @@ from kvstrata.unified_radix_cache.host_tier import HostReceipt, HostTier
 from kvstrata.unified_radix_cache.key import RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.results import (
-    EvictRequest,
     LockReceipt,
 )
 from kvstrata.unified_radix_cache.tiers import (
@@ -115,6 +119,7 @@ class PendingLoad:
 
 
 Pending = PendingWrite | PendingBackup | PendingPrefetch | PendingLoad
+P = TypeVar("P", PendingWrite, PendingBackup, PendingPrefetch, PendingLoad)
 
 
 def prefix_len(node: TreeNode) -> int:
@@ -126,63 +131,117 @@ def prefix_len(node: TreeNode) -> int:
     return total
 
 
-class TierCore(ABC):
-    """What every transfer kind of a `HierarchicalCache` reads and allocates through. The
-    attributes are set by `HierarchicalCache.__init__`."""
+class TierCore:
+    """What every transfer kind of a `HierarchicalCache` reads and allocates through: the
+    tree and its host tier, the controller, the host allocators, the counters, the records
+    of the transfers in flight (`pending`, by op id) and the acknowledgement routing.
 
-    params: TierParams
-    device_tree: UnifiedRadixCache
-    controller: TierController
-    host_allocator: HostSlotAllocator
-    host_state_allocator: HostSlotAllocator | None
-    host_swa_allocator: HostSlotAllocator | None
-    page_size: int
-    tier: HostTier
-    keyer: PageKeyer
-    counters: TierCounters
-    _device_full: FullComponent
-    _mamba: MambaComponent | None
-    _swa: SWAComponent | None
-    _page_bytes: int
-    _state_bytes: int
-    _swa_page_bytes: int
-    _backups: bool
-    _pending: dict[int, Pending]
-    # Writes queued for the next batch (tier_writes.py): temporary id (negative, also the key
-    # of their record in `_pending`) and the op to submit.
-    _unsent: list[tuple[int, WriteOp]]
-    _unsent_ids: int
-    # Backups started while `poll` commits a run of acks (tier_writes.py), sent together at
-    # its end; None outside `poll` (a backup is then submitted at once).
-    _held_backups: list[tuple[BackupOp, PendingBackup]] | None
-    # Requests begun so far, and how many had begun when the oldest queued write was queued
-    # (a queue that waited `write_batch` requests is sent even when short of a batch).
-    _num_requests: int
-    _unsent_since: int
-    _events: list[KVEvent]
-    _stored_states: OrderedDict[bytes, None]
-    # Prefetches a poll committed before their finish_prefetch: op id -> tokens committed,
-    # oldest first, at most UNTAKEN_PREFETCHES (dropped when finish_prefetch takes them).
-    _untaken_prefetches: OrderedDict[int, int]
+    The writer, prefetcher and loader (tier_writes.py, tier_prefetch.py, tier_loads.py) each
+    hold this core and register the commit of their own record kind (`route`); `on_ack` pops
+    the record an ack names and hands it to that kind. `device_tree` carries a `HostTier`
+    (`tier`); `mamba` / `swa` are its state components when it has them.
+    """
 
-    @abstractmethod
-    def evict_device(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` device tokens (see `HierarchicalCache.evict_device`)."""
+    def __init__(
+        self,
+        *,
+        device_tree: UnifiedRadixCache,
+        tier: HostTier,
+        controller: TierController,
+        host_allocator: HostSlotAllocator,
+        component_hosts: Mapping[str, HostSlotAllocator],
+        params: TierParams,
+        mamba: MambaComponent | None,
+        swa: SWAComponent | None,
+    ) -> None:
+        full = device_tree.components[0]
+        assert isinstance(full, FullComponent), "component 0 of every tree is Full"
+        self.params = params
+        self.device_tree = device_tree
+        self.tier = tier
+        self.keyer = tier.keyer
+        self.controller = controller
+        self.host_allocator = host_allocator
+        self.host_state_allocator = component_hosts.get(MAMBA)
+        self.host_swa_allocator = component_hosts.get(SWA)
+        self.page_size = device_tree.page_size
+        self.device_full = full
+        self.mamba = mamba
+        self.swa = swa
+        group = controller.group
+        self.page_bytes = group.page_bytes(FULL)
+        self.state_bytes = 0 if mamba is None else group.page_bytes(MAMBA)
+        self.swa_page_bytes = 0 if swa is None else group.page_bytes(SWA)
+        self.backups = params.backup_to_storage and controller.storage is not None
+        self.counters = TierCounters()
+        self.pending: dict[int, Pending] = {}
+        #: Storage events (BlockStored with tier `storage`) not yet taken.
+        self.events: list[KVEvent] = []
+        #: Backups started while `poll` commits a run of acks, sent together at its end; None
+        #: outside `poll` (a backup is then submitted at once).
+        self.held_backups: list[tuple[BackupOp, PendingBackup]] | None = None
+        #: Mamba / SWA + storage: page keys whose boundary state (Mamba) or SWA page (SWA) a
+        #: backup stored (oldest first, at most `params.known_stored_states`). The nodes that
+        #: held them may have left the tree since, and storage can only say whether a run of
+        #: keys exists from the first one, so this is how a prefetch picks the boundary whose
+        #: state or window to fetch. An entry storage no longer holds costs one empty
+        #: prefetch, which drops it.
+        self.stored_states: OrderedDict[bytes, None] = OrderedDict()
+        self._routes: dict[type, Callable[[Pending, Ack], None]] = {}
 
-    @abstractmethod
-    def _flush_writes(self) -> dict[int, int]:
-        """Submit the queued host writes (see `TierWrites._flush_writes`)."""
+    def route(self, kind: type[P], commit: Callable[[P, Ack], None]) -> None:
+        """Acks of transfers with pending records of `kind` go to `commit`."""
+        self._routes[kind] = cast("Callable[[Pending, Ack], None]", commit)
 
-    @abstractmethod
-    def _on_ack(self, ack: Ack) -> None:
-        """Commit one acknowledgement (see `HierarchicalCache._on_ack`)."""
+    def on_ack(self, ack: Ack) -> None:
+        """Commit one acknowledgement: pop its record and hand it to its kind's commit (a
+        failed ack of a write, backup or prefetch counts in `failed_ops` first; a load counts
+        its own). An ack of no record in flight is ignored."""
+        pending = self.pending.pop(ack.op_id, None)
+        if pending is None:
+            return
+        if ack.status is AckStatus.FAILED and not isinstance(pending, PendingLoad):
+            self.counters.failed_ops += 1
+        self._routes[type(pending)](pending, ack)
 
-    def _check_pending(self) -> None:
+    def poll(self) -> None:
+        """Commit every finished transfer: writes give their nodes host values (and start
+        their storage backup), prefetches add host values as far as they arrived, loads give
+        their nodes device slots again, backups flag stored nodes; failed ones release what
+        they held. Never blocks."""
+        if not self.pending:
+            return
+        acks = self.controller.poll_acks()
+        if not acks:
+            return
+        # Backups the write acks start go to the controller together (one worker wake-up).
+        held: list[tuple[BackupOp, PendingBackup]] = []
+        self.held_backups = held
+        try:
+            for ack in acks:
+                self.on_ack(ack)
+        finally:
+            self.held_backups = None
+            self._send_backups(held)
+
+    def _send_backups(self, held: list[tuple[BackupOp, PendingBackup]]) -> None:
+        """Submit the backups `poll` held back, with one wake-up of the backup worker; one the
+        queue has no room for is dropped (its host lock released), as `_backup` does."""
+        if not held:
+            return
+        op_ids = self.controller.submit_backups([op for op, _ in held])
+        for (_, pending), op_id in zip(held, op_ids, strict=True):
+            if op_id is None:
+                self.tier.unlock(pending.host_receipt)
+            else:
+                self.pending[op_id] = pending
+
+    def check_pending(self) -> None:
         """The pending records hold exactly the host tier's outstanding receipts (by id), and
         no host page slot, host state slot or host SWA slot is held twice: node host values
         plus what transfers hold outside the tree (a write's slots, a prefetch's uncommitted
         ones). Raises IntegrityError. O(nodes + slots log slots)."""
-        held = sorted(p.host_receipt.receipt_id for p in self._pending.values())
+        held = sorted(p.host_receipt.receipt_id for p in self.pending.values())
         outstanding = sorted(self.tier.receipt_ids())
         if held != outstanding:
             raise IntegrityError(
@@ -191,14 +250,15 @@ class TierCore(ABC):
         pages: list[npt.NDArray[np.int64]] = []
         states: list[int] = []
         swa: list[npt.NDArray[np.int64]] = []
+        mamba, swa_component = self.mamba, self.swa
         for node in self.device_tree.iter_nodes():
             if node.host_value is not None:
                 pages.append(node.host_value)
-            if node.host_state is not None:
-                states.append(node.host_state)
-            if node.host_swa is not None:
-                swa.append(node.host_swa)
-        for p in self._pending.values():
+            if mamba is not None and (slot := mamba.host_slot(node)) is not None:
+                states.append(slot)
+            if swa_component is not None and (copy := swa_component.host_copy(node)) is not None:
+                swa.append(copy)
+        for p in self.pending.values():
             if isinstance(p, PendingWrite):
                 pages.append(p.host_slots.numpy())
                 if p.host_state is not None:
@@ -228,50 +288,52 @@ class TierCore(ABC):
         self.counters.host_evicted_tokens += freed
         return freed
 
-    def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+    def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
         slots = self.host_allocator.alloc(num_tokens)
         if slots is None:
             self.evict_host(num_tokens - self.host_allocator.available_size())
             slots = self.host_allocator.alloc(num_tokens)
         return slots
 
-    def _alloc_host_state(self) -> torch.Tensor | None:
+    def alloc_host_state(self) -> torch.Tensor | None:
         """One host state slot; when the pool is out, host-evicts (in the host policy's order)
         only off-device nodes holding a host state, and only when one of them can go (see
-        `HostTier.evict_for_states`). None, with nothing evicted, when none can."""
+        `HostTier.evict_for`). None, with nothing evicted, when none can."""
         allocator = self.host_state_allocator
         assert allocator is not None, "host states in a tree without Mamba"
         slot = allocator.alloc(1)
         if slot is None:
-            freed = self.tier.evict_for_states(1 - allocator.available_size())
+            assert self.mamba is not None
+            freed = self.tier.evict_for(self.mamba, 1 - allocator.available_size())
             self.counters.host_evicted_tokens += freed.tokens
             slot = allocator.alloc(1) if freed.slots else None
         return slot
 
-    def _alloc_host_swa(self, num_tokens: int) -> torch.Tensor | None:
+    def alloc_host_swa(self, num_tokens: int) -> torch.Tensor | None:
         """Host SWA slots; when the pool is short, host-evicts (in the host policy's order)
         only off-device nodes holding host SWA slots, and only when together they hold enough
-        (see `HostTier.evict_for_swa`). None, with nothing evicted, when they do not: the host
+        (see `HostTier.evict_for`). None, with nothing evicted, when they do not: the host
         SWA pool is then held by copies of nodes still on the device (or by transfers)."""
         allocator = self.host_swa_allocator
         assert allocator is not None, "host SWA slots in a tree without SWA"
         slots = allocator.alloc(num_tokens)
         if slots is None:
-            freed = self.tier.evict_for_swa(num_tokens - allocator.available_size())
+            assert self.swa is not None
+            freed = self.tier.evict_for(self.swa, num_tokens - allocator.available_size())
             self.counters.host_evicted_tokens += freed.tokens
             slots = allocator.alloc(num_tokens) if freed.slots else None
         return slots
 
-    def _free_host_swa(self, slots: torch.Tensor) -> None:
+    def free_host_swa(self, slots: torch.Tensor) -> None:
         assert self.host_swa_allocator is not None, "host SWA slots in a tree without SWA"
         self.host_swa_allocator.free(slots)
 
-    def _window_pages(self) -> int:
+    def window_pages(self) -> int:
         """SWA trees: the pages the sliding window spans (whole pages)."""
-        assert self._swa is not None, "_window_pages on a tree without SWA"
-        return -(-self._swa.sliding_window // self.page_size)
+        assert self.swa is not None, "_window_pages on a tree without SWA"
+        return -(-self.swa.sliding_window // self.page_size)
 
-    def _commit_host_swa(
+    def commit_host_swa(
         self,
         node: TreeNode,
         end: int,
@@ -298,50 +360,15 @@ class TierCore(ABC):
                 )
                 at = offsets[k] + first - lo
                 part = values[at : at + probe.num_tokens].copy()
-                if not self.tier.set_host_swa(probe, part):
-                    self._free_host_swa(torch.from_numpy(part))
+                assert self.swa is not None
+                if not self.tier.set_host(self.swa, probe, part):
+                    self.free_host_swa(torch.from_numpy(part))
                 if first == lo:
                     k -= 1
             pos = first
             probe = probe.parent
         assert k < 0, "host SWA commit: the ranges run past the root"
 
-    def _free_host_state(self, slot: torch.Tensor) -> None:
+    def free_host_state(self, slot: torch.Tensor) -> None:
         assert self.host_state_allocator is not None, "host states in a tree without Mamba"
         self.host_state_allocator.free(slot)
-
-    def _alloc_device_state(self) -> torch.Tensor | None:
-        """One device state slot, evicting an unlocked device state when the pool is out."""
-        mamba = self._mamba
-        assert mamba is not None, "device states in a tree without Mamba"
-        slot = mamba.allocator.alloc(1)
-        if slot is None:
-            self.device_tree.evict(EvictRequest(targets={MAMBA: 1}))
-            slot = mamba.allocator.alloc(1)
-        return slot
-
-    def _give_back_state(self, slot: torch.Tensor) -> None:
-        assert self._mamba is not None, "device states in a tree without Mamba"
-        self._mamba.give_back(slot)
-
-    def _alloc_device(self, num_tokens: int) -> torch.Tensor | None:
-        """Device KV slots, evicting when short: Full through the write policy
-        (`evict_device`), then every other token component (SWA, allocated in step) its own
-        shortfall. None when even that leaves no room."""
-        allocator = self._device_full.allocator
-        alloc = getattr(allocator, "alloc", None)
-        assert alloc is not None, "the device tree's allocator must allocate (SlotSource)"
-        slots = alloc(num_tokens)
-        if not isinstance(slots, torch.Tensor):
-            short = num_tokens - self._device_full.free_size()
-            if short > 0:
-                self.evict_device(short)
-            rest = {
-                c.name: num_tokens - free
-                for c in self.device_tree.components[1:]
-                if c.unit == "tokens" and (free := c.free_size()) < num_tokens
-            }
-            if rest:
-                self.device_tree.evict(EvictRequest(targets=rest))
-            slots = alloc(num_tokens)
-        return slots if isinstance(slots, torch.Tensor) else None

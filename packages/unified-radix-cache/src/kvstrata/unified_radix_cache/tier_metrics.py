@@ -126,7 +126,10 @@ class TierCacheCollector(Collector):
                 "host_states",
                 "Host tier Mamba state slots by state (Mamba models only).",
                 "state",
-                {"free": states.available_size(), "held": host.num_host_states},
+                {
+                    "free": states.available_size(),
+                    "held": cache.device_tree.component("mamba").host_held_size,
+                },
                 gauge=True,
             )
         swa = cache.host_swa_allocator
@@ -135,7 +138,10 @@ class TierCacheCollector(Collector):
                 "host_swa_tokens",
                 "Host tier SWA token slots by state (full + sliding-window models only).",
                 "state",
-                {"free": swa.available_size(), "held": host.host_swa_size},
+                {
+                    "free": swa.available_size(),
+                    "held": cache.device_tree.component("swa").host_held_size,
+                },
                 gauge=True,
             )
         inflight = GaugeMetricFamily(

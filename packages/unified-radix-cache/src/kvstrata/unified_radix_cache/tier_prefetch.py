@@ -1,4 +1,4 @@
-"""Storage -> host prefetches of a `HierarchicalCache` (`TierPrefetches`).
+"""Storage -> host prefetches of a `HierarchicalCache` (`TierPrefetcher`).
 
 A prefetch brings the pages after the host prefix into new host pages, stopped by the prefetch
 policy and by the controller at the first page it cannot restore; a Mamba tree fetches only up
@@ -12,6 +12,7 @@ into a short prefetch ends where its window is restorable, never further.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -34,12 +35,21 @@ from kvstrata.unified_radix_cache.tier_core import (
     TierCore,
     prefix_len,
 )
+from kvstrata.unified_radix_cache.tier_writes import TierWriter
 
 
-class TierPrefetches(TierCore):
-    """The prefetch transfers of a `HierarchicalCache`."""
+class TierPrefetcher:
+    """The prefetch transfers of a `HierarchicalCache`, over its shared `core`; `writer`
+    sends its queued writes along when a prefetch wakes the controller."""
 
-    def finish_prefetch(self, op_id: int) -> int:
+    def __init__(self, core: TierCore, writer: TierWriter) -> None:
+        self._core = core
+        self._writer = writer
+        # Prefetches a poll committed before their `finish`: op id -> tokens committed,
+        # oldest first, at most UNTAKEN_PREFETCHES (dropped when `finish` takes them).
+        self._untaken_prefetches: OrderedDict[int, int] = OrderedDict()
+
+    def finish(self, op_id: int) -> int:
         """Wait for prefetch `op_id` as its policy says (wait_complete: its ack; timeout: up to
         the allowance; best_effort: not at all), stop it, and commit the pages that arrived to
         the host tier. Returns the tokens committed now (more may be committed by a later
@@ -51,31 +61,31 @@ class TierPrefetches(TierCore):
         done = self._untaken_prefetches.pop(op_id, None)
         if done is not None:
             return done
-        pending = self._pending.get(op_id)
+        pending = self._core.pending.get(op_id)
         if not isinstance(pending, PendingPrefetch):
             raise ForeignNode(f"op {op_id} is not a prefetch of this cache in flight")
         pending.taken = True
-        policy = self.params.prefetch_policy
+        policy = self._core.params.prefetch_policy
         start = time.perf_counter()
         ack: Ack | None = None
         if policy is PrefetchPolicy.WAIT_COMPLETE:
-            ack = self.controller.wait(op_id, self.params.transfer_timeout_s)
+            ack = self._core.controller.wait(op_id, self._core.params.transfer_timeout_s)
         elif policy is PrefetchPolicy.TIMEOUT:
-            allowance = self.params.prefetch_timeout.seconds(len(pending.host_slots))
-            ack = self.controller.wait(op_id, allowance)
-        self.counters.transfer_wait_seconds += time.perf_counter() - start
+            allowance = self._core.params.prefetch_timeout.seconds(len(pending.host_slots))
+            ack = self._core.controller.wait(op_id, allowance)
+        self._core.counters.transfer_wait_seconds += time.perf_counter() - start
         if ack is not None:
             before = pending.committed
-            self._on_ack(ack)
+            self._core.on_ack(ack)
             return pending.committed - before
         pending.stopped = True
-        progress = self.controller.stop_prefetch(op_id)
-        ready = progress.num_pages_ready * self.page_size
+        progress = self._core.controller.stop_prefetch(op_id)
+        ready = progress.num_pages_ready * self._core.page_size
         if ready > pending.committed:
             return self._commit_prefetch(pending, ready)
         return 0
 
-    def _start_prefetch(
+    def start(
         self, key: RadixKey, anchor: TreeNode, end: int, *, wait_now: bool = False
     ) -> int | None:
         """Prefetch `key[start:end]` from storage into new host pages, `start` the end of the
@@ -84,64 +94,64 @@ class TierPrefetches(TierCore):
         that state into a new host state slot (pages past it could never be a hit). `wait_now`:
         the caller takes it at once (`begin_request`): under wait_complete, a controller that
         `runs_inline` (CPU) runs it on this thread instead of a worker round trip."""
-        page = self.page_size
+        page = self._core.page_size
         start = prefix_len(anchor)
-        share = self.controller.params.prefetch_host_share
+        share = self._core.controller.params.prefetch_host_share
         limit = (
-            int(share * self.host_allocator.num_pages)
-            - self.controller.prefetch_inflight_pages()[FULL]
+            int(share * self._core.host_allocator.num_pages)
+            - self._core.controller.prefetch_inflight_pages()[FULL]
         )
         num_pages = min((end - start) // page, limit)
         if num_pages <= 0:
-            self.counters.prefetches_skipped += 1
+            self._core.counters.prefetches_skipped += 1
             return None
-        parent = self.tier.page_keys(anchor)[-1] if start else None
-        keys = self.keyer.page_keys(
+        parent = self._core.tier.page_keys(anchor)[-1] if start else None
+        keys = self._core.keyer.page_keys(
             key.tokens()[start : start + num_pages * page],
             extra_key=key.extra_key,
             cache_salt=key.cache_salt,
             parent=parent,
         )
         state_key: bytes | None = None
-        if self._mamba is not None:
-            known = self._stored_states
+        if self._core.mamba is not None:
+            known = self._core.stored_states
             num_pages = next((i + 1 for i in range(num_pages - 1, -1, -1) if keys[i] in known), 0)
             if num_pages == 0:
-                self.counters.prefetches_skipped += 1
+                self._core.counters.prefetches_skipped += 1
                 return None
             keys = keys[:num_pages]
             state_key = keys[-1]
         swa_first = num_pages
-        if self._swa is not None:
+        if self._core.swa is not None:
             num_pages = self._swa_prefetch_pages(anchor, start, keys)
             if num_pages == 0:
-                self.counters.prefetches_skipped += 1
+                self._core.counters.prefetches_skipped += 1
                 return None
             keys = keys[:num_pages]
-            swa_first = max(0, num_pages - self._window_pages())
+            swa_first = max(0, num_pages - self._core.window_pages())
         num_pages = self._stored_pages(keys, num_pages)
         if num_pages == 0:
-            self.counters.prefetches_skipped += 1
+            self._core.counters.prefetches_skipped += 1
             return None
         keys = keys[:num_pages]
-        receipt = self.tier.lock(anchor)
-        slots = self._alloc_host(num_pages * page)
+        receipt = self._core.tier.lock(anchor)
+        slots = self._core.alloc_host(num_pages * page)
         host_state = None
         if slots is not None and state_key is not None:
-            host_state = self._alloc_host_state()
+            host_state = self._core.alloc_host_state()
             if host_state is None:
-                self.host_allocator.free(slots)
+                self._core.host_allocator.free(slots)
                 slots = None
         host_swa = None
         if slots is not None and swa_first < num_pages:
             # Without room for the window the pages could never make a hit: no prefetch.
-            host_swa = self._alloc_host_swa((num_pages - swa_first) * page)
+            host_swa = self._core.alloc_host_swa((num_pages - swa_first) * page)
             if host_swa is None:
-                self.host_allocator.free(slots)
+                self._core.host_allocator.free(slots)
                 slots = None
         if slots is None:
-            self.tier.unlock(receipt)
-            self.counters.prefetches_skipped += 1
+            self._core.tier.unlock(receipt)
+            self._core.counters.prefetches_skipped += 1
             return None
         host_pages: dict[str, list[int | None]] = {
             FULL: list[int | None]((slots[::page] // page).tolist())
@@ -156,27 +166,27 @@ class TierPrefetches(TierCore):
             keys=keys,
             host_pages=host_pages,
             num_tokens=num_pages * page,
-            policy=self.params.prefetch_policy,
-            timeout=self.params.prefetch_timeout,
+            policy=self._core.params.prefetch_policy,
+            timeout=self._core.params.prefetch_timeout,
         )
-        self._flush_writes()  # the controller wakes for the prefetch: send the writes along
+        self._writer.flush()  # the controller wakes for the prefetch: send the writes along
         try:
-            op_id = self.controller.submit_prefetch(
+            op_id = self._core.controller.submit_prefetch(
                 op, inline=wait_now and op.policy is PrefetchPolicy.WAIT_COMPLETE
             )
         except QueueFull:
             op_id = None
         if op_id is None:
-            self.tier.unlock(receipt)
-            self.host_allocator.free(slots)
+            self._core.tier.unlock(receipt)
+            self._core.host_allocator.free(slots)
             if host_state is not None:
-                self._free_host_state(host_state)
+                self._core.free_host_state(host_state)
             if host_swa is not None:
-                self._free_host_swa(host_swa)
-            self.counters.prefetches_skipped += 1
+                self._core.free_host_swa(host_swa)
+            self._core.counters.prefetches_skipped += 1
             return None
-        self.counters.prefetches_started += 1
-        self._pending[op_id] = PendingPrefetch(
+        self._core.counters.prefetches_started += 1
+        self._core.pending[op_id] = PendingPrefetch(
             key=key[: start + num_pages * page],
             start=start,
             host_slots=slots,
@@ -196,12 +206,12 @@ class TierPrefetches(TierCore):
         nothing); fewer, and a Full-only tree fetches only those (the worker would stop at the
         first missing page). The worker checks again (and the checksums). Under best_effort the
         request does not wait, so neither does this: the worker asks."""
-        storage = self.controller.storage
-        if storage is None or self.params.prefetch_policy is PrefetchPolicy.BEST_EFFORT:
+        storage = self._core.controller.storage
+        if storage is None or self._core.params.prefetch_policy is PrefetchPolicy.BEST_EFFORT:
             return num_pages
-        group = self.controller.group
+        group = self._core.controller.group
         found = storage.batch_exists([group.storage_key(FULL, k) for k in keys[:num_pages]])
-        if found == 0 or (self._mamba is None and self._swa is None):
+        if found == 0 or (self._core.mamba is None and self._core.swa is None):
             return found
         return num_pages
 
@@ -210,9 +220,10 @@ class TierPrefetches(TierCore):
         at `start`) whose last window's SWA pages a backup of this cache stored, as far as it
         knows; a window reaching before `start` needs the host prefix's window restorable
         (pages past that could never be a hit). O(len(keys) + nodes in the window)."""
-        known = self._stored_states
-        window = self._window_pages()
-        before_ok = start == 0 or self.tier.window_restorable(anchor)
+        known = self._core.stored_states
+        window = self._core.window_pages()
+        assert self._core.swa is not None
+        before_ok = start == 0 or self._core.swa.window_restorable(anchor)
         best = run = 0
         for e, page_key in enumerate(keys, start=1):
             run = run + 1 if page_key in known else 0
@@ -221,14 +232,15 @@ class TierPrefetches(TierCore):
         return best
 
     def _prefetched_tokens(self, ack: Ack) -> int:
-        return (ack.num_pages_done if ack.status is not AckStatus.FAILED else 0) * self.page_size
+        done = ack.num_pages_done if ack.status is not AckStatus.FAILED else 0
+        return done * self._core.page_size
 
     def _commit_prefetch(self, pending: PendingPrefetch, upto: int) -> int:
         """Hand host_slots[committed:upto] (arrived) to the tree, and a Mamba prefetch's state
         to the node ending at the key once every page arrived; returns tokens added."""
         got = upto - pending.committed
         key = pending.key[: pending.start + upto]
-        pending.host_receipt = self.tier.commit(
+        pending.host_receipt = self._core.tier.commit(
             pending.host_receipt, key, pending.host_slots[pending.committed : upto]
         )
         pending.committed = upto
@@ -236,8 +248,9 @@ class TierPrefetches(TierCore):
         got_state = state is not None and upto == len(pending.host_slots)
         if got_state and state is not None:
             pending.host_state = None
-            if not self.tier.set_host_state(pending.host_receipt.anchor, state):
-                self._free_host_state(torch.tensor([state], dtype=torch.int64))
+            assert self._core.mamba is not None
+            if not self._core.tier.set_host(self._core.mamba, pending.host_receipt.anchor, state):
+                self._core.free_host_state(torch.tensor([state], dtype=torch.int64))
         host_swa = pending.host_swa
         got_swa = 0
         if host_swa is not None and upto == len(pending.host_slots):
@@ -245,13 +258,13 @@ class TierPrefetches(TierCore):
             pending.host_swa = None
             end = pending.start + upto
             node = self._split_window(pending.host_receipt.anchor, end, pending.swa_from)
-            self._commit_host_swa(node, end, ((pending.swa_from, end),), host_swa)
+            self._core.commit_host_swa(node, end, ((pending.swa_from, end),), host_swa)
             got_swa = len(host_swa)
-        self.counters.storage_hit_tokens += got
-        self.counters.bytes_storage_get += (
-            got // self.page_size * self._page_bytes
-            + (self._state_bytes if got_state else 0)
-            + got_swa // self.page_size * self._swa_page_bytes
+        self._core.counters.storage_hit_tokens += got
+        self._core.counters.bytes_storage_get += (
+            got // self._core.page_size * self._core.page_bytes
+            + (self._core.state_bytes if got_state else 0)
+            + got_swa // self._core.page_size * self._core.swa_page_bytes
         )
         return got
 
@@ -262,16 +275,16 @@ class TierPrefetches(TierCore):
         while pos > lo and probe.parent is not None:
             first = pos - probe.num_tokens
             if first < lo:
-                self.device_tree.split_node(probe, lo - first)  # probe keeps [lo, pos)
+                self._core.device_tree.split_node(probe, lo - first)  # probe keeps [lo, pos)
                 break
             pos = first
             probe = probe.parent
         return node
 
-    def _prefetch_acked(self, pending: PendingPrefetch, ack: Ack) -> None:
+    def commit(self, pending: PendingPrefetch, ack: Ack) -> None:
         done = self._prefetched_tokens(ack)
         if done < len(pending.host_slots):
-            self.counters.short_prefetches += 1
+            self._core.counters.short_prefetches += 1
         if done > pending.committed:
             self._commit_prefetch(pending, done)
         if not pending.taken:
@@ -282,19 +295,19 @@ class TierPrefetches(TierCore):
                 untaken.popitem(last=False)
         rest = pending.host_slots[max(done, pending.committed) :]
         if len(rest):
-            self.host_allocator.free(rest)
+            self._core.host_allocator.free(rest)
         if pending.host_state is not None:
             # The state never arrived (BOUNDARY: then no page did either). Storage no longer
             # holds it, or a fault hid it: forget it, a later backup learns it again.
-            self._free_host_state(torch.tensor([pending.host_state], dtype=torch.int64))
+            self._core.free_host_state(torch.tensor([pending.host_state], dtype=torch.int64))
             pending.host_state = None
             if pending.state_key is not None and not pending.stopped:
-                self._stored_states.pop(pending.state_key, None)
+                self._core.stored_states.pop(pending.state_key, None)
         if pending.host_swa is not None:
             # The window's SWA pages never all arrived: as for a Mamba state, forget them.
-            self._free_host_swa(pending.host_swa)
+            self._core.free_host_swa(pending.host_swa)
             pending.host_swa = None
             if not pending.stopped:
                 for page_key in pending.swa_keys:
-                    self._stored_states.pop(page_key, None)
-        self.tier.unlock(pending.host_receipt)
+                    self._core.stored_states.pop(page_key, None)
+        self._core.tier.unlock(pending.host_receipt)

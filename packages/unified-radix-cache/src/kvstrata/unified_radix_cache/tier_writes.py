@@ -1,4 +1,4 @@
-"""Device -> host writes and host -> storage backups of a `HierarchicalCache` (`TierWrites`).
+"""Device -> host writes and host -> storage backups of a `HierarchicalCache` (`TierWriter`).
 
 A write moves the pages the host lacks (member "full") plus, in a Mamba tree, the device state
 of the node it ends at (member "mamba") and, in an SWA tree, the SWA pages of the last window
@@ -41,46 +41,75 @@ from kvstrata.unified_radix_cache.tiers import (
 )
 
 
-class TierWrites(TierCore):
-    """The write and backup transfers of a `HierarchicalCache`."""
+class TierWriter:
+    """The write and backup transfers of a `HierarchicalCache`, over its shared `core`
+    (pending records, counters, host slot allocation). Writes are queued and sent in batches
+    (`params.write_batch`); `flush` sends the queue, and every other transfer kind calls it
+    before it wakes the controller so the writes ride along."""
 
-    def _write(self, key: RadixKey, node: TreeNode, *, now: bool = False) -> int | None:
+    def __init__(self, core: TierCore) -> None:
+        self._core = core
+        # Writes queued for the next batch: temporary id (negative, also the key of their
+        # record in `core.pending`) and the op to submit.
+        self._unsent: list[tuple[int, WriteOp]] = []
+        self._unsent_ids = 0
+        # Requests begun so far, and how many had begun when the oldest queued write was
+        # queued (a queue that waited `write_batch` requests is sent even when short of one).
+        self._num_requests = 0
+        self._unsent_since = 0
+
+    @property
+    def num_unsent(self) -> int:
+        """Writes queued, not yet submitted."""
+        return len(self._unsent)
+
+    def on_request(self) -> None:
+        """A request began: send the queue when its oldest write waited `write_batch`
+        requests."""
+        self._num_requests += 1
+        batch = self._core.params.write_batch
+        if self._unsent and self._num_requests - self._unsent_since > batch:
+            self.flush()
+
+    def write(self, key: RadixKey, node: TreeNode, *, now: bool = False) -> int | None:
         """Queue a host write of the part of `key` (ending at device node `node`) the host
         lacks: host slots and both locks are taken now, the op is submitted with the next
         batch (`params.write_batch` queued writes, or before anything waits on a transfer or
         submits another kind). With `now`, submit at once and return the controller's op id
         (None when nothing was queued: already there, host full, queue full); otherwise the
         id is a temporary negative one."""
-        anchor = self.tier.host_prefix(node)
+        anchor = self._core.tier.host_prefix(node)
         start, end = prefix_len(anchor), len(key)
-        mamba = self._mamba
+        mamba = self._core.mamba
         device_state = mamba.slot(node) if mamba is not None else None
-        want_state = device_state is not None and node.host_state is None
-        swa_ranges = self._window_ranges(node, end) if self._swa is not None else ()
+        want_state = (
+            mamba is not None and device_state is not None and mamba.host_slot(node) is None
+        )
+        swa_ranges = self._window_ranges(node, end) if self._core.swa is not None else ()
         if start >= end and not want_state and not swa_ranges:
             return None
-        host_receipt = self.tier.lock(anchor)
-        slots = self._alloc_host(end - start) if end > start else NO_SLOTS
+        host_receipt = self._core.tier.lock(anchor)
+        slots = self._core.alloc_host(end - start) if end > start else NO_SLOTS
         if slots is None:
-            self.tier.unlock(host_receipt)
+            self._core.tier.unlock(host_receipt)
             return None
         # No host state slot to be had: the pages still go (the host hit then ends earlier).
-        host_state = self._alloc_host_state() if want_state else None
+        host_state = self._core.alloc_host_state() if want_state else None
         # Likewise without host SWA room: the window is then not restorable from the host.
         swa_tokens = sum(hi - lo for lo, hi in swa_ranges)
-        host_swa = self._alloc_host_swa(swa_tokens) if swa_tokens else None
+        host_swa = self._core.alloc_host_swa(swa_tokens) if swa_tokens else None
         if not len(slots) and host_state is None and host_swa is None:
-            self.tier.unlock(host_receipt)
+            self._core.tier.unlock(host_receipt)
             return None
-        device_receipt = self.device_tree.lock(node)
+        device_receipt = self._core.device_tree.lock(node)
         moves: dict[str, PageMove] = {}
         if len(slots):
-            device_slots = self.device_tree.prefix_slots(node)[start:end]
+            device_slots = self._core.device_tree.prefix_slots(node)[start:end]
             moves[FULL] = PageMove(device=device_slots, host=slots)
-        if host_swa is not None and self._swa is not None:
-            prefix = self.device_tree.prefix_slots(node)
+        if host_swa is not None and self._core.swa is not None:
+            prefix = self._core.device_tree.prefix_slots(node)
             window = torch.cat([prefix[lo:hi] for lo, hi in swa_ranges])
-            moves[SWA] = PageMove(device=self._swa.allocator.translate(window), host=host_swa)
+            moves[SWA] = PageMove(device=self._core.swa.allocator.translate(window), host=host_swa)
         else:
             swa_ranges = ()
         if host_state is not None and device_state is not None:
@@ -103,13 +132,13 @@ class TierWrites(TierCore):
         temp_id = self._unsent_ids
         if not self._unsent:
             self._unsent_since = self._num_requests
-        self._pending[temp_id] = pending
+        self._core.pending[temp_id] = pending
         self._unsent.append((temp_id, WriteOp(moves=moves)))
-        if now or len(self._unsent) >= self.params.write_batch:
-            return self._flush_writes().get(temp_id)
+        if now or len(self._unsent) >= self._core.params.write_batch:
+            return self.flush().get(temp_id)
         return temp_id
 
-    def _flush_writes(self) -> dict[int, int]:
+    def flush(self) -> dict[int, int]:
         """Submit every queued write, oldest first, in one burst (the controller's worker wakes
         once and merges them; a CPU controller runs the merged batch on this thread,
         `TierController.runs_inline`). A write the queue refuses is rolled back: its locks released,
@@ -117,32 +146,32 @@ class TierWrites(TierCore):
         unsent, self._unsent = self._unsent, []
         submitted: dict[int, int] = {}
         if unsent:
-            self.counters.write_batches += 1
-        op_ids = self.controller.submit_writes([op for _, op in unsent], inline=True)
+            self._core.counters.write_batches += 1
+        op_ids = self._core.controller.submit_writes([op for _, op in unsent], inline=True)
         for (temp_id, _), op_id in zip(unsent, op_ids, strict=True):
-            pending = self._pending.pop(temp_id)
+            pending = self._core.pending.pop(temp_id)
             assert isinstance(pending, PendingWrite), "a queued write id names a write"
             if op_id is None:  # the queue had no room
                 self._roll_back_write(pending)
                 continue
-            self._pending[op_id] = pending
+            self._core.pending[op_id] = pending
             submitted[temp_id] = op_id
-        self.counters.writes_submitted += len(submitted)
+        self._core.counters.writes_submitted += len(submitted)
         return submitted
 
     def _roll_back_write(self, pending: PendingWrite) -> None:
-        self.device_tree.unlock(pending.device_receipt)
-        self.tier.unlock(pending.host_receipt)
+        self._core.device_tree.unlock(pending.device_receipt)
+        self._core.tier.unlock(pending.host_receipt)
         if len(pending.host_slots):
-            self.host_allocator.free(pending.host_slots)
+            self._core.host_allocator.free(pending.host_slots)
         if pending.host_state is not None:
-            self._free_host_state(pending.host_state)
+            self._core.free_host_state(pending.host_state)
         if pending.host_swa is not None:
-            self._free_host_swa(pending.host_swa)
+            self._core.free_host_swa(pending.host_swa)
 
-    def _write_in_flight(self, node: TreeNode) -> bool:
+    def in_flight(self, node: TreeNode) -> bool:
         """Whether a write in flight covers `node` (its source reaches through it)."""
-        for pending in self._pending.values():
+        for pending in self._core.pending.values():
             if isinstance(pending, PendingWrite):
                 probe: TreeNode | None = pending.device_receipt.anchor
                 while probe is not None:
@@ -151,24 +180,25 @@ class TierWrites(TierCore):
                     probe = probe.parent
         return False
 
-    def _wait_writes(self) -> bool:
+    def wait_all(self) -> bool:
         """Wait for the writes in flight (each up to `transfer_timeout_s`) and commit them,
         stopping (the rest left in flight) at the first one not acknowledged in time. Returns
         whether any write committed (so a retry of the eviction may free more)."""
         acked = False
-        self._flush_writes()
+        self.flush()
         began = time.perf_counter()
         while True:
-            op_id = next((i for i, p in self._pending.items() if isinstance(p, PendingWrite)), None)
+            pending = self._core.pending.items()
+            op_id = next((i for i, p in pending if isinstance(p, PendingWrite)), None)
             if op_id is None:
                 break
-            ack = self.controller.wait(op_id, self.params.transfer_timeout_s)
+            ack = self._core.controller.wait(op_id, self._core.params.transfer_timeout_s)
             if ack is None:
-                self.counters.transfer_timeouts += 1
+                self._core.counters.transfer_timeouts += 1
                 break
-            self._on_ack(ack)
+            self._core.on_ack(ack)
             acked = True
-        self.counters.transfer_wait_seconds += time.perf_counter() - began
+        self._core.counters.transfer_wait_seconds += time.perf_counter() - began
         return acked
 
     def _window_ranges(self, node: TreeNode, end: int) -> tuple[tuple[int, int], ...]:
@@ -177,9 +207,9 @@ class TierWrites(TierCore):
         live on the device and without a host SWA copy yet. Empty when the window is not live
         on the device as a whole (a copy could never make a hit). Splits the node the window
         starts inside, so host SWA copies cover whole nodes. O(nodes in the window)."""
-        swa = self._swa
+        swa = self._core.swa
         assert swa is not None, "_window_ranges on a tree without SWA"
-        page = self.page_size
+        page = self._core.page_size
         lo = max(0, end - -(-swa.sliding_window // page) * page)
         ranges: list[tuple[int, int]] = []
         pos, probe = end, node
@@ -190,50 +220,55 @@ class TierWrites(TierCore):
                 return ()
             first = pos - probe.num_tokens
             if first < lo:
-                self.device_tree.split_node(probe, lo - first)  # probe keeps [lo, pos)
+                self._core.device_tree.split_node(probe, lo - first)  # probe keeps [lo, pos)
                 first = lo
-            if probe.host_swa is None:
+            if swa.host_copy(probe) is None:
                 ranges.append((first, pos))
             pos = first
             probe = probe.parent
         return tuple(reversed(ranges))
 
-    def _write_acked(self, pending: PendingWrite, ack: Ack) -> None:
-        self.device_tree.unlock(pending.device_receipt)
+    def commit_write(self, pending: PendingWrite, ack: Ack) -> None:
+        self._core.device_tree.unlock(pending.device_receipt)
         state = pending.host_state
         if not ack.ok:
-            self.tier.unlock(pending.host_receipt)
+            self._core.tier.unlock(pending.host_receipt)
             if len(pending.host_slots):
-                self.host_allocator.free(pending.host_slots)
+                self._core.host_allocator.free(pending.host_slots)
             if state is not None:
-                self._free_host_state(state)
+                self._core.free_host_state(state)
             if pending.host_swa is not None:
-                self._free_host_swa(pending.host_swa)
+                self._core.free_host_swa(pending.host_swa)
             return
         num = len(pending.host_slots)
-        receipt = self.tier.commit(pending.host_receipt, pending.key, pending.host_slots)
-        if state is not None and not self.tier.set_host_state(receipt.anchor, int(state.item())):
-            self._free_host_state(state)
+        receipt = self._core.tier.commit(pending.host_receipt, pending.key, pending.host_slots)
+        mamba = self._core.mamba
+        if (
+            state is not None
+            and mamba is not None
+            and not self._core.tier.set_host(mamba, receipt.anchor, int(state.item()))
+        ):
+            self._core.free_host_state(state)
         swa_tokens = 0
         if pending.host_swa is not None:
             swa_tokens = len(pending.host_swa)
-            self._commit_host_swa(
+            self._core.commit_host_swa(
                 receipt.anchor, len(pending.key), pending.swa_ranges, pending.host_swa
             )
-        self.counters.written_tokens += num
+        self._core.counters.written_tokens += num
         # The state moved with the pages even when the node had meanwhile got another one.
-        self.counters.bytes_d2h += (
-            num // self.page_size * self._page_bytes
-            + (self._state_bytes if state is not None else 0)
-            + swa_tokens // self.page_size * self._swa_page_bytes
+        self._core.counters.bytes_d2h += (
+            num // self._core.page_size * self._core.page_bytes
+            + (self._core.state_bytes if state is not None else 0)
+            + swa_tokens // self._core.page_size * self._core.swa_page_bytes
         )
-        if self._backups:
+        if self._core.backups:
             # The window's SWA pages may lie before `start` (on pages stored before): the backup
             # then starts at the window so they go to storage too (stored pages are skipped).
             lo = min(pending.start, pending.swa_ranges[0][0]) if pending.swa_ranges else None
             self._backup(receipt, pending.key, pending.start if lo is None else lo, pending.start)
         else:
-            self.tier.unlock(receipt)
+            self._core.tier.unlock(receipt)
 
     def _backup(
         self, receipt: HostReceipt, key: RadixKey, start: int, fresh: int | None = None
@@ -243,25 +278,27 @@ class TierWrites(TierCore):
         (default `start`) were stored before: they are re-sent only for their SWA pages and
         the ack counts and announces only the pages from `fresh` on."""
         node = receipt.anchor
-        keys = self.tier.page_keys(node)
-        first = start // self.page_size
-        pages = self.tier.host_slots(node)[start :: self.page_size] // self.page_size
+        keys = self._core.tier.page_keys(node)
+        first = start // self._core.page_size
+        page = self._core.page_size
+        pages = self._core.tier.host_slots(node)[start::page] // page
         host_pages: dict[str, list[int | None]] = {FULL: list[int | None](pages.tolist())}
         state_pages: tuple[int, ...] = ()
-        if self._mamba is not None:
+        if self._core.mamba is not None:
             # Each node of the range with a host state stores it beside its last page.
             states: list[int | None] = [None] * (len(keys) - first)
-            end = len(keys) * self.page_size
+            end = len(keys) * self._core.page_size
             probe = node
             while probe.parent is not None and end > start:
-                if probe.host_state is not None:
-                    states[end // self.page_size - 1 - first] = probe.host_state
+                slot = self._core.mamba.host_slot(probe)
+                if slot is not None:
+                    states[end // self._core.page_size - 1 - first] = slot
                 end -= probe.num_tokens
                 probe = probe.parent
             host_pages[MAMBA] = states
             state_pages = tuple(i for i, s in enumerate(states) if s is not None)
         swa_pages: tuple[int, ...] = ()
-        if self._swa is not None:
+        if self._core.swa is not None:
             host_pages[SWA] = self._backup_swa_pages(node, len(keys), first)
             swa_pages = tuple(i for i, p in enumerate(host_pages[SWA]) if p is not None)
         op = BackupOp(keys=keys[first:], host_pages=host_pages)
@@ -273,41 +310,32 @@ class TierWrites(TierCore):
             key=key,
             state_pages=state_pages,
             swa_pages=swa_pages,
-            fresh_from=(start if fresh is None else fresh) // self.page_size - first,
+            fresh_from=(start if fresh is None else fresh) // self._core.page_size - first,
         )
-        if self._held_backups is not None:  # inside `poll`: sent together at its end
-            self._held_backups.append((op, pending))
+        held = self._core.held_backups
+        if held is not None:  # inside `poll`: sent together at its end
+            held.append((op, pending))
             return
         try:
-            op_id = self.controller.submit_backup(op)
+            op_id = self._core.controller.submit_backup(op)
         except QueueFull:
-            self.tier.unlock(receipt)
+            self._core.tier.unlock(receipt)
             return
-        self._pending[op_id] = pending
-
-    def _send_backups(self, held: list[tuple[BackupOp, PendingBackup]]) -> None:
-        """Submit the backups `poll` held back, with one wake-up of the backup worker; one the
-        queue has no room for is dropped (its host lock released), as `_backup` does."""
-        if not held:
-            return
-        op_ids = self.controller.submit_backups([op for op, _ in held])
-        for (_, pending), op_id in zip(held, op_ids, strict=True):
-            if op_id is None:
-                self.tier.unlock(pending.host_receipt)
-            else:
-                self._pending[op_id] = pending
+        self._core.pending[op_id] = pending
 
     def _backup_swa_pages(self, node: TreeNode, num_keys: int, first: int) -> list[int | None]:
         """SWA: per page of keys[first:num_keys] (the prefix ending at `node`), the host SWA
         page of the node holding it, or None where the node has no host SWA copy."""
-        page = self.page_size
+        swa = self._core.swa
+        assert swa is not None, "_backup_swa_pages on a tree without SWA"
+        page = self._core.page_size
         pages: list[int | None] = [None] * (num_keys - first)
         start = first * page
         end = num_keys * page
         probe = node
         while probe.parent is not None and end > start:
             lo = end - probe.num_tokens
-            host_swa = probe.host_swa
+            host_swa = swa.host_copy(probe)
             if host_swa is not None:
                 for at in range(max(lo, start), end, page):
                     pages[at // page - first] = int(host_swa[at - lo]) // page
@@ -315,31 +343,31 @@ class TierWrites(TierCore):
             probe = probe.parent
         return pages
 
-    def _backup_acked(self, pending: PendingBackup, ack: Ack) -> None:
+    def commit_backup(self, pending: PendingBackup, ack: Ack) -> None:
         done = ack.num_pages_done if ack.status is not AckStatus.FAILED else 0
-        self._mark_stored(pending, done * self.page_size)
-        self.tier.unlock(pending.host_receipt)
+        self._mark_stored(pending, done * self._core.page_size)
+        self._core.tier.unlock(pending.host_receipt)
         fresh = min(pending.fresh_from, done)
         if done:
             stored_states = [i for i in pending.state_pages if i < done]
             stored_swa = [i for i in pending.swa_pages if i < done]
             # Only the last window before `done` makes a stored prefix's window restorable:
             # SWA pages further back name no prefix a prefetch could end at.
-            window_from = done - self._window_pages() if self._swa is not None else done
+            window_from = done - self._core.window_pages() if self._core.swa is not None else done
             for i in stored_states + [i for i in stored_swa if i >= window_from]:
                 self._know_stored_state(pending.keys[i])
-            self.counters.backed_up_tokens += (done - fresh) * self.page_size
-            self.counters.bytes_storage_set += (
-                (done - fresh) * self._page_bytes
-                + len(stored_states) * self._state_bytes
-                + len(stored_swa) * self._swa_page_bytes
+            self._core.counters.backed_up_tokens += (done - fresh) * self._core.page_size
+            self._core.counters.bytes_storage_set += (
+                (done - fresh) * self._core.page_bytes
+                + len(stored_states) * self._core.state_bytes
+                + len(stored_swa) * self._core.swa_page_bytes
             )
         if done > fresh:
-            self._events.append(
+            self._core.events.append(
                 BlockStored(
                     page_keys=tuple(pending.keys[fresh:done]),
                     parent_key=pending.keys[fresh - 1] if fresh else pending.parent_key,
-                    tokens_per_page=self.page_size,
+                    tokens_per_page=self._core.page_size,
                     tier=STORAGE_TIER,
                     namespace=pending.key.namespace,
                 )
@@ -350,7 +378,7 @@ class TierWrites(TierCore):
         the tier knows of storage; the storage may still evict those pages later)."""
         node = pending.host_receipt.anchor
         end = prefix_len(node)
-        lo = end - len(pending.keys) * self.page_size  # the backup covered key[lo:end]
+        lo = end - len(pending.keys) * self._core.page_size  # the backup covered key[lo:end]
         hi = lo + num_tokens  # and storage acknowledged key[lo:hi]
         while node.parent is not None and end > lo:
             if end - node.num_tokens >= lo and end <= hi:
@@ -359,8 +387,8 @@ class TierWrites(TierCore):
             node = node.parent
 
     def _know_stored_state(self, page_key: bytes) -> None:
-        known = self._stored_states
+        known = self._core.stored_states
         known[page_key] = None
         known.move_to_end(page_key)
-        while len(known) > self.params.known_stored_states:
+        while len(known) > self._core.params.known_stored_states:
             known.popitem(last=False)

@@ -218,16 +218,10 @@ class UnifiedRadixCache:
 
     def attach_host_tier(self, tier: TreeTier) -> None:
         """Hierarchical mode: from now on match, insert and Full eviction take `tier`'s walks
-        (host values on the nodes). Refused on a non-empty or already tiered tree, and on a
-        tree with more than one state component (Full-only, Full + SWA and Full + Mamba trees
-        are supported)."""
+        (host values on the nodes; the other components reach the tier through their host
+        hooks). Refused on a non-empty or already tiered tree."""
         if self.host_tier is not None:
             raise InvalidConfig("this tree already has a host tier")
-        if len(self._extras) > 1 or any(c.name not in ("mamba", "swa") for c in self._extras):
-            raise InvalidConfig(
-                "hierarchical mode supports Full-only, Full + SWA and Full + Mamba trees; got "
-                f"components {[c.name for c in self._components]}"
-            )
         if self.num_nodes:
             raise InvalidConfig("attach the host tier to an empty tree")
         self.host_tier = tier

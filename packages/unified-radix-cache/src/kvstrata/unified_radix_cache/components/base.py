@@ -16,6 +16,20 @@ and the tree calls its hooks at fixed points, so a new state family needs no cha
 | evict           | `evict` / `release`  | its own eviction; `release` frees its data on one node  |
 | lock            | `lock` / `unlock`    | `lock(node)` / `unlock(receipt)`                        |
 
+Hierarchical mode (host_tier.py) adds the host hooks, so the host tier treats every component
+alike and a new kind of state needs no change there. A component's host copy of a node lives in
+`node.comp_hosts[i]` and its slots come from the host sink given to `attach_host`:
+
+| phase        | hook                                  | when the host tier calls it              |
+|--------------|---------------------------------------|------------------------------------------|
+| host match   | `host_hit_may_end`                    | may a host hit end here (restorable)     |
+| device evict | `release`                             | the node goes off the device             |
+| revive       | `on_revive`                           | an off-device node took device slots     |
+| host store   | `set_host`                            | a committed transfer brings a host copy  |
+| split        | `split_host`                          | a node with host copies splits           |
+| host evict   | `take_host` / `free_host`             | the node leaves the host tier            |
+| integrity    | `check_host_node` / `check_host_pool` | per node; host free + held == capacity   |
+
 Cascade: when a node loses a component's data, components of lower or equal `priority` lose
 theirs too (Full 2 > SWA 1 > Mamba 0); a leaf that loses any component leaves the tree whole.
 """
@@ -30,15 +44,18 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstrata.unified_radix_cache.errors import InvalidConfig, InvalidInsert
+from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig, InvalidInsert
 from kvstrata.unified_radix_cache.policies import LRUList
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from kvstrata.unified_radix_cache.node import TreeNode
+    from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
     from kvstrata.unified_radix_cache.results import LockReceipt
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+    from kvstrata.unified_radix_cache.tree_view import TreeView
+
+
+_NO_SLOTS = np.empty(0, dtype=np.int64)
 
 
 class SlotSink(Protocol):
@@ -71,16 +88,21 @@ class TreeComponent(ABC):
 
     def __init__(self) -> None:
         self.index = -1
-        self._tree: UnifiedRadixCache | None = None
+        self._tree: TreeView[TreeComponent] | None = None
         #: Data not protected by any lock, and data protected by one (in `unit`).
         self.evictable_size = 0
         self.protected_size = 0
         #: Cumulative amount freed by eviction (cascades included), for metrics.
         self.evicted_total = 0
         self._pending: list[npt.NDArray[np.int64]] = []
+        #: Hierarchical mode: the host slot sink of this component's host copies (None in a
+        #: device-only tree), what the nodes hold of it, and what host eviction freed.
+        self.host: SlotSink | None = None
+        self.host_held_size = 0
+        self.host_evicted_total = 0
 
     # -- wiring ---------------------------------------------------------------------------
-    def bind(self, tree: UnifiedRadixCache, index: int) -> None:
+    def bind(self, tree: TreeView[TreeComponent], index: int) -> None:
         """Attach to `tree` at component position `index` (called once by the tree)."""
         if self._tree is not None:
             raise InvalidConfig(f"component {self.name!r} is already bound to a tree")
@@ -88,7 +110,7 @@ class TreeComponent(ABC):
         self.index = index
 
     @property
-    def tree(self) -> UnifiedRadixCache:
+    def tree(self) -> TreeView[TreeComponent]:
         assert self._tree is not None, f"component {self.name!r} used before bind()"
         return self._tree
 
@@ -212,6 +234,128 @@ class TreeComponent(ABC):
         """Forget every node (the tree is clearing itself; slots were queued already)."""
         self.evictable_size = 0
         self.protected_size = 0
+
+    # -- host tier (hierarchical mode) --------------------------------------------------------
+    def attach_host(self, sink: SlotSink) -> None:
+        """Hold host copies in slots of `sink` (called once, by the host tier)."""
+        if self.host is not None:
+            raise InvalidConfig(f"component {self.name!r} already has a host sink")
+        self.host = sink
+
+    def host_value(self, node: TreeNode) -> ComponentValue:
+        """This component's host copy on `node`, or None."""
+        hosts = node.comp_hosts
+        return None if hosts is None else hosts[self.index]
+
+    def host_slots(self, value: ComponentValue) -> npt.NDArray[np.int64]:
+        """The host slots a host copy `value` holds (one per token, or one state slot)."""
+        if value is None:
+            return _NO_SLOTS
+        if isinstance(value, int):
+            return np.array([value], dtype=np.int64)
+        return value
+
+    def host_size(self, node: TreeNode) -> int:
+        """Host slots of this component on `node` (0 without a host copy)."""
+        return len(self.host_slots(self.host_value(node)))
+
+    def set_host(self, node: TreeNode, value: ComponentValue) -> bool:
+        """`node` (with a Full host value) takes host copy `value`. Returns False, taking
+        nothing, when it already has one (the caller frees `value`)."""
+        assert node.host_value is not None, (
+            f"{self.name} host copy on node {node.id} without a host value"
+        )
+        assert value is not None
+        hosts = node.comp_hosts
+        if hosts is None:
+            hosts = node.comp_hosts = [None] * len(self.tree.components)
+        elif hosts[self.index] is not None:
+            return False
+        self.check_host_value(node, value)
+        hosts[self.index] = value
+        self.host_held_size += len(self.host_slots(value))
+        return True
+
+    def check_host_value(self, node: TreeNode, value: ComponentValue) -> None:
+        """Assert that `value` fits `node` (a slot array: one slot per token)."""
+        if not isinstance(value, int):
+            assert value is not None and len(value) == node.num_tokens, (
+                f"node {node.id}: {0 if value is None else len(value)} {self.name} host slots"
+            )
+
+    def take_host(self, node: TreeNode) -> npt.NDArray[np.int64] | None:
+        """Remove this component's host copy from `node`; its slots (to hand to `free_host`),
+        or None when it had none."""
+        hosts = node.comp_hosts
+        if hosts is None or hosts[self.index] is None:
+            return None
+        slots = self.host_slots(hosts[self.index])
+        hosts[self.index] = None
+        self.host_held_size -= len(slots)
+        return slots
+
+    def free_host(self, parts: list[npt.NDArray[np.int64]]) -> None:
+        """Hand host slots taken from the nodes back to the host sink (one call)."""
+        if parts:
+            assert self.host is not None, f"{self.name} host slots without a host sink"
+            self.host.free(torch.from_numpy(np.concatenate(parts)))
+
+    def split_host(self, upper: TreeNode, lower: TreeNode) -> None:
+        """`lower` split, `upper` took its first `upper.num_tokens` tokens: a per-token host
+        copy is sliced; a per-node one (a state at the end of the run) stays on `lower`."""
+        hosts = lower.comp_hosts
+        value = None if hosts is None else hosts[self.index]
+        if hosts is None or value is None or isinstance(value, int):
+            return
+        cut = upper.num_tokens
+        if upper.comp_hosts is None:
+            upper.comp_hosts = [None] * len(hosts)
+        upper.comp_hosts[self.index] = value[:cut]
+        hosts[self.index] = value[cut:]
+
+    def host_hit_may_end(self, node: TreeNode) -> bool:
+        """Whether a host hit may end at `node` (which has a Full host value or is on the
+        device): this component's data for the prefix is restorable there. Default: yes."""
+        return True
+
+    def on_revive(  # noqa: B027
+        self, node: TreeNode, start: int, inp: ComponentInsert | None
+    ) -> None:
+        """Optional hook: off-device `node` (key positions from `start`) took device slots
+        again (an insert over it, or a load-back with input `inp`)."""
+
+    def check_host_node(self, node: TreeNode) -> None:
+        """A host copy only beside a Full host value; device data only on the device."""
+        value = self.host_value(node)
+        if value is not None and (
+            node.host_value is None
+            or (not isinstance(value, int) and len(value) != node.num_tokens)
+        ):
+            raise IntegrityError(f"node {node.id}: host {self.name} copy without a host value")
+        if self.node_size(node) and not node.on_device:
+            raise IntegrityError(f"node {node.id}: device {self.name} data off the device")
+
+    def check_host_pool(self, held: list[npt.NDArray[np.int64]], in_flight: int) -> None:
+        """`held`: the host slots the nodes hold. No slot twice, the counter right, and host
+        free + held + `in_flight` (held by transfers) == host capacity."""
+        slots = np.concatenate(held) if held else _NO_SLOTS
+        if len(np.unique(slots)) != len(slots) or len(slots) != self.host_held_size:
+            raise IntegrityError(
+                f"host {self.name}: {len(slots)} slots on nodes ({len(np.unique(slots))} "
+                f"distinct), counter says {self.host_held_size}"
+            )
+        sink = self.host
+        if sink is not None:
+            free = sink.available_size()
+            if free + len(slots) + in_flight != sink.size:
+                raise IntegrityError(
+                    f"host {self.name} pool: free {free} + held {len(slots)} + in flight "
+                    f"{in_flight} != capacity {sink.size}"
+                )
+
+    def reset_host(self) -> None:
+        """Forget the host copies (the host tier freed their slots)."""
+        self.host_held_size = 0
 
 
 class LRUListComponent(TreeComponent):

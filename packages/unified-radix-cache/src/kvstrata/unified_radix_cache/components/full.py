@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.events import KVEvent
     from kvstrata.unified_radix_cache.node import TreeNode
     from kvstrata.unified_radix_cache.results import LockReceipt
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+    from kvstrata.unified_radix_cache.tree_view import TreeView
 
 
 class FullComponent(TreeComponent):
@@ -61,7 +61,7 @@ class FullComponent(TreeComponent):
         #: tree does not check insert slots); cleared here when the slots are freed.
         self.held: npt.NDArray[np.bool_] | None = None
 
-    def bind(self, tree: UnifiedRadixCache, index: int) -> None:
+    def bind(self, tree: TreeView[TreeComponent], index: int) -> None:
         super().bind(tree, index)
         self.heap = LeafHeap(tree.policy)
 
@@ -245,7 +245,7 @@ class FullComponent(TreeComponent):
     def check_node(self, node: TreeNode) -> None:
         assert self.heap is not None
         in_heap = node in self.heap
-        if self.tree.host_tier is not None:
+        if self.tiered:
             # Hierarchical: a device leaf is an on-device node without an on-device child.
             should = (
                 node.on_device

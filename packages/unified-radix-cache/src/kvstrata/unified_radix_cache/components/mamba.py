@@ -172,6 +172,17 @@ class MambaComponent(LRUListComponent):
         self.lru.touch(node)
         return True
 
+    # -- host tier ----------------------------------------------------------------------------
+    def host_slot(self, node: TreeNode) -> int | None:
+        """The host state slot on `node` (the state at the end of its run), or None."""
+        value = self.host_value(node)
+        assert value is None or isinstance(value, int)
+        return value
+
+    def host_hit_may_end(self, node: TreeNode) -> bool:
+        """A host hit ends only where the host holds the state at the end of the node."""
+        return self.host_value(node) is not None
+
     # -- eviction -------------------------------------------------------------------------
     def release(self, node: TreeNode, node_goes: bool) -> int:
         i = self.index

@@ -34,9 +34,10 @@ from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig, I
 from kvstrata.unified_radix_cache.policies import LRUList
 
 if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.components.base import TreeComponent
     from kvstrata.unified_radix_cache.node import TreeNode
     from kvstrata.unified_radix_cache.results import LockReceipt
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+    from kvstrata.unified_radix_cache.tree_view import TreeView
 
 
 class SWASlotSink(Protocol):
@@ -78,7 +79,7 @@ class SWAComponent(LRUListComponent):
         self.device = torch.device(allocator.device)
         self.lru = LRUList()
 
-    def bind(self, tree: UnifiedRadixCache, index: int) -> None:
+    def bind(self, tree: TreeView[TreeComponent], index: int) -> None:
         super().bind(tree, index)
 
     def capacity(self) -> int:
@@ -177,20 +178,48 @@ class SWAComponent(LRUListComponent):
         self.evictable_size += size
         self.lru.touch(node)
 
-    def on_revive(self, node: TreeNode, live: bool) -> None:
+    def on_revive(self, node: TreeNode, start: int, inp: ComponentInsert | None) -> None:
         """Hierarchical mode: off-device `node` just took device slots (a load-back or an insert
-        over it). `live`: its SWA slots hold its window KV, so it joins the LRU; otherwise it
-        becomes a tombstone and its SWA slots are queued for `free_swa` (the full ones stay)."""
+        over it). When its SWA slots hold its window KV (`start` at or past the input's
+        `evicted_len`) it joins the LRU; otherwise it becomes a tombstone and its SWA slots are
+        queued for `free_swa` (the full ones stay)."""
         i = self.index
         assert node.comp_values is not None and node.comp_values[i] is None, (
             f"SWAComponent: revived node {node.id} already has SWA data"
         )
-        if live:
+        evicted_len = inp.evicted_len if isinstance(inp, SWAInsert) else 0
+        if start >= evicted_len:
             node.comp_values[i] = node.value
             self.evictable_size += len(node.value)
             self.lru.touch(node)
         else:
             self._pending.append(node.value)
+
+    # -- host tier ----------------------------------------------------------------------------
+    def window_restorable(self, node: TreeNode) -> bool:
+        """Whether the sliding window before the end of `node` can be restored: each node of
+        it on the device with live SWA slots, or off the device with a host SWA copy (a path
+        without a gap back to the root counts too). O(nodes in the window)."""
+        covered = 0
+        probe = node
+        while probe.parent is not None and covered < self.sliding_window:
+            if not (
+                self.is_live(probe) if len(probe.value) else self.host_value(probe) is not None
+            ):
+                return False
+            covered += probe.num_tokens
+            probe = probe.parent
+        return True
+
+    def host_copy(self, node: TreeNode) -> npt.NDArray[np.int64] | None:
+        """The host SWA slots of `node` (one per token), or None."""
+        value = self.host_value(node)
+        assert value is None or isinstance(value, np.ndarray)
+        return value
+
+    def host_hit_may_end(self, node: TreeNode) -> bool:
+        """A host hit ends only at a node with a host value whose window is restorable."""
+        return node.host_value is not None and self.window_restorable(node)
 
     # -- eviction -------------------------------------------------------------------------
     def release(self, node: TreeNode, node_goes: bool) -> int:
