@@ -298,7 +298,7 @@ class TierController:
         pages = self.group.check_keyed_pages(op.keys, op.host_pages)
         if op.num_tokens < 0:
             raise InvalidOperation(f"num_tokens must be >= 0, got {op.num_tokens}")
-        wanted = {name: sum(p is not None for p in listed) for name, listed in pages.items()}
+        wanted = {name: len(listed) - listed.count(None) for name, listed in pages.items()}
         with self._lock:
             if any(
                 self._inflight[name] + num > self._inflight_limit[name]

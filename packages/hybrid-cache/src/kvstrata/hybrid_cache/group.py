@@ -215,9 +215,9 @@ class PoolGroup:
     ) -> dict[str, tuple[int | None, ...]]:
         """Validate a prefetch or backup: non-empty bytes keys, one list of `len(keys)` entries
         for every member, host pages in range and not repeated within a member."""
-        for key in keys:
-            if type(key) is not bytes or not key:
-                raise InvalidOperation("page keys must be non-empty bytes")
+        # Whole-list checks in C (no Python loop per page on the valid path).
+        if keys and (set(map(type, keys)) != {bytes} or b"" in keys):
+            raise InvalidOperation("page keys must be non-empty bytes")
         missing = set(self._members) - set(host_pages)
         if missing:
             raise InvalidOperation(
@@ -227,11 +227,15 @@ class PoolGroup:
         checked: dict[str, tuple[int | None, ...]] = {}
         for name, listed in host_pages.items():
             num_host = self.num_host_pages(name)
-            pages = tuple(None if p is None else int(p) for p in listed)
+            if None in listed:
+                pages = tuple(None if p is None else int(p) for p in listed)
+                present: Sequence[int] = [p for p in pages if p is not None]
+            else:
+                pages = tuple(map(int, listed))
+                present = cast(tuple[int, ...], pages)
             if len(pages) != len(keys):
                 raise InvalidOperation(f"{name}: {len(pages)} host pages for {len(keys)} keys")
-            present = [p for p in pages if p is not None]
-            if any(not 0 <= p < num_host for p in present):
+            if present and (min(present) < 0 or max(present) >= num_host):
                 raise InvalidOperation(f"{name}: host pages must lie in [0, {num_host})")
             if len(set(present)) != len(present):
                 raise InvalidOperation(f"{name}: a host page is listed twice")

@@ -79,9 +79,19 @@ class MemoryStorage(Storage):
                 spare[:] = views[i]
                 buffers[i] = spare
         results: list[WriteResult] = []
+        written = WriteResult.WRITTEN
         with self._lock:
             for key, view, buffer in zip(keys, views, buffers, strict=True):
-                if key in pages:
+                if (
+                    buffer is not None
+                    and not self._spare_bytes
+                    and self._used_bytes + len(buffer) <= capacity
+                    and key not in pages
+                ):  # room and no spare to trim: `_insert`'s common case, inlined
+                    pages[key] = buffer
+                    self._used_bytes += len(buffer)
+                    results.append(written)
+                elif key in pages:
                     pages.move_to_end(key)
                     results.append(WriteResult.PRESENT)
                     if buffer is not None:  # a repeat in this batch, or stored meanwhile
