@@ -230,7 +230,7 @@ def test_page_views_check_every_page_before_making_any() -> None:
     assert bytes(host.page_view(3)[:4]) == b"abcd"
     for bad in ([0, pages], [-1, 2], [1, 2.0], [1, None]):
         with pytest.raises(IndexOutOfRange):
-            host.page_views(bad)  # type: ignore[arg-type]
+            host.page_views(bad)
     assert host.page_views([]) == []
 
 

@@ -227,12 +227,14 @@ class PoolGroup:
         checked: dict[str, tuple[int | None, ...]] = {}
         for name, listed in host_pages.items():
             num_host = self.num_host_pages(name)
+            pages: tuple[int | None, ...]
+            present: Sequence[int]
             if None in listed:
                 pages = tuple(None if p is None else int(p) for p in listed)
-                present: Sequence[int] = [p for p in pages if p is not None]
+                present = [p for p in pages if p is not None]
             else:
-                pages = tuple(map(int, listed))
-                present = cast(tuple[int, ...], pages)
+                present = list(map(int, cast(Sequence[int], listed)))
+                pages = tuple(present)
             if len(pages) != len(keys):
                 raise InvalidOperation(f"{name}: {len(pages)} host pages for {len(keys)} keys")
             if present and (min(present) < 0 or max(present) >= num_host):

@@ -82,7 +82,7 @@ class _Slot(NamedTuple):
     """One member page of one key, in one storage call (a tuple: one is made per page)."""
 
     member: str
-    index: int
+    position: int
     page: int
     key: bytes
 
@@ -138,7 +138,7 @@ class StorageRunner:
                 self._stats.count_fault(FaultReason.ERROR)
                 error, found = exc, 0
             for s in slots[:found]:
-                possible[name][s.index] = True
+                possible[name][s.position] = True
         bound = restorable_pages(rules, possible, n).num_pages
 
         landed = {name: [False] * n for name in rules}
@@ -148,10 +148,10 @@ class StorageRunner:
             hi = min(lo + self._batch_pages, bound)
             ended = False
             for name, slots in listed.items():
-                batch = [s for s in slots if lo <= s.index < hi and possible[name][s.index]]
+                batch = [s for s in slots if lo <= s.position < hi and possible[name][s.position]]
                 ok, call_error = self._get(name, batch)
                 for s, good in zip(batch, ok, strict=True):
-                    landed[name][s.index] = good
+                    landed[name][s.position] = good
                 if call_error is not None:
                     error = call_error
                 ended = ended or not all(ok)
@@ -258,13 +258,13 @@ class StorageRunner:
                     continue
                 self._stats.count_backup_skipped(found)
                 for s in slots[:found]:
-                    stored[task.op_id][name][s.index] = True
+                    stored[task.op_id][name][s.position] = True
                 to_set.extend((task, s) for s in slots[found:])
         for lo in range(0, len(to_set), self._batch_pages):
             chunk = to_set[lo : lo + self._batch_pages]
             ok, error = self._set([s for _, s in chunk])
             for (task, s), good in zip(chunk, ok, strict=True):
-                stored[task.op_id][s.member][s.index] = good
+                stored[task.op_id][s.member][s.position] = good
                 if error is not None:
                     errors[task.op_id] = error
         for task in tasks:

@@ -201,7 +201,9 @@ def check_page_range(
 def check_unique(pages: PageArray, *, side: str) -> None:
     """DuplicateIndex when a destination page appears twice."""
     # Ascending pages (what the allocators hand out) are distinct without a sort.
-    if pages.size > 1 and not (pages[1:] > pages[:-1]).all() and np.unique(pages).size != pages.size:
+    if pages.size < 2 or (pages[1:] > pages[:-1]).all():
+        return
+    if np.unique(pages).size != pages.size:
         raise DuplicateIndex(f"a {side} page appears twice as a copy destination")
 
 
