@@ -19,6 +19,7 @@ from kvstrata.hybrid_cache import (
     TierController,
     WriteOp,
 )
+from kvstrata.pool_host import HostLayout
 from kvstrata.testkit.tiers import (
     assert_pages_equal,
     device_pools,
@@ -168,3 +169,59 @@ def test_submit_writes_past_the_queue_room_refuses_the_rest() -> None:
             ack = controller.wait(op_id, TIMEOUT_S)
             assert ack is not None and ack.ok
         controller.check_integrity()
+
+
+def test_check_moves_copies_unless_told_the_op_runs_before_the_submit_returns() -> None:
+    tiers = make_tiers("full")
+    page = tiers.member_page_size("full")
+    moves = full_move(page, [1, 2], [0, 1])
+    copied, num_pages = tiers.group.check_moves(moves)
+    borrowed, _ = tiers.group.check_moves(moves, copy=False)
+    assert num_pages == 2
+    assert torch.equal(copied["full"].device, moves["full"].device)
+    assert copied["full"].device.data_ptr() != moves["full"].device.data_ptr()
+    assert borrowed["full"].host.data_ptr() == moves["full"].host.data_ptr()
+    # The checks run either way, before anything is queued.
+    for copy in (True, False):
+        with pytest.raises(InvalidOperation):
+            tiers.group.check_moves(full_move(page, [0], [0]), copy=copy)  # device page 0
+        with pytest.raises(InvalidOperation):
+            tiers.group.check_moves(full_move(page, [1], [10**6]), copy=copy)
+
+
+def test_keyed_pages_are_checked_as_a_whole() -> None:
+    tiers = make_tiers("full")
+    group = tiers.group
+    num_host = group.num_host_pages("full")
+    assert group.check_keyed_pages([b"a", b"b"], {"full": [3, None]}) == {"full": (3, None)}
+    assert group.check_keyed_pages([b"a", b"b"], {"full": [3, 1]}) == {"full": (3, 1)}
+    for keys, pages in (
+        ([b"a", "b"], [0, 1]),  # a str key
+        ([b"a", b""], [0, 1]),  # an empty key
+        ([b"a", b"b"], [0]),  # one page short
+        ([b"a", b"b"], [0, num_host]),  # out of range
+        ([b"a", b"b"], [-1, None]),
+        ([b"a", b"b"], [2, 2]),  # twice
+    ):
+        with pytest.raises(InvalidOperation):
+            group.check_keyed_pages(keys, {"full": pages})  # pyright: ignore[reportArgumentType]
+    assert group.storage_keys("full", [b"a", b"b"]) == [
+        group.storage_key("full", b"a"),
+        group.storage_key("full", b"b"),
+    ]
+    views = group.set_sources("full", [2, 0])
+    assert [bytes(v) for v in views] == [bytes(group.set_source("full", p)) for p in (2, 0)]
+
+
+def test_storage_keys_of_a_secondary_member_carry_its_name() -> None:
+    group = make_tiers("swa", layout=HostLayout.layer_first).group
+    for name in group.member_names:
+        assert group.storage_keys(name, [b"k1", b"k2"]) == [
+            group.storage_key(name, b"k1"),
+            group.storage_key(name, b"k2"),
+        ]
+        # layer_first: staged copies, one per page, still the page's bytes
+        assert [bytes(v) for v in group.set_sources(name, [1])] == [
+            bytes(group.set_source(name, 1))
+        ]
+    assert len({group.storage_key(n, b"k1") for n in group.member_names}) == 2

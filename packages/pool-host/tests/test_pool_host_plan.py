@@ -8,13 +8,16 @@ import torch
 
 from kvstrata.pool_host import transfer
 from kvstrata.pool_host.errors import IndexLengthMismatch, MisalignedIndex
+from kvstrata.pool_host.slots import pages_to_tokens
 from kvstrata.pool_host.transfer import (
     CopyStrategy,
+    aligned_pages,
     choose_strategy,
     copy_rows,
     find_runs,
     indices_to_pages,
     make_plan,
+    pages_to_token_array,
     widen,
 )
 
@@ -110,3 +113,30 @@ def test_every_cpu_copy_path_matches_the_reference(
         assert copies == (len(plan.runs.lengths) if threshold == 1 else 2)
     if strided:
         assert not arena[:, :24].any() and not arena[:, 48:].any(), "wrote outside its rows"
+
+
+def test_aligned_pages_accepts_only_whole_pages_in_order() -> None:
+    pages = np.array([3, 0, 7])
+    flat = pages_to_token_array(pages, 4)
+    assert flat.tolist() == [12, 13, 14, 15, 0, 1, 2, 3, 28, 29, 30, 31]
+    got = aligned_pages(flat, 4)
+    assert got is not None and got.tolist() == [3, 0, 7]
+    assert aligned_pages(np.array([5, 2]), 1) is not None  # any index is a page of one
+    for bad in ([1, 2, 3, 4], [0, 1, 3, 2], [4, 5, 6, 7, 0, 1, 2, 4], [0, 0, 0, 0]):
+        assert aligned_pages(np.array(bad), 4) is None, bad
+    assert aligned_pages(np.empty(0, dtype=np.int64), 4) is not None
+
+
+def test_runs_are_found_only_when_asked_and_match_the_eager_definition() -> None:
+    plan = make_plan(np.array([7, 8, 9, 3]), np.array([40, 41, 42, 43]))
+    # A gather below the threshold never needs the runs.
+    assert choose_strategy(plan, 16, cuda=False) is CopyStrategy.gather
+    assert plan._runs is None and plan._src_runs is None and plan._dst_runs is None
+    assert plan.runs == find_runs(plan.src_pages, plan.dst_pages)
+    assert plan.src_runs.lengths == [3, 1] and plan.dst_runs.lengths == [4]
+
+
+def test_pages_to_tokens_takes_any_integer_dtype() -> None:
+    expected = [8, 9, 10, 11, 0, 1, 2, 3]
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        assert pages_to_tokens(torch.tensor([2, 0], dtype=dtype), 4).tolist() == expected

@@ -221,12 +221,27 @@ def test_page_ids_must_be_integers() -> None:
             host.read_page_into(bad, bytearray(host.page_size_bytes))  # type: ignore[arg-type]
 
 
+def test_page_views_check_every_page_before_making_any() -> None:
+    host = MHAHostPool(make_device_pool("mha"), size=16)
+    pages = host.num_pages
+    views = host.page_views([3, 0, pages - 1])
+    assert [bytes(v) for v in views] == [bytes(host.page_view(p)) for p in (3, 0, pages - 1)]
+    views[0][:4] = b"abcd"  # writable, zero-copy
+    assert bytes(host.page_view(3)[:4]) == b"abcd"
+    for bad in ([0, pages], [-1, 2], [1, 2.0], [1, None]):
+        with pytest.raises(IndexOutOfRange):
+            host.page_views(bad)
+    assert host.page_views([]) == []
+
+
 def test_layer_first_has_no_page_view() -> None:
     host = MHAHostPool(make_device_pool("mha"), layout=HostLayout.layer_first, size=8)
     with pytest.raises(PageNotContiguous):
         host.page_view(0)
     with pytest.raises(PageNotContiguous):
         host.page_offset(0)
+    with pytest.raises(PageNotContiguous):
+        host.page_views([0])
     with pytest.raises(IndexOutOfRange):
         host.read_page_into(2, bytearray(host.page_size_bytes))
 

@@ -229,8 +229,9 @@ class TierController:
         no room for (nothing of it changed). InvalidOperation for any op, or ControllerClosed,
         before anything changes. `inline=True` on a controller that `runs_inline`: the batch
         runs (merged) on this thread before the call returns."""
-        checked = [self.group.check_moves(op.moves) for op in ops]
         now = inline and self._inline
+        # Run now, the moves are read before this returns: no defensive copies.
+        checked = [self.group.check_moves(op.moves, copy=not now) for op in ops]
         ids: list[int | None] = []
         tasks: list[WriteTask] = []
         with self._lock:
@@ -266,8 +267,8 @@ class TierController:
         `inline=True` (the caller waits for the whole load at once) on a controller that
         `runs_inline`: the load runs on this thread before the call returns; its ack waits for
         `wait` / `poll_acks` like a worker's."""
-        moves, num_pages = self.group.check_moves(op.moves)
         now = inline and self._inline
+        moves, num_pages = self.group.check_moves(op.moves, copy=not now)
         with self._lock:
             op_id = self._admit(OpKind.LOAD, num_pages, None if now else self._load.queue)
             handle = LoadHandle(
@@ -297,7 +298,7 @@ class TierController:
         pages = self.group.check_keyed_pages(op.keys, op.host_pages)
         if op.num_tokens < 0:
             raise InvalidOperation(f"num_tokens must be >= 0, got {op.num_tokens}")
-        wanted = {name: sum(p is not None for p in listed) for name, listed in pages.items()}
+        wanted = {name: len(listed) - listed.count(None) for name, listed in pages.items()}
         with self._lock:
             if any(
                 self._inflight[name] + num > self._inflight_limit[name]

@@ -62,7 +62,7 @@ class GetTargets:
         if self.staged:
             self.buffers = [memoryview(bytearray(host.page_size_bytes)) for _ in self._pages]
         else:
-            self.buffers = [host.page_view(p) for p in self._pages]
+            self.buffers = host.page_views(self._pages)
 
     def commit(self, ok: Sequence[bool]) -> None:
         """Copy the staged pages that arrived intact into the host pool (no-op when zero-copy)."""
@@ -145,6 +145,13 @@ class PoolGroup:
             return key
         return key + MEMBER_KEY_SEPARATOR + name.encode()
 
+    def storage_keys(self, name: str, keys: Sequence[bytes]) -> list[bytes]:
+        """`storage_key(name, k)` for each of `keys` (one check of the member for all)."""
+        if name == self._primary:
+            return list(keys)
+        suffix = MEMBER_KEY_SEPARATOR + name.encode()
+        return [key + suffix for key in keys]
+
     def layers_of(self, moves: Mapping[str, PageMove]) -> frozenset[int]:
         """Global layer ids whose member appears in `moves`."""
         return frozenset(layer for layer, r in self._routes.items() if r.member in moves)
@@ -162,11 +169,14 @@ class PoolGroup:
 
     # --- argument checks (raise before anything is queued) ---------------------------------------
 
-    def check_moves(self, moves: Mapping[str, PageMove]) -> tuple[dict[str, PageMove], int]:
+    def check_moves(
+        self, moves: Mapping[str, PageMove], *, copy: bool = True
+    ) -> tuple[dict[str, PageMove], int]:
         """Validate a write or load: known members, 1-D integer index tensors of equal length,
-        whole pages, in range (device page 0 excluded). Returns copies of the moves and their
+        whole pages, in range (device page 0 excluded). Returns copies of the moves (the
+        moves themselves with `copy=False`: an op run before its submit returns) and their
         page count. Alignment and repeated destinations are checked by the host pool on the
-        worker, before any byte moves (a failed ack)."""
+        worker, before any byte moves (a failed ack). O(1) Python calls per member."""
         checked: dict[str, PageMove] = {}
         num_pages = 0
         for name, move in moves.items():
@@ -194,8 +204,8 @@ class PoolGroup:
             _check_range(move.host, lo=0, hi=host.size, what=f"{name} host")
             # Copies: the caller may reuse its index tensors as soon as the submit returns.
             checked[name] = PageMove(
-                device=move.device.to(torch.int64, copy=True),
-                host=move.host.to(torch.int64, copy=True),
+                device=move.device.to(torch.int64, copy=copy),
+                host=move.host.to(torch.int64, copy=copy),
             )
             num_pages += move.device.numel() // host.page_size
         return checked, num_pages
@@ -205,9 +215,9 @@ class PoolGroup:
     ) -> dict[str, tuple[int | None, ...]]:
         """Validate a prefetch or backup: non-empty bytes keys, one list of `len(keys)` entries
         for every member, host pages in range and not repeated within a member."""
-        for key in keys:
-            if type(key) is not bytes or not key:
-                raise InvalidOperation("page keys must be non-empty bytes")
+        # Whole-list checks in C (no Python loop per page on the valid path).
+        if keys and (set(map(type, keys)) != {bytes} or b"" in keys):
+            raise InvalidOperation("page keys must be non-empty bytes")
         missing = set(self._members) - set(host_pages)
         if missing:
             raise InvalidOperation(
@@ -217,11 +227,17 @@ class PoolGroup:
         checked: dict[str, tuple[int | None, ...]] = {}
         for name, listed in host_pages.items():
             num_host = self.num_host_pages(name)
-            pages = tuple(None if p is None else int(p) for p in listed)
+            pages: tuple[int | None, ...]
+            present: Sequence[int]
+            if None in listed:
+                pages = tuple(None if p is None else int(p) for p in listed)
+                present = [p for p in pages if p is not None]
+            else:
+                present = list(map(int, cast(Sequence[int], listed)))
+                pages = tuple(present)
             if len(pages) != len(keys):
                 raise InvalidOperation(f"{name}: {len(pages)} host pages for {len(keys)} keys")
-            present = [p for p in pages if p is not None]
-            if any(not 0 <= p < num_host for p in present):
+            if present and (min(present) < 0 or max(present) >= num_host):
                 raise InvalidOperation(f"{name}: host pages must lie in [0, {num_host})")
             if len(set(present)) != len(present):
                 raise InvalidOperation(f"{name}: a host page is listed twice")
@@ -278,10 +294,21 @@ class PoolGroup:
             return memoryview(buf)
         return host.page_view(page)
 
+    def set_sources(self, name: str, pages: Sequence[int]) -> list[memoryview]:
+        """`set_source` of each of `pages` of `name`, the pages checked together."""
+        host = self.member(name).host
+        if host.layout is HostLayout.layer_first:
+            return [self.set_source(name, page) for page in pages]
+        return host.page_views(pages)
+
 
 def _check_range(indices: torch.Tensor, *, lo: int, hi: int, what: str) -> None:
     if indices.numel() == 0:
         return
-    low, high = (int(x) for x in torch.aminmax(indices))
+    if indices.device.type == "cpu":  # NumPy reductions: no torch dispatch on the hot path
+        values = indices.numpy()
+        low, high = int(values.min()), int(values.max())
+    else:
+        low, high = (int(x) for x in torch.aminmax(indices))
     if low < lo or high >= hi:
         raise InvalidOperation(f"{what} indices must lie in [{lo}, {hi}); got [{low}, {high}]")

@@ -34,6 +34,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvstrata.hybrid_cache.group import PoolGroup
 from kvstrata.hybrid_cache.metrics import ControllerStats, Direction, FaultReason
@@ -77,12 +78,11 @@ class BackupTask:
     pages: dict[str, tuple[int | None, ...]]
 
 
-@dataclass(kw_only=True)
-class _Slot:
-    """One member page of one key, in one storage call."""
+class _Slot(NamedTuple):
+    """One member page of one key, in one storage call (a tuple: one is made per page)."""
 
     member: str
-    index: int
+    position: int
     page: int
     key: bytes
 
@@ -110,6 +110,7 @@ class StorageRunner:
         self._batch_pages = batch_pages
         self._call_timeout_s = call_timeout_s
         self._verify = verify_checksums
+        self._page_bytes = {name: group.page_bytes(name) for name in group.member_names}
 
     # --- prefetch --------------------------------------------------------------------------------
 
@@ -137,7 +138,7 @@ class StorageRunner:
                 self._stats.count_fault(FaultReason.ERROR)
                 error, found = exc, 0
             for s in slots[:found]:
-                possible[name][s.index] = True
+                possible[name][s.position] = True
         bound = restorable_pages(rules, possible, n).num_pages
 
         landed = {name: [False] * n for name in rules}
@@ -147,10 +148,10 @@ class StorageRunner:
             hi = min(lo + self._batch_pages, bound)
             ended = False
             for name, slots in listed.items():
-                batch = [s for s in slots if lo <= s.index < hi and possible[name][s.index]]
+                batch = [s for s in slots if lo <= s.position < hi and possible[name][s.position]]
                 ok, call_error = self._get(name, batch)
                 for s, good in zip(batch, ok, strict=True):
-                    landed[name][s.index] = good
+                    landed[name][s.position] = good
                 if call_error is not None:
                     error = call_error
                 ended = ended or not all(ok)
@@ -168,8 +169,9 @@ class StorageRunner:
         return task.deadline is not None and self._clock() >= task.deadline
 
     def _listed(self, task: PrefetchTask | BackupTask, name: str) -> list[_Slot]:
+        keys = self._group.storage_keys(name, task.keys)
         return [
-            _Slot(member=name, index=i, page=page, key=self._group.storage_key(name, task.keys[i]))
+            _Slot(name, i, page, keys[i])
             for i, page in enumerate(task.pages[name])
             if page is not None
         ]
@@ -180,7 +182,7 @@ class StorageRunner:
             return 0
         if not self._verify:
             return self._storage.batch_exists([s.key for s in slots])
-        keys = [k for s in slots for k in (s.key, checksum_key(s.key))]
+        keys = [k for s in slots for k in (s.key, s.key + CHECKSUM_SUFFIX)]
         return self._storage.batch_exists(keys) // 2
 
     def _get(self, name: str, batch: list[_Slot]) -> tuple[list[bool], BaseException | None]:
@@ -193,7 +195,7 @@ class StorageRunner:
         buffers: list[memoryview | bytearray] = list(target.buffers)
         sums = [bytearray(_CRC_BYTES) for _ in batch] if self._verify else []
         if self._verify:
-            keys += [checksum_key(s.key) for s in batch]
+            keys += [s.key + CHECKSUM_SUFFIX for s in batch]
             buffers += sums
         start = time.perf_counter()
         try:
@@ -231,7 +233,7 @@ class StorageRunner:
         self._stats.count_transfer(
             Direction.STORAGE_GET,
             num_pages=good,
-            num_bytes=good * self._group.page_bytes(name),
+            num_bytes=good * self._page_bytes[name],
             seconds=elapsed,
         )
         return ok, None
@@ -256,13 +258,13 @@ class StorageRunner:
                     continue
                 self._stats.count_backup_skipped(found)
                 for s in slots[:found]:
-                    stored[task.op_id][name][s.index] = True
+                    stored[task.op_id][name][s.position] = True
                 to_set.extend((task, s) for s in slots[found:])
         for lo in range(0, len(to_set), self._batch_pages):
             chunk = to_set[lo : lo + self._batch_pages]
             ok, error = self._set([s for _, s in chunk])
             for (task, s), good in zip(chunk, ok, strict=True):
-                stored[task.op_id][s.member][s.index] = good
+                stored[task.op_id][s.member][s.position] = good
                 if error is not None:
                     errors[task.op_id] = error
         for task in tasks:
@@ -276,14 +278,15 @@ class StorageRunner:
                 self._finish(task.op_id, AckStatus.PARTIAL, done, error)
 
     def _set(self, slots: Sequence[_Slot]) -> tuple[list[bool], BaseException | None]:
-        views = [self._group.set_source(s.member, s.page) for s in slots]
+        views = self._sources(slots)
         keys = [s.key for s in slots]
         buffers: list[memoryview | bytes] = list(views)
         if self._verify:
             # Pages first, then their checksums: a reader trusts a page only with its checksum,
             # and a page whose checksum write failed is reported not stored.
-            keys += [checksum_key(s.key) for s in slots]
-            buffers += [page_checksum(v) for v in views]
+            keys += [k + CHECKSUM_SUFFIX for k in keys[: len(slots)]]
+            crc = zlib.crc32
+            buffers += [crc(v).to_bytes(_CRC_BYTES, "little") for v in views]
         start = time.perf_counter()
         try:
             results = self._storage.batch_set(keys, buffers)
@@ -301,8 +304,21 @@ class StorageRunner:
             Direction.STORAGE_SET,
             num_pages=sum(ok),
             num_bytes=sum(
-                self._group.page_bytes(s.member) for s, good in zip(slots, ok, strict=True) if good
+                self._page_bytes[s.member] for s, good in zip(slots, ok, strict=True) if good
             ),
             seconds=time.perf_counter() - start,
         )
         return ok, None
+
+    def _sources(self, slots: Sequence[_Slot]) -> list[memoryview]:
+        """The host bytes of each slot's page, one `set_sources` call per run of one member."""
+        views: list[memoryview] = []
+        lo = 0
+        while lo < len(slots):
+            member = slots[lo].member
+            hi = lo + 1
+            while hi < len(slots) and slots[hi].member == member:
+                hi += 1
+            views += self._group.set_sources(member, [s.page for s in slots[lo:hi]])
+            lo = hi
+        return views

@@ -139,6 +139,8 @@ class HostPool(ABC, Generic[PoolT]):
         self._host_rows = laid_out.rows  # per buffer, bytes [num_pages, page bytes of it]
         self._host_rows_np = [rows.numpy() for rows in self._host_rows]
         self._pages = laid_out.pages  # [num_pages, page_size_bytes]; None for layer_first
+        # The same rows seen by NumPy: a page view is then one NumPy index (no torch call).
+        self._pages_np = None if self._pages is None else self._pages.numpy()
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._stats_lock = threading.Lock()
         self._calls: dict[Direction, int] = {"d2h": 0, "h2d": 0}
@@ -296,18 +298,24 @@ class HostPool(ABC, Generic[PoolT]):
         pool's flat page format. page_first layouts only (PageNotContiguous for layer_first,
         whose pages are scattered: use read_page_into / write_page_from). Valid while the pool
         lives; after a CUDA backup, wait for its Transfer before reading."""
-        pages = self._contiguous_pages("page_view")
-        return pages[self._check_host_page(host_page)].numpy().data
+        pages = self._contiguous_pages_np("page_view")
+        return pages[self._check_host_page(host_page)].data
 
     def page_views(self, host_pages: Sequence[int] | torch.Tensor) -> list[memoryview]:
-        """page_view of several pages (the buffers of one L3 batch_get / batch_set). A tensor
-        must hold integers (NonIntegerIndex): a float page id is never rounded to a page."""
-        pages: Sequence[int] = (
-            integer_array(host_pages, what="host pages").tolist()
-            if isinstance(host_pages, torch.Tensor)
-            else host_pages
-        )
-        return [self.page_view(p) for p in pages]
+        """page_view of several pages (the buffers of one L3 batch_get / batch_set), checked
+        together before any view is made. A tensor must hold integers (NonIntegerIndex): a
+        float page id is never rounded to a page."""
+        pages = self._contiguous_pages_np("page_views")
+        if isinstance(host_pages, torch.Tensor):
+            ids = integer_array(host_pages, what="host pages")
+        else:
+            ids = np.asarray(host_pages)
+            if ids.dtype.kind not in "iu" or ids.ndim != 1:  # floats, objects: one by one
+                return [pages[self._check_host_page(p)].data for p in host_pages]
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_pages):
+            bad = next(int(p) for p in ids if not 0 <= p < self.num_pages)
+            raise IndexOutOfRange(f"host page {bad} not in [0, {self.num_pages})")
+        return [pages[p].data for p in ids.tolist()]
 
     def page_offset(self, host_page: int) -> int:
         """Byte offset of a page in the pool's region (page_first layouts): with `shared_name`,
@@ -550,6 +558,12 @@ class HostPool(ABC, Generic[PoolT]):
             self._pending = pending
         for direction, begin, end in finished:
             self._latency[direction].observe(begin.elapsed_time(end) / 1e3)
+
+    def _contiguous_pages_np(self, what: str) -> np.ndarray:
+        if self._pages_np is None:
+            self._contiguous_pages(what)  # raises PageNotContiguous
+        assert self._pages_np is not None
+        return self._pages_np
 
     def _contiguous_pages(self, what: str) -> torch.Tensor:
         if self._pages is None:

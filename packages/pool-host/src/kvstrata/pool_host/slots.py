@@ -22,7 +22,7 @@ import torch
 
 from kvstrata.core.free_ids import FreeIds
 from kvstrata.pool_host.errors import SizeNotPageAligned
-from kvstrata.pool_host.transfer import first_misaligned_page, integer_array
+from kvstrata.pool_host.transfer import aligned_pages, integer_array, pages_to_token_array
 
 PageArray = npt.NDArray[np.int64]
 
@@ -80,10 +80,11 @@ class HostSlotAllocator:
             raise SizeNotPageAligned(
                 f"need_size {need_size} is not a whole number of pages of {self.page_size}"
             )
-        pages = self.alloc_pages(need_size // self.page_size)
+        with self._lock:
+            pages = self._pages.take(need_size // self.page_size)
         if pages is None:
             return None
-        return pages_to_tokens(pages, self.page_size)
+        return torch.from_numpy(pages_to_token_array(pages, self.page_size))
 
     # --- release ---------------------------------------------------------------------------------
 
@@ -96,8 +97,11 @@ class HostSlotAllocator:
             self._pages.give(pages)
 
     def free(self, indices: torch.Tensor) -> None:
-        """Free token indices; they must be whole, aligned pages (as `alloc` returned them)."""
-        self.free_pages(tokens_to_pages(indices, self.page_size))
+        """Free token indices; they must be whole, aligned pages (as `alloc` returned them).
+        Raises as `free_pages` (SizeNotPageAligned for indices that are not whole pages)."""
+        pages = _page_array(indices, self.page_size)
+        with self._lock:
+            self._pages.give(pages)
 
     def clear(self) -> None:
         """Free every page (ids handed out before become invalid)."""
@@ -115,6 +119,9 @@ class HostSlotAllocator:
 
 def pages_to_tokens(page_ids: torch.Tensor, page_size: int) -> torch.Tensor:
     """Token indices of whole pages, in page order."""
+    if page_ids.device.type == "cpu":
+        pages = integer_array(page_ids, what="host page ids")
+        return torch.from_numpy(pages_to_token_array(pages, page_size))
     offsets = torch.arange(page_size, dtype=torch.int64, device=page_ids.device)
     return (page_ids.to(torch.int64)[:, None] * page_size + offsets).reshape(-1)
 
@@ -122,9 +129,14 @@ def pages_to_tokens(page_ids: torch.Tensor, page_size: int) -> torch.Tensor:
 def tokens_to_pages(indices: torch.Tensor, page_size: int) -> torch.Tensor:
     """Page ids of token indices that form whole aligned pages; SizeNotPageAligned otherwise
     (NonIntegerIndex for a float / bool tensor)."""
+    return torch.from_numpy(_page_array(indices, page_size))
+
+
+def _page_array(indices: torch.Tensor, page_size: int) -> PageArray:
     flat = integer_array(indices, what="host token indices")
     if flat.size % page_size:
         raise SizeNotPageAligned(f"{flat.size} indices are not whole pages of {page_size}")
-    if first_misaligned_page(flat, page_size) is not None:
+    pages = aligned_pages(flat, page_size)
+    if pages is None:
         raise SizeNotPageAligned(f"indices are not whole aligned pages of {page_size}")
-    return torch.from_numpy(flat[::page_size] // page_size)
+    return pages

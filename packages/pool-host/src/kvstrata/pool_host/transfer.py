@@ -68,20 +68,42 @@ class Runs(NamedTuple):
     lengths: list[int]
 
 
-class PagePlan(NamedTuple):
+class PagePlan:
     """Validated page pairs of one transfer, their joint runs, and the runs of each side
     alone: `dst_runs` has positions k into the pair arrays as its src_starts, `src_runs`
-    has them as its dst_starts."""
+    has them as its dst_starts. The runs are found on first use: a small transfer (a gather
+    whatever its runs) never needs them."""
 
-    src_pages: PageArray
-    dst_pages: PageArray
-    runs: Runs
-    src_runs: Runs
-    dst_runs: Runs
+    __slots__ = ("_dst_runs", "_runs", "_src_runs", "dst_pages", "src_pages")
+
+    def __init__(self, src_pages: PageArray, dst_pages: PageArray) -> None:
+        self.src_pages = src_pages
+        self.dst_pages = dst_pages
+        self._runs: Runs | None = None
+        self._src_runs: Runs | None = None
+        self._dst_runs: Runs | None = None
 
     @property
     def num_pages(self) -> int:
         return int(self.src_pages.size)
+
+    @property
+    def runs(self) -> Runs:
+        if self._runs is None:
+            self._runs = find_runs(self.src_pages, self.dst_pages)
+        return self._runs
+
+    @property
+    def src_runs(self) -> Runs:
+        if self._src_runs is None:
+            self._src_runs = find_runs(self.src_pages, np.arange(self.src_pages.size))
+        return self._src_runs
+
+    @property
+    def dst_runs(self) -> Runs:
+        if self._dst_runs is None:
+            self._dst_runs = find_runs(np.arange(self.dst_pages.size), self.dst_pages)
+        return self._dst_runs
 
 
 def integer_array(indices: object, *, what: str) -> PageArray:
@@ -91,9 +113,42 @@ def integer_array(indices: object, *, what: str) -> PageArray:
     if not isinstance(indices, torch.Tensor):
         raise NonIntegerIndex(f"{what} must be a torch.Tensor, got {type(indices).__name__}")
     dtype = indices.dtype
+    if dtype == torch.int64 and indices.dim() == 1 and indices.device.type == "cpu":
+        return indices.numpy()  # what the allocators hand out: a view, no torch op
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         raise NonIntegerIndex(f"{what} must have an integer dtype, got {dtype}")
     return indices.detach().reshape(-1).to("cpu", torch.int64).numpy()
+
+
+def aligned_pages(flat: PageArray, page_size: int) -> PageArray | None:
+    """Page ids of `flat` when every group of `page_size` indices is one whole page in order
+    (p*P, p*P+1, ..., p*P+P-1), else None. `flat.size` must be a multiple of `page_size`.
+    A handful of array calls whatever the length (no per-page Python)."""
+    if page_size == 1:
+        return flat
+    rows = flat.reshape(-1, page_size)
+    firsts = rows[:, 0]
+    if (firsts % page_size).any():
+        return None
+    if not (rows == firsts[:, None] + _offsets(page_size)).all():
+        return None
+    return firsts // page_size
+
+
+_OFFSETS: dict[int, PageArray] = {}
+
+
+def _offsets(page_size: int) -> PageArray:
+    """0 .. page_size-1 (cached per page size; never mutated)."""
+    offsets = _OFFSETS.get(page_size)
+    if offsets is None:
+        offsets = _OFFSETS.setdefault(page_size, np.arange(page_size, dtype=np.int64))
+    return offsets
+
+
+def pages_to_token_array(pages: PageArray, page_size: int) -> PageArray:
+    """Token indices of whole pages, in page order (a new array)."""
+    return (pages[:, None] * page_size + _offsets(page_size)).reshape(-1)
 
 
 def first_misaligned_page(flat: PageArray, page_size: int) -> int | None:
@@ -115,6 +170,9 @@ def indices_to_pages(indices: torch.Tensor, page_size: int, *, side: str) -> Pag
         raise IndexLengthMismatch(
             f"{flat.size} {side} indices are not a whole number of pages of {page_size}"
         )
+    pages = aligned_pages(flat, page_size)
+    if pages is not None:
+        return pages
     bad = first_misaligned_page(flat, page_size)
     if bad is not None:
         raise MisalignedIndex(
@@ -143,7 +201,9 @@ def check_page_range(
 def check_unique(pages: PageArray, *, side: str) -> None:
     """DuplicateIndex when a destination page appears twice."""
     # Ascending pages (what the allocators hand out) are distinct without a sort.
-    if pages.size > 1 and not (np.diff(pages) > 0).all() and np.unique(pages).size != pages.size:
+    if pages.size < 2 or (pages[1:] > pages[:-1]).all():
+        return
+    if np.unique(pages).size != pages.size:
         raise DuplicateIndex(f"a {side} page appears twice as a copy destination")
 
 
@@ -152,10 +212,13 @@ def find_runs(src: PageArray, dst: PageArray) -> Runs:
     n = src.size
     if n == 0:
         return Runs([], [], [])
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.append(starts, n))
-    return Runs(src[starts].tolist(), dst[starts].tolist(), lengths.tolist())
+    starts = np.empty(n, dtype=np.bool_)
+    starts[0] = True
+    np.not_equal(src[1:] - src[:-1], 1, out=starts[1:])
+    starts[1:] |= dst[1:] - dst[:-1] != 1
+    first = np.flatnonzero(starts)
+    bounds = np.append(first, n)
+    return Runs(src[first].tolist(), dst[first].tolist(), (bounds[1:] - bounds[:-1]).tolist())
 
 
 def make_plan(src: PageArray, dst: PageArray) -> PagePlan:
@@ -163,10 +226,7 @@ def make_plan(src: PageArray, dst: PageArray) -> PagePlan:
         raise IndexLengthMismatch(
             f"source and destination hold {src.size} and {dst.size} pages; they must match"
         )
-    positions = np.arange(src.size)
-    return PagePlan(
-        src, dst, find_runs(src, dst), find_runs(src, positions), find_runs(positions, dst)
-    )
+    return PagePlan(src, dst)
 
 
 def as_page_rows(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -193,8 +253,10 @@ def widen(rows: torch.Tensor) -> torch.Tensor:
 def choose_strategy(plan: PagePlan, row_bytes: int, *, cuda: bool) -> CopyStrategy:
     if plan.num_pages == 0:
         return CopyStrategy.empty
-    mean_run_bytes = plan.num_pages * row_bytes / len(plan.runs.lengths)
     threshold = CUDA_RUN_MIN_BYTES if cuda else CPU_RUN_MIN_BYTES
+    if plan.num_pages * row_bytes < threshold:
+        return CopyStrategy.gather  # no run can average the threshold: skip finding them
+    mean_run_bytes = plan.num_pages * row_bytes / len(plan.runs.lengths)
     return CopyStrategy.runs if mean_run_bytes >= threshold else CopyStrategy.gather
 
 
@@ -244,6 +306,10 @@ def _gather_cpu(
     # assignment instead (a strided memcpy per row). One pass when either side is in long
     # runs (what the host allocator hands out), a staged gather + scatter otherwise.
     row_bytes = plan.num_pages * src.shape[1]
+    if row_bytes < CPU_RUN_MIN_BYTES:
+        # Small (no run can reach the threshold): one NumPy gather and scatter, no runs found.
+        dst.numpy()[plan.dst_pages] = src.numpy()[plan.src_pages]
+        return 2
     if row_bytes / len(plan.dst_runs.lengths) >= CPU_RUN_MIN_BYTES:
         src_idx = _index(cache, "src", plan.src_pages, src.device)
         for k, d, n in zip(*plan.dst_runs, strict=True):

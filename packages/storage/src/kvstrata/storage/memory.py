@@ -56,28 +56,64 @@ class MemoryStorage(Storage):
         return [page is not None for page in found]
 
     def _set_from(self, keys: Sequence[bytes], views: list[memoryview]) -> list[WriteResult]:
+        # The lock is taken twice per batch, not twice per page: under it, find the pages not
+        # stored yet and take spare buffers for them; outside it, copy them (a buffer is
+        # private until inserted, so a page becomes visible only whole); under it again, go
+        # through the batch in order exactly as one page at a time would.
         batch = frozenset(keys)
-        results: list[WriteResult] = []
-        for key, view in zip(keys, views, strict=True):
-            size = view.nbytes
-            with self._lock:
-                if key in self._pages:
-                    self._pages.move_to_end(key)
-                    results.append(WriteResult.PRESENT)
-                    continue
-                if size > self.capacity_bytes:
-                    results.append(WriteResult.FAILED)
-                    continue
-                buffer = self._take_spare(size)
-            # The buffer is private until inserted, so the copy runs outside the lock and the
-            # page becomes visible only once it is whole.
-            if buffer is None:
-                buffer = bytearray(view)
+        capacity = self.capacity_bytes
+        pages = self._pages
+        buffers: list[bytearray | None] = [None] * len(keys)
+        with self._lock:
+            fresh = [
+                i
+                for i, (key, view) in enumerate(zip(keys, views, strict=True))
+                if key not in pages and view.nbytes <= capacity
+            ]
+            spares = [self._take_spare(views[i].nbytes) for i in fresh] if self._spares else None
+        for k, i in enumerate(fresh):
+            spare = None if spares is None else spares[k]
+            if spare is None:
+                buffers[i] = bytearray(views[i])
             else:
-                buffer[:] = view
-            with self._lock:
-                results.append(self._insert(key, buffer, protect=batch))
+                spare[:] = views[i]
+                buffers[i] = spare
+        results: list[WriteResult] = []
+        written = WriteResult.WRITTEN
+        with self._lock:
+            for key, view, buffer in zip(keys, views, buffers, strict=True):
+                if (
+                    buffer is not None
+                    and not self._spare_bytes
+                    and self._used_bytes + len(buffer) <= capacity
+                    and key not in pages
+                ):  # room and no spare to trim: `_insert`'s common case, inlined
+                    pages[key] = buffer
+                    self._used_bytes += len(buffer)
+                    results.append(written)
+                elif key in pages:
+                    pages.move_to_end(key)
+                    results.append(WriteResult.PRESENT)
+                    if buffer is not None:  # a repeat in this batch, or stored meanwhile
+                        self._keep_spare(buffer)
+                elif buffer is None:  # larger than the capacity (or stored, then evicted)
+                    too_big = view.nbytes > capacity
+                    results.append(
+                        WriteResult.FAILED if too_big else self._insert_copy(key, view, batch)
+                    )
+                else:
+                    results.append(self._insert(key, buffer, protect=batch))
         return results
+
+    def _insert_copy(self, key: bytes, view: memoryview, batch: frozenset[bytes]) -> WriteResult:
+        """Under the lock: insert a copy of `view` (a page that was stored when the batch
+        began and was evicted by another thread since)."""
+        buffer = self._take_spare(view.nbytes)
+        if buffer is None:
+            buffer = bytearray(view)
+        else:
+            buffer[:] = view
+        return self._insert(key, buffer, protect=batch)
 
     def _insert(self, key: bytes, page: bytearray, *, protect: frozenset[bytes]) -> WriteResult:
         """Under the lock: add the page, evicting least recently used pages not in `protect`.
@@ -87,6 +123,10 @@ class MemoryStorage(Storage):
             self._keep_spare(page)
             return WriteResult.PRESENT
         need = self._used_bytes + len(page) - self.capacity_bytes
+        if need <= 0 and not self._spare_bytes:  # room and no spare to trim: the common case
+            self._pages[key] = page
+            self._used_bytes += len(page)
+            return WriteResult.WRITTEN
         victims: list[bytes] = []
         for candidate, stored in self._pages.items():
             if need <= 0:
