@@ -35,7 +35,7 @@ from ray.exceptions import GetTimeoutError, RayError
 
 from kvstrata.l3_store.actor import StoreInfo
 from kvstrata.l3_store.arena import ArenaFile
-from kvstrata.l3_store.core import Lease, Reservation, checksum
+from kvstrata.l3_store.core import Lease, Reservation, checksum, copy_checksum
 from kvstrata.l3_store.deploy import alive_nodes, connect, store_name
 from kvstrata.l3_store.errors import ArenaMismatch, InvalidStoreConfig
 from kvstrata.l3_store.routing import group_by_home
@@ -233,8 +233,8 @@ class RayStorage(Storage):
             for i, (page, view) in enumerate(zip(pages, views, strict=True)):
                 if page is None:
                     continue
-                view[:] = page if isinstance(page, memoryview) else page.data.cast("B")
-                if checksum(view) != sums[i]:
+                src = page if isinstance(page, memoryview) else page.data.cast("B")
+                if copy_checksum(view, src) != sums[i]:
                     self._count_corrupt(1)
                     continue
                 found[i] = True
@@ -300,8 +300,7 @@ class RayStorage(Storage):
         sums = [0] * len(keys)
         for j, (offset, view) in enumerate(zip(grant.offsets, views, strict=True)):
             if offset is not None:
-                store.arena.view[offset : offset + view.nbytes] = view
-                sums[j] = checksum(view)
+                sums[j] = copy_checksum(store.arena.view[offset : offset + view.nbytes], view)
             elif grant.present[j]:
                 into[at[j]] = WriteResult.PRESENT
         if grant.reservation_id is None:
