@@ -42,28 +42,16 @@ def checksum(data: memoryview | bytes | bytearray) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-#: Bytes `copy_checksum` copies before hashing them: half of a 512 KiB per-core L2, so a chunk
-#: is hashed while it is still in cache.
-CHUNK_BYTES = 256 << 10
-
-
 def copy_checksum(dst: memoryview, src: memoryview) -> int:
     """Copy `src` into `dst` (same length) and return the xxh3_64 of the bytes now in `dst`
-    (== `checksum(dst)`), hashing each chunk right after copying it, while it is in cache: one
-    pass over memory instead of a copy and then a hash pass (measured: 1.3x faster for 4 MiB
-    pages, README "Figures")."""
-    n = dst.nbytes
-    if n != src.nbytes:
-        raise BatchLengthMismatch(f"copy of {src.nbytes} bytes into {n}")
-    if n <= CHUNK_BYTES:
-        dst[:] = src
-        return xxhash.xxh3_64_intdigest(dst)
-    state = xxhash.xxh3_64()
-    for lo in range(0, n, CHUNK_BYTES):
-        chunk = dst[lo : lo + CHUNK_BYTES]
-        chunk[:] = src[lo : lo + CHUNK_BYTES]
-        state.update(chunk)
-    return state.intdigest()
+    (== `checksum(dst)`): what a writer commits and what a reader compares with the stored
+    checksum. One memcpy, then one hash pass over the copy. (Copying and hashing 256 KiB
+    chunks in turn, so that each is hashed while in cache, measured no faster from numpy
+    sources and 2-3x slower out of the arena mapping on the 2-core VM of the figures.)"""
+    if dst.nbytes != src.nbytes:
+        raise BatchLengthMismatch(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+    dst[:] = src
+    return xxhash.xxh3_64_intdigest(dst)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@ both, the driver on the head. Each figure beside its baseline, measured alternat
 - p99 latency of a 1-page get, same node and cross node.
 
 Beside the same-node figures, what bounds them, measured in the same rounds: `copy_checksum`
-of the same pages without any call (the one pass a verified copy costs: the ceiling of the
+of the same pages without any call (what a verified copy costs: the ceiling of the
 same-node ratio with free calls is memcpy / this) and one empty actor round trip (`info`).
 """
 
