@@ -209,7 +209,7 @@ class RayStorage(Storage):
             if node_id == self.node_id and lease_ref is not None:
                 continue  # the local store is asked already
             asked.append((node_id, idx, stores[node_id].handle.read.remote([keys[i] for i in idx])))
-        if lease_ref is not None and local is not None:
+        if lease_ref is not None and local is not None and local.arena is not None:
             grant = self._get(lease_ref, deadline)
             if grant is None:
                 self._forget(local.node_id)

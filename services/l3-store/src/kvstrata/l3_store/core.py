@@ -360,8 +360,8 @@ class StoreCore:
     ) -> list[WriteResult]:
         """`write`, refusing (FAILED, counted as checksum failures) each page whose bytes do
         not match the writer's checksum (it was damaged on the way); None: no checksums to
-        check. One pass per page: the copy into the arena is hashed as it goes
-        (`copy_checksum`), and the commit takes that hash."""
+        check. One copy and one hash per page (`copy_checksum`: the hash is of the arena
+        bytes), and the commit takes that hash without another pass (it used to take three)."""
         views = [memoryview(p).cast("B") for p in pages]
         if len(keys) != len(views):
             raise BatchLengthMismatch(f"{len(keys)} keys but {len(views)} pages")
