@@ -3,6 +3,9 @@ checksums on commit, expiry, and every error raised before anything changes."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -213,6 +216,26 @@ def test_arena_file_is_shared_and_checked(tmp_path: Path) -> None:
     owner.close()
     owner.unlink()
     assert not path.exists()
+
+
+def test_arena_file_is_populated_in_the_background() -> None:
+    """The store's mapping allocates the whole tmpfs file up front (in a background thread);
+    without `populate` nothing is allocated until written."""
+    directory = Path(tempfile.mkdtemp(prefix="kvstrata-l3-arena-", dir="/dev/shm"))
+    try:
+        size = 64 * A
+        lazy = ArenaFile(directory / "lazy", size, create=True, populate=False)
+        eager = ArenaFile(directory / "eager", size, create=True)
+        assert lazy.populated.is_set() and eager.populated.wait(30)
+        assert os.stat(directory / "lazy").st_blocks == 0
+        assert os.stat(directory / "eager").st_blocks * 512 >= size
+        eager.view[:3] = b"abc"  # still an ordinary mapping
+        assert bytes(eager.view[:3]) == b"abc"
+        for arena in (lazy, eager):
+            arena.close()
+            arena.unlink()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_rendezvous_moves_only_the_leaving_nodes_share() -> None:
