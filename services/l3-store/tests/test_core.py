@@ -3,12 +3,15 @@ checksums on commit, expiry, and every error raised before anything changes."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from kvstrata.l3_store.arena import ALIGNMENT, ArenaFile, Extents
-from kvstrata.l3_store.core import StoreCore, StoreParams, checksum
+from kvstrata.l3_store.core import StoreCore, StoreParams, checksum, copy_checksum
 from kvstrata.l3_store.errors import (
     ArenaMismatch,
     InvalidStoreConfig,
@@ -106,6 +109,55 @@ def test_write_verified_refuses_damaged_pages(tmp_path: Path) -> None:
     assert core.exists([b"p", b"q"]) == [True, False]
 
 
+@pytest.mark.parametrize("size", [0, 1, 4095, 300_001])
+def test_copy_checksum_copies_and_hashes_what_it_wrote(size: int) -> None:
+    src = bytes((i * 7 + 3) % 251 for i in range(size))
+    dst = bytearray(size)
+    assert copy_checksum(memoryview(dst), memoryview(src)) == checksum(src)
+    assert dst == src
+    with pytest.raises(BatchLengthMismatch):
+        copy_checksum(memoryview(bytearray(size + 1)), memoryview(src))
+
+
+def test_unverified_commit_trusts_the_writer_and_reads_catch_damage(tmp_path: Path) -> None:
+    """A same-node commit takes the writer's checksums without a pass; a page whose bytes do
+    not match is published, and a read-out checks it (the client counts it corrupt). A page
+    damaged before it spills is not brought back from disk as good."""
+    arena = bytearray(2 * A)
+    (tmp_path / "disk").mkdir()
+    disk = FileStorage(tmp_path / "disk", capacity_bytes=1 << 20, io_threads=1)
+    params = StoreParams(memory_bytes=2 * A, high_watermark=1.0, low_watermark=1.0)
+    core = StoreCore(params, arena=memoryview(arena), disk=disk)
+    grant = core.reserve([b"good", b"torn", b"gone"], [A, A, 10])
+    assert grant.reservation_id is not None and grant.offsets[2] is None  # no room: 2 pages
+    for offset, fill in zip(grant.offsets[:2], (b"g", b"t"), strict=True):
+        assert offset is not None
+        arena[offset : offset + A] = fill * A
+    results = core.commit(grant.reservation_id, [checksum(b"g" * A), checksum(b"x" * A), 5],
+                          verify=False)  # fmt: skip
+    assert results == [WriteResult.WRITTEN, WriteResult.WRITTEN, WriteResult.FAILED]
+    pages, sums = core.read([b"torn"])
+    assert pages[0] is not None and checksum(pages[0]) != sums[0], "the reader sees the damage"
+    assert core.write([b"new1", b"new2"], [_page(1), _page(2)]) == [WriteResult.WRITTEN] * 2
+    assert core.stats().spills == 2  # good and torn went to disk
+    failures = core.stats().checksum_failures
+    assert core.lease([b"torn"]).refs == [None], "damaged before it spilled: a miss"
+    assert core.stats().checksum_failures == failures + 1
+    assert core.exists([b"torn"]) == [False], "and removed from the disk"
+    assert core.read([b"good"])[0] == [b"g" * A]
+    core.check_integrity()
+
+
+def test_commit_drops_pages_the_writer_found_damaged() -> None:
+    core = StoreCore(StoreParams(memory_bytes=2 * A), arena=memoryview(bytearray(2 * A)))
+    grant = core.reserve([b"a", b"b"], [A, A])
+    assert grant.reservation_id is not None
+    out = core.commit(grant.reservation_id, [None, checksum(bytes(A))], verify=False)
+    assert out == [WriteResult.FAILED, WriteResult.WRITTEN]
+    assert core.stats().checksum_failures == 1 and core.stats().memory_used_bytes == A
+    core.check_integrity()
+
+
 def test_leases_and_reservations_expire(tmp_path: Path) -> None:
     clock = Clock()
     core = StoreCore(
@@ -164,6 +216,26 @@ def test_arena_file_is_shared_and_checked(tmp_path: Path) -> None:
     owner.close()
     owner.unlink()
     assert not path.exists()
+
+
+def test_arena_file_is_populated_in_the_background() -> None:
+    """The store's mapping allocates the whole tmpfs file up front (in a background thread);
+    without `populate` nothing is allocated until written."""
+    directory = Path(tempfile.mkdtemp(prefix="kvstrata-l3-arena-", dir="/dev/shm"))
+    try:
+        size = 64 * A
+        lazy = ArenaFile(directory / "lazy", size, create=True, populate=False)
+        eager = ArenaFile(directory / "eager", size, create=True)
+        assert lazy.populated.is_set() and eager.populated.wait(30)
+        assert os.stat(directory / "lazy").st_blocks == 0
+        assert os.stat(directory / "eager").st_blocks * 512 >= size
+        eager.view[:3] = b"abc"  # still an ordinary mapping
+        assert bytes(eager.view[:3]) == b"abc"
+        for arena in (lazy, eager):
+            arena.close()
+            arena.unlink()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_rendezvous_moves_only_the_leaving_nodes_share() -> None:

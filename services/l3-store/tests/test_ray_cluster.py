@@ -3,6 +3,7 @@ different nodes share a prefix through ray://, the same-node path goes through t
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,37 @@ def test_driver_reads_local_pages_through_the_arena(stores: Any) -> None:
         assert storage.delete(keys[:10]) == 10
         assert storage.batch_get(keys[:10], outs[:10]) == [False] * 10
         storage.check_integrity()
+    finally:
+        storage.close()
+
+
+def test_a_flipped_byte_in_an_arena_is_a_counted_miss(stores: Any) -> None:
+    """Same-node (through the mapping) and cross-node (through `read`): a page whose arena
+    bytes changed after it was stored is a miss and counted corrupt, never returned."""
+    storage = RayStorage(namespace=NS, timeout_s=5.0)
+    try:
+        nodes = sorted(storage.stores())
+        far = next(n for n in nodes if n != storage.node_id)
+        keys = [b"flip-near-%d" % i for i in range(200)]
+        near = next(k for k in keys if home(k, nodes) == storage.node_id)
+        away = next(k for k in keys if home(k, nodes) == far)
+        page = np.arange(300_000, dtype=np.uint32).view(np.uint8)
+        assert storage.batch_set([near, away], [page, page]) == [True, True]
+        for key, node in ((near, storage.node_id), (away, far)):
+            store = storage.stores()[node]
+            grant = ray.get(store.handle.lease.remote([key]))
+            ray.get(store.handle.release.remote(grant.lease_id))
+            [ref] = grant.refs
+            fd = os.open(store.info.arena_path, os.O_RDWR)
+            try:
+                at = ref.offset + ref.size // 2
+                os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x01]), at)
+            finally:
+                os.close(fd)
+        before = storage.stats().corrupt_pages
+        outs = [np.zeros_like(page), np.zeros_like(page)]
+        assert storage.batch_get([near, away], outs) == [False, False]
+        assert storage.stats().corrupt_pages == before + 2
     finally:
         storage.close()
 

@@ -439,6 +439,10 @@ def _bench_extras(args: argparse.Namespace, root: Path) -> None:
     if args.peer:
         l3_peer.run(args, root)
     if args.ray:
+        # Ray reads this when it is imported (measure imports it): under `uv run` it would
+        # otherwise package the whole worktree as the job's working_dir for every worker,
+        # which share this venv anyway (and start slower for it).
+        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
         from kvstrata.l3_store import measure
 
         for line in measure.run(

@@ -9,12 +9,13 @@ engine-side `RayStorage` sends:
 | `info()` | every client, once per store | the arena path and size, the node id |
 | `exists(keys)` | any node | a bool per key |
 | `lease(keys)` / `release(id)` | same-node clients | page offsets (client memcpys out) |
-| `read(keys)` | other nodes | page copies (numpy, through the object store) + checksums |
+| `read(keys)` | other nodes | pages (numpy views, copied once into the object store) + sums |
 | `reserve(keys, sizes)` / `commit(id, sums)` | same-node clients | offsets (client memcpys in) |
 | `write(keys, pages, sums)` | other nodes | pages (numpy, through the object store) |
 
 The actor runs one call at a time (the default `max_concurrency=1`), so a page returned by
-`read` is copied into the object store before any later call can spill or evict it.
+`read` (a numpy view of the arena, pinned by a lease that the next call releases) is copied
+into the object store before any later call can spill, evict or reuse it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from kvstrata.l3_store.arena import ArenaFile
 from kvstrata.l3_store.core import CoreStats, Lease, Reservation, StoreCore, StoreParams
+from kvstrata.l3_store.errors import UnknownLease
 from kvstrata.l3_store.metrics import StoreCollector
 from kvstrata.storage import FileStorage
 from kvstrata.storage.base import WriteResult
@@ -92,8 +94,21 @@ class StoreActor:
             )
             self._metrics_port = server.server_port
         self._pid = os.getpid()
+        self._read_leases: list[int] = []  # leases of `read` results, released by `_settle`
+
+    def _settle(self) -> None:
+        """Release the leases of earlier `read` calls (first thing in every call): Ray has
+        copied their pages into the object store by then, because the actor runs one call at a
+        time and serialises a call's return value before it starts the next."""
+        while self._read_leases:
+            lease_id = self._read_leases.pop()
+            try:
+                self._core.release(lease_id)
+            except UnknownLease:
+                _log.debug("read lease %d expired before the next call", lease_id)
 
     def info(self) -> StoreInfo:
+        self._settle()
         return StoreInfo(
             node_id=self._node_id,
             arena_path=str(self._arena.path),
@@ -103,54 +118,68 @@ class StoreActor:
         )
 
     def exists(self, keys: list[bytes]) -> list[bool]:
+        self._settle()
         return self._core.exists(keys)
 
     def lease(self, keys: list[bytes]) -> Lease:
+        self._settle()
         return self._core.lease(keys)
 
     def release(self, lease_id: int) -> None:
+        self._settle()
         self._core.release(lease_id)
 
     def read(self, keys: list[bytes]) -> tuple[list[np.ndarray | None], list[int]]:
+        """The pages as numpy arrays over the arena itself (no copy here: Ray's serialisation
+        of the return value is the one copy, into the object store), pinned until the next
+        call (`_settle`)."""
+        self._settle()
         grant = self._core.lease(keys)
-        try:
-            # Copies: the arena range may be reused once the lease is released, and Ray
-            # serialises the return value after this method returns.
-            pages = [
-                None if r is None else np.frombuffer(self._core.view(r), dtype=np.uint8).copy()
-                for r in grant.refs
-            ]
-        finally:
-            if grant.lease_id is not None:
-                self._core.release(grant.lease_id)
+        if grant.lease_id is not None:
+            self._read_leases.append(grant.lease_id)
+        pages = [
+            None if r is None else np.frombuffer(self._core.view(r), dtype=np.uint8)
+            for r in grant.refs
+        ]
         return pages, [0 if r is None else r.checksum for r in grant.refs]
 
     def reserve(self, keys: list[bytes], sizes: list[int]) -> Reservation:
+        self._settle()
         return self._core.reserve(keys, sizes)
 
     def commit(self, reservation_id: int, checksums: list[int]) -> list[str]:
-        return [r.value for r in self._core.commit(reservation_id, checksums)]
+        """A same-node writer's commit: its checksums were computed over the arena bytes it
+        wrote (`copy_checksum`), so they are taken without a second pass; every reader checks
+        them after its copy."""
+        self._settle()
+        return [r.value for r in self._core.commit(reservation_id, checksums, verify=False)]
 
     def write(self, keys: list[bytes], pages: list[np.ndarray], checksums: list[int]) -> list[str]:
+        self._settle()
         views = [p.data.cast("B") for p in pages]
         return [r.value for r in self._core.write_verified(keys, views, checksums)]
 
     def delete(self, keys: list[bytes]) -> int:
+        self._settle()
         return self._core.delete(keys)
 
     def clear(self) -> None:
+        self._settle()
         self._core.clear()
 
     def stats(self) -> CoreStats:
+        self._settle()
         self._core.expire()
         return self._core.stats()
 
     def check_integrity(self) -> None:
+        self._settle()
         self._core.check_integrity()
 
     def close(self) -> None:
         """Remove what the store left on the node (arena file, spilled pages). The actor is
         killed right after; its mapping goes with the process."""
+        self._settle()
         self._core.clear()
         if self._disk is not None:
             self._disk.close()

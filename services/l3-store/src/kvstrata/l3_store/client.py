@@ -3,9 +3,10 @@
 `open_storage("ray://?namespace=kvstrata&timeout_ms=1000")` opens one (through the
 `kvstrata.storage_backends` entry point). Routing:
 
-- get: the local node's store first (leased, then one memcpy per page out of the arena this
-  process maps), then each missing page's home store (rendezvous hashing over the stores that
-  answer), all homes asked in parallel, pages coming back through the object store;
+- get: the local node's store (leased, then one checked copy per page out of the arena this
+  process maps) and each page's home store (rendezvous hashing over the stores that answer),
+  all asked at once, pages from other nodes coming back through the object store; a page the
+  local store holds is taken from there;
 - set: each page goes to its home store (same node: reserve, memcpy into the arena, commit;
   other nodes: one `write` call per home with the pages as numpy arrays);
 - exists: the local store and every home store asked in parallel; the count stops at the
@@ -35,7 +36,7 @@ from ray.exceptions import GetTimeoutError, RayError
 
 from kvstrata.l3_store.actor import StoreInfo
 from kvstrata.l3_store.arena import ArenaFile
-from kvstrata.l3_store.core import Lease, Reservation, checksum
+from kvstrata.l3_store.core import Lease, Reservation, checksum, copy_checksum
 from kvstrata.l3_store.deploy import alive_nodes, connect, store_name
 from kvstrata.l3_store.errors import ArenaMismatch, InvalidStoreConfig
 from kvstrata.l3_store.routing import group_by_home
@@ -197,8 +198,19 @@ class RayStorage(Storage):
         grant: Lease | None = None
         pages: list[memoryview | np.ndarray | None] = [None] * len(keys)
         sums = [0] * len(keys)
+        # The local store (all keys) and every other home store (its keys) are asked at once:
+        # a set puts a page in its home store only, so the homes' answers are rarely wasted,
+        # and a get costs one round trip, not two. A page both hold is taken from here.
+        lease_ref = None
         if local is not None and local.arena is not None:
-            grant = self._get(local.handle.lease.remote(list(keys)), deadline)
+            lease_ref = local.handle.lease.remote(list(keys))
+        asked = []
+        for node_id, idx in group_by_home(keys, sorted(stores)).items():
+            if node_id == self.node_id and lease_ref is not None:
+                continue  # the local store is asked already
+            asked.append((node_id, idx, stores[node_id].handle.read.remote([keys[i] for i in idx])))
+        if lease_ref is not None and local is not None and local.arena is not None:
+            grant = self._get(lease_ref, deadline)
             if grant is None:
                 self._forget(local.node_id)
             else:
@@ -206,13 +218,6 @@ class RayStorage(Storage):
                     if ref is not None:
                         pages[i] = local.arena.view[ref.offset : ref.offset + ref.size]
                         sums[i] = ref.checksum
-        missing = [i for i, p in enumerate(pages) if p is None]
-        asked = []
-        for node_id, idx in group_by_home([keys[i] for i in missing], sorted(stores)).items():
-            if node_id == self.node_id and grant is not None:
-                continue  # the local store was asked already
-            at = [missing[j] for j in idx]
-            asked.append((node_id, at, stores[node_id].handle.read.remote([keys[i] for i in at])))
         for node_id, at, ref in asked:
             got = self._get(ref, deadline)
             if got is None:
@@ -220,7 +225,7 @@ class RayStorage(Storage):
                 continue
             arrays, checksums = got
             for i, array, s in zip(at, arrays, checksums, strict=True):
-                if array is not None:
+                if array is not None and pages[i] is None:
                     pages[i], sums[i] = array, s
         try:
             for key, page, view in zip(keys, pages, views, strict=True):
@@ -233,8 +238,8 @@ class RayStorage(Storage):
             for i, (page, view) in enumerate(zip(pages, views, strict=True)):
                 if page is None:
                     continue
-                view[:] = page if isinstance(page, memoryview) else page.data.cast("B")
-                if checksum(view) != sums[i]:
+                src = page if isinstance(page, memoryview) else page.data.cast("B")
+                if copy_checksum(view, src) != sums[i]:
                     self._count_corrupt(1)
                     continue
                 found[i] = True
@@ -300,8 +305,7 @@ class RayStorage(Storage):
         sums = [0] * len(keys)
         for j, (offset, view) in enumerate(zip(grant.offsets, views, strict=True)):
             if offset is not None:
-                store.arena.view[offset : offset + view.nbytes] = view
-                sums[j] = checksum(view)
+                sums[j] = copy_checksum(store.arena.view[offset : offset + view.nbytes], view)
             elif grant.present[j]:
                 into[at[j]] = WriteResult.PRESENT
         if grant.reservation_id is None:
