@@ -80,6 +80,8 @@ def _ray_figures(stream: OpStream, batch: int, depth: int, in_process: OpTiming)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Not `uv run` per worker in a copy of the working tree (RAY_NOTES: start-up).
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     from kvstrata.prefix_index.localray import replay_on_local_cluster
 
     timing, num_shards, skew = replay_on_local_cluster(

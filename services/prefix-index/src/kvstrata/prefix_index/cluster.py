@@ -18,7 +18,11 @@ Failure:
 - a restarted shard says `rebuilding` (answers are partial) until its grace period is over and
   no instance it has heard from still awaits a dump;
 - each shard watches `ray.nodes()` every `purge_period_s` and drops the instances registered on
-  a node that is no longer alive, so they are purged within about that period of Ray noticing.
+  a node that is no longer alive, so they are purged within about that period of Ray noticing;
+- an instance dead on a live node: registered with its actor handle, the shard asks the actor
+  (`__ray_ready__`) every period and drops the instance once Ray answers ActorDiedError;
+  registered with a lease (`ttl_s`), every batch, dump or `renew` from the instance extends it,
+  and the shard drops an instance whose lease ran out (engines outside Ray, hung engines).
 """
 
 from __future__ import annotations
@@ -90,12 +94,79 @@ class IndexShard:
         self._started = clock()
         self._grace = rebuild_grace_s
         self._heard: set[str] = set()
+        self._leases: dict[str, tuple[float, float]] = {}  # instance -> (ttl, deadline)
+        self._actors: dict[str, Any] = {}  # instance -> its Ray actor handle (watched)
         self.purged: list[str] = []
         self.counters = ShardCounters()
 
-    def register(self, instance: str, node_id: str) -> None:
+    def register(
+        self, instance: str, node_id: str, *, ttl_s: float | None = None, actor: Any = None
+    ) -> None:
+        """Note `instance`'s node (purged with it). `ttl_s`: a lease, extended by each batch,
+        dump or `renew` of the instance, that drops it when it runs out. `actor`: the
+        instance's Ray actor handle, whose death drops it (`_RayShard` watches it).
+        InvalidParameter for a lease that is not positive, before any change."""
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidParameter(f"ttl_s must be > 0 or None, got {ttl_s}")
         with self._lock:
             self._nodes[instance] = node_id
+            if ttl_s is None:
+                self._leases.pop(instance, None)
+            else:
+                self._leases[instance] = (ttl_s, self._clock() + ttl_s)
+            if actor is None:
+                self._actors.pop(instance, None)
+            else:
+                self._actors[instance] = actor
+
+    def register_instance(
+        self, instance: str, node_id: str, ttl_s: float | None, actor: Any
+    ) -> None:
+        """`register` with every argument positional (for `ClusterIndex.call_many`)."""
+        self.register(instance, node_id, ttl_s=ttl_s, actor=actor)
+
+    def renew(self, instances: Sequence[str]) -> list[str]:
+        """A heartbeat: extend the leases of `instances` (an idle instance's keep-alive).
+        Returns those this shard does not know (purged, or a restarted shard): they must
+        register again and send a dump."""
+        with self._lock:
+            for instance in instances:
+                self._touch(instance)
+            return [i for i in instances if i not in self._nodes]
+
+    def purge_expired(self) -> list[str]:
+        """Drop every instance whose lease ran out; returns them."""
+        with self._lock:
+            now = self._clock()
+            dead = [i for i, (_, deadline) in self._leases.items() if now > deadline]
+            for instance in dead:
+                self._forget(instance)
+            return dead
+
+    def purge_instances(self, instances: Sequence[str]) -> list[str]:
+        """Drop `instances` (known dead); returns those this shard knew."""
+        with self._lock:
+            known = [i for i in instances if i in self._nodes or i in self._heard]
+            for instance in known:
+                self._forget(instance)
+            return known
+
+    def watched_actors(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._actors)
+
+    def _touch(self, instance: str) -> None:
+        lease = self._leases.get(instance)
+        if lease is not None:
+            self._leases[instance] = (lease[0], self._clock() + lease[0])
+
+    def _forget(self, instance: str) -> None:
+        self._nodes.pop(instance, None)
+        self._heard.discard(instance)
+        self._leases.pop(instance, None)
+        self._actors.pop(instance, None)
+        self.index.drop_instance(instance)
+        self.purged.append(instance)
 
     def apply_batches(self, items: Sequence[tuple[str, int, bytes]]) -> list[bool]:
         """Apply (instance, seq, encoded kvstrata events) in order; False = needs a dump."""
@@ -103,6 +174,7 @@ class IndexShard:
         with self._lock:
             for instance, seq, payload in items:
                 self._heard.add(instance)
+                self._touch(instance)
                 events = decode_events(payload)
                 if self.index.apply_sequenced(instance, seq, events):
                     self.counters.count_events(events)
@@ -112,6 +184,7 @@ class IndexShard:
     def load_dump(self, instance: str, payload: bytes, next_seq: int) -> None:
         with self._lock:
             self._heard.add(instance)
+            self._touch(instance)
             events = decode_events(payload)
             self.index.load_dump(instance, events, next_seq)
             self.counters.count_events(events)
@@ -132,6 +205,8 @@ class IndexShard:
         with self._lock:
             self._nodes.pop(instance, None)
             self._heard.discard(instance)
+            self._leases.pop(instance, None)
+            self._actors.pop(instance, None)
             return self.index.drop_instance(instance)
 
     def stats(self) -> dict[str, Any]:
@@ -159,18 +234,16 @@ class IndexShard:
         with self._lock:
             dead = [i for i, node in self._nodes.items() if node not in alive_nodes]
             for instance in dead:
-                self._nodes.pop(instance, None)
-                self._heard.discard(instance)
-                self.index.drop_instance(instance)
-                self.purged.append(instance)
+                self._forget(instance)
             return dead
 
 
 class _RayShard(IndexShard):
-    """The Ray actor: node and restart from the runtime context, and a thread that purges the
-    instances of dead nodes every `purge_period_s` (within about that period of Ray marking
-    the node dead). With `metrics_port` (0: any free port) it serves its
-    `kvstrata_prefix_index_*` metrics with prometheus_client on `metrics_addr`."""
+    """The Ray actor: node and restart from the runtime context, and a thread that, every
+    `purge_period_s`, purges the instances of dead nodes (within about that period of Ray
+    marking the node dead), of dead watched actors and of run-out leases. With `metrics_port`
+    (0: any free port) it serves its `kvstrata_prefix_index_*` metrics with prometheus_client
+    on `metrics_addr`."""
 
     def __init__(
         self,
@@ -208,11 +281,36 @@ class _RayShard(IndexShard):
 
     def _watch_nodes(self, period: float) -> None:
         while not self._stop.wait(period):
+            self.purge_expired()
+            self._purge_dead_actors(period)
             try:
                 alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
             except ray.exceptions.RayError:
                 continue  # GCS briefly unreachable: try again next period
             self.purge_dead(alive)
+
+    def _purge_dead_actors(self, period: float) -> None:
+        """Ask every watched instance actor for `__ray_ready__`; one Ray reports dead
+        (ActorDiedError: killed, exited, its restarts used up) is purged. A busy actor that
+        does not answer within the period, or one restarting (ActorUnavailableError), stays."""
+        actors = self.watched_actors()
+        if not actors:
+            return
+        refs = {name: handle.__ray_ready__.remote() for name, handle in actors.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=period)
+        done = set(ready)
+        dead: list[str] = []
+        for name, ref in refs.items():
+            if ref not in done:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.ActorDiedError:
+                dead.append(name)
+            except ray.exceptions.RayError:
+                continue  # unavailable for now (restarting, network): ask again next period
+        if dead:
+            self.purge_instances(dead)
 
 
 def deploy_shards(
@@ -361,6 +459,9 @@ class ShardedPublisher:
         tree: UnifiedRadixCache | None,
         *,
         node_id: str,
+        ttl_s: float | None = None,
+        actor: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.instance = instance
         self.cluster = cluster
@@ -370,16 +471,47 @@ class ShardedPublisher:
         self._branch: dict[bytes, bytes | None] = {}
         self._seq = dict.fromkeys(cluster.names, 0)
         self.dumps_sent = 0
-        cluster.call_many({n: ("register", (instance, node_id)) for n in cluster.names})
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidParameter(f"ttl_s must be > 0 or None, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._registration = (instance, node_id, ttl_s, actor)
+        cluster.call_many({n: ("register_instance", self._registration) for n in cluster.names})
+        self._contact = dict.fromkeys(cluster.names, clock())
+
+    def heartbeat(self) -> None:
+        """Extend this instance's lease on every shard (call more often than `ttl_s` while
+        there is nothing to publish)."""
+        answers = self.cluster.call_many(
+            {n: ("renew", ([self.instance],)) for n in self.cluster.names}
+        )
+        now = self._clock()
+        for name in self.cluster.names:
+            self._contact[name] = now
+        for name, unknown in answers.items():
+            if self.instance in unknown and self.tree is not None:
+                self.send_dump(name)
 
     def publish(self, events: Sequence[KVEvent]) -> None:
+        """Send `events` to the shards owning their keys, one numbered batch per shard. With a
+        lease, the shards that get no batch and were last told more than half a lease ago get
+        a `renew` in the same round (a lease is per shard)."""
         per_shard = self._split(events)
         calls: dict[str, tuple[str, tuple[Any, ...]]] = {}
         for name, evs in per_shard.items():
             seq = self._seq[name]
             self._seq[name] = seq + 1
             calls[name] = ("apply_batches", ([(self.instance, seq, encode_events(evs))],))
-        for name, (ok,) in self.cluster.call_many(calls).items():
+        now = self._clock()
+        if self.ttl_s is not None:
+            for name in self.cluster.names:
+                if name not in calls and now - self._contact[name] > self.ttl_s / 2:
+                    calls[name] = ("renew", ([self.instance],))
+        answers = self.cluster.call_many(calls)
+        for name in calls:
+            self._contact[name] = now
+        for name in calls:
+            ok = answers[name][0] if name in per_shard else self.instance not in answers[name]
             if not ok:
                 self.send_dump(name)
 
@@ -387,6 +519,8 @@ class ShardedPublisher:
         """A dump of this instance's branches owned by shard `name`, resuming its sequence."""
         if self.tree is None:
             raise InvalidParameter(f"{self.instance} publishes without a tree: it cannot dump")
+        # Register again: a shard that purged this instance (lease run out) forgot it.
+        self.cluster.call_many({name: ("register_instance", self._registration)})
         owned: list[KVEvent] = []
         for event in dump_tree(self.tree):  # parents before children
             assert isinstance(event, BlockStored)

@@ -3,7 +3,10 @@
 stores, no dashboard, health checks fast enough to notice a killed node in ~1.5 s).
 
 Set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before `import ray` anywhere in the process (Ray reads
-it at import): that is what keeps every socket on 127.0.0.1.
+it at import): that is what keeps every socket on 127.0.0.1. Set RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
+there too: a driver started by `uv run` otherwise gets a runtime env that uploads the working
+tree and starts every worker with `uv run` in a fresh copy of it (a new venv, no bytecode), so an
+actor took over 60 s to start here and the cluster looked like it had not come up.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ _ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
     # A loaded 2-core machine can take longer than the default 30 s to register a raylet.
     "RAY_raylet_start_wait_time_s": "120",
     "RAY_agent_register_timeout_ms": "120000",
