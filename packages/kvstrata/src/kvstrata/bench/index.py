@@ -15,8 +15,9 @@ Three records (JSON lines):
   (`dict_probe_ns`: on a shared machine the large one is cache misses, not bytecode).
 - `index_memory`: traced bytes per entry (a key held by one instance) and per extra holder.
 - `index_ray` (with `--ray`): the same stream through shard actors on a local 2-node loopback
-  Ray cluster, `--batch` requests per round (one `match_batch` call and one publish call per
-  shard); each op's latency is its batch's round trip. Baseline: the in-process rate above.
+  Ray cluster, `--batch` requests per round (one `round` call per shard: its lookups and its
+  event batches), `--in-flight` rounds outstanding; each op's latency is its round's time from
+  submission to answer. Baseline: the in-process rate above.
 - `routing` (unless `--no-routing`): 8 simulated device-only LRU instances of 5,860 pages, the
   trace routed round-robin (baseline) and cache-aware; block hit rate and the busiest
   instance's routed pages over the mean.
@@ -75,7 +76,9 @@ def _median(runs: list[OpTiming]) -> OpTiming:
     return sorted(runs, key=lambda t: t.seconds)[(len(runs) - 1) // 2]
 
 
-def _ray_figures(stream: OpStream, batch: int, depth: int, in_process: OpTiming) -> dict[str, Any]:
+def _ray_figures(
+    stream: OpStream, batch: int, depth: int, in_flight: int, in_process: OpTiming
+) -> dict[str, Any]:
     # Ray reads its loopback switch at import: set the quiet, loopback-only settings first.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -85,11 +88,12 @@ def _ray_figures(stream: OpStream, batch: int, depth: int, in_process: OpTiming)
     from kvstrata.prefix_index.localray import replay_on_local_cluster
 
     timing, num_shards, skew = replay_on_local_cluster(
-        stream, batch_requests=batch, branch_depth=depth
+        stream, batch_requests=batch, branch_depth=depth, in_flight=in_flight
     )
     return {
         "shards": num_shards,
         "batch_requests": batch,
+        "in_flight": in_flight,
         "branch_depth": depth,
         **_timing(timing),
         "shard_skew": round(skew, 4),
@@ -115,6 +119,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-routing", action="store_true")
     parser.add_argument("--ray", action="store_true", help="also measure through Ray shards")
     parser.add_argument("--batch", type=int, default=64, help="--ray: requests per round")
+    parser.add_argument("--in-flight", type=int, default=4, help="--ray: rounds outstanding")
     parser.add_argument(
         "--branch-depth",
         type=int,
@@ -180,7 +185,10 @@ def main(argv: list[str]) -> int:
 
         try:
             emit(
-                {"bench": "index_ray", **_ray_figures(stream, args.batch, args.branch_depth, base)}
+                {
+                    "bench": "index_ray",
+                    **_ray_figures(stream, args.batch, args.branch_depth, args.in_flight, base),
+                }
             )
         except RayDidNotStart as exc:
             print(f"kvstrata bench index --ray: Ray did not start: {exc}", file=sys.stderr)

@@ -30,8 +30,10 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import ray
@@ -42,7 +44,6 @@ from kvstrata.prefix_index.dump import dump_tree
 from kvstrata.prefix_index.errors import InvalidParameter, ShardUnavailable
 from kvstrata.prefix_index.index import PrefixIndex
 from kvstrata.prefix_index.metrics import IndexCollector, ShardCounters
-from kvstrata.prefix_index.opstream import OpStream, OpTiming
 from kvstrata.unified_radix_cache import (
     AllBlocksCleared,
     BlockRemoved,
@@ -54,6 +55,8 @@ from kvstrata.unified_radix_cache import (
 )
 
 NAMESPACE = "kvstrata"
+_OWNER_CACHE = 1 << 16  # branch keys whose owner is remembered (cleared when full)
+_UNKNOWN = b""  # `_split`: a removed key this publisher never saw stored (no key is empty)
 NAME_PREFIX = "kvstrata-prefix-index-"
 
 
@@ -196,6 +199,15 @@ class IndexShard:
             out = [self.index.match_lengths(q) for q in queries]
             self.counters.lookup_batch(len(queries), time.perf_counter() - start)
             return out, self._rebuilding()
+
+    def round(
+        self, queries: Sequence[Sequence[bytes]], items: Sequence[tuple[str, int, bytes]]
+    ) -> tuple[list[dict[str, int]], bool, list[bool]]:
+        """One call for a round of requests: their lookups (`match_batch`), then their event
+        batches (`apply_batches`). Returns the lookups' answers, whether this shard is
+        rebuilding, and per batch whether it was applied (False: needs a dump)."""
+        lengths, rebuilding = self.match_batch(queries)
+        return lengths, rebuilding, self.apply_batches(items)
 
     def collector(self) -> IndexCollector:
         """The shard's Prometheus collector (`kvstrata_prefix_index_*`), read at scrape time."""
@@ -400,9 +412,17 @@ class ClusterIndex:
         self.page_size = page_size
         self.timeout_s = timeout_s
         self._local = all(isinstance(h, IndexShard) for h in self.shards.values())
+        self._owners: dict[bytes, str] = {}
 
     def owner(self, first_key: bytes) -> str:
-        return owner(self.names, first_key)
+        """The shard owning the branch named by `first_key` (rendezvous hashing, cached: a
+        branch key is asked for by every lookup and every event of its branch)."""
+        got = self._owners.get(first_key)
+        if got is None:
+            if len(self._owners) >= _OWNER_CACHE:
+                self._owners.clear()
+            got = self._owners[first_key] = owner(self.names, first_key)
+        return got
 
     def call_many(self, calls: Mapping[str, tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
         """`method(*args)` on each named shard, all in flight together; results by shard."""
@@ -496,12 +516,10 @@ class ShardedPublisher:
         """Send `events` to the shards owning their keys, one numbered batch per shard. With a
         lease, the shards that get no batch and were last told more than half a lease ago get
         a `renew` in the same round (a lease is per shard)."""
-        per_shard = self._split(events)
-        calls: dict[str, tuple[str, tuple[Any, ...]]] = {}
-        for name, evs in per_shard.items():
-            seq = self._seq[name]
-            self._seq[name] = seq + 1
-            calls[name] = ("apply_batches", ([(self.instance, seq, encode_events(evs))],))
+        per_shard = self.batches(events)
+        calls: dict[str, tuple[str, tuple[Any, ...]]] = {
+            name: ("apply_batches", ([item],)) for name, item in per_shard.items()
+        }
         now = self._clock()
         if self.ttl_s is not None:
             for name in self.cluster.names:
@@ -514,6 +532,17 @@ class ShardedPublisher:
             ok = answers[name][0] if name in per_shard else self.instance not in answers[name]
             if not ok:
                 self.send_dump(name)
+
+    def batches(self, events: Sequence[KVEvent]) -> dict[str, tuple[str, int, bytes]]:
+        """`events` split by owning shard, numbered and encoded: shard -> (instance, seq,
+        msgpack payload), for `IndexShard.apply_batches` (or `round`). Advances the sequence
+        numbers: every batch returned must be sent, in order per shard."""
+        out: dict[str, tuple[str, int, bytes]] = {}
+        for name, evs in self._split(events).items():
+            seq = self._seq[name]
+            self._seq[name] = seq + 1
+            out[name] = (self.instance, seq, encode_events(evs))
+        return out
 
     def send_dump(self, name: str) -> None:
         """A dump of this instance's branches owned by shard `name`, resuming its sequence."""
@@ -541,25 +570,24 @@ class ShardedPublisher:
 
     def _assign(self, event: BlockStored) -> list[tuple[bytes | None, tuple[bytes, ...]]]:
         """The event's keys grouped by branch (None: trunk), in order; records each key's
-        depth and branch. A run below the trunk stays on one branch, so at most two groups."""
+        depth and branch. A run below the trunk stays on one branch, so at most two groups:
+        the trunk part (depths < d - 1) and the rest, recorded with C-level dict updates."""
         d = self.cluster.branch_depth
         parent = event.parent_key
         depth = self._depth.get(parent, -1) + 1 if parent is not None else 0
-        branch = self._branch.get(parent) if parent is not None else None
-        groups: list[tuple[bytes | None, list[bytes]]] = []
-        for key in event.page_keys:
-            if depth == d - 1:
-                branch = key
-            elif depth < d - 1:
-                branch = None
-            self._depth[key] = depth
-            self._branch[key] = branch
-            if groups and groups[-1][0] == branch:
-                groups[-1][1].append(key)
-            else:
-                groups.append((branch, [key]))
-            depth += 1
-        return [(b, tuple(keys)) for b, keys in groups]
+        inherited = self._branch.get(parent) if parent is not None else None
+        keys = tuple(event.page_keys)
+        self._depth.update(zip(keys, range(depth, depth + len(keys)), strict=False))
+        trunk = max(0, min(len(keys), d - 1 - depth))
+        groups: list[tuple[bytes | None, tuple[bytes, ...]]] = []
+        if trunk:
+            self._branch.update(zip(keys[:trunk], repeat(None)))
+            groups.append((None, keys[:trunk]))
+        if trunk < len(keys):
+            branch = keys[trunk] if depth + trunk == d - 1 else inherited
+            self._branch.update(zip(keys[trunk:], repeat(branch)))
+            groups.append((branch, keys[trunk:]))
+        return groups
 
     def _targets(self, branch: bytes | None) -> list[str]:
         return list(self.cluster.names) if branch is None else [self.cluster.owner(branch)]
@@ -579,17 +607,25 @@ class ShardedPublisher:
                     for name in self._targets(branch):
                         out.setdefault(name, []).append(part)
             elif isinstance(event, BlockRemoved):
+                keys = event.page_keys
+                branches = list(map(self._branch.pop, keys, repeat(_UNKNOWN)))
+                deque(map(self._depth.pop, keys, repeat(None)), maxlen=0)
+                distinct = set(branches)
                 removed: dict[str, list[bytes]] = {}
-                for key in event.page_keys:
-                    if key not in self._branch:
-                        continue
-                    branch = self._branch.pop(key)
-                    self._depth.pop(key, None)
-                    for name in self._targets(branch):
-                        removed.setdefault(name, []).append(key)
-                for name, keys in removed.items():
+                if len(distinct) == 1:  # the common case: one branch (or the trunk)
+                    (branch,) = distinct
+                    if branch is not _UNKNOWN:
+                        for name in self._targets(branch):
+                            removed[name] = list(keys)
+                else:
+                    for key, branch in zip(keys, branches, strict=True):
+                        if branch is _UNKNOWN:
+                            continue
+                        for name in self._targets(branch):
+                            removed.setdefault(name, []).append(key)
+                for name, part in removed.items():
                     out.setdefault(name, []).append(
-                        BlockRemoved(page_keys=tuple(keys), tier=event.tier)
+                        BlockRemoved(page_keys=tuple(part), tier=event.tier)
                     )
             elif isinstance(event, AllBlocksCleared):
                 if event.tier is None or event.tier == "device":
@@ -598,57 +634,3 @@ class ShardedPublisher:
                 for name in self.cluster.names:
                     out.setdefault(name, []).append(event)
         return out
-
-
-def replay_ops_on_cluster(
-    cluster: ClusterIndex, stream: OpStream, *, batch_requests: int, node_id: str
-) -> OpTiming:
-    """The INDEXER_BENCH stream through the shards, `batch_requests` requests at a time: one
-    `match_batch` (one call per shard) for their lookups, then one publish per instance of
-    their events (one call per shard). Each op's latency is its batch's round trip."""
-    if batch_requests < 1:
-        raise InvalidParameter(f"batch_requests must be >= 1, got {batch_requests}")
-    publishers: dict[str, ShardedPublisher] = {}
-    for req in stream.requests:
-        if req.instance not in publishers:
-            publishers[req.instance] = ShardedPublisher(
-                req.instance, cluster, None, node_id=node_id
-            )
-    latencies: list[float] = []
-    start = time.perf_counter()
-    cpu_start = time.process_time()
-    requests = stream.requests
-    pages = 0
-    for lo in range(0, len(requests), batch_requests):
-        chunk = requests[lo : lo + batch_requests]
-        t0 = time.perf_counter()
-        cluster.match_batch([r.page_keys for r in chunk])
-        by_instance: dict[str, list[KVEvent]] = {}
-        for r in chunk:
-            by_instance.setdefault(r.instance, []).extend(r.events)
-        for name, events in by_instance.items():
-            publishers[name].publish(events)
-        took = time.perf_counter() - t0
-        ops = sum(1 + len(r.events) for r in chunk)
-        pages += sum(
-            len(r.page_keys) + sum(len(getattr(e, "page_keys", ())) for e in r.events)
-            for r in chunk
-        )
-        latencies.extend([took] * ops)
-    seconds = time.perf_counter() - start
-    ordered = sorted(latencies)
-
-    def pct(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
-
-    return OpTiming(
-        ops=len(latencies),
-        pages=pages,
-        seconds=seconds,
-        cpu_seconds=time.process_time() - cpu_start,
-        p50_us=pct(0.50),
-        p99_us=pct(0.99),
-        max_us=ordered[-1] * 1e6 if ordered else 0.0,
-        lookup_p99_us=pct(0.99),
-        event_p99_us=pct(0.99),
-    )
