@@ -21,6 +21,7 @@ from itertools import repeat
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 
 from kvstrata.prefix_index.cluster import ClusterIndex, ShardedPublisher, deploy_shards
@@ -74,6 +75,10 @@ def loopback_cluster(num_workers: int, attempts: int = 2) -> Iterator[Cluster]:
     saved = {k: os.environ.get(k) for k in [*_ENV, "RAY_TMPDIR"]}
     tmp = tempfile.mkdtemp(prefix="kvstrata-prefix-index-ray-")
     os.environ.update(_ENV, RAY_TMPDIR=tmp)
+    # Ray read RAY_ENABLE_UV_RUN_RUNTIME_ENV when it was imported (perhaps before this call, by
+    # another module): switch the hook off where `ray.init` reads it, for this cluster only.
+    saved_uv_hook = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV
+    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
     cluster: Cluster | None = None
     try:
         errors: list[str] = []
@@ -89,6 +94,7 @@ def loopback_cluster(num_workers: int, attempts: int = 2) -> Iterator[Cluster]:
         yield cluster
     finally:
         ray.shutdown()
+        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = saved_uv_hook
         if cluster is not None:
             cluster.shutdown()
         for k, v in saved.items():
