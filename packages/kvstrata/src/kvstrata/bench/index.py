@@ -119,7 +119,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-routing", action="store_true")
     parser.add_argument("--ray", action="store_true", help="also measure through Ray shards")
     parser.add_argument("--batch", type=int, default=64, help="--ray: requests per round")
-    parser.add_argument("--in-flight", type=int, default=4, help="--ray: rounds outstanding")
+    parser.add_argument("--in-flight", type=int, default=8, help="--ray: rounds outstanding")
     parser.add_argument(
         "--branch-depth",
         type=int,

@@ -110,7 +110,7 @@ def replay_on_local_cluster(
     batch_requests: int,
     num_workers: int = 1,
     branch_depth: int = 2,
-    in_flight: int = 4,
+    in_flight: int = 8,
 ) -> tuple[OpTiming, int, float]:
     """Start a loopback cluster of 1 + `num_workers` nodes, deploy one shard per node, replay
     `stream` through them (`replay_ops_on_cluster`); returns the timing, the number of shards
