@@ -33,8 +33,9 @@ import heapq
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, repeat, takewhile
-from operator import and_, or_, rshift
+from functools import reduce
+from itertools import accumulate, compress, repeat, takewhile
+from operator import and_, not_, or_, rshift
 from typing import NamedTuple
 
 import numpy.typing as npt
@@ -144,6 +145,7 @@ class PrefixIndex:
         self._free_ids: list[int] = []  # ids of dropped instances, reused smallest first
         self._next_id = 0
         self._present = 0  # the "holds" bit of every id handed out so far
+        self._below_best = 0  # the bits of every tier but the best, of every id handed out
         self._seq: dict[str, int] = {}
         self._awaiting_dump: set[str] = set()
         self._engine_maps: dict[str, EngineKeyMap] = {}
@@ -286,6 +288,9 @@ class PrefixIndex:
         namespace (`extra_key`, `cache_salt`). Touches the matched keys (bounded mode)."""
         keys = self._as_keys(tokens_or_page_keys, extra_key, cache_salt)
         vals, runs, uniform = self._runs(keys)
+        if not uniform and not reduce(or_, vals, 0) & self._below_best:
+            # Every holder holds every page it holds on the best tier: one tier for all.
+            uniform = True
         names = self._names
         best = self._best_tier
         group = self._group
@@ -442,6 +447,7 @@ class PrefixIndex:
                 iid = self._next_id
                 self._next_id += 1
                 self._present |= 1 << (iid * self._width)
+                self._below_best |= (self._all_tiers ^ 2) << (iid * self._width)
             self._ids[instance] = iid
             self._names[iid] = instance
             self._by_inst[iid] = set()
@@ -475,12 +481,23 @@ class PrefixIndex:
         holds = 1 << shift
         drop = bits << shift
         vals = list(map(entries.get, keys, repeat(0)))
+        mine_tiers = self._all_tiers << shift
         if 0 not in vals and not any(map(and_, vals, repeat(~(holds | drop)))):
             # Every key is held by `iid` alone, on no tier but those dropped: all go.
             deque(map(entries.pop, keys, repeat(None)), maxlen=0)
             self._by_inst[iid].difference_update(keys)
             return
-        mine_tiers = self._all_tiers << shift
+        if not any(map(and_, vals, repeat(mine_tiers & ~drop))):
+            # `iid` holds none of the keys on a tier it keeps (the common case: one tier per
+            # instance): its whole group goes from every key, in C loops.
+            new = list(map(and_, vals, repeat(~(holds | drop))))
+            if 0 in new:
+                deque(map(entries.pop, compress(keys, map(not_, new)), repeat(None)), maxlen=0)
+                entries.update(compress(zip(keys, new, strict=True), new))
+            else:
+                entries.update(zip(keys, new, strict=True))
+            self._by_inst[iid].difference_update(keys)
+            return
         gone: list[bytes] = []
         for key, packed in zip(keys, vals, strict=True):
             if not packed & drop:
