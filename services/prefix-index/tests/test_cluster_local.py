@@ -3,7 +3,9 @@ branch sharding, routing, lost batches and shard restarts rebuilt from dumps, no
 
 from __future__ import annotations
 
-from kvstrata.prefix_index import Router, SimInstance
+import pytest
+
+from kvstrata.prefix_index import InvalidParameter, Router, SimInstance
 from kvstrata.prefix_index.cluster import ClusterIndex, IndexShard, ShardedPublisher
 
 PAGE = 4
@@ -175,3 +177,50 @@ def test_a_shared_first_page_needs_a_deeper_branch_key() -> None:
         assert held_by(cluster, "i") == tree_keys(inst)
     assert skews[1] == 3.0  # one shard holds everything
     assert skews[2] < 1.6
+
+
+def test_an_instance_whose_lease_runs_out_is_purged_and_publishes_renew_it() -> None:
+    now = [0.0]
+    shards = {f"s{i}": IndexShard(PAGE, node_id="n0", clock=lambda: now[0]) for i in range(2)}
+    cluster = ClusterIndex(shards, page_size=PAGE)
+    quiet, busy, plain = (SimInstance(n, capacity_pages=100, page_size=PAGE) for n in "qbp")
+    clock = lambda: now[0]  # noqa: E731
+    pq = ShardedPublisher("q", cluster, quiet.tree, node_id="n0", ttl_s=1.0, clock=clock)
+    pb = ShardedPublisher("b", cluster, busy.tree, node_id="n0", ttl_s=1.0, clock=clock)
+    pp = ShardedPublisher("p", cluster, plain.tree, node_id="n0")  # no lease: never expires
+    for inst, pub in ((quiet, pq), (busy, pb), (plain, pp)):
+        inst.serve(prompt(1, 3))
+        pub.publish(inst.take_events())
+    # 2.5 s in 0.5 s steps: b publishes (its branches are on one shard: the other gets renews),
+    # q only heartbeats once.
+    for step in range(1, 6):
+        now[0] = step * 0.5
+        busy.serve(prompt(step, 2))
+        pb.publish(busy.take_events())
+        if step == 1:
+            pq.heartbeat()
+        for shard in shards.values():
+            shard.purge_expired()
+        expired = now[0] > 0.5 + 1.0
+        assert (held_by(cluster, "q") == set()) == expired, now[0]
+    assert held_by(cluster, "b") == tree_keys(busy)
+    assert held_by(cluster, "p") == tree_keys(plain)
+    assert all(s.purged == ["q"] for s in shards.values())
+    # A purged instance that comes back registers again and is indexed again.
+    # Its next batch shows a gap on the shard that purged it: a dump (and a registration).
+    quiet.serve(prompt(9, 2))
+    pq.publish(quiet.take_events())
+    assert pq.dumps_sent >= 1
+    assert held_by(cluster, "q") == tree_keys(quiet)
+
+
+def test_lease_must_be_positive() -> None:
+    cluster = make(1)
+    shard = cluster.shards["s0"]
+    assert isinstance(shard, IndexShard)
+    for bad in (0.0, -1.0):
+        with pytest.raises(InvalidParameter, match="ttl_s"):
+            ShardedPublisher("x", cluster, None, node_id="n0", ttl_s=bad)
+        with pytest.raises(InvalidParameter, match="ttl_s"):
+            shard.register("x", "n0", ttl_s=bad)
+    assert shard.stats()["instances"] == 0 and shard.purge_expired() == []

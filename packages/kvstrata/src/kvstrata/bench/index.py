@@ -9,10 +9,15 @@ Three records (JSON lines):
   process's CPU time (the machine is shared), p50/p99 per op, pages per second. Baseline: the
   same stream on an unbounded index, measured in the same run; the bounded index
   (`--max-entries`, default half the distinct keys) is reported beside it with the ratio.
+  Beside them: the unbounded replay untimed (no per-op clock), the same stream as bare dict
+  probes (`bare_dict`: the floor of any CPython dict-keyed index on this machine, and the
+  index's ratio to it), and the CPU ns of one dict probe on a 256-key and on a full-size dict
+  (`dict_probe_ns`: on a shared machine the large one is cache misses, not bytecode).
 - `index_memory`: traced bytes per entry (a key held by one instance) and per extra holder.
 - `index_ray` (with `--ray`): the same stream through shard actors on a local 2-node loopback
-  Ray cluster, `--batch` requests per round (one `match_batch` call and one publish call per
-  shard); each op's latency is its batch's round trip. Baseline: the in-process rate above.
+  Ray cluster, `--batch` requests per round (one `round` call per shard: its lookups and its
+  event batches), `--in-flight` rounds outstanding; each op's latency is its round's time from
+  submission to answer. Baseline: the in-process rate above.
 - `routing` (unless `--no-routing`): 8 simulated device-only LRU instances of 5,860 pages, the
   trace routed round-robin (baseline) and cache-aware; block hit rate and the busiest
   instance's routed pages over the mean.
@@ -32,9 +37,12 @@ from kvstrata.prefix_index import PrefixIndex, read_trace, simulate
 from kvstrata.prefix_index.opstream import (
     OpStream,
     OpTiming,
+    bare_dict_floor,
     build_op_stream,
+    dict_lookup_cost,
     measure_memory,
     replay_ops,
+    replay_untimed,
 )
 
 _TRACE_PARTS = ("shared", "traces", "mooncake_conversation_trace.jsonl")
@@ -68,19 +76,24 @@ def _median(runs: list[OpTiming]) -> OpTiming:
     return sorted(runs, key=lambda t: t.seconds)[(len(runs) - 1) // 2]
 
 
-def _ray_figures(stream: OpStream, batch: int, depth: int, in_process: OpTiming) -> dict[str, Any]:
+def _ray_figures(
+    stream: OpStream, batch: int, depth: int, in_flight: int, in_process: OpTiming
+) -> dict[str, Any]:
     # Ray reads its loopback switch at import: set the quiet, loopback-only settings first.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Not `uv run` per worker in a copy of the working tree (RAY_NOTES: start-up).
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     from kvstrata.prefix_index.localray import replay_on_local_cluster
 
     timing, num_shards, skew = replay_on_local_cluster(
-        stream, batch_requests=batch, branch_depth=depth
+        stream, batch_requests=batch, branch_depth=depth, in_flight=in_flight
     )
     return {
         "shards": num_shards,
         "batch_requests": batch,
+        "in_flight": in_flight,
         "branch_depth": depth,
         **_timing(timing),
         "shard_skew": round(skew, 4),
@@ -106,6 +119,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-routing", action="store_true")
     parser.add_argument("--ray", action="store_true", help="also measure through Ray shards")
     parser.add_argument("--batch", type=int, default=64, help="--ray: requests per round")
+    parser.add_argument("--in-flight", type=int, default=8, help="--ray: rounds outstanding")
     parser.add_argument(
         "--branch-depth",
         type=int,
@@ -123,10 +137,17 @@ def main(argv: list[str]) -> int:
     bound = args.max_entries or max(1, memory.num_entries // 2)
     unbounded: list[OpTiming] = []
     bounded: list[OpTiming] = []
+    untimed: list[float] = []
+    floor: list[float] = []
     for _ in range(args.repeats):
         unbounded.append(replay_ops(PrefixIndex(1), stream))
         bounded.append(replay_ops(PrefixIndex(1, max_entries=bound), stream))
+        untimed.append(replay_untimed(PrefixIndex(1), stream))
+        floor.append(bare_dict_floor(stream))
     base, ours = _median(unbounded), _median(bounded)
+    untimed_rate = stream.num_ops / statistics.median(untimed)
+    floor_rate = stream.num_ops / statistics.median(floor)
+    probe = dict_lookup_cost(stream)
     emit(
         {
             "bench": "index_ops",
@@ -137,8 +158,16 @@ def main(argv: list[str]) -> int:
             "bounded": {"max_entries": bound, **_timing(ours)},
             "ratio_bounded_vs_unbounded_ops": ratio(ours.ops_per_s, base.ops_per_s),
             "ops_per_cpu_s_all": [round(t.ops_per_cpu_s) for t in unbounded],
+            "untimed_ops_per_cpu_s": round(untimed_rate),
+            "bare_dict_ops_per_cpu_s": round(floor_rate),
+            "ratio_untimed_vs_bare_dict": ratio(untimed_rate, floor_rate),
+            "dict_probe_ns": {
+                str(probe.small_entries): round(probe.small_ns, 1),
+                str(probe.large_entries): round(probe.large_ns, 1),
+            },
             "target_ops_per_s": 400_000,
             "ratio_vs_target_cpu": ratio(base.ops_per_cpu_s, 400_000),
+            "ratio_untimed_vs_target_cpu": ratio(untimed_rate, 400_000),
             **environment(),
         }
     )
@@ -156,7 +185,10 @@ def main(argv: list[str]) -> int:
 
         try:
             emit(
-                {"bench": "index_ray", **_ray_figures(stream, args.batch, args.branch_depth, base)}
+                {
+                    "bench": "index_ray",
+                    **_ray_figures(stream, args.batch, args.branch_depth, args.in_flight, base),
+                }
             )
         except RayDidNotStart as exc:
             print(f"kvstrata bench index --ray: Ray did not start: {exc}", file=sys.stderr)

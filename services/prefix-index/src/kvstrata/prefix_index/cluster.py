@@ -18,7 +18,11 @@ Failure:
 - a restarted shard says `rebuilding` (answers are partial) until its grace period is over and
   no instance it has heard from still awaits a dump;
 - each shard watches `ray.nodes()` every `purge_period_s` and drops the instances registered on
-  a node that is no longer alive, so they are purged within about that period of Ray noticing.
+  a node that is no longer alive, so they are purged within about that period of Ray noticing;
+- an instance dead on a live node: registered with its actor handle, the shard asks the actor
+  (`__ray_ready__`) every period and drops the instance once Ray answers ActorDiedError;
+  registered with a lease (`ttl_s`), every batch, dump or `renew` from the instance extends it,
+  and the shard drops an instance whose lease ran out (engines outside Ray, hung engines).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import ray
@@ -38,7 +44,6 @@ from kvstrata.prefix_index.dump import dump_tree
 from kvstrata.prefix_index.errors import InvalidParameter, ShardUnavailable
 from kvstrata.prefix_index.index import PrefixIndex
 from kvstrata.prefix_index.metrics import IndexCollector, ShardCounters
-from kvstrata.prefix_index.opstream import OpStream, OpTiming
 from kvstrata.unified_radix_cache import (
     AllBlocksCleared,
     BlockRemoved,
@@ -50,6 +55,8 @@ from kvstrata.unified_radix_cache import (
 )
 
 NAMESPACE = "kvstrata"
+_OWNER_CACHE = 1 << 16  # branch keys whose owner is remembered (cleared when full)
+_UNKNOWN = b""  # `_split`: a removed key this publisher never saw stored (no key is empty)
 NAME_PREFIX = "kvstrata-prefix-index-"
 
 
@@ -90,12 +97,79 @@ class IndexShard:
         self._started = clock()
         self._grace = rebuild_grace_s
         self._heard: set[str] = set()
+        self._leases: dict[str, tuple[float, float]] = {}  # instance -> (ttl, deadline)
+        self._actors: dict[str, Any] = {}  # instance -> its Ray actor handle (watched)
         self.purged: list[str] = []
         self.counters = ShardCounters()
 
-    def register(self, instance: str, node_id: str) -> None:
+    def register(
+        self, instance: str, node_id: str, *, ttl_s: float | None = None, actor: Any = None
+    ) -> None:
+        """Note `instance`'s node (purged with it). `ttl_s`: a lease, extended by each batch,
+        dump or `renew` of the instance, that drops it when it runs out. `actor`: the
+        instance's Ray actor handle, whose death drops it (`_RayShard` watches it).
+        InvalidParameter for a lease that is not positive, before any change."""
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidParameter(f"ttl_s must be > 0 or None, got {ttl_s}")
         with self._lock:
             self._nodes[instance] = node_id
+            if ttl_s is None:
+                self._leases.pop(instance, None)
+            else:
+                self._leases[instance] = (ttl_s, self._clock() + ttl_s)
+            if actor is None:
+                self._actors.pop(instance, None)
+            else:
+                self._actors[instance] = actor
+
+    def register_instance(
+        self, instance: str, node_id: str, ttl_s: float | None, actor: Any
+    ) -> None:
+        """`register` with every argument positional (for `ClusterIndex.call_many`)."""
+        self.register(instance, node_id, ttl_s=ttl_s, actor=actor)
+
+    def renew(self, instances: Sequence[str]) -> list[str]:
+        """A heartbeat: extend the leases of `instances` (an idle instance's keep-alive).
+        Returns those this shard does not know (purged, or a restarted shard): they must
+        register again and send a dump."""
+        with self._lock:
+            for instance in instances:
+                self._touch(instance)
+            return [i for i in instances if i not in self._nodes]
+
+    def purge_expired(self) -> list[str]:
+        """Drop every instance whose lease ran out; returns them."""
+        with self._lock:
+            now = self._clock()
+            dead = [i for i, (_, deadline) in self._leases.items() if now > deadline]
+            for instance in dead:
+                self._forget(instance)
+            return dead
+
+    def purge_instances(self, instances: Sequence[str]) -> list[str]:
+        """Drop `instances` (known dead); returns those this shard knew."""
+        with self._lock:
+            known = [i for i in instances if i in self._nodes or i in self._heard]
+            for instance in known:
+                self._forget(instance)
+            return known
+
+    def watched_actors(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._actors)
+
+    def _touch(self, instance: str) -> None:
+        lease = self._leases.get(instance)
+        if lease is not None:
+            self._leases[instance] = (lease[0], self._clock() + lease[0])
+
+    def _forget(self, instance: str) -> None:
+        self._nodes.pop(instance, None)
+        self._heard.discard(instance)
+        self._leases.pop(instance, None)
+        self._actors.pop(instance, None)
+        self.index.drop_instance(instance)
+        self.purged.append(instance)
 
     def apply_batches(self, items: Sequence[tuple[str, int, bytes]]) -> list[bool]:
         """Apply (instance, seq, encoded kvstrata events) in order; False = needs a dump."""
@@ -103,6 +177,7 @@ class IndexShard:
         with self._lock:
             for instance, seq, payload in items:
                 self._heard.add(instance)
+                self._touch(instance)
                 events = decode_events(payload)
                 if self.index.apply_sequenced(instance, seq, events):
                     self.counters.count_events(events)
@@ -112,6 +187,7 @@ class IndexShard:
     def load_dump(self, instance: str, payload: bytes, next_seq: int) -> None:
         with self._lock:
             self._heard.add(instance)
+            self._touch(instance)
             events = decode_events(payload)
             self.index.load_dump(instance, events, next_seq)
             self.counters.count_events(events)
@@ -124,6 +200,15 @@ class IndexShard:
             self.counters.lookup_batch(len(queries), time.perf_counter() - start)
             return out, self._rebuilding()
 
+    def round(
+        self, queries: Sequence[Sequence[bytes]], items: Sequence[tuple[str, int, bytes]]
+    ) -> tuple[list[dict[str, int]], bool, list[bool]]:
+        """One call for a round of requests: their lookups (`match_batch`), then their event
+        batches (`apply_batches`). Returns the lookups' answers, whether this shard is
+        rebuilding, and per batch whether it was applied (False: needs a dump)."""
+        lengths, rebuilding = self.match_batch(queries)
+        return lengths, rebuilding, self.apply_batches(items)
+
     def collector(self) -> IndexCollector:
         """The shard's Prometheus collector (`kvstrata_prefix_index_*`), read at scrape time."""
         return IndexCollector(self.index, self.counters)
@@ -132,6 +217,8 @@ class IndexShard:
         with self._lock:
             self._nodes.pop(instance, None)
             self._heard.discard(instance)
+            self._leases.pop(instance, None)
+            self._actors.pop(instance, None)
             return self.index.drop_instance(instance)
 
     def stats(self) -> dict[str, Any]:
@@ -159,18 +246,16 @@ class IndexShard:
         with self._lock:
             dead = [i for i, node in self._nodes.items() if node not in alive_nodes]
             for instance in dead:
-                self._nodes.pop(instance, None)
-                self._heard.discard(instance)
-                self.index.drop_instance(instance)
-                self.purged.append(instance)
+                self._forget(instance)
             return dead
 
 
 class _RayShard(IndexShard):
-    """The Ray actor: node and restart from the runtime context, and a thread that purges the
-    instances of dead nodes every `purge_period_s` (within about that period of Ray marking
-    the node dead). With `metrics_port` (0: any free port) it serves its
-    `kvstrata_prefix_index_*` metrics with prometheus_client on `metrics_addr`."""
+    """The Ray actor: node and restart from the runtime context, and a thread that, every
+    `purge_period_s`, purges the instances of dead nodes (within about that period of Ray
+    marking the node dead), of dead watched actors and of run-out leases. With `metrics_port`
+    (0: any free port) it serves its `kvstrata_prefix_index_*` metrics with prometheus_client
+    on `metrics_addr`."""
 
     def __init__(
         self,
@@ -208,11 +293,36 @@ class _RayShard(IndexShard):
 
     def _watch_nodes(self, period: float) -> None:
         while not self._stop.wait(period):
+            self.purge_expired()
+            self._purge_dead_actors(period)
             try:
                 alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
             except ray.exceptions.RayError:
                 continue  # GCS briefly unreachable: try again next period
             self.purge_dead(alive)
+
+    def _purge_dead_actors(self, period: float) -> None:
+        """Ask every watched instance actor for `__ray_ready__`; one Ray reports dead
+        (ActorDiedError: killed, exited, its restarts used up) is purged. A busy actor that
+        does not answer within the period, or one restarting (ActorUnavailableError), stays."""
+        actors = self.watched_actors()
+        if not actors:
+            return
+        refs = {name: handle.__ray_ready__.remote() for name, handle in actors.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=period)
+        done = set(ready)
+        dead: list[str] = []
+        for name, ref in refs.items():
+            if ref not in done:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.ActorDiedError:
+                dead.append(name)
+            except ray.exceptions.RayError:
+                continue  # unavailable for now (restarting, network): ask again next period
+        if dead:
+            self.purge_instances(dead)
 
 
 def deploy_shards(
@@ -302,9 +412,17 @@ class ClusterIndex:
         self.page_size = page_size
         self.timeout_s = timeout_s
         self._local = all(isinstance(h, IndexShard) for h in self.shards.values())
+        self._owners: dict[bytes, str] = {}
 
     def owner(self, first_key: bytes) -> str:
-        return owner(self.names, first_key)
+        """The shard owning the branch named by `first_key` (rendezvous hashing, cached: a
+        branch key is asked for by every lookup and every event of its branch)."""
+        got = self._owners.get(first_key)
+        if got is None:
+            if len(self._owners) >= _OWNER_CACHE:
+                self._owners.clear()
+            got = self._owners[first_key] = owner(self.names, first_key)
+        return got
 
     def call_many(self, calls: Mapping[str, tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
         """`method(*args)` on each named shard, all in flight together; results by shard."""
@@ -361,6 +479,9 @@ class ShardedPublisher:
         tree: UnifiedRadixCache | None,
         *,
         node_id: str,
+        ttl_s: float | None = None,
+        actor: Any = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.instance = instance
         self.cluster = cluster
@@ -370,23 +491,65 @@ class ShardedPublisher:
         self._branch: dict[bytes, bytes | None] = {}
         self._seq = dict.fromkeys(cluster.names, 0)
         self.dumps_sent = 0
-        cluster.call_many({n: ("register", (instance, node_id)) for n in cluster.names})
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidParameter(f"ttl_s must be > 0 or None, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._registration = (instance, node_id, ttl_s, actor)
+        cluster.call_many({n: ("register_instance", self._registration) for n in cluster.names})
+        self._contact = dict.fromkeys(cluster.names, clock())
+
+    def heartbeat(self) -> None:
+        """Extend this instance's lease on every shard (call more often than `ttl_s` while
+        there is nothing to publish)."""
+        answers = self.cluster.call_many(
+            {n: ("renew", ([self.instance],)) for n in self.cluster.names}
+        )
+        now = self._clock()
+        for name in self.cluster.names:
+            self._contact[name] = now
+        for name, unknown in answers.items():
+            if self.instance in unknown and self.tree is not None:
+                self.send_dump(name)
 
     def publish(self, events: Sequence[KVEvent]) -> None:
-        per_shard = self._split(events)
-        calls: dict[str, tuple[str, tuple[Any, ...]]] = {}
-        for name, evs in per_shard.items():
-            seq = self._seq[name]
-            self._seq[name] = seq + 1
-            calls[name] = ("apply_batches", ([(self.instance, seq, encode_events(evs))],))
-        for name, (ok,) in self.cluster.call_many(calls).items():
+        """Send `events` to the shards owning their keys, one numbered batch per shard. With a
+        lease, the shards that get no batch and were last told more than half a lease ago get
+        a `renew` in the same round (a lease is per shard)."""
+        per_shard = self.batches(events)
+        calls: dict[str, tuple[str, tuple[Any, ...]]] = {
+            name: ("apply_batches", ([item],)) for name, item in per_shard.items()
+        }
+        now = self._clock()
+        if self.ttl_s is not None:
+            for name in self.cluster.names:
+                if name not in calls and now - self._contact[name] > self.ttl_s / 2:
+                    calls[name] = ("renew", ([self.instance],))
+        answers = self.cluster.call_many(calls)
+        for name in calls:
+            self._contact[name] = now
+        for name in calls:
+            ok = answers[name][0] if name in per_shard else self.instance not in answers[name]
             if not ok:
                 self.send_dump(name)
+
+    def batches(self, events: Sequence[KVEvent]) -> dict[str, tuple[str, int, bytes]]:
+        """`events` split by owning shard, numbered and encoded: shard -> (instance, seq,
+        msgpack payload), for `IndexShard.apply_batches` (or `round`). Advances the sequence
+        numbers: every batch returned must be sent, in order per shard."""
+        out: dict[str, tuple[str, int, bytes]] = {}
+        for name, evs in self._split(events).items():
+            seq = self._seq[name]
+            self._seq[name] = seq + 1
+            out[name] = (self.instance, seq, encode_events(evs))
+        return out
 
     def send_dump(self, name: str) -> None:
         """A dump of this instance's branches owned by shard `name`, resuming its sequence."""
         if self.tree is None:
             raise InvalidParameter(f"{self.instance} publishes without a tree: it cannot dump")
+        # Register again: a shard that purged this instance (lease run out) forgot it.
+        self.cluster.call_many({name: ("register_instance", self._registration)})
         owned: list[KVEvent] = []
         for event in dump_tree(self.tree):  # parents before children
             assert isinstance(event, BlockStored)
@@ -407,25 +570,24 @@ class ShardedPublisher:
 
     def _assign(self, event: BlockStored) -> list[tuple[bytes | None, tuple[bytes, ...]]]:
         """The event's keys grouped by branch (None: trunk), in order; records each key's
-        depth and branch. A run below the trunk stays on one branch, so at most two groups."""
+        depth and branch. A run below the trunk stays on one branch, so at most two groups:
+        the trunk part (depths < d - 1) and the rest, recorded with C-level dict updates."""
         d = self.cluster.branch_depth
         parent = event.parent_key
         depth = self._depth.get(parent, -1) + 1 if parent is not None else 0
-        branch = self._branch.get(parent) if parent is not None else None
-        groups: list[tuple[bytes | None, list[bytes]]] = []
-        for key in event.page_keys:
-            if depth == d - 1:
-                branch = key
-            elif depth < d - 1:
-                branch = None
-            self._depth[key] = depth
-            self._branch[key] = branch
-            if groups and groups[-1][0] == branch:
-                groups[-1][1].append(key)
-            else:
-                groups.append((branch, [key]))
-            depth += 1
-        return [(b, tuple(keys)) for b, keys in groups]
+        inherited = self._branch.get(parent) if parent is not None else None
+        keys = tuple(event.page_keys)
+        self._depth.update(zip(keys, range(depth, depth + len(keys)), strict=False))
+        trunk = max(0, min(len(keys), d - 1 - depth))
+        groups: list[tuple[bytes | None, tuple[bytes, ...]]] = []
+        if trunk:
+            self._branch.update(zip(keys[:trunk], repeat(None)))
+            groups.append((None, keys[:trunk]))
+        if trunk < len(keys):
+            branch = keys[trunk] if depth + trunk == d - 1 else inherited
+            self._branch.update(zip(keys[trunk:], repeat(branch)))
+            groups.append((branch, keys[trunk:]))
+        return groups
 
     def _targets(self, branch: bytes | None) -> list[str]:
         return list(self.cluster.names) if branch is None else [self.cluster.owner(branch)]
@@ -445,17 +607,25 @@ class ShardedPublisher:
                     for name in self._targets(branch):
                         out.setdefault(name, []).append(part)
             elif isinstance(event, BlockRemoved):
+                keys = event.page_keys
+                branches = list(map(self._branch.pop, keys, repeat(_UNKNOWN)))
+                deque(map(self._depth.pop, keys, repeat(None)), maxlen=0)
+                distinct = set(branches)
                 removed: dict[str, list[bytes]] = {}
-                for key in event.page_keys:
-                    if key not in self._branch:
-                        continue
-                    branch = self._branch.pop(key)
-                    self._depth.pop(key, None)
-                    for name in self._targets(branch):
-                        removed.setdefault(name, []).append(key)
-                for name, keys in removed.items():
+                if len(distinct) == 1:  # the common case: one branch (or the trunk)
+                    (branch,) = distinct
+                    if branch is not _UNKNOWN:
+                        for name in self._targets(branch):
+                            removed[name] = list(keys)
+                else:
+                    for key, branch in zip(keys, branches, strict=True):
+                        if branch is _UNKNOWN:
+                            continue
+                        for name in self._targets(branch):
+                            removed.setdefault(name, []).append(key)
+                for name, part in removed.items():
                     out.setdefault(name, []).append(
-                        BlockRemoved(page_keys=tuple(keys), tier=event.tier)
+                        BlockRemoved(page_keys=tuple(part), tier=event.tier)
                     )
             elif isinstance(event, AllBlocksCleared):
                 if event.tier is None or event.tier == "device":
@@ -464,57 +634,3 @@ class ShardedPublisher:
                 for name in self.cluster.names:
                     out.setdefault(name, []).append(event)
         return out
-
-
-def replay_ops_on_cluster(
-    cluster: ClusterIndex, stream: OpStream, *, batch_requests: int, node_id: str
-) -> OpTiming:
-    """The INDEXER_BENCH stream through the shards, `batch_requests` requests at a time: one
-    `match_batch` (one call per shard) for their lookups, then one publish per instance of
-    their events (one call per shard). Each op's latency is its batch's round trip."""
-    if batch_requests < 1:
-        raise InvalidParameter(f"batch_requests must be >= 1, got {batch_requests}")
-    publishers: dict[str, ShardedPublisher] = {}
-    for req in stream.requests:
-        if req.instance not in publishers:
-            publishers[req.instance] = ShardedPublisher(
-                req.instance, cluster, None, node_id=node_id
-            )
-    latencies: list[float] = []
-    start = time.perf_counter()
-    cpu_start = time.process_time()
-    requests = stream.requests
-    pages = 0
-    for lo in range(0, len(requests), batch_requests):
-        chunk = requests[lo : lo + batch_requests]
-        t0 = time.perf_counter()
-        cluster.match_batch([r.page_keys for r in chunk])
-        by_instance: dict[str, list[KVEvent]] = {}
-        for r in chunk:
-            by_instance.setdefault(r.instance, []).extend(r.events)
-        for name, events in by_instance.items():
-            publishers[name].publish(events)
-        took = time.perf_counter() - t0
-        ops = sum(1 + len(r.events) for r in chunk)
-        pages += sum(
-            len(r.page_keys) + sum(len(getattr(e, "page_keys", ())) for e in r.events)
-            for r in chunk
-        )
-        latencies.extend([took] * ops)
-    seconds = time.perf_counter() - start
-    ordered = sorted(latencies)
-
-    def pct(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
-
-    return OpTiming(
-        ops=len(latencies),
-        pages=pages,
-        seconds=seconds,
-        cpu_seconds=time.process_time() - cpu_start,
-        p50_us=pct(0.50),
-        p99_us=pct(0.99),
-        max_us=ordered[-1] * 1e6 if ordered else 0.0,
-        lookup_p99_us=pct(0.99),
-        event_p99_us=pct(0.99),
-    )

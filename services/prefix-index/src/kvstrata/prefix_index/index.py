@@ -4,25 +4,38 @@ Keys are the chained page keys of `kvstrata.storage.PageKeyer` (key_i names the 
 to page i), so the index is a flat map, not a tree: the longest cached prefix of a prompt on an
 instance is the longest run of its keys, from the first, that the instance holds.
 
-    _holders:  key -> {instance id: tier mask}      (OrderedDict: least recently matched first)
+    _holders:  key -> packed int: per instance id i, a group of W = 1 + tiers bits at i * W:
+               bit 0 "holds the key", then one bit per tier, best first
+               (OrderedDict when bounded: least recently matched first)
     _by_inst:  instance id -> set of its keys       (drop / clear of one instance in O(its keys))
     _seq:      instance name -> next expected batch sequence number
+
+Instance names are interned to small ids (a dropped instance's id is reused, smallest first,
+so the packed ints stay as short as the live instances allow). A lookup is a running AND of
+the packed ints of the query's keys: the "holds" bits left set at depth d are the instances
+whose run reaches d, so many instances sharing a prefix cost one AND per page, not one dict
+probe per instance and page. Feeding and lookups run their per-page loops in C (map, zip,
+dict.update, set.update, accumulate): no Python bytecode per page on the common paths.
 
 Bounded memory: with `max_entries`, inserting a new key when full evicts the least recently
 matched key (all its holders). `find_matches` touches the matched keys deepest first, so among
 the keys of one prefix the first page is the most recent: eviction takes a prefix's tail before
 its head (a head evicted first would orphan its whole tail, since matches start at page 0).
 
-Costs: `apply` O(pages of the events); `find_matches` O(pages matched x instances still
-matching) dict lookups; `drop_instance` O(keys of the instance). Measured (`kvstrata bench
-index`) bytes per entry and ops/s are in the member README.
+Costs: `apply` O(pages of the events); `find_matches` O(pages matched) plus O(pages matched) per
+instance whose pages are not all on one tier; `drop_instance` O(keys of the instance). Measured
+(`kvstrata bench index`) bytes per entry and ops/s are in the member README.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import reduce
+from itertools import accumulate, compress, repeat, takewhile
+from operator import and_, not_, or_, rshift
 from typing import NamedTuple
 
 import numpy.typing as npt
@@ -108,20 +121,31 @@ class PrefixIndex:
         self.keyer = keyer if keyer is not None else PageKeyer(page_size=page_size)
         self.max_entries = max_entries
         self.tier_weights: dict[str, float] = weights
-        # Tier bits ordered best first, so the lowest set bit of a mask is the best tier.
+        # One group of bits per instance: bit 0 "holds the key", then one bit per tier, best
+        # tier first (so the lowest tier bit of a group names its best tier).
         ordered = sorted(weights, key=lambda t: -weights[t])
-        self._tier_bit: dict[str, int] = {t: 1 << i for i, t in enumerate(ordered)}
-        self._all_bits = (1 << len(ordered)) - 1
-        # Best tier of every mask: the lowest set bit names it.
-        self._best_tier: tuple[str, ...] = (
-            "",
-            *(ordered[(m & -m).bit_length() - 1] for m in range(1, self._all_bits + 1)),
+        self._width = len(ordered) + 1
+        self._group = (1 << self._width) - 1
+        self._tier_bit: dict[str, int] = {t: 2 << i for i, t in enumerate(ordered)}
+        self._all_tiers = self._group ^ 1
+        # Per group value: its best tier ("" without one) and its set of tiers.
+        self._best_tier: tuple[str, ...] = tuple(
+            ordered[((g >> 1) & -(g >> 1)).bit_length() - 1] if g >> 1 else ""
+            for g in range(self._group + 1)
         )
-        self._holders: OrderedDict[bytes, dict[int, int]] = OrderedDict()
+        self._tier_sets: tuple[frozenset[str], ...] = tuple(
+            frozenset(t for t, b in self._tier_bit.items() if g & b) for g in range(self._group + 1)
+        )
+        # key -> packed groups of its holders (insertion order = least recently matched first
+        # when bounded: an OrderedDict then, for O(1) move_to_end / popitem(last=False)).
+        self._holders: dict[bytes, int] = OrderedDict() if max_entries is not None else {}
         self._by_inst: dict[int, set[bytes]] = {}
         self._ids: dict[str, int] = {}
         self._names: dict[int, str] = {}
+        self._free_ids: list[int] = []  # ids of dropped instances, reused smallest first
         self._next_id = 0
+        self._present = 0  # the "holds" bit of every id handed out so far
+        self._below_best = 0  # the bits of every tier but the best, of every id handed out
         self._seq: dict[str, int] = {}
         self._awaiting_dump: set[str] = set()
         self._engine_maps: dict[str, EngineKeyMap] = {}
@@ -137,20 +161,23 @@ class PrefixIndex:
         bounded, may evict other keys). Raises InvalidInstance / InvalidEvent, before any
         change, for a bad name, an unknown event, a tier absent from the weights or a page size
         other than the index's."""
-        self._check_instance(instance)
-        batch = list(events)
+        iid = self._ids.get(instance) if type(instance) is str else None
+        if iid is None:
+            self._check_instance(instance)
+        batch = events if type(events) is tuple or type(events) is list else list(events)
         self._check_events(batch)
-        iid = self._intern(instance)
+        if iid is None:
+            iid = self._intern(instance)
+        tier_bit = self._tier_bit
         for event in batch:
             if isinstance(event, BlockStored):
-                self._store(iid, event.page_keys, self._tier_bit[event.tier])
+                self._store(iid, event.page_keys, tier_bit[event.tier])
             elif isinstance(event, BlockRemoved):
-                bit = self._tier_bit[event.tier]
-                for key in event.page_keys:
-                    self._remove(iid, key, bit)
+                self._remove(iid, event.page_keys, tier_bit[event.tier])
             else:
-                bits = self._all_bits if event.tier is None else self._tier_bit[event.tier]
-                self._clear(iid, bits)
+                tier = event.tier
+                bits = self._all_tiers if tier is None else tier_bit[tier]
+                self._remove(iid, list(self._by_inst[iid]), bits)
 
     def apply_engine_batch(
         self, instance: str, payload: bytes, format: str = "vllm", *, group: int = 0
@@ -230,8 +257,9 @@ class PrefixIndex:
         self._awaiting_dump.discard(instance)
         iid = self._ids.pop(instance, None)
         if iid is not None:
-            self._names.pop(iid, None)
-            self._by_inst.pop(iid, None)
+            del self._names[iid]
+            del self._by_inst[iid]
+            heapq.heappush(self._free_ids, iid)  # its bits are clear in every entry now
         return removed
 
     # ------------------------------------------------------------------------------------------
@@ -259,19 +287,33 @@ class PrefixIndex:
         (they already fold in their namespace); token ids are keyed with `keyer` in the
         namespace (`extra_key`, `cache_salt`). Touches the matched keys (bounded mode)."""
         keys = self._as_keys(tokens_or_page_keys, extra_key, cache_salt)
+        vals, runs, uniform = self._runs(keys)
+        if not uniform and not reduce(or_, vals, 0) & self._below_best:
+            # Every holder holds every page it holds on the best tier: one tier for all.
+            uniform = True
         names = self._names
         best = self._best_tier
+        group = self._group
+        width = self._width
         out: dict[str, InstanceMatch] = {}
-        for iid, masks in self._walk(keys).items():
-            out[names[iid]] = InstanceMatch(
-                num_pages=len(masks), tiers=tuple(map(best.__getitem__, masks))
-            )
-        return PrefixMatches(num_pages=len(keys), by_instance=out)
+        for iid, run in runs.items():
+            shift = iid * width
+            if uniform:
+                tiers = (best[(vals[0] >> shift) & group],) * run
+            else:
+                gs = list(map(and_, map(rshift, vals[:run], repeat(shift)), repeat(group)))
+                g0 = gs[0]
+                if gs.count(g0) == run:
+                    tiers = (best[g0],) * run
+                else:
+                    tiers = tuple(map(best.__getitem__, gs))
+            out[names[iid]] = InstanceMatch(run, tiers)
+        return PrefixMatches(len(keys), out)
 
     def match_lengths(self, page_keys: Sequence[bytes]) -> dict[str, int]:
         """Per instance, pages matched from the first (the hot path of routing: no tiers)."""
         names = self._names
-        return {names[iid]: len(masks) for iid, masks in self._walk(page_keys).items()}
+        return {names[iid]: run for iid, run in self._runs(page_keys)[1].items()}
 
     def score(
         self,
@@ -292,11 +334,11 @@ class PrefixIndex:
         iid = self._ids.get(instance)
         if iid is None:
             return {}
-        out: dict[bytes, frozenset[str]] = {}
-        for key in self._by_inst.get(iid, ()):
-            mask = self._holders[key][iid]
-            out[key] = frozenset(t for t, b in self._tier_bit.items() if mask & b)
-        return out
+        shift = iid * self._width
+        holders = self._holders
+        sets = self._tier_sets
+        group = self._group
+        return {key: sets[(holders[key] >> shift) & group] for key in self._by_inst[iid]}
 
     def instances(self) -> list[str]:
         """Names of the instances with at least one entry or sequence state, sorted."""
@@ -316,72 +358,75 @@ class PrefixIndex:
         return len(self._holders)
 
     def check_integrity(self) -> None:
-        """Holders and per-instance key sets agree, masks are valid, the bound holds."""
+        """Every entry's groups are valid (holds bit set exactly when a tier bit is) and name
+        live instances whose key sets hold the key, and nothing else is in those sets; the id
+        maps agree; the bound holds."""
+        width, group = self._width, self._group
         pairs = 0
-        for key, holders in self._holders.items():
-            assert holders, f"key {key.hex()} has no holder but stays in the index"
-            for iid, mask in holders.items():
-                assert 0 < mask <= self._all_bits, f"bad tier mask {mask} on {key.hex()}"
-                assert key in self._by_inst.get(iid, ()), "holder missing from instance set"
-                pairs += 1
+        for key, packed in self._holders.items():
+            assert packed > 0, f"key {key.hex()} has no holder but stays in the index"
+            iid, rest = 0, packed
+            while rest:
+                g = rest & group
+                if g:
+                    assert g & 1 and g >> 1, f"bad group {g:b} of instance {iid} on {key.hex()}"
+                    assert iid in self._names, f"key {key.hex()} held by unknown id {iid}"
+                    assert key in self._by_inst[iid], "holder missing from instance set"
+                    pairs += 1
+                rest >>= width
+                iid += 1
         assert pairs == sum(len(s) for s in self._by_inst.values()), (
             "per-instance key sets hold keys the holders map does not"
         )
         assert set(self._ids.values()) == set(self._names), "instance id maps disagree"
-        assert set(self._by_inst) <= set(self._names), "key set of an unknown instance"
+        assert set(self._by_inst) == set(self._names), "key sets and instances disagree"
+        assert not set(self._free_ids) & set(self._names), "a free id is in use"
         if self.max_entries is not None:
             assert len(self._holders) <= self.max_entries, "entry bound exceeded"
 
     # ------------------------------------------------------------------------------------------
     # Internals
     # ------------------------------------------------------------------------------------------
-    def _walk(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
-        """Instance id -> tier masks of its run of pages from the first."""
+    def _runs(self, keys: Sequence[bytes]) -> tuple[list[int], dict[int, int], bool]:
+        """The packed holders of the keys up to the first key nobody holds, instance id -> its
+        run of pages from the first, and whether every one of those pages has the very same
+        holders and tiers (the common case: one answer for all). The loops run in C (map,
+        takewhile, accumulate, count): a Python-level loop per page cost 3-5x more."""
         if not keys:
-            return {}
+            return [], {}, True
         holders = self._holders
-        get = holders.get
-        first = get(keys[0])
-        if not first:
-            return {}
-        num_keys = len(keys)
-        if len(first) == 1:
-            # One holder of the first page (the common case): a tight loop, no bookkeeping.
-            ((iid, mask),) = first.items()
-            masks = [mask]
-            for i in range(1, num_keys):
-                h = get(keys[i])
-                if h is None:
-                    break
-                m = h.get(iid)
-                if m is None:
-                    break
-                masks.append(m)
-            runs = {iid: masks}
-            depth = len(masks)
+        vals = list(takewhile(bool, map(holders.get, keys, repeat(0))))
+        num = len(vals)
+        if not num:
+            return vals, {}, True
+        first = vals[0]
+        width = self._width
+        uniform = vals.count(first) == num
+        runs: dict[int, int] = {}
+        if uniform:
+            for iid in _ids_of(first & self._present, width):
+                runs[iid] = num
+            depth = num
         else:
-            runs = {iid: [mask] for iid, mask in first.items()}
-            alive = list(runs)
-            depth = 1
-            while depth < num_keys and alive:
-                h = get(keys[depth])
-                if h is None:
+            # Running AND of the "holds" bits: the set of instances still matching at each depth,
+            # shrinking; each distinct set is one contiguous stretch.
+            alive = list(map(and_, accumulate(vals, and_), repeat(self._present)))
+            depth = 0
+            prev = alive[0]
+            for mask in dict.fromkeys(alive):
+                if mask != prev:
+                    for iid in _ids_of(prev & ~mask, width):
+                        runs[iid] = depth
+                    prev = mask
+                if not mask:
                     break
-                still: list[int] = []
-                for iid in alive:
-                    m = h.get(iid)
-                    if m is not None:
-                        runs[iid].append(m)
-                        still.append(iid)
-                if not still:
-                    break
-                alive = still
-                depth += 1
+                depth += alive.count(mask)
+            for iid in _ids_of(prev, width):
+                runs[iid] = depth
         if self.max_entries is not None:
-            touch = holders.move_to_end
-            for i in range(depth - 1, -1, -1):
-                touch(keys[i])
-        return runs
+            # Deepest first, so the head of a prefix is the most recent of its keys.
+            any(map(holders.move_to_end, reversed(keys[:depth])))  # type: ignore[attr-defined]
+        return vals, runs, uniform
 
     def _as_keys(
         self,
@@ -396,68 +441,89 @@ class PrefixIndex:
     def _intern(self, instance: str) -> int:
         iid = self._ids.get(instance)
         if iid is None:
-            iid = self._next_id
-            self._next_id += 1
+            if self._free_ids:
+                iid = heapq.heappop(self._free_ids)
+            else:
+                iid = self._next_id
+                self._next_id += 1
+                self._present |= 1 << (iid * self._width)
+                self._below_best |= (self._all_tiers ^ 2) << (iid * self._width)
             self._ids[instance] = iid
             self._names[iid] = instance
             self._by_inst[iid] = set()
         return iid
 
     def _store(self, iid: int, keys: Sequence[bytes], bit: int) -> None:
-        """Add (iid, bit) to every key: the hot path of `apply`, so the loop is inlined with
-        local names (a method call per key cost a third of the replay)."""
+        """OR (holds | tier) of `iid` into every key's groups: the hot path of `apply`, in C
+        loops (map / zip / dict.update / set.update) unless a bounded index must evict."""
         entries = self._holders
         mine = self._by_inst[iid]
-        bounded = self.max_entries is not None
-        cap = self.max_entries or 0
+        mark = (bit | 1) << (iid * self._width)
+        vals = list(map(entries.get, keys, repeat(0)))
+        cap = self.max_entries
+        if cap is None or len(entries) + vals.count(0) <= cap:
+            entries.update(zip(keys, map(or_, vals, repeat(mark)), strict=True))
+            mine.update(keys)
+            return
         get = entries.get
         for key in keys:
-            holders = get(key)
-            if holders is None:
-                if bounded and len(entries) >= cap:
-                    self._evict_one()
-                entries[key] = {iid: bit}
-                mine.add(key)
+            packed = get(key, 0)
+            if not packed and len(entries) >= cap:
+                self._evict_one()
+            entries[key] = packed | mark
+            mine.add(key)
+
+    def _remove(self, iid: int, keys: Sequence[bytes], bits: int) -> None:
+        """Clear tier `bits` of `iid` on `keys`; a key left on no tier of `iid` loses its holds
+        bit and leaves `iid`'s set, and a key left with no holder leaves the index."""
+        entries = self._holders
+        shift = iid * self._width
+        holds = 1 << shift
+        drop = bits << shift
+        vals = list(map(entries.get, keys, repeat(0)))
+        mine_tiers = self._all_tiers << shift
+        if 0 not in vals and not any(map(and_, vals, repeat(~(holds | drop)))):
+            # Every key is held by `iid` alone, on no tier but those dropped: all go.
+            deque(map(entries.pop, keys, repeat(None)), maxlen=0)
+            self._by_inst[iid].difference_update(keys)
+            return
+        if not any(map(and_, vals, repeat(mine_tiers & ~drop))):
+            # `iid` holds none of the keys on a tier it keeps (the common case: one tier per
+            # instance): its whole group goes from every key, in C loops.
+            new = list(map(and_, vals, repeat(~(holds | drop))))
+            if 0 in new:
+                deque(map(entries.pop, compress(keys, map(not_, new)), repeat(None)), maxlen=0)
+                entries.update(compress(zip(keys, new, strict=True), new))
+            else:
+                entries.update(zip(keys, new, strict=True))
+            self._by_inst[iid].difference_update(keys)
+            return
+        gone: list[bytes] = []
+        for key, packed in zip(keys, vals, strict=True):
+            if not packed & drop:
                 continue
-            mask = holders.get(iid)
-            if mask is None:
-                holders[iid] = bit
-                mine.add(key)
-            elif not mask & bit:
-                holders[iid] = mask | bit
-
-    def _remove(self, iid: int, key: bytes, bits: int) -> None:
-        holders = self._holders.get(key)
-        if holders is None:
-            return
-        mask = holders.get(iid)
-        if mask is None:
-            return
-        mask &= ~bits
-        if mask:
-            holders[iid] = mask
-            return
-        del holders[iid]
-        self._by_inst[iid].discard(key)
-        if not holders:
-            del self._holders[key]
-
-    def _clear(self, iid: int, bits: int) -> None:
-        for key in list(self._by_inst[iid]):
-            self._remove(iid, key, bits)
+            packed &= ~drop
+            if not packed & mine_tiers:
+                packed &= ~holds
+                gone.append(key)
+            if packed:
+                entries[key] = packed
+            else:
+                entries.pop(key, None)
+        if gone:
+            self._by_inst[iid].difference_update(gone)
 
     def _drop(self, instance: str) -> int:
         iid = self._ids.get(instance)
         if iid is None:
             return 0
-        keys = self._by_inst[iid]
-        removed = len(keys)
-        self._clear(iid, self._all_bits)
-        return removed
+        keys = list(self._by_inst[iid])
+        self._remove(iid, keys, self._all_tiers)
+        return len(keys)
 
     def _evict_one(self) -> None:
-        key, holders = self._holders.popitem(last=False)
-        for iid in holders:
+        key, packed = self._holders.popitem(last=False)  # type: ignore[call-arg]
+        for iid in _ids_of(packed & self._present, self._width):
             self._by_inst[iid].discard(key)
         self.evicted_entries += 1
 
@@ -465,7 +531,7 @@ class PrefixIndex:
         if not isinstance(instance, str) or not instance:
             raise InvalidInstance(f"an instance is named by a non-empty str, got {instance!r}")
 
-    def _check_events(self, events: list[KVEvent]) -> None:
+    def _check_events(self, events: Sequence[KVEvent]) -> None:
         key_bytes = self.keyer.key_bytes
         for event in events:
             if isinstance(event, BlockStored):
@@ -495,3 +561,13 @@ class PrefixIndex:
         if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {key_bytes}):
             bad = next(k for k in keys if not isinstance(k, bytes) or len(k) != key_bytes)
             raise InvalidEvent(f"page keys are {key_bytes}-byte bytes, got {bad!r:.80}")
+
+
+def _ids_of(holds: int, width: int) -> list[int]:
+    """Instance ids whose holds bit is set in `holds` (bit iid * width)."""
+    out: list[int] = []
+    while holds:
+        low = holds & -holds
+        out.append((low.bit_length() - 1) // width)
+        holds ^= low
+    return out

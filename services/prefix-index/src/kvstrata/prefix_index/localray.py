@@ -3,26 +3,37 @@
 stores, no dashboard, health checks fast enough to notice a killed node in ~1.5 s).
 
 Set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before `import ray` anywhere in the process (Ray reads
-it at import): that is what keeps every socket on 127.0.0.1.
+it at import): that is what keeps every socket on 127.0.0.1. Set RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
+there too: a driver started by `uv run` otherwise gets a runtime env that uploads the working
+tree and starts every worker with `uv run` in a fresh copy of it (a new venv, no bytecode), so an
+actor took over 60 s to start here and the cluster looked like it had not come up.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from itertools import repeat
+from typing import Any
 
 import ray
+from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 
-from kvstrata.prefix_index.cluster import ClusterIndex, deploy_shards, replay_ops_on_cluster
+from kvstrata.prefix_index.cluster import ClusterIndex, ShardedPublisher, deploy_shards
+from kvstrata.prefix_index.errors import InvalidParameter, ShardUnavailable
 from kvstrata.prefix_index.opstream import OpStream, OpTiming
+from kvstrata.unified_radix_cache import KVEvent
 
 _ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
     # A loaded 2-core machine can take longer than the default 30 s to register a raylet.
     "RAY_raylet_start_wait_time_s": "120",
     "RAY_agent_register_timeout_ms": "120000",
@@ -64,6 +75,10 @@ def loopback_cluster(num_workers: int, attempts: int = 2) -> Iterator[Cluster]:
     saved = {k: os.environ.get(k) for k in [*_ENV, "RAY_TMPDIR"]}
     tmp = tempfile.mkdtemp(prefix="kvstrata-prefix-index-ray-")
     os.environ.update(_ENV, RAY_TMPDIR=tmp)
+    # Ray read RAY_ENABLE_UV_RUN_RUNTIME_ENV when it was imported (perhaps before this call, by
+    # another module): switch the hook off where `ray.init` reads it, for this cluster only.
+    saved_uv_hook = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV
+    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
     cluster: Cluster | None = None
     try:
         errors: list[str] = []
@@ -79,6 +94,7 @@ def loopback_cluster(num_workers: int, attempts: int = 2) -> Iterator[Cluster]:
         yield cluster
     finally:
         ray.shutdown()
+        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = saved_uv_hook
         if cluster is not None:
             cluster.shutdown()
         for k, v in saved.items():
@@ -89,7 +105,12 @@ def loopback_cluster(num_workers: int, attempts: int = 2) -> Iterator[Cluster]:
 
 
 def replay_on_local_cluster(
-    stream: OpStream, *, batch_requests: int, num_workers: int = 1, branch_depth: int = 2
+    stream: OpStream,
+    *,
+    batch_requests: int,
+    num_workers: int = 1,
+    branch_depth: int = 2,
+    in_flight: int = 8,
 ) -> tuple[OpTiming, int, float]:
     """Start a loopback cluster of 1 + `num_workers` nodes, deploy one shard per node, replay
     `stream` through them (`replay_ops_on_cluster`); returns the timing, the number of shards
@@ -101,5 +122,96 @@ def replay_on_local_cluster(
             shards, page_size=stream.page_size, timeout_s=120, branch_depth=branch_depth
         )
         node = ray.get_runtime_context().get_node_id()
-        timing = replay_ops_on_cluster(cluster, stream, batch_requests=batch_requests, node_id=node)
+        timing = replay_ops_on_cluster(
+            cluster, stream, batch_requests=batch_requests, node_id=node, in_flight=in_flight
+        )
         return timing, len(shards), cluster.skew()
+
+
+def replay_ops_on_cluster(
+    cluster: ClusterIndex,
+    stream: OpStream,
+    *,
+    batch_requests: int,
+    node_id: str,
+    in_flight: int = 1,
+) -> OpTiming:
+    """The INDEXER_BENCH stream through the shards, `batch_requests` requests a round: one
+    `round` call per shard carrying the round's lookups owned by that shard and the round's
+    event batches for it; up to `in_flight` rounds outstanding (Ray runs one caller's calls to
+    an actor in order, so every shard still sees the stream in order). Each op's latency is
+    its round's time from submission to answer. Shard-side gaps cannot happen here (no
+    batch is lost): one is an error."""
+    if batch_requests < 1 or in_flight < 1:
+        raise InvalidParameter(
+            f"batch_requests and in_flight must be >= 1, got {batch_requests}, {in_flight}"
+        )
+    if not all(isinstance(h, ray.actor.ActorHandle) for h in cluster.shards.values()):
+        raise InvalidParameter("replay_ops_on_cluster needs Ray shard actors")
+    publishers: dict[str, ShardedPublisher] = {}
+    for req in stream.requests:
+        if req.instance not in publishers:
+            publishers[req.instance] = ShardedPublisher(
+                req.instance, cluster, None, node_id=node_id
+            )
+    depth = cluster.branch_depth
+    latencies: list[float] = []
+    pending: deque[tuple[float, int, list[Any]]] = deque()
+
+    def settle() -> None:
+        t0, ops, refs = pending.popleft()
+        for _, _, oks in ray.get(refs, timeout=cluster.timeout_s):
+            if not all(oks):
+                raise ShardUnavailable("a shard reported a gap in a lossless replay")
+        latencies.extend(repeat(time.perf_counter() - t0, ops))
+
+    start = time.perf_counter()
+    cpu_start = time.process_time()
+    requests = stream.requests
+    pages = 0
+    for lo in range(0, len(requests), batch_requests):
+        chunk = requests[lo : lo + batch_requests]
+        t0 = time.perf_counter()
+        queries: dict[str, list[Sequence[bytes]]] = {}
+        items: dict[str, list[tuple[str, int, bytes]]] = {}
+        by_instance: dict[str, list[KVEvent]] = {}
+        for r in chunk:
+            q = r.page_keys
+            if q:
+                queries.setdefault(cluster.owner(q[min(depth, len(q)) - 1]), []).append(q)
+            by_instance.setdefault(r.instance, []).extend(r.events)
+        for name, events in by_instance.items():
+            for shard, item in publishers[name].batches(events).items():
+                items.setdefault(shard, []).append(item)
+        refs = [
+            cluster.shards[n].round.remote(queries.get(n, []), items.get(n, []))
+            for n in cluster.names
+            if n in queries or n in items
+        ]
+        ops = sum(1 + len(r.events) for r in chunk)
+        pending.append((t0, ops, refs))
+        while len(pending) >= in_flight:
+            settle()
+        pages += sum(
+            len(r.page_keys) + sum(len(getattr(e, "page_keys", ())) for e in r.events)
+            for r in chunk
+        )
+    while pending:
+        settle()
+    seconds = time.perf_counter() - start
+    ordered = sorted(latencies)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
+
+    return OpTiming(
+        ops=len(latencies),
+        pages=pages,
+        seconds=seconds,
+        cpu_seconds=time.process_time() - cpu_start,
+        p50_us=pct(0.50),
+        p99_us=pct(0.99),
+        max_us=ordered[-1] * 1e6 if ordered else 0.0,
+        lookup_p99_us=pct(0.99),
+        event_p99_us=pct(0.99),
+    )

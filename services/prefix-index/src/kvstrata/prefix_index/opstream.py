@@ -6,6 +6,10 @@ with every op timed (`replay_ops`); and the index's memory per entry measured
 
     request r:   find_matches(keys_r)       1 op
                  apply(instance_r, [e])     1 op per event e of r (BlockStored / BlockRemoved)
+
+Besides the timed replay: the same replay untimed (`replay_untimed`: the per-op clock reads are a
+tenth of an op here), and the floor any CPython dict-based index pays on this machine
+(`bare_dict_floor`: the same stream as the bare dict probes it needs, nothing else).
 """
 
 from __future__ import annotations
@@ -14,14 +18,16 @@ import gc
 import time
 import tracemalloc
 from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat, takewhile
 
 import numpy as np
 
 from kvstrata.prefix_index.index import PrefixIndex
 from kvstrata.prefix_index.simulate import SimInstance
-from kvstrata.unified_radix_cache import BlockStored, KVEvent
+from kvstrata.unified_radix_cache import BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +144,81 @@ def replay_ops(index: PrefixIndex, stream: OpStream) -> OpTiming:
         event_p99_us=float(np.percentile(np.frombuffer(events, np.int64), 99)) / 1e3
         if len(events)
         else 0.0,
+    )
+
+
+def replay_untimed(index: PrefixIndex, stream: OpStream) -> float:
+    """Replay `stream` into `index` with no per-op clock; returns this process's CPU seconds."""
+    find, apply = index.find_matches, index.apply
+    gc.collect()
+    cpu_start = time.process_time()
+    for req in stream.requests:
+        find(req.page_keys)
+        name = req.instance
+        for event in req.events:
+            apply(name, (event,))
+    return time.process_time() - cpu_start
+
+
+def bare_dict_floor(stream: OpStream) -> float:
+    """CPU seconds of the stream as bare dict probes, no index logic: a lookup reads keys up
+    to the first miss, a store writes its keys, a removal pops them (one dict, one holder).
+    What a CPython index keyed by these keys cannot go below: on a large dict each probe is a
+    few cache misses (key slot, entry, key object)."""
+    table: dict[bytes, int] = {}
+    get, pop = table.get, table.pop
+    gc.collect()
+    cpu_start = time.process_time()
+    for req in stream.requests:
+        deque(takewhile(bool, map(get, req.page_keys, repeat(0))), maxlen=0)
+        for event in req.events:
+            if isinstance(event, BlockStored):
+                table.update(dict.fromkeys(event.page_keys, 3))
+            elif isinstance(event, BlockRemoved):
+                deque(map(pop, event.page_keys, repeat(None)), maxlen=0)
+    return time.process_time() - cpu_start
+
+
+@dataclass(frozen=True, kw_only=True)
+class LookupCost:
+    """CPU ns of one dict probe with a key object other than the stored one (as a query's
+    keys are), on a dict of `small_entries` (cache-resident) and of `large_entries` keys."""
+
+    small_entries: int
+    small_ns: float
+    large_entries: int
+    large_ns: float
+
+
+def dict_lookup_cost(stream: OpStream, *, probes: int = 100_000) -> LookupCost:
+    """Random probes of 256 keys and of every key the stream stores: how far the memory
+    hierarchy of this machine (shared, contended) slows a probe once the index outgrows the
+    caches."""
+    keys: list[bytes] = []
+    for req in stream.requests:
+        for event in req.events:
+            if isinstance(event, BlockStored):
+                keys.extend(event.page_keys)
+    keys = sorted(set(keys))
+    rng = np.random.default_rng(0)
+
+    def cost(pool: list[bytes]) -> float:
+        table = dict.fromkeys(pool, 3)
+        picks = rng.integers(0, len(pool), size=probes)
+        query = [bytes(bytearray(pool[i])) for i in picks]
+        best = float("inf")
+        for _ in range(3):
+            start = time.process_time()
+            deque(map(table.get, query, repeat(0)), maxlen=0)
+            best = min(best, time.process_time() - start)
+        return best / probes * 1e9
+
+    small = keys[:256]
+    return LookupCost(
+        small_entries=len(small),
+        small_ns=cost(small),
+        large_entries=len(keys),
+        large_ns=cost(keys),
     )
 
 
