@@ -85,25 +85,31 @@ def build_tiers(
     host_ratio: float | None = None,
     host_bytes: int | None = None,
     storage_url: str | None = None,
+    storage: Storage | None = None,
     params: TierParams | None = None,
     controller_params: ControllerParams | None = None,
 ) -> TieredSystem:
     """Add a host tier of `host_tokens` (full-attention slots), `host_ratio` x each device
     pool, or `host_bytes` in all (at most one; default ratio 2.0) and, with `storage_url`
     (`memory://...`, `file:///...`), an L3 tier, for an mha, swa or mamba system whose tree is
-    still empty. Mutates `system.tree` (the cache attaches its host tier to it).
+    still empty. `storage` instead of `storage_url`: an open store, shared with whoever else
+    holds it (several instances of a cluster replay); closing the tiers leaves it open.
+    Mutates `system.tree` (the cache attaches its host tier to it).
 
-    Raises InvalidCapacity for more than one size or a non-positive one and InvalidModel for a
-    system of another layout, before anything is allocated; HostPoolError (a mirror under one
-    page, more than the host holds) while allocating the mirrors; TiersUnsupported when the
-    hierarchical cache refuses the combination (its InvalidConfig), after
-    stopping the controller it started and before the tree is touched.
+    Raises InvalidCapacity for more than one size or a non-positive one (or both `storage_url`
+    and `storage`) and InvalidModel for a system of another layout, before anything is
+    allocated; HostPoolError (a mirror under one page, more than the host holds) while
+    allocating the mirrors; TiersUnsupported when the hierarchical cache refuses the
+    combination (its InvalidConfig), after stopping the controller it started and before the
+    tree is touched.
     """
     sizes = [s for s in (host_tokens, host_ratio, host_bytes) if s is not None]
     if len(sizes) > 1:
         raise InvalidCapacity("give at most one of host_tokens, host_ratio, host_bytes")
     if any(s <= 0 for s in sizes):
         raise InvalidCapacity(f"the host size must be positive, got {sizes[0]}")
+    if storage_url is not None and storage is not None:
+        raise InvalidCapacity("give at most one of storage_url, storage")
     devices = _device_pools(system)
     full = devices["full"]
     assert isinstance(full, MHAKVPool), "the full member is an MHA pool"
@@ -130,7 +136,8 @@ def build_tiers(
             hosts[name] = MHAHostPool(
                 pool, layout=layout, size=size, ratio=ratio, size_bytes=nbytes
             )
-    storage = open_storage(storage_url) if storage_url else None
+    if storage_url:
+        storage = open_storage(storage_url)
     controller = TierController(
         PoolGroup(system.layers, hosts), storage=storage, params=controller_params
     )
