@@ -45,7 +45,7 @@ from kvstrata.replay.cluster import ClusterSpec
 from kvstrata.replay.cluster_instance import Served
 from kvstrata.replay.request import ReplayRequest
 from kvstrata.replay_ray.actor import InstanceActor
-from kvstrata.replay_ray.errors import InstanceFailed, InvalidRayOption
+from kvstrata.replay_ray.errors import InstanceFailed, InvalidRayOption, RayDidNotStart
 from kvstrata.storage.registry import parse_storage_url
 
 #: Object store of a loopback cluster (RAY_NOTES.md: 128-512 MiB; the replay moves little).
@@ -55,21 +55,33 @@ DEFAULT_NAMESPACE = "kvstrata"
 
 
 @contextmanager
-def local_ray(*, num_cpus: int = 2, namespace: str = DEFAULT_NAMESPACE) -> Iterator[str]:
+def local_ray(
+    *, num_cpus: int = 2, namespace: str = DEFAULT_NAMESPACE, attempts: int = 2
+) -> Iterator[str]:
     """A one-node Ray cluster on 127.0.0.1 for the duration of the block (no dashboard, no
     worker logs on the driver, a small object store, its own temp dir); yields its address.
-    The caller must not be connected to Ray already."""
+    The caller must not be connected to Ray already. On a loaded machine the raylet may miss
+    Ray's fixed 30 s registration deadline: `attempts` tries, then RayDidNotStart."""
     tmp = tempfile.mkdtemp(prefix="kvstrata-replay-ray-")
     saved = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = tmp
     try:
-        ray.init(
-            num_cpus=num_cpus,
-            object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-            include_dashboard=False,
-            log_to_driver=False,
-            namespace=namespace,
-        )
+        errors: list[str] = []
+        for _ in range(attempts):
+            try:
+                ray.init(
+                    num_cpus=num_cpus,
+                    object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    namespace=namespace,
+                )
+                break
+            except Exception as exc:  # noqa: BLE001 (Ray raises a bare Exception on a timeout)
+                errors.append(str(exc))
+                ray.shutdown()
+        else:
+            raise RayDidNotStart("; ".join(errors))
         try:
             yield ray.get_runtime_context().gcs_address
         finally:

@@ -16,3 +16,7 @@ class InvalidRayOption(RayReplayError):
 
 class InstanceFailed(RayReplayError):
     """An instance actor (or a service it needs) died or did not answer within the timeout."""
+
+
+class RayDidNotStart(RayReplayError):
+    """The loopback cluster did not come up (an overloaded machine)."""
