@@ -13,13 +13,12 @@ import ray
 from kvstrata.cli.main import main
 from kvstrata.l3_store import deploy
 from kvstrata.prefix_index.cluster import NAME_PREFIX
-from kvstrata.replay import read_trace
+from kvstrata.replay import WorkloadSpec, generate_workload
 from kvstrata.replay.cluster import ClusterReport, ClusterSpec, run_cluster
 from kvstrata.replay_ray import RayCluster, local_ray
 from kvstrata.replay_ray.errors import InvalidRayOption, RayDidNotStart
 from kvstrata.storage import MemoryStorage
 
-TRACE = Path(__file__).parents[3] / "../shared/traces/mooncake_conversation_trace.jsonl"
 NAMESPACE = "kvstrata-replay-test"
 L3_BYTES = 64 << 20  # never full for these few requests: both L3s hold every page
 
@@ -33,16 +32,12 @@ def address() -> Iterator[str]:
         pytest.skip(f"Ray could not start a loopback cluster on this machine: {exc}")
 
 
-def _requests(path: Path, limit: int) -> list:  # type: ignore[type-arg]
-    if not path.exists():
-        pytest.skip(f"the shared trace is not at {path}")
-    return read_trace(path, tokens_per_block=16, limit=limit)
-
-
 def _spec(router: str, **kw: object) -> ClusterSpec:
+    # The embedded workload's prompts reach 101 pages of 16 tokens: 120-page devices evict,
+    # write-back sends what they evict to the host (half the device) and on to the L3.
     return ClusterSpec(
         num_instances=2,
-        capacity_pages=300,
+        capacity_pages=120,
         router=router,
         load_weight=0.1,
         prefetch_threshold=16,
@@ -66,9 +61,10 @@ def _named_left() -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_ray_run_equals_in_process_run_with_a_shared_l3(address: str) -> None:
-    requests = _requests(TRACE, 60)
-    spec = _spec("cache-aware", host_ratio=0.5)
+    requests = generate_workload(WorkloadSpec(seed=0))[:60]
+    spec = _spec("cache-aware", host_ratio=0.5, write_policy="write_back")
     local = run_cluster(spec, requests, l3=MemoryStorage(capacity_bytes=L3_BYTES))
     cluster = RayCluster(
         spec,
@@ -95,11 +91,11 @@ def test_ray_run_equals_in_process_run_with_a_shared_l3(address: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_cli_ray_round_robin_equals_in_process(
     address: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _requests(TRACE, 1)
-    argv = ["replay", "--trace", str(TRACE), "--limit", "40", "--capacity-tokens", "4800"]
+    argv = ["replay", "--limit", "30", "--capacity-tokens", "1920"]
     argv += ["--instances", "2", "--router", "round-robin", "--no-progress"]
     assert main([*argv, "--json", str(tmp_path / "local.json")]) == 0
     assert main([*argv, "--ray", "--address", address, "--json", str(tmp_path / "ray.json")]) == 0

@@ -157,7 +157,10 @@ class RayCluster:
                     )
                 self._own_stores = True
                 params = StoreParams(memory_bytes=l3_bytes)
-                done = deploy.up(StoreConfig(namespace=self._namespace, params=params))
+                done = deploy.up(
+                    StoreConfig(namespace=self._namespace, params=params),
+                    timeout_s=self.timeout_s,
+                )
                 if done.failed:
                     raise InstanceFailed(f"no L3 store started on {', '.join(done.failed)}")
         self._own_shards = self._local is not None or not _shards_up()
@@ -213,7 +216,7 @@ class RayCluster:
                     for actor in self._actors:
                         ray.kill(actor)
             if self._own_stores and self._namespace is not None:
-                deploy.down(self._namespace)
+                deploy.down(self._namespace, timeout_s=self.timeout_s)
             if self._own_shards:
                 remove_shards()
         finally:
