@@ -258,3 +258,25 @@ def test_cli_errors_exit_2(
     argv += ["--page-size", "1", "--instances", "2", *extra]
     assert main(argv) == 2
     assert match in capsys.readouterr().err
+
+
+def test_build_tiers_shares_an_open_store() -> None:
+    from kvstrata.build import InvalidCapacity, build_memory_system
+    from kvstrata.build.tiers import build_tiers
+
+    store = MemoryStorage(capacity_bytes=1 << 20)
+    system = build_memory_system(family="mha", capacity_tokens=64, page_size=1)
+    with pytest.raises(InvalidCapacity, match="storage_url, storage"):
+        build_tiers(system, storage_url="memory://", storage=store)
+    assert system.tree.host_tier is None  # refused before the tree was touched
+    tiers = [
+        build_tiers(
+            build_memory_system(family="mha", capacity_tokens=64, page_size=1), storage=store
+        )
+        for _ in range(2)
+    ]
+    assert tiers[0].storage is tiers[1].storage is store
+    for t in tiers:
+        t.close()
+    store.batch_set([b"k"], [b"v"])  # closing the tiers left the shared store open
+    assert store.batch_exists([b"k"]) == 1
