@@ -6,7 +6,8 @@
       ReplayEngine(system, tiers=...)                              the engine `kvstrata replay` runs
 
 `serve(request)` is `engine.step(request)` (match on every tier, lock, allocate, write KV,
-insert, unlock) and returns the pages hit per tier; `take_events()` hands over the KV events
+insert, unlock), then waits for the request's transfers (host writes, L3 backups) to land, and
+returns the pages hit per tier; `take_events()` hands over the KV events
 the tree (and its host tier) queued, for the router's prefix index. The L3 is whatever
 `Storage` the caller passes: one in-process store shared by every instance, or a `ray://`
 store the instance opens itself (a Ray actor). The same class runs in the driver's process and
@@ -122,6 +123,11 @@ class EngineInstance:
         engine = self.engine
         before = (engine.device_hit_tokens, engine.host_hit_tokens, engine.storage_hit_tokens)
         engine.step(request)
+        if self.tiers is not None:
+            # The request's host writes and L3 backups land before the next request on any
+            # instance: the L3 then holds the same pages whatever the transfers' timing (in
+            # one process or across Ray actors).
+            self.tiers.cache.drain()
         page = self.page_size
         return Served(
             device_pages=(engine.device_hit_tokens - before[0]) // page,
