@@ -62,6 +62,8 @@ Backend = Literal["numpy", "torch"]
 
 #: The engine's native array type (numpy.ndarray or torch.Tensor).
 A = TypeVar("A")
+#: The engine's native boolean mask type (a bool numpy.ndarray, or torch.Tensor).
+M = TypeVar("M")
 
 # Plans are NamedTuples, not dataclasses: they are built on every call of the hot path, where
 # a frozen dataclass costs twice as much to construct (and 20 us when the caches are cold).
@@ -137,7 +139,7 @@ def sample(values: Sequence[object]) -> str:
     return f"[{head}{', ...' if len(values) > SAMPLE else ''}] ({len(values)} in all)"
 
 
-class PageEngine(ABC, Generic[A]):
+class PageEngine(ABC, Generic[A, M]):
     """Free pages 1 .. num_pages-1 of one pool plus the arithmetic that hands them out.
 
     Not thread-safe: an allocator belongs to one scheduler thread, as in every engine.
@@ -427,8 +429,11 @@ class PageEngine(ABC, Generic[A]):
                 partial=None,
                 last_loc=None,
             )
-        new = self._page_of(s + (size - 1)) - self._page_of(p + (size - 1))
-        partial = (self._offset_of(p) != 0) & (ext > 0)
+        # The shared arithmetic is duck-typed over both backends' arrays (hence Any).
+        last_page: Any = self._page_of(s + (size - 1))
+        new = last_page - self._page_of(p + (size - 1))
+        offset_p: Any = self._offset_of(p)
+        partial = (offset_p != 0) & (ext > 0)
         loc: Any = None
         if self._any(partial):
             if last_loc is None:
@@ -463,7 +468,7 @@ class PageEngine(ABC, Generic[A]):
             return DecodePlan(
                 num_requests=batch, num_new_pages=batch, opens_page=None, next_slot=None
             )
-        offset = self._offset_of(s - 1)  # of each new token in its page
+        offset: Any = self._offset_of(s - 1)  # of each new token in its page
         opens = offset == 0
         num_new = int(opens.sum())
         if num_new == batch:
@@ -480,7 +485,8 @@ class PageEngine(ABC, Generic[A]):
             # A continuing request's new slot last_loc + 1 must sit at the new token's offset
             # in an allocated page; that one test covers range, page 0, allocation and
             # alignment of last_loc. Openers' entries are garbage and masked out.
-            bad = (self._marks_of(self._page_of(nxt)) < 0) | (self._offset_of(nxt) != offset)
+            marks: Any = self._marks_of(self._page_of(nxt))
+            bad = (marks < 0) | (self._offset_of(nxt) != offset)
             cont = ~opens
             if self._any(bad & cont):
                 self.check_last_loc(loc[cont], s[cont] - 2, "alloc_decode last_loc")
@@ -494,11 +500,14 @@ class PageEngine(ABC, Generic[A]):
         at the same offset in its page. Raises IndexOutOfRange / ReservedIndex / NotAllocated /
         MisalignedIndex; mutates nothing."""
         slots: Any = loc
-        if self._any(self._marks_of(self._page_of(slots)) < 0):
+        last: Any = last_pos
+        marks: Any = self._marks_of(self._page_of(slots))
+        if self._any(marks < 0):
             self._raise_bad_slots(slots.tolist(), name, freeing=False)
-        off = self._offset_of(slots - last_pos) != 0
+        offset: Any = self._offset_of(slots - last)
+        off = offset != 0
         if self._any(off):
-            self._raise_misaligned(slots[off].tolist(), (last_pos[off] + 1).tolist(), name)
+            self._raise_misaligned(slots[off].tolist(), (last[off] + 1).tolist(), name)
 
     @staticmethod
     def raise_seq_lens() -> NoReturn:
@@ -512,11 +521,11 @@ class PageEngine(ABC, Generic[A]):
         a non-integer one); a view where no conversion is needed."""
 
     @abstractmethod
-    def _any(self, mask: A) -> bool:
+    def _any(self, mask: M) -> bool:
         """Whether any entry of a boolean array is True."""
 
     @abstractmethod
-    def _positions(self, mask: A) -> list[int]:
+    def _positions(self, mask: M) -> list[int]:
         """The positions of the True entries of a boolean array, ascending."""
 
     @abstractmethod
@@ -528,9 +537,10 @@ class PageEngine(ABC, Generic[A]):
         """`slots % page_size`."""
 
     @abstractmethod
-    def _marks_of(self, pages: A) -> A:
+    def _marks_of(self, pages: A) -> Any:
         """The marks of `pages` (clipped: a page id past the end or below 0 reads a negative
-        mark), so `< 0` means out of range, page 0 or free."""
+        mark), so `< 0` means out of range, page 0 or free. Any: the marks' dtype is the
+        backend's own (int32 in numpy), not necessarily the engine's array type."""
 
     # ---- native array work (one implementation per backend) ------------------------------
 

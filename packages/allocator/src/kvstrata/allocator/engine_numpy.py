@@ -82,7 +82,7 @@ def _native(value: torch.Tensor, name: str) -> Ints:
     return as_index_tensor(value, name).to(device="cpu", dtype=torch.int64).numpy()
 
 
-class NumpyPageEngine(PageEngine[Ints]):
+class NumpyPageEngine(PageEngine[Ints, Bools]):
     """Page engine whose free list, marks and arithmetic are numpy arrays in host memory."""
 
     def __init__(
@@ -138,11 +138,12 @@ class NumpyPageEngine(PageEngine[Ints]):
     def _marks_of(self, pages: Ints) -> npt.NDArray[np.int32]:
         return self._marks.take(pages, mode="clip")
 
-    def _page_of(self, x: Ints) -> Ints:
-        return x >> self._shift if self._shift is not None else x // self.page_size
+    def _page_of(self, slots: Ints) -> Ints:
+        return slots >> self._shift if self._shift is not None else slots // self.page_size
 
-    def _offset_of(self, x: Ints) -> Ints:
-        return x & (self.page_size - 1) if self._shift is not None else x % self.page_size
+    def _offset_of(self, slots: Ints) -> Ints:
+        size = self.page_size
+        return slots & (size - 1) if self._shift is not None else slots % size
 
     def _iota32(self, n: int) -> npt.NDArray[np.int32]:
         if len(self._i32) < n:

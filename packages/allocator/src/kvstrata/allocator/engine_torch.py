@@ -34,7 +34,7 @@ I64 = torch.int64
 FREE, RESERVED, BEYOND = -1, -2, -3
 
 
-class TorchPageEngine(PageEngine[torch.Tensor]):
+class TorchPageEngine(PageEngine[torch.Tensor, torch.Tensor]):
     """Page engine whose free list, marks and arithmetic are tensors on `device`."""
 
     def __init__(

@@ -36,7 +36,7 @@ __all__ = ["PagedAllocator", "PagedState"]
 
 #: An engine of either backend. Its native array type (numpy or torch) is the engine's own
 #: business: plans only travel from an engine's plan_* back to the same engine's commit_*.
-Engine = PageEngine[Any]
+Engine = PageEngine[Any, Any]
 
 
 @dataclass(frozen=True, kw_only=True)

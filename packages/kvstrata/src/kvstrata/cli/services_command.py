@@ -31,7 +31,7 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a byte size (e.g. 64GiB)") from exc
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:  # pyright: ignore[reportPrivateUsage]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     services = sub.add_parser(
         "services",
         help="run the L3 store and prefix index actors on a Ray cluster (needs kvstrata[ray])",
@@ -148,7 +148,7 @@ def _gib(n: int) -> str:
 
 def _table(before: list[StoreStatus], after: list[StoreStatus], interval: float) -> str:
     head = ("node", "mem GiB", "mem cap", "disk GiB", "pages", "hit rate", "ops/s")
-    rows = [head]
+    rows: list[tuple[str, ...]] = [head]
     earlier = {r.node_id: r.stats for r in before}
     for row in after:
         s = row.stats

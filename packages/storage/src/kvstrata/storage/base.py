@@ -15,7 +15,9 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, TypeAlias
+from typing import Any, NamedTuple, Protocol, TypeAlias
+
+import numpy.typing as npt
 
 from kvstrata.core.histogram import HistogramSnapshot, LatencyHistogram
 from kvstrata.storage.errors import BatchLengthMismatch, InvalidBuffer, InvalidKey
@@ -58,7 +60,9 @@ class TensorLike(Protocol):
     def is_contiguous(self) -> bool: ...
 
 
-PageBuffer: TypeAlias = BufferLike | TensorLike
+#: numpy arrays are listed on their own: they have the buffer protocol at runtime, but numpy's
+#: stubs declare `__buffer__` only for Python >= 3.12, so on 3.11 they do not match BufferLike.
+PageBuffer: TypeAlias = BufferLike | TensorLike | npt.NDArray[Any]
 
 
 def page_view(buffer: PageBuffer, *, writable: bool) -> memoryview:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -116,9 +116,9 @@ class UnifiedRadixCache:
         self._by_name = {c.name: c for c in components}
         self._num_components = len(components)
         self._tick = 0
-        self._ids = itertools.count(1)
+        self._ids: Iterator[int] = itertools.count(1)
         self._receipts: dict[int, LockReceipt] = {}
-        self._receipt_ids = itertools.count(1)
+        self._receipt_ids: Iterator[int] = itertools.count(1)
         self._root = structure.new_root(self._num_components)
         # Bound last: every check above ran first, so a refused tree leaves its components free.
         for index, component in enumerate(components):

@@ -42,10 +42,12 @@ class _Holder:
     def __init__(self) -> None:
         self.arrays: list[np.ndarray] = []
 
+    @ray.method  # types `.remote` on the actor handle
     def hold(self, arrays: list[np.ndarray]) -> int:
         self.arrays = [np.array(a, copy=True) for a in arrays]
         return len(self.arrays)
 
+    @ray.method
     def give(self) -> list[np.ndarray]:
         return self.arrays
 

@@ -45,7 +45,7 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-class KvstrataHiCacheStorage(HiCacheStorage):  # pyright: ignore[reportUntypedBaseClass]
+class KvstrataHiCacheStorage(HiCacheStorage):
     """A `HiCacheStorage` over `open_storage(extra_config["url"])`."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None):

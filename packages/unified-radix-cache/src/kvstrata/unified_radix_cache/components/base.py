@@ -268,7 +268,8 @@ class TreeComponent(ABC):
         assert value is not None
         hosts = node.comp_hosts
         if hosts is None:
-            hosts = node.comp_hosts = [None] * len(self.tree.components)
+            empty: list[ComponentValue] = [None] * len(self.tree.components)
+            hosts = node.comp_hosts = empty
         elif hosts[self.index] is not None:
             return False
         self.check_host_value(node, value)
@@ -308,9 +309,11 @@ class TreeComponent(ABC):
         if hosts is None or value is None or isinstance(value, int):
             return
         cut = upper.num_tokens
-        if upper.comp_hosts is None:
-            upper.comp_hosts = [None] * len(hosts)
-        upper.comp_hosts[self.index] = value[:cut]
+        upper_hosts = upper.comp_hosts
+        if upper_hosts is None:
+            empty: list[ComponentValue] = [None] * len(hosts)
+            upper_hosts = upper.comp_hosts = empty
+        upper_hosts[self.index] = value[:cut]
         hosts[self.index] = value[cut:]
 
     def host_hit_may_end(self, node: TreeNode) -> bool:
