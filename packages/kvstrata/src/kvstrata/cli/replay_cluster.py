@@ -187,7 +187,7 @@ def run_cluster_replay(args: argparse.Namespace, out: TextIO) -> int:
     columns = ("instance", "requests", "load share", "device hits", "host hits", "L3 hits")
     for col in (*columns, "hit rate"):
         table.add_column(col, justify="left" if col == "instance" else "right")
-    for row in document["per_instance"]:  # type: ignore[union-attr]
+    for row in document["per_instance"]:
         table.add_row(
             row["name"],
             str(row["requests"]),

@@ -22,6 +22,7 @@ from typing import NamedTuple
 from kvstrata.build import build_memory_system
 from kvstrata.build.tiers import TieredSystem, build_tiers
 from kvstrata.hybrid_cache import PrefetchPolicy
+from kvstrata.pool import SWAKVPool
 from kvstrata.replay.engine import ReplayEngine
 from kvstrata.replay.errors import ReplayOptionError
 from kvstrata.replay.request import ReplayRequest
@@ -111,8 +112,11 @@ class EngineInstance:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of KV one page holds across the layers (what the L3 stores per page)."""
-        return self.system.kv_pool.bytes_per_token * self.page_size
+        """Bytes of full-attention KV one page holds across the layers (what the L3 stores per
+        page; an SWA model's window pages come on top)."""
+        pool = self.system.kv_pool
+        full = pool.full_pool if isinstance(pool, SWAKVPool) else pool
+        return full.bytes_per_token * self.page_size
 
     def check_fits(self, requests: list[ReplayRequest]) -> None:
         """CapacityTooSmall when some prompt does not fit the device even when empty."""

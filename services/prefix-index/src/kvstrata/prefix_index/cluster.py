@@ -38,6 +38,7 @@ from typing import Any
 
 import ray
 from prometheus_client import CollectorRegistry, start_http_server
+from ray.exceptions import ActorDiedError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvstrata.prefix_index.dump import dump_tree
@@ -297,7 +298,7 @@ class _RayShard(IndexShard):
             self._purge_dead_actors(period)
             try:
                 alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            except ray.exceptions.RayError:
+            except RayError:
                 continue  # GCS briefly unreachable: try again next period
             self.purge_dead(alive)
 
@@ -317,9 +318,9 @@ class _RayShard(IndexShard):
                 continue
             try:
                 ray.get(ref, timeout=0)
-            except ray.exceptions.ActorDiedError:
+            except ActorDiedError:
                 dead.append(name)
-            except ray.exceptions.RayError:
+            except RayError:
                 continue  # unavailable for now (restarting, network): ask again next period
         if dead:
             self.purge_instances(dead)
@@ -349,7 +350,7 @@ def deploy_shards(
             continue
         node_id = node["NodeID"]
         name = shard_name(node_id)
-        out[name] = actor_cls.options(  # type: ignore[attr-defined]
+        out[name] = actor_cls.options(
             name=name,
             namespace=NAMESPACE,
             lifetime="detached",
@@ -371,7 +372,9 @@ def deploy_shards(
 def remove_shards() -> int:
     """Kill every shard actor (`kvstrata services down`); returns how many went."""
     gone = 0
-    for actor in ray.util.list_named_actors(all_namespaces=True):
+    # With all_namespaces=True Ray returns {"name", "namespace"} dicts (typed as names).
+    named: list[dict[str, str]] = ray.util.list_named_actors(all_namespaces=True)  # pyright: ignore[reportAssignmentType]
+    for actor in named:
         if actor["namespace"] == NAMESPACE and actor["name"].startswith(NAME_PREFIX):
             ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE))
             gone += 1
@@ -433,7 +436,7 @@ class ClusterIndex:
         for name, ref in refs.items():
             try:
                 out[name] = ray.get(ref, timeout=self.timeout_s)
-            except (ray.exceptions.RayError, TimeoutError) as exc:
+            except (RayError, TimeoutError) as exc:
                 raise ShardUnavailable(f"shard {name} did not answer: {exc}") from exc
         return out
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 from ray._private import ray_constants
+from ray.actor import ActorHandle
 from ray.cluster_utils import Cluster
 
 from kvstrata.prefix_index.cluster import ClusterIndex, ShardedPublisher, deploy_shards
@@ -146,7 +147,7 @@ def replay_ops_on_cluster(
         raise InvalidParameter(
             f"batch_requests and in_flight must be >= 1, got {batch_requests}, {in_flight}"
         )
-    if not all(isinstance(h, ray.actor.ActorHandle) for h in cluster.shards.values()):
+    if not all(isinstance(h, ActorHandle) for h in cluster.shards.values()):
         raise InvalidParameter("replay_ops_on_cluster needs Ray shard actors")
     publishers: dict[str, ShardedPublisher] = {}
     for req in stream.requests:
