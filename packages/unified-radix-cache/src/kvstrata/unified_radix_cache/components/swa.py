@@ -15,7 +15,8 @@ and None once they are freed (a tombstone: the full KV stays, the node keeps its
 - eviction: own LRU list over unlocked live nodes; an internal node becomes a tombstone, an
   unlocked leaf leaves the tree (its full slots with it);
 - insert: a tombstone the key runs over is revived from the caller's slots when the caller still
-  holds live SWA slots there; the new leaf is split at `evicted_len` (rounded up to a page):
+  holds live SWA slots there (one a running request holds keeps its full slots and takes the
+  caller's SWA pages under them); the new leaf is split at `evicted_len` (rounded up to a page):
   the part whose SWA slots the request already dropped is stored as a tombstone.
 """
 
