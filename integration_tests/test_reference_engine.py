@@ -118,16 +118,9 @@ def test_logits_are_identical_after_pages_went_to_storage_and_back(kind: str, ch
     _assert_same_logits(on, kind, repeats=2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SWA-hybrid with a host tier: a request's short hit (one page, shorter than the "
-    "window) comes without SWA slots for its window (SWAKVPool.translate gives 0 for the "
-    "hit's full slots, e.g. request row 4 at position 6: full [28, 29, 30, 31, 4, 5, 6] -> "
-    "SWA [0, 0, 0, 0, 32, 33, 34]), so sliding-window layers read the padding slot and the "
-    "logits differ from the cache-off run; device-only SWA is bitwise equal, and kvstrata "
-    "replay --family swa --host-ratio 2 --verify (long hits) passes. Open in the "
-    "hierarchical cache's SWA path. strict: this fails once it is fixed, so the marker goes.",
-)
+# SWA-hybrid with a host tier: a chunk's insert over a prefix page whose SWA slots were
+# evicted while another running request held its full slots used to leave the inserting
+# request without SWA slots for its window (fixed in unified-radix-cache 0.3.0).
 def test_swa_logits_after_pages_went_to_host_and_back() -> None:
     on, counters = _tiered_run("swa", host_ratio=3.0, storage=False)
     assert counters.bytes_h2d > 0

@@ -192,3 +192,41 @@ def test_integrity_catches_a_partly_mapped_page(backend: Backend) -> None:
     a.full_to_swa[7] = 0
     with pytest.raises(IntegrityError, match="partly"):
         a.check_integrity()
+
+
+def test_move_swa_hands_the_swa_pages_to_other_full_slots(backend: Backend) -> None:
+    a, second = staggered(backend)  # full page 1 (slots 4..7) has no SWA page
+    a.move_swa(idx([4, 5, 6, 7]), second[:4])
+    assert a.translate(idx([4, 5, 6, 7])).tolist() == [4, 5, 6, 7]
+    assert a.translate(second[:4]).tolist() == [0, 0, 0, 0]
+    a.check_integrity()
+    a.free(second[:4])  # full only: its SWA page went with the move
+    assert a.swa_available_size() == 32 - 8
+    a.free(idx([4, 5, 6, 7]))  # the moved SWA page goes with its new full page
+    assert a.swa_available_size() == 32 - 4
+    a.move_swa(idx([]), idx([]))
+    a.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("dst", "src", "error"),
+    [
+        ([4, 5, 6], [8, 9, 10], InvalidRequest),  # not whole pages
+        ([4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], InvalidRequest),  # lengths differ
+        ([5, 4, 6, 7], [8, 9, 10, 11], InvalidRequest),  # not in page order
+        ([4, 5, 6, 7], [9, 10, 11, 12], InvalidRequest),  # src straddles pages
+        ([12, 13, 14, 15], [8, 9, 10, 11], InvalidRequest),  # dst page still mapped
+        ([4, 5, 6, 7], [4, 5, 6, 7], NotAllocated),  # src page has no SWA page
+        ([20, 21, 22, 23], [8, 9, 10, 11], NotAllocated),  # dst page free
+        ([4, 5, 6, 7, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], InvalidRequest),  # twice
+    ],
+)
+def test_move_swa_rejects_bad_pages_before_any_change(
+    backend: Backend, dst: list[int], src: list[int], error: type[Exception]
+) -> None:
+    a, _ = staggered(backend)
+    before = a.full_to_swa.clone()
+    with pytest.raises(error):
+        a.move_swa(idx(dst), idx(src))
+    assert torch.equal(a.full_to_swa, before)
+    a.check_integrity()

@@ -23,6 +23,9 @@ requests, chunks, faults for every shape), and the CPU time stays at or under th
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 from hypothesis import event, settings
 from hypothesis import strategies as st
@@ -151,6 +154,7 @@ class HierarchyMachine(RuleBasedStateMachine):
                 return
             cache.cache_unfinished_request(run.req)
             assert run.req.cached_len == len(run.req.kv_indices), "the whole chunk is cached"
+            self._check_window(run)
         if self._compute(run, run.remaining):
             cache.cache_finished_request(run.req)
             assert run.req.finished
@@ -267,6 +271,21 @@ class HierarchyMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.h is not None)
     @invariant()
+    def open_windows(self) -> None:
+        """An SWA model's open request has SWA slots for its last window, also after a chunk's
+        insert rewrote its prefix to the tree's slots (another request may hold that prefix
+        while its SWA part was evicted)."""
+        for run in self.open:
+            self._check_window(run)
+
+    def _check_window(self, run: Running) -> None:
+        h = self._built()
+        if h.shape == "swa":
+            kv = run.req.kv_indices
+            window = h.swa_allocator.translate(kv[max(len(kv) - h.window, 0) :])
+            assert bool((window > 0).all()), "a running request keeps its window's SWA slots"
+
+    @invariant()
     def integrity(self) -> None:
         held: dict[str, int] = {}
         for run in self.open:
@@ -289,3 +308,31 @@ TestSWA = _test_case("swa", False)
 TestSWAFaultyStorage = _test_case("swa", True)
 TestMamba = _test_case("mamba", False)
 TestMambaFaultyStorage = _test_case("mamba", True)
+
+
+def test_swa_chunk_over_a_window_tombstone_another_request_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The SWA machine's rules in the order that once left a chunked request without SWA slots
+    (found by the reference engine, rarely by the random machine): A holds [1, 2, 3, 4] in full
+    (its SWA lock covers only its last window), the SWA eviction tombstones it, and B computes
+    the same first page, whose chunk insert then rewrote B's prefix to the tombstone's slots."""
+    monkeypatch.setattr(sys.modules[__name__], "event", lambda _: None)  # outside Hypothesis
+    machine = type("Ordered", (HierarchyMachine,), {"shape": "swa"})()
+    machine.build(WritePolicy.WRITE_THROUGH, 8, PrefetchPolicy.BEST_EFFORT)
+    try:
+        machine.serve([1, 2, 3, 4], [20, 20], 1)
+        machine.serve([1, 2, 3, 4, 13, 14, 15, 16], [21, 21], 1)
+        machine.begin([1, 2, 3, 4, 13, 14, 15, 16], [20, 20], chunked=False)
+        assert machine.open[0].req.cached_len == 8
+        machine.evict_component(8)
+        machine.begin([1, 2, 5, 6], [20, 20], chunked=True)
+        assert machine.open[1].req.cached_len == 0  # [1, 2] is a tombstone now
+        machine.next_chunk(1)
+        machine.open_windows()
+        machine.integrity()
+        for which in (1, 0):
+            machine.finish(which, abort=False)
+        machine.integrity()
+    finally:
+        machine.teardown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvstrata.allocator import SWAAllocator
 from kvstrata.testkit.trees import TreeKit, make_tree
@@ -96,6 +97,32 @@ def test_insert_revives_a_tombstone_from_the_callers_live_slots() -> None:
     assert _swa(kit).is_live(node_x)
     assert node_x.value.tolist() == slots[:4].tolist()
     assert tree.match_prefix(RadixKey([*X, 77])).prefix_len == 4  # no tombstone left
+    kit.check()
+
+
+def test_a_locked_tombstone_takes_the_callers_swa_pages_under_its_full_slots() -> None:
+    # A running request holds X's full slots (its SWA lock covers Z only), so an insert that
+    # computed X again cannot swap X's full slots; before 0.3.0 X stayed a tombstone and the
+    # inserting request, whose prefix now reads X's slots, found no SWA slots for its window.
+    kit = _tombstoned(window=4)
+    tree, swa = kit.tree, _swa(kit)
+    assert isinstance(kit.full, SWAAllocator)
+    receipt = tree.lock(tree.match_prefix(RadixKey(X + Z)).last_node)
+    node_x = next(n for n in tree.iter_nodes() if n.tokens().tolist() == X)
+    assert node_x.lock_ref and not swa.is_live(node_x)
+    kept = node_x.value.tolist()
+    slots = kit.alloc(8)
+    theirs = kit.full.translate(slots[:4]).tolist()
+    result = tree.insert(RadixKey(X + Y), slots)
+    assert result.prefix_len == 4 and result.adopted == ()
+    assert node_x.value.tolist() == kept  # the running request's full slots stay
+    assert swa.is_live(node_x)
+    assert kit.full.translate(torch.tensor(kept)).tolist() == theirs
+    assert kit.full.translate(slots[:4]).tolist() == [0, 0, 0, 0]
+    kit.full.free(result.duplicates(slots))
+    kit.check()
+    assert tree.match_prefix(RadixKey([*X, 77])).prefix_len == 4
+    tree.unlock(receipt)
     kit.check()
 
 

@@ -251,6 +251,41 @@ class SWAAllocator(SlotAllocator):
         self._swa._commit_free(swa_plan)
         self._map_pages.index_fill_(0, full_idx[mapped] // self.page_size, 0)
 
+    def move_swa(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Hand the SWA pages mapped under FULL slots `src` to FULL slots `dst` (same length,
+        whole pages in order, `dst` pages allocated and without SWA pages, `src` pages mapped):
+        afterwards `translate(dst)` gives what `translate(src)` gave and `src` has none (its
+        full slots stay). For two copies of the same tokens: the holder of `dst` keeps the KV
+        the holder of `src` computed. Raises `InvalidRequest` / `NotAllocated` before any
+        change."""
+        size = self.page_size
+        d = as_index_tensor(dst, "dst").to(device=self.device, dtype=torch.int64)
+        s = as_index_tensor(src, "src").to(device=self.device, dtype=torch.int64)
+        if len(d) != len(s) or len(d) % size:
+            raise InvalidRequest(
+                f"move_swa: {len(d)} dst and {len(s)} src slots; need equal whole pages of {size}"
+            )
+        if not len(d):
+            return
+        self._full.check_allocated(d, "dst")
+        self._full.check_allocated(s, "src")
+        d_rows, s_rows = d.view(-1, size), s.view(-1, size)
+        for name, rows in (("dst", d_rows), ("src", s_rows)):
+            if bool(((rows - rows[:, :1]) != self._offsets).any()) or bool(
+                (rows[:, 0] % size).any()
+            ):
+                raise InvalidRequest(f"move_swa: {name} is not whole pages in order")
+        d_pages, s_pages = d_rows[:, 0] // size, s_rows[:, 0] // size
+        if len(torch.unique(d_pages)) != len(d_pages) or len(torch.unique(s_pages)) != len(s_pages):
+            raise InvalidRequest("move_swa: a page is listed twice")
+        if bool((self._map_pages[d_pages] != 0).any()):
+            raise InvalidRequest("move_swa: a dst page still has SWA slots")
+        if bool((self._map_pages[s_pages] == 0).any()):
+            raise NotAllocated("move_swa: a src page has no SWA slots")
+        rows = self._map_pages[s_pages].clone()
+        self._map_pages.index_fill_(0, s_pages, 0)
+        self._map_pages.index_copy_(0, d_pages, rows)
+
     def translate(self, indices: torch.Tensor) -> torch.Tensor:
         """SWA slots of FULL slots (0 where released), as a new tensor. Raises
         `IndexOutOfRange` / `ReservedIndex` for slots outside the full pool."""

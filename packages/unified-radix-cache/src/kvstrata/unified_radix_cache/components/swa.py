@@ -15,7 +15,8 @@ and None once they are freed (a tombstone: the full KV stays, the node keeps its
 - eviction: own LRU list over unlocked live nodes; an internal node becomes a tombstone, an
   unlocked leaf leaves the tree (its full slots with it);
 - insert: a tombstone the key runs over is revived from the caller's slots when the caller still
-  holds live SWA slots there; the new leaf is split at `evicted_len` (rounded up to a page):
+  holds live SWA slots there (one a running request holds keeps its full slots and takes the
+  caller's SWA pages under them); the new leaf is split at `evicted_len` (rounded up to a page):
   the part whose SWA slots the request already dropped is stored as a tombstone.
 """
 
@@ -54,6 +55,8 @@ class SWASlotSink(Protocol):
     def swa_available_size(self) -> int: ...
 
     def translate(self, indices: torch.Tensor, /) -> torch.Tensor: ...
+
+    def move_swa(self, dst: torch.Tensor, src: torch.Tensor, /) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,14 +147,19 @@ class SWAComponent(LRUListComponent):
     ) -> bool:
         i = self.index
         assert node.comp_values is not None
-        if node.comp_values[i] is not None or node.lock_ref:
-            # Live already (the caller's slots are duplicates), or a running request reads the
-            # node's full slots: never swap them under it.
-            return False
+        if node.comp_values[i] is not None:
+            return False  # live already: the caller's slots are duplicates
         evicted_len = inp.evicted_len if isinstance(inp, SWAInsert) else 0
         if start < max(cached_len, evicted_len):
             return False  # the caller has no live SWA slots there (or they are the tree's own)
         size = len(node.value)
+        if node.lock_ref:
+            # A running request reads the node's full slots: never swap them under it. The
+            # caller's SWA pages (same tokens, same positions: the same KV) move under the
+            # node's full slots instead, so whoever takes this prefix (the caller too: its
+            # slots become the node's) finds its window; the caller's full slots stay
+            # duplicates. Without this the caller's window would read the padding slot.
+            return self._adopt_swa_under(node, value[start : start + size])
         tree = self.tree
         tree.component("full").queue_free(node.value)  # old full slots; their SWA ones are gone
         node.value = value[start : start + size].copy()
@@ -159,6 +167,24 @@ class SWAComponent(LRUListComponent):
         self.evictable_size += size
         self.lru.touch(node)
         return True
+
+    def _adopt_swa_under(self, node: TreeNode, own: npt.NDArray[np.int64]) -> bool:
+        """Revive tombstone `node` in place with the SWA pages of the caller's full slots
+        `own` (when all of them still have one). Always False: the caller's full slots are
+        still duplicates to free."""
+        i = self.index
+        assert node.comp_values is not None
+        src = torch.from_numpy(own)
+        dst = torch.from_numpy(node.value)
+        if self.device.type != "cpu":
+            src, dst = src.to(self.device), dst.to(self.device)
+        if bool((self.allocator.translate(src) == 0).any()):
+            return False
+        self.allocator.move_swa(dst, src)
+        node.comp_values[i] = node.value
+        self.evictable_size += len(node.value)
+        self.lru.touch(node)
+        return False
 
     def on_insert_new(self, node: TreeNode, start: int, inp: ComponentInsert | None) -> None:
         i = self.index
