@@ -34,6 +34,7 @@ from kvstrata.unified_radix_cache.errors import (
     TreeLocked,
 )
 from kvstrata.unified_radix_cache.events import EventLog, KVEvent
+from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_components
 from kvstrata.unified_radix_cache.hybrid import insert_hybrid, match_hybrid
 from kvstrata.unified_radix_cache.insert_inputs import check_inputs, slots_of
 from kvstrata.unified_radix_cache.integrity import check_tree
@@ -120,6 +121,8 @@ class UnifiedRadixCache:
         self._receipts: dict[int, LockReceipt] = {}
         self._receipt_ids = itertools.count(1)
         self._root = structure.new_root(self._num_components)
+        #: Set while a device-only `evict` with state components runs (evict_undo.py).
+        self._journal: EvictJournal | None = None
         # Bound last: every check above ran first, so a refused tree leaves its components free.
         for index, component in enumerate(components):
             component.bind(self, index)
@@ -420,6 +423,8 @@ class UnifiedRadixCache:
         data on it; its parent joins the evictable leaves if it is now an unlocked leaf. Slots
         are queued and reach the allocators at the end of the calling operation. Returns the
         Full tokens removed."""
+        if self._journal is not None:
+            self._journal.node(node)
         return structure.remove_leaf(self, node, evicted=evicted)
 
     def truncate_leaf(self, node: TreeNode, keep: int) -> int:
@@ -435,6 +440,8 @@ class UnifiedRadixCache:
             f"truncate_leaf({node.id}): not an unlocked leaf"
         )
         if self._extras:
+            if self._journal is not None:
+                self._journal.node(node)
             self.split_node(node, keep)
             if node.heap_entry is not None:
                 self._heap.discard(node)
@@ -464,6 +471,8 @@ class UnifiedRadixCache:
             before = component.evicted_total
             self.remove_leaf(node, evicted=True)
             return component.evicted_total - before
+        if self._journal is not None:
+            self._journal.node(node)
         freed = 0
         for other in self._extras:
             if (
@@ -553,7 +562,8 @@ class UnifiedRadixCache:
                     full.flush()
                 else:  # checked: a free behind the tree's back raises with nothing changed
                     events = self._events
-                    full.evict_checked(amount, events.queue if events is not None else None)
+                    queue = events.queue if events is not None else None
+                    full.evict_checked(amount, queue, repeats=not self.check_slots)
             seconds = time.perf_counter() - start
             self.evict_calls += 1
             self.evict_seconds += seconds
@@ -565,15 +575,18 @@ class UnifiedRadixCache:
         components = self._components
         before = [c.evicted_total for c in components]
         nodes_before = self.num_nodes
-        for component in components:
-            target = targets.get(component.name, 0)
-            if target > 0:
-                if component is self._full and self.host_tier is not None:
-                    self.host_tier.evict_device(target)
-                else:
-                    component.evict(target)
-        for component in components:
-            component.flush()
+        if self.host_tier is None:  # all or nothing: rolled back when it raises
+            evict_components(self, targets)
+        else:
+            for component in components:
+                target = targets.get(component.name, 0)
+                if target > 0:
+                    if component is self._full:
+                        self.host_tier.evict_device(target)
+                    else:
+                        component.evict(target)
+            for component in components:
+                component.flush()
         seconds = time.perf_counter() - start
         self.evict_calls += 1
         self.evict_seconds += seconds
