@@ -205,6 +205,23 @@ def evict_components(tree: UnifiedRadixCache, targets: Mapping[str, int]) -> Non
         component.flush()
 
 
+def evict_tiered(tree: UnifiedRadixCache, targets: Mapping[str, int]) -> None:
+    """Hierarchical mode: Full's device eviction takes host_tier.py's walk, the others their
+    own order; then every component frees. Not rolled back when it raises."""
+    tier = tree.host_tier
+    assert tier is not None
+    full = tree.components[0]
+    for component in tree.components:
+        target = targets.get(component.name, 0)
+        if target > 0:
+            if component is full:
+                tier.evict_device(target)
+            else:
+                component.evict(target)
+    for component in tree.components:
+        component.flush()
+
+
 def _check_full(full: FullComponent, slots: npt.NDArray[np.int64]) -> None:
     check = full._check_allocated
     if check is None:

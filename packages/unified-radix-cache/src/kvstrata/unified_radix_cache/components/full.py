@@ -61,9 +61,9 @@ class FullComponent(TreeComponent):
         self.heap: LeafHeap | None = None
         #: Set when the tree gets a host tier: a device leaf may then have off-device children.
         self.tiered = False
-        #: One flag per slot the tree holds (set by the tree's `SlotChecker`, None when the
-        #: tree does not check insert slots); cleared here when the slots are freed.
-        self.held: npt.NDArray[np.bool_] | None = None
+        #: Per slot, non-zero while the tree holds it (set by the tree's `SlotChecker`, None when
+        #: the tree does not check insert slots); cleared here when the slots are freed.
+        self.held: npt.NDArray[np.int32] | None = None
 
     def bind(self, tree: UnifiedRadixCache, index: int) -> None:
         super().bind(tree, index)
@@ -213,8 +213,11 @@ class FullComponent(TreeComponent):
         if slots is not None and len(slots):
             self.allocator.free(self.to_device(slots))
             held = self.held
-            if held is not None:  # slots past its end were never marked
-                held[slots[slots < len(held)]] = False
+            if held is not None:
+                try:
+                    held[slots] = 0
+                except IndexError:  # slots past its end were never marked
+                    held[slots[slots < len(held)]] = 0
 
     def give_back(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
@@ -301,4 +304,4 @@ class FullComponent(TreeComponent):
         if self.heap is not None:
             self.heap.clear()
         if self.held is not None:
-            self.held[:] = False
+            self.held[:] = 0
