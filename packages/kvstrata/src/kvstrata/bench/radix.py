@@ -201,7 +201,7 @@ def run_peer(python: str, script: Path, args: argparse.Namespace, impl: str) -> 
     cmd = [
         python,
         str(script),
-        str(args.trace),
+        str(args.trace.resolve()),  # the peer runs in its script's folder
         "--impl",
         impl,
         "--tokens-per-block",
