@@ -1,9 +1,12 @@
 """Hypothesis state machines over insert, match, lock, unlock, evict and reset for every
 component mix and two page sizes, with every invariant checked after every step
-(free + evictable + protected + held == capacity per pool, locks == receipts, structure)."""
+(free + evictable + protected + held == capacity per pool, locks == receipts, structure).
+`evict_refused` injects a free the allocator refuses (the engine freed slots the tree holds
+behind its back) and checks the refused evict left the tree exactly as it was."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -29,15 +32,32 @@ from kvstrata.unified_radix_cache import (
     SWAInsert,
     TreeNode,
 )
+from kvstrata.unified_radix_cache.components.base import LRUListComponent
+from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.errors import (
     ForeignNode,
+    HeldSlotsNotAllocated,
     ReceiptAlreadyReleased,
     StateSlotsExhausted,
     TreeLocked,
 )
+from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=12)
 NAMESPACES = st.sampled_from([None, "lora"])
+
+
+def snapshot(tree: UnifiedRadixCache) -> tuple[object, ...]:
+    """Structure, per-component data, locks, sizes, LRU orders and the Full heap (read-only)."""
+    nodes = []
+    for n in sorted(tree.iter_nodes(), key=lambda n: n.id):
+        values = [v.tolist() if isinstance(v, np.ndarray) else v for v in (n.comp_values or [])[1:]]
+        assert n.parent is not None
+        nodes.append((n.id, n.parent.id, n.key, n.value.tolist(), values, n.heap_entry))
+    comps = tree.components
+    sizes = [(c.evictable_size, c.protected_size, c.evicted_total) for c in comps]
+    lrus = [[n.id for n in c.lru.nodes()] for c in comps if isinstance(c, LRUListComponent)]
+    return (tuple(nodes), sizes, lrus, tree.num_nodes, [c.free_size() for c in comps])
 
 
 class TreeMachine(RuleBasedStateMachine):
@@ -59,6 +79,7 @@ class TreeMachine(RuleBasedStateMachine):
         )
         self.copies: list[torch.Tensor] = []
         self.released: list[LockReceipt] = []
+        self.keys: list[RadixKey] = []
 
     @property
     def tree(self):
@@ -102,6 +123,7 @@ class TreeMachine(RuleBasedStateMachine):
             if state is not None:
                 inputs["mamba"] = MambaInsert(slot=int(state))
         key = RadixKey(tokens, extra_key=ns)
+        self.keys = [*self.keys[-5:], key]
         result = self.tree.insert(key, slots, inputs=inputs or None)
         duplicates = result.duplicates(slots)
         if len(duplicates):
@@ -166,6 +188,56 @@ class TreeMachine(RuleBasedStateMachine):
             want = min(full, before)
             assert want <= result.num_evicted() < want + self.page_size or want == 0
         assert result.num_evicted() <= before
+
+    @rule(
+        victim=st.sampled_from(["full", "swa", "mamba"]),
+        full=st.integers(1, 20),
+        swa=st.integers(0, 20),
+        mamba=st.integers(0, 3),
+    )
+    def evict_refused(self, victim: str, full: int, swa: int, mamba: int) -> None:
+        """The engine frees slots the tree holds (behind its back) that this evict must free:
+        the last page of the first leaf Full evicts, the full slots of the first SWA leaf, or
+        the state slot Mamba evicts first. The evict raises and changes nothing; then the
+        engine's mistake is undone (allocator state restored) and every invariant holds."""
+        tree, kit, page = self.tree, self.kit, self.page_size
+        # Matched first: a match may split a node, which changes what evicts first.
+        matched = [tree.match_prefix(k).device_indices.tolist() for k in self.keys]
+        targets = {"full": full if victim == "full" else 0}
+        allocator = kit.full
+        freed: torch.Tensor | None = None
+        if victim == "full":
+            component = tree.components[0]
+            assert isinstance(component, FullComponent) and component.heap is not None
+            leaf = component.heap.peek()
+            if leaf is not None:
+                freed = torch.from_numpy(leaf.value[-page:].copy())
+        elif victim == "swa" and self.family == "swa":
+            component = tree.component("swa")
+            assert isinstance(component, LRUListComponent)
+            first = next(iter(component.lru.nodes()), None)
+            targets["swa"] = max(swa, 1)
+            if first is not None and not first.children and first.lock_ref == 0:
+                freed = torch.from_numpy(first.value.copy())  # the whole leaf goes
+        elif victim == "mamba" and self.family == "mamba":
+            component = tree.component("mamba")
+            assert isinstance(component, LRUListComponent) and kit.mamba is not None
+            first = next(iter(component.lru.nodes()), None)
+            targets["mamba"] = max(mamba, 1)
+            if first is not None:
+                assert first.comp_values is not None
+                freed = torch.tensor([first.comp_values[component.index]])
+                allocator = kit.mamba
+        if freed is None:
+            return
+        state = allocator.backup_state()
+        allocator.free(freed)
+        before = snapshot(tree)
+        with pytest.raises(HeldSlotsNotAllocated):
+            tree.evict(EvictRequest(targets=targets))
+        assert snapshot(tree) == before
+        allocator.restore_state(state)
+        assert [tree.match_prefix(k).device_indices.tolist() for k in self.keys] == matched
 
     @precondition(lambda self: bool(self.copies))
     @rule()

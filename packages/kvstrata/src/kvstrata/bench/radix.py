@@ -17,12 +17,15 @@ the same session:
 - `hit_rate` = hit tokens / key tokens, counted before each request's own insert.
 
 One torch thread, as the peer scripts; a full garbage collection before each timed pass (the
-collector stays on during it). Prints one JSON line: requests, tokens, hit_tokens,
-hit_rate, seconds (median over --repeats passes, each on a fresh tree), requests_per_s,
-tokens_per_s, evicted_tokens, and, unless --no-peer, the peer figures for `--impl classic` and
-`--impl unified` run in the same session (same repeats, interleaved with ours) and the ratios
-of requests/s: `ratio_vs_<impl>` of the median passes, `ratio_vs_<impl>_fastest` of the
-fastest ones (the least disturbed on a shared machine).
+collector stays on during it). Our tree runs with its defaults, the insert slot check on
+(`check_slots=True`); each repeat also times one pass with the check off, interleaved.
+Prints one JSON line: requests, tokens, hit_tokens, hit_rate, seconds (median over --repeats
+passes, each on a fresh tree), requests_per_s, tokens_per_s, evicted_tokens, `check_off` (the
+same figures with `check_slots=False`) and `check_slots_cost` (median seconds with the check /
+without it), and, unless --no-peer, the peer figures for `--impl classic` and `--impl unified`
+run in the same session (same repeats, interleaved with ours) and the ratios of requests/s:
+`ratio_vs_<impl>` of the median passes (check on), `ratio_vs_<impl>_fastest` of the fastest
+ones (the least disturbed on a shared machine), `ratio_vs_<impl>_check_off` for the check off.
 """
 
 from __future__ import annotations
@@ -79,14 +82,17 @@ def replay(
     tokens_per_block: int,
     policy: str,
     values: str,
+    check_slots: bool = True,
 ) -> dict[str, Any]:
-    """One timed pass over `keys` on a fresh tree; returns the peer's JSON keys."""
+    """One timed pass over `keys` on a fresh tree; returns the peer's JSON keys.
+    `check_slots`: the tree's insert slot check (on by default, as a user gets it; the stand-in
+    sink has no `check_allocated`, so it covers range, repeats and slots already held)."""
     sink = SlotCounter()
-    # The stand-in sink is trusted: it hands out fresh consecutive slots and never reuses one,
-    # so the insert slot check (check_slots) is off, as in an engine that trusts its own
-    # bookkeeping; the SGLang peer has no such check either.
     tree = UnifiedRadixCache(
-        [FullComponent(sink)], page_size=page_size, eviction_policy=policy, check_slots=False
+        [FullComponent(sink)],
+        page_size=page_size,
+        eviction_policy=policy,
+        check_slots=check_slots,
     )
     take: Callable[[int], torch.Tensor | npt.NDArray[np.int64]] = (
         sink.take_numpy if values == "numpy" else sink.take_torch
@@ -254,18 +260,21 @@ def main(argv: list[str]) -> int:
         )
         return 2
     ours: list[dict[str, Any]] = []
+    unchecked: list[dict[str, Any]] = []
     peers: dict[str, list[dict[str, Any]]] = {"classic": [], "unified": []}
     for _ in range(args.repeats):
-        ours.append(
-            replay(
-                keys,
-                page_size=args.page_size,
-                capacity_blocks=args.capacity_blocks,
-                tokens_per_block=args.tokens_per_block,
-                policy=args.policy,
-                values=args.values,
+        for check, runs in ((True, ours), (False, unchecked)):
+            runs.append(
+                replay(
+                    keys,
+                    page_size=args.page_size,
+                    capacity_blocks=args.capacity_blocks,
+                    tokens_per_block=args.tokens_per_block,
+                    policy=args.policy,
+                    values=args.values,
+                    check_slots=check,
+                )
             )
-        )
         if with_peer:
             assert args.peer_python is not None and peer_script is not None
             for impl in peers:
@@ -282,6 +291,13 @@ def main(argv: list[str]) -> int:
         "repeats": args.repeats,
     }
     record.update(_median_run(ours))
+    record["check_slots"] = True
+    off = _median_run(unchecked)
+    record["check_off"] = {
+        k: off[k] for k in ("seconds", "seconds_min", "seconds_all", "requests_per_s", "hit_rate")
+    }
+    record["check_slots_cost"] = ratio(record["seconds"], off["seconds"])
+    record["check_slots_cost_fastest"] = ratio(record["seconds_min"], off["seconds_min"])
     if with_peer:
         for impl, runs in peers.items():
             peer = _median_run(runs)
@@ -305,6 +321,8 @@ def main(argv: list[str]) -> int:
             # requests/s ratio = inverse ratio of the times of one pass over the same trace
             record[f"ratio_vs_{impl}"] = ratio(record["requests_per_s"], peer["requests_per_s"])
             record[f"ratio_vs_{impl}_fastest"] = ratio(peer["seconds_min"], record["seconds_min"])
+            peer_rate = peer["requests_per_s"]
+            record[f"ratio_vs_{impl}_check_off"] = ratio(off["requests_per_s"], peer_rate)
     record["environment"] = environment()
     emit(record)
     return 0

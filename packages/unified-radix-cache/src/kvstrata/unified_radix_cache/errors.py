@@ -54,6 +54,12 @@ class HeldSlotsNotAllocated(RadixCacheError, NotAllocated):
     allocator as they were before the call."""
 
 
+class HeldSlotsRepeated(RadixCacheError, DuplicateIndex):
+    """`evict` found one slot held twice by the tree (e.g. one Mamba state slot given for two
+    keys, or Full slots inserted with `check_slots=False`): freeing it would be a double free.
+    Raised with the tree, its sizes and the allocators as they were before the call."""
+
+
 class InvalidEvictRequest(RadixCacheError, ValueError):
     """An `EvictRequest` with a negative target or a component name the tree does not have."""
 

@@ -222,13 +222,19 @@ class LRUList:
     A doubly linked list threaded by a dict, so touching, removing and inserting before a given
     node are O(1), including internal nodes (which the Full leaf heap never holds). The LRU end
     is `pop_lru()`; `touch` moves a node to the MRU end.
+
+    Between `start_log()` and `stop_log()` every change is recorded (the node and its more
+    recently used neighbour before the change), so `undo_log()` can put back the exact order
+    (`evict` rolls back with it when it raises).
     """
 
-    __slots__ = ("_head", "_links")
+    __slots__ = ("_head", "_links", "_log")
 
     def __init__(self) -> None:
         self._head = _Link(None)  # sentinel: head.next is the LRU end, head.prev the MRU end
         self._links: dict[TreeNode, _Link] = {}
+        #: (node, its next more recently used node or None, whether it was listed) per change.
+        self._log: list[tuple[TreeNode, TreeNode | None, bool]] | None = None
 
     def __len__(self) -> int:
         return len(self._links)
@@ -237,6 +243,9 @@ class LRUList:
         return node in self._links
 
     def _unlink(self, link: _Link) -> None:
+        if self._log is not None:
+            assert link.node is not None
+            self._log.append((link.node, link.next.node, True))
         link.prev.next = link.next
         link.next.prev = link.prev
 
@@ -251,6 +260,8 @@ class LRUList:
         link = self._links.get(node)
         if link is None:
             link = self._links[node] = _Link(node)
+            if self._log is not None:
+                self._log.append((node, None, False))
         else:
             self._unlink(link)
         self._link_before(link, self._head)
@@ -259,6 +270,8 @@ class LRUList:
         """Add `node` just less recently used than `ref` (which must be present)."""
         assert node not in self._links, f"LRUList: node {node.id} already listed"
         link = self._links[node] = _Link(node)
+        if self._log is not None:
+            self._log.append((node, None, False))
         self._link_before(link, self._links[ref])
 
     def discard(self, node: TreeNode) -> None:
@@ -276,6 +289,30 @@ class LRUList:
         assert node is not None
         del self._links[node]
         return node
+
+    def start_log(self) -> None:
+        """Record every change from now on (for `undo_log`)."""
+        self._log = []
+
+    def stop_log(self) -> None:
+        """Stop recording and forget the record."""
+        self._log = None
+
+    def undo_log(self) -> None:
+        """Undo every change since `start_log()`, newest first, and stop recording: each node
+        goes back just before the neighbour it had (present again at that point of the undo)."""
+        log = self._log
+        assert log is not None, "LRUList.undo_log without start_log"
+        self._log = None
+        links = self._links
+        for node, after, listed in reversed(log):
+            link = links.pop(node, None)
+            if link is not None:
+                link.prev.next = link.next
+                link.next.prev = link.prev
+            if listed:
+                link = links[node] = _Link(node)
+                self._link_before(link, self._head if after is None else links[after])
 
     def nodes(self) -> list[TreeNode]:
         """LRU first (for tests and integrity checks)."""

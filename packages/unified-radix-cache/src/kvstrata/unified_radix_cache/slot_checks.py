@@ -3,13 +3,14 @@
 A slot the tree adopts must lie in the pool, be handed out by the allocator now, appear once in
 the call and not be held by the tree already (under another key or position): otherwise the
 failure surfaces only later, inside `evict`, when the allocator refuses the free after the node
-is gone. The checker keeps one flag per slot of the Full pool (`FullComponent.held`: set when a
-leaf adopts slots, cleared when Full frees them) and one int32 stamp per slot for repeats.
+is gone. The checker keeps one int32 per slot of the Full pool (`FullComponent.held`: non-zero
+while the tree holds the slot, cleared when Full frees it); the repeat test writes its stamps
+into the same array.
 
 Every check is a few whole-array numpy operations over the slots the caller owns
-(`value[cached_len:end]`); slots the tree adopts on a host-to-device load are flagged the next
-time an insert walks through their node (a miss before that is a false "not held", never a
-false refusal).
+(`value[max(cached_len, held prefix):end]`, the held prefix found by insert's one walk); slots
+the tree adopts on a host-to-device load are flagged the next time an insert walks through their
+node (a miss before that is a false "not held", never a false refusal).
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.node import TreeNode
 
 
-_INITIAL_ROWS = 1 << 24
+_INITIAL_ROWS = 1 << 22
+
+
+def _zeroed(rows: int) -> npt.NDArray[np.int32]:
+    """A zero int32 per slot, written once now: `np.zeros` maps its pages lazily, so an
+    insert of never-seen slots would otherwise pay a page fault in its check."""
+    out = np.empty(rows, dtype=np.int32)
+    out.fill(0)
+    return out
 
 
 class _Checks(Protocol):
@@ -54,33 +63,49 @@ class SlotChecker:
         self._full = full
         #: Slots of the pool are 0 .. rows-1 (page 0 included: the allocator refuses it).
         self._rows = full.capacity() + max(page, 1)
-        # The per-slot arrays cover the slots seen so far and grow on demand (a stand-in sink
-        # may announce a practically unbounded pool).
-        self._held = np.zeros(min(self._rows, _INITIAL_ROWS), dtype=np.bool_)
+        # One int32 per slot: 0 = not the tree's; > 0 = held by the tree. `check` also writes
+        # its stamps (1..n, the position in the call) there, so the held flags and the repeat
+        # test share one array. It covers the slots seen so far and grows on demand (a
+        # stand-in sink may announce a practically unbounded pool).
+        self._held = _zeroed(min(self._rows, _INITIAL_ROWS))
         full.held = self._held
-        self._stamp = np.zeros(len(self._held), dtype=np.int32)
-        self._iota = np.arange(1024, dtype=np.int32)
+        self._iota = np.arange(1, 1025, dtype=np.int32)
+        self._iota_bytes = self._iota.tobytes()
         check = getattr(allocator, "check_allocated", None)
         self._allocator: _Checks | None = allocator if callable(check) else None  # pyright: ignore[reportAttributeAccessIssue]
 
     def _grow(self, top: int) -> None:
         size = min(self._rows, max(top + 1, 2 * len(self._held)))
-        held = np.zeros(size, dtype=np.bool_)
+        held = _zeroed(size)
         held[: len(self._held)] = self._held
         self._held = held
         self._full.held = held
-        self._stamp = np.zeros(size, dtype=np.int32)
 
-    def check(self, slots: npt.NDArray[np.int64], lo: int, hi: int) -> None:
-        """Raise an `InvalidSlots` error unless `slots[lo:hi]` may be adopted. Changes nothing."""
+    def check(self, slots: npt.NDArray[np.int64], lo: int, hi: int, *, keep: bool = False) -> None:
+        """Raise an `InvalidSlots` error unless `slots[lo:hi]` may be adopted, changing nothing
+        then. `keep`: the caller adopts exactly these slots now, so they stay marked as the
+        tree's (the stamps below are the marks); otherwise nothing changes.
+
+        A few whole-array calls over the slots (plus the allocator's check), none per slot and
+        no ufunc reduction (their setup dominates at insert sizes): two counts of non-zero
+        words (no negative slot), a gather of the marks (past the table's end: IndexError, then
+        the slow path grows it or refuses), a count of slots held already, a scatter of stamps
+        1..n and a gather of them read back as bytes (a repeated slot keeps one stamp)."""
         x = slots[lo:hi]
         n = len(x)
         if n == 0:
             return
-        top = int(x.max())
-        if int(x.min()) < 0 or top >= self._rows:
-            bad = x[(x < 0) | (x >= self._rows)]
-            raise SlotOutOfRange(f"insert: slots {_sample(bad)} outside [0, {self._rows})")
+        try:
+            words = x.view(np.int32)
+        except ValueError:  # a strided view of the caller's slots
+            x = np.ascontiguousarray(x)
+            words = x.view(np.int32)
+        held = self._held
+        # A slot in [-2**32, 0) has two non-zero int32 words; one in [0, 2**32) at most one,
+        # and only if it is non-zero itself. So equal counts leave no negative slot that a
+        # gather would wrap; anything else out of range makes the gather raise IndexError.
+        if np.count_nonzero(words) != np.count_nonzero(x) or n > len(self._iota):
+            held = self._fit(x)
         if self._allocator is not None:
             try:
                 self._allocator.check_allocated(self._full.to_device(x), "insert")
@@ -88,29 +113,45 @@ class SlotChecker:
                 raise SlotOutOfRange(str(e)) from None
             except (NotAllocated, ReservedIndex) as e:  # a free page, or page 0
                 raise SlotNotAllocated(str(e)) from None
-        if top >= len(self._held):
-            self._grow(top)
-        held = self._held[x]
-        if held.any():
+        try:
+            marks = held[x]
+        except IndexError:  # a slot past the table: grow it, or refuse it
+            held = self._fit(x)
+            marks = held[x]
+        if np.count_nonzero(marks):
             raise SlotInTree(
-                f"insert: slots {_sample(x[held])} are already held by the tree (another key)"
+                f"insert: slots {_sample(x[marks > 0])} are already held by the tree (another key)"
             )
-        if n > len(self._iota):
-            self._iota = np.arange(max(n, 2 * len(self._iota)), dtype=np.int32)
-        iota = self._iota[:n]
-        stamp = self._stamp
-        stamp[x] = iota
-        repeated = stamp[x] != iota
-        if repeated.any():
+        stamps = self._iota[:n]
+        held[x] = stamps
+        if held[x].tobytes() != self._iota_bytes[: 4 * n]:
+            repeated = held[x] != stamps
+            held[x] = 0
             raise DuplicateSlot(
                 f"insert: slots given more than once {_sample(np.unique(x[repeated]))}"
             )
+        if not keep:
+            held[x] = 0
+
+    def _fit(self, x: npt.NDArray[np.int64]) -> npt.NDArray[np.int32]:
+        """The slow path of `check`: refuse slots outside the pool, grow the table to cover
+        the others and the stamps to cover `len(x)`; returns the table."""
+        if int(x.min()) < 0 or int(x.max()) >= self._rows:
+            bad = x[(x < 0) | (x >= self._rows)]
+            raise SlotOutOfRange(f"insert: slots {_sample(bad)} outside [0, {self._rows})")
+        top = int(x.max())
+        if top >= len(self._held):
+            self._grow(top)
+        if len(x) > len(self._iota):
+            self._iota = np.arange(1, max(len(x), 2 * len(self._iota)) + 1, dtype=np.int32)
+            self._iota_bytes = self._iota.tobytes()
+        return self._held
 
     def hold(self, slots: npt.NDArray[np.int64]) -> None:
         """The tree adopted `slots`."""
         if len(slots) and int(slots.max()) >= len(self._held):
             self._grow(int(slots.max()))
-        self._held[slots] = True
+        self._held[slots] = 1
 
     def hold_path(self, node: TreeNode) -> None:
         """Every device slot on the path from `node` to the root is the tree's."""

@@ -34,6 +34,7 @@ from kvstrata.unified_radix_cache.errors import (
     TreeLocked,
 )
 from kvstrata.unified_radix_cache.events import EventLog, KVEvent
+from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_components, evict_tiered
 from kvstrata.unified_radix_cache.hybrid import insert_hybrid, match_hybrid
 from kvstrata.unified_radix_cache.insert_inputs import check_inputs, slots_of
 from kvstrata.unified_radix_cache.integrity import check_tree
@@ -120,6 +121,8 @@ class UnifiedRadixCache:
         self._receipts: dict[int, LockReceipt] = {}
         self._receipt_ids: Iterator[int] = itertools.count(1)
         self._root = structure.new_root(self._num_components)
+        #: Set while a device-only `evict` with state components runs (evict_undo.py).
+        self._journal: EvictJournal | None = None
         # Bound last: every check above ran first, so a refused tree leaves its components free.
         for index, component in enumerate(components):
             component.bind(self, index)
@@ -282,11 +285,6 @@ class UnifiedRadixCache:
             return MatchResult(prefix_len, torch.from_numpy(slots), node)
         return MatchResult(prefix_len, self._full.to_device(slots), node)
 
-    def _held_bytes(self, key: RadixKey, data: bytes, end: int) -> int:
-        """Tokens of `data[:end]` the tree holds (whole pages), without changing anything."""
-        _, pos, partial = descend(self._root, self._page_bytes, key.namespace, data, end, None)
-        return (pos + partial) // TOKEN_BYTES
-
     # ------------------------------------------------------------------------------------------
     # Insert
     # ------------------------------------------------------------------------------------------
@@ -323,12 +321,9 @@ class UnifiedRadixCache:
         if end == 0 or self.disabled:
             return InsertResult(0, 0, root, cached_len=cached_len)
         checker = self._slot_checker
-        if checker is not None:
-            # A device-only Full tree adopts only what lies past the part it holds (the caller
-            # frees the rest); hybrid and tiered trees may adopt inside it (revive).
-            lo = cached_len if self._slow else max(cached_len, self._held_bytes(key, data, end))
-            checker.check(slots, lo, end // TOKEN_BYTES)
         if self._slow:
+            if checker is not None:  # hybrid and tiered trees may adopt inside the held part
+                checker.check(slots, cached_len, end // TOKEN_BYTES)
             if self.host_tier is not None:
                 result = self.host_tier.insert(
                     key, data, end, slots, cached_len, priority, comp_inputs
@@ -342,7 +337,24 @@ class UnifiedRadixCache:
             return result
         # Full-only fast path: the one walk, then two attribute writes per node (no hook call).
         namespace = key.namespace
-        path, pos, _ = descend(root, self._page_bytes, namespace, data, end, self.split_node)
+        page_bytes = self._page_bytes
+        if checker is None:
+            path, pos, _ = descend(root, page_bytes, namespace, data, end, self.split_node)
+        else:
+            # The walk without its split finds the held prefix; the slots past it (the ones the
+            # new leaf adopts) are checked, and marked held, before anything changes.
+            path, pos, partial = descend(root, page_bytes, namespace, data, end, None)
+            held = (pos + partial) // TOKEN_BYTES
+            lo = max(cached_len, held)
+            checker.check(slots, lo, end // TOKEN_BYTES, keep=True)
+            if lo > held:  # value[held:cached_len] claimed as the tree's: adopted unchecked
+                checker.hold(slots[held:lo])
+            if partial:
+                parent = path[-1] if path else root
+                first = data[pos : pos + page_bytes]
+                child = parent.children[(namespace, first) if parent is root else first]
+                path.append(self.split_node(child, partial // TOKEN_BYTES))
+                pos += partial
         self._tick += 1
         tick = self._tick
         node = root
@@ -352,7 +364,7 @@ class UnifiedRadixCache:
                 node.priority = priority
         prefix_len = pos // TOKEN_BYTES
         if pos < end:
-            leaf = self._add_leaf(node, data, pos, end, slots, namespace, tick, priority)
+            leaf = self._add_leaf(node, data, pos, end, slots, namespace, tick, priority, False)
             return InsertResult(prefix_len, len(leaf.value), leaf, (), (), cached_len)
         if node.heap_entry is not None:
             self._heap.push(node)  # re-key the leaf for its new access time
@@ -368,8 +380,10 @@ class UnifiedRadixCache:
         namespace: Namespace | None,
         tick: int,
         priority: int,
+        mark: bool = True,
     ) -> TreeNode:
-        """A new leaf under `parent` for key bytes `data[pos:end]` with a copy of its slots."""
+        """A new leaf under `parent` for key bytes `data[pos:end]` with a copy of its slots
+        (marked held for the slot check unless `mark` is False: the check did it)."""
         heap = self._heap
         if parent.heap_entry is not None:
             heap.discard(parent)  # no longer a leaf
@@ -384,7 +398,7 @@ class UnifiedRadixCache:
             self._num_components,
         )
         leaf.priority = priority
-        if self._slot_checker is not None:
+        if mark and self._slot_checker is not None:
             self._slot_checker.hold(leaf.value)
         first = data[pos : pos + self._page_bytes]
         children = parent.children
@@ -414,6 +428,8 @@ class UnifiedRadixCache:
         data on it; its parent joins the evictable leaves if it is now an unlocked leaf. Slots
         are queued and reach the allocators at the end of the calling operation. Returns the
         Full tokens removed."""
+        if self._journal is not None:
+            self._journal.node(node)
         return structure.remove_leaf(self, node, evicted=evicted)
 
     def truncate_leaf(self, node: TreeNode, keep: int) -> int:
@@ -429,6 +445,8 @@ class UnifiedRadixCache:
             f"truncate_leaf({node.id}): not an unlocked leaf"
         )
         if self._extras:
+            if self._journal is not None:
+                self._journal.node(node)
             self.split_node(node, keep)
             if node.heap_entry is not None:
                 self._heap.discard(node)
@@ -458,6 +476,8 @@ class UnifiedRadixCache:
             before = component.evicted_total
             self.remove_leaf(node, evicted=True)
             return component.evicted_total - before
+        if self._journal is not None:
+            self._journal.node(node)
         freed = 0
         for other in self._extras:
             if (
@@ -527,8 +547,10 @@ class UnifiedRadixCache:
         """Free at least each component's target (or all it can): Full from the evictable
         leaves in policy order, page-granular at the last leaf; SWA and Mamba from their own
         LRU lists (internal nodes become tombstones). Locked data is never touched. The slots
-        reach the allocators in one `free` call per component before this returns.
-        Cost: O(k log n) for k nodes evicted. `evict` with all targets 0 is a no-op."""
+        reach the allocators in one `free` call per component before this returns, after a
+        check that each allocator takes them: on a device-only tree an evict that raises
+        (HeldSlotsNotAllocated, HeldSlotsRepeated) changed nothing. Cost: O(k log n) for k
+        nodes evicted. `evict` with all targets 0 is a no-op."""
         targets = request.targets
         by_name = self._by_name
         for name in targets:
@@ -537,37 +559,18 @@ class UnifiedRadixCache:
                     f"no component {name!r} in this tree (have {sorted(by_name)})"
                 )
         start = time.perf_counter()
-        if not self._extras:
-            full = self._full
-            freed_before, nodes_before = full.evicted_total, self.num_nodes
-            amount = targets.get("full", 0)
-            if amount > 0:
-                if self.host_tier is not None:
-                    self.host_tier.evict_device(amount)
-                    full.flush()
-                else:  # checked: a free behind the tree's back raises with nothing changed
-                    events = self._events
-                    full.evict_checked(amount, events.queue if events is not None else None)
-            seconds = time.perf_counter() - start
-            self.evict_calls += 1
-            self.evict_seconds += seconds
-            return EvictResult(
-                evicted={"full": full.evicted_total - freed_before},
-                nodes_removed=nodes_before - self.num_nodes,
-                seconds=seconds,
-            )
         components = self._components
         before = [c.evicted_total for c in components]
         nodes_before = self.num_nodes
-        for component in components:
-            target = targets.get(component.name, 0)
-            if target > 0:
-                if component is self._full and self.host_tier is not None:
-                    self.host_tier.evict_device(target)
-                else:
-                    component.evict(target)
-        for component in components:
-            component.flush()
+        if self.host_tier is not None:
+            evict_tiered(self, targets)  # host_tier.py's device eviction (no roll-back yet)
+        elif not self._extras:
+            amount = targets.get("full", 0)
+            if amount > 0:  # checked: a free behind the tree's back raises with nothing changed
+                queue = self._events.queue if self._events is not None else None
+                self._full.evict_checked(amount, queue, repeats=not self.check_slots)
+        else:
+            evict_components(self, targets)  # all or nothing: rolled back when it raises
         seconds = time.perf_counter() - start
         self.evict_calls += 1
         self.evict_seconds += seconds

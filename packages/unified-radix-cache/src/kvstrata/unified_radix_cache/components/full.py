@@ -8,7 +8,7 @@ tree; the tree's hot loops read `node.value` / `node.lock_ref` directly.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -17,7 +17,11 @@ import torch
 from kvstrata.allocator import SWAAllocator
 from kvstrata.allocator.errors import IndexOutOfRange, NotAllocated, ReservedIndex
 from kvstrata.unified_radix_cache.components.base import SlotSink, TreeComponent
-from kvstrata.unified_radix_cache.errors import HeldSlotsNotAllocated, IntegrityError
+from kvstrata.unified_radix_cache.errors import (
+    HeldSlotsNotAllocated,
+    HeldSlotsRepeated,
+    IntegrityError,
+)
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES
 from kvstrata.unified_radix_cache.node import NO_CHILDREN
 from kvstrata.unified_radix_cache.policies import LeafHeap
@@ -43,8 +47,8 @@ class FullComponent(TreeComponent):
         self._on_cpu = self.device.type == "cpu"
         check = getattr(allocator, "check_allocated", None)
         #: The allocator's `check_allocated` (None when it has none): `evict_checked` uses it.
-        self._check_allocated: Callable[[torch.Tensor, str], None] | None = (
-            check if callable(check) else None
+        self._check_allocated = cast(
+            "Callable[[torch.Tensor, str], None] | None", check if callable(check) else None
         )
         # An SWA allocator manages two pools; Full accounts against its full pool only (its
         # available_size() is the smaller of the two).
@@ -57,9 +61,9 @@ class FullComponent(TreeComponent):
         self.heap: LeafHeap | None = None
         #: Set when the tree gets a host tier: a device leaf may then have off-device children.
         self.tiered = False
-        #: One flag per slot the tree holds (set by the tree's `SlotChecker`, None when the
-        #: tree does not check insert slots); cleared here when the slots are freed.
-        self.held: npt.NDArray[np.bool_] | None = None
+        #: Per slot, non-zero while the tree holds it (set by the tree's `SlotChecker`, None when
+        #: the tree does not check insert slots); cleared here when the slots are freed.
+        self.held: npt.NDArray[np.int32] | None = None
 
     def bind(self, tree: TreeView[TreeComponent], index: int) -> None:
         super().bind(tree, index)
@@ -124,14 +128,18 @@ class FullComponent(TreeComponent):
             freed += tree.remove_leaf(node, evicted=True)
         return freed
 
-    def evict_checked(self, amount: int, events: list[KVEvent] | None) -> None:
+    def evict_checked(
+        self, amount: int, events: list[KVEvent] | None, *, repeats: bool = False
+    ) -> None:
         """`evict(amount)` then `flush()` on a Full-only device tree, checking the freed slots
         with the allocator's `check_allocated` (one call) first: when the allocator no longer
         has them handed out (a free behind the tree's back), every node, size, heap entry and
         queued event is put back and `HeldSlotsNotAllocated` is raised with the allocator
-        untouched. `events`: the tree's event queue (None when events are off)."""
+        untouched. `events`: the tree's event queue (None when events are off). `repeats`: also
+        refuse a slot freed twice (HeldSlotsRepeated), for a tree that did not check its insert
+        slots."""
         check = self._check_allocated
-        if check is None:
+        if check is None and not repeats:
             self.evict(amount)
             self.flush()
             return
@@ -142,17 +150,27 @@ class FullComponent(TreeComponent):
         self._evict(amount, removed, cut)
         if len(self._pending) > pending:
             slots = np.concatenate(self._pending[pending:])
+            refused: Exception | None = None
             try:
-                check(self.to_device(slots), "evict: tree-held slots")
+                if check is not None:
+                    check(self.to_device(slots), "evict: tree-held slots")
             except (IndexOutOfRange, NotAllocated, ReservedIndex) as exc:
+                refused = HeldSlotsNotAllocated(
+                    f"evict: the allocator no longer has slots the tree holds handed out "
+                    f"(freed behind the tree's back?); nothing was evicted: {exc}"
+                )
+                refused.__cause__ = exc
+            if refused is None and repeats and len(np.unique(slots)) != len(slots):
+                refused = HeldSlotsRepeated(
+                    "evict: the tree holds some full slots twice (inserted with check_slots "
+                    "off); freeing them would be a double free; nothing was evicted"
+                )
+            if refused is not None:
                 del self._pending[pending:]
                 if events is not None:
                     del events[queued:]
                 self._roll_back(removed, cut)
-                raise HeldSlotsNotAllocated(
-                    f"evict: the allocator no longer has slots the tree holds handed out "
-                    f"(freed behind the tree's back?); nothing was evicted: {exc}"
-                ) from exc
+                raise refused
         self.flush()
 
     def _roll_back(
@@ -195,8 +213,11 @@ class FullComponent(TreeComponent):
         if slots is not None and len(slots):
             self.allocator.free(self.to_device(slots))
             held = self.held
-            if held is not None:  # slots past its end were never marked
-                held[slots[slots < len(held)]] = False
+            if held is not None:
+                try:
+                    held[slots] = 0
+                except IndexError:  # slots past its end were never marked
+                    held[slots[slots < len(held)]] = 0
 
     def give_back(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
@@ -283,4 +304,4 @@ class FullComponent(TreeComponent):
         if self.heap is not None:
             self.heap.clear()
         if self.held is not None:
-            self.held[:] = False
+            self.held[:] = 0
