@@ -33,6 +33,17 @@ def _wait(predicate: Any, timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def _dead(actor: Any) -> bool:
+    """Whether Ray reports `actor` dead (its next call fails instead of answering)."""
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=2.0)
+    except ray.exceptions.RayActorError:
+        return True
+    except ray.exceptions.GetTimeoutError:
+        return False
+    return False
+
+
 def test_misses_before_up_kill_restore_and_down(ray_cluster: Any) -> None:
     storage = RayStorage(namespace=NS, timeout_s=3.0, refresh_s=0.2)
     keys, pages = _pages(30, 0)
@@ -56,7 +67,9 @@ def test_misses_before_up_kill_restore_and_down(ray_cluster: Any) -> None:
     victim = next(n for n in nodes if n != storage.node_id)
     lost = [i for i, k in enumerate(keys) if home(k, nodes) == victim]
     assert lost, "rendezvous hashing gave the victim no page"
-    ray.kill(ray.get_actor(deploy.store_name(victim), namespace=NS))
+    victim_store = ray.get_actor(deploy.store_name(victim), namespace=NS)
+    ray.kill(victim_store)
+    _wait(lambda: _dead(victim_store))  # ray.kill returns before the actor is gone
     got = storage.batch_get(keys, outs)  # the dead store is a miss, the rest still hit
     assert [i for i, ok in enumerate(got) if not ok] == lost
     assert all(np.array_equal(outs[i], pages[i]) for i, ok in enumerate(got) if ok)

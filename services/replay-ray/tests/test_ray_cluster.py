@@ -3,14 +3,11 @@ routing and hits, instance by instance, as the in-process run of the same reques
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import ray
 
-from kvstrata.cli.main import main
 from kvstrata.l3_store import deploy
 from kvstrata.prefix_index.cluster import NAME_PREFIX
 from kvstrata.replay import WorkloadSpec, generate_workload
@@ -88,24 +85,6 @@ def test_ray_run_equals_in_process_run_with_a_shared_l3(address: str) -> None:
     # ... and took down the stores and shards it brought up.
     assert _named_left() == []
     assert [s for s in deploy.status(NAMESPACE) if s.stats is not None] == []
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_cli_ray_round_robin_equals_in_process(
-    address: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = ["replay", "--limit", "30", "--capacity-tokens", "1920"]
-    argv += ["--instances", "2", "--router", "round-robin", "--no-progress"]
-    assert main([*argv, "--json", str(tmp_path / "local.json")]) == 0
-    assert main([*argv, "--ray", "--address", address, "--json", str(tmp_path / "ray.json")]) == 0
-    assert "Ray actors" in capsys.readouterr().out
-    local = json.loads((tmp_path / "local.json").read_text())
-    on_ray = json.loads((tmp_path / "ray.json").read_text())
-    assert on_ray.pop("backend") == "RayCluster" and local.pop("backend") == "LocalCluster"
-    assert on_ray == local
-    assert local["hit_pages"] > 0
-    assert _named_left() == []
 
 
 def test_options_are_checked_before_ray_is_touched() -> None:
