@@ -106,7 +106,7 @@ def test_logits_are_identical_after_pages_went_to_host_and_back(kind: str) -> No
 # Mamba-hybrids prefill in page-sized chunks here: the cache prefetches a Mamba prefix from
 # storage only up to a stored state, and a state is cached where a chunk ends on a page.
 @pytest.mark.parametrize(
-    ("kind", "chunk"), [("mha", 6), ("mla", 6), ("mamba", 4), ("falcon_h1", 4)]
+    ("kind", "chunk"), [("mha", 6), ("mla", 6), ("swa", 6), ("mamba", 4), ("falcon_h1", 4)]
 )
 def test_logits_are_identical_after_pages_went_to_storage_and_back(kind: str, chunk: int) -> None:
     # A host tier the size of the device: what it drops was backed up to storage, and the
