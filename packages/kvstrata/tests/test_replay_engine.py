@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -38,13 +37,7 @@ SMALL = WorkloadSpec(
 )
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # Small torch ops on 2 shared cores are slow and erratic with two OpenMP threads.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _unbounded(family: str, requests: list[ReplayRequest], page_size: int = PAGE) -> MemorySystem:

@@ -7,11 +7,8 @@ back the KV written for exactly those tokens (`verify=True`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
-import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -97,12 +94,7 @@ class MambaReplayMachine(ReplayMachine):
     family = "mamba"
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # Each step is a full request through the stack: fewer examples than the profile's default.

@@ -19,15 +19,9 @@ import pytest
 import torch
 
 from kvstrata.pool_host import HostSlotAllocator
-from kvstrata.testkit.tiers import Hierarchy, Shape, make_hierarchy, serve
+from kvstrata.testkit.tiers import Hierarchy, Shape, extra_host_copy, make_hierarchy, serve
 from kvstrata.unified_radix_cache import HierarchicalCache, RadixKey, TreeNode
 from kvstrata.unified_radix_cache.node import ComponentValue
-
-
-def _host_copy(node: TreeNode) -> ComponentValue:
-    """The host copy on `node` of the tree's one component besides Full (index 1)."""
-    return None if node.comp_hosts is None else node.comp_hosts[1]
-
 
 P = 4
 
@@ -63,7 +57,7 @@ def _swa_non_holder(h: Hierarchy, base: int) -> TreeNode:
     cache.evict_device(cache.device_tree.evictable_size())
     assert cache.evict_host(2 * P) == 2 * P
     head = _end_node(cache, _tokens(base, 2 * P))
-    assert head is not None and head in cache.tier.heap and _host_copy(head) is None
+    assert head is not None and head in cache.tier.heap and extra_host_copy(head) is None
     return head
 
 
@@ -77,7 +71,7 @@ def _mamba_non_holder(h: Hierarchy, base: int) -> TreeNode:
     cache.evict_device(cache.device_tree.evictable_size())
     assert cache.evict_host(4 * P) == 4 * P
     head = _end_node(cache, first[: 2 * P])
-    assert head is not None and head in cache.tier.heap and _host_copy(head) is None
+    assert head is not None and head in cache.tier.heap and extra_host_copy(head) is None
     return head
 
 
@@ -100,16 +94,16 @@ POOLS = [
     ComponentPool(
         "swa",
         _swa_non_holder,
-        _host_copy,
+        extra_host_copy,
         lambda cache: cache.host_swa_allocator,
         lambda cache: cache.tier.candidate_size("swa"),
-        lambda node: len(v) if (v := _host_copy(node)) is not None else 0,
+        lambda node: len(v) if (v := extra_host_copy(node)) is not None else 0,
         2 * P,
     ),
     ComponentPool(
         "mamba",
         _mamba_non_holder,
-        _host_copy,
+        extra_host_copy,
         lambda cache: cache.host_state_allocator,
         lambda cache: cache.tier.candidate_size("mamba"),
         lambda node: 1,
@@ -189,14 +183,14 @@ def test_candidate_counts_follow_a_split_and_a_lock() -> None:
         cache.evict_device(cache.device_tree.evictable_size())
         assert tier.candidate_size("swa") == 2 * P
         tail = _end_node(cache, _tokens(1000, 4 * P))
-        assert tail is not None and _host_copy(tail) is not None and tail in tier.heap
+        assert tail is not None and extra_host_copy(tail) is not None and tail in tier.heap
         cache.device_tree.split_node(tail, P)  # the head (with its host SWA) is no candidate
         cache.check_integrity()
-        assert tier.candidate_size("swa") == len(_host_copy(tail))
+        assert tier.candidate_size("swa") == len(extra_host_copy(tail))
         receipt = tier.lock(tail)
         assert tier.candidate_size("swa") == 0 and tail not in tier.heap
         tier.unlock(receipt)
-        assert tier.candidate_size("swa") == len(_host_copy(tail))
+        assert tier.candidate_size("swa") == len(extra_host_copy(tail))
         cache.check_integrity()
     finally:
         cache.controller.close()

@@ -12,6 +12,7 @@ from kvstrata.testkit.tiers import (
     Hierarchy,
     assert_prefix_kv,
     assert_prefix_state,
+    extra_host_copy,
     make_hierarchy,
     scramble_free_device,
     serve,
@@ -27,15 +28,8 @@ from kvstrata.unified_radix_cache import (
 )
 from kvstrata.unified_radix_cache.errors import InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
-from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
-
-
-def _host_copy(node: TreeNode) -> ComponentValue:
-    """The host copy on `node` of the tree's one component besides Full (index 1)."""
-    return None if node.comp_hosts is None else node.comp_hosts[1]
-
 
 P = 4
 
@@ -51,7 +45,7 @@ def test_write_through_carries_the_state_to_the_host(closing: list[Hierarchy]) -
     serve(h, list(range(1, 3 * P + 1)))
     node = node_at(h.tree, RadixKey(list(range(1, 3 * P + 1))))
     assert node is not None
-    assert node.host_value is not None and _host_copy(node) is not None
+    assert node.host_value is not None and extra_host_copy(node) is not None
     mamba = h.tree.component("mamba")
     assert isinstance(mamba, MambaComponent) and mamba.slot(node) is not None
     assert h.cache.device_tree.component("mamba").host_held_size == 1
@@ -90,7 +84,7 @@ def test_host_hit_ends_only_where_a_state_is_restorable(closing: list[Hierarchy]
     assert m.device.prefix_len == 0 and m.host_hit_len == 0
     m = h.cache.match_prefix(RadixKey([*a, 1, 2, 3, 4]))
     assert m.device.prefix_len == 0 and m.host_hit_len == 4 * P
-    assert m.host_node is not None and _host_copy(m.host_node) is not None
+    assert m.host_node is not None and extra_host_copy(m.host_node) is not None
     h.cache.check_integrity()
 
 
@@ -103,7 +97,7 @@ def test_a_tombstoned_device_state_is_loaded_alone(closing: list[Hierarchy]) -> 
     # copy is kept, not removed).
     h.tree.evict(EvictRequest(targets={"mamba": 1}))
     node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.on_device and _host_copy(node) is not None
+    assert node is not None and node.on_device and extra_host_copy(node) is not None
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
     assert m.device.prefix_len == 0 and m.host_hit_len == len(a)
     scramble_free_device(h, seed=3)
@@ -120,7 +114,7 @@ def test_no_host_state_slot_means_a_shorter_hit(closing: list[Hierarchy]) -> Non
     a = list(range(1, 3 * P + 1))
     serve(h, a, check=False)  # pages go to the host, the state cannot
     node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.host_value is not None and _host_copy(node) is None
+    assert node is not None and node.host_value is not None and extra_host_copy(node) is None
     h.cache.evict_device(h.tree.evictable_size())
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
     assert m.device.prefix_len == 0 and m.host_hit_len == 0
@@ -220,7 +214,7 @@ def test_a_failed_load_frees_the_state_slot_too(closing: list[Hierarchy]) -> Non
     h.cache.controller.group.load_layers = broken  # type: ignore[method-assign]
     back = h.cache.load_back(node)
     assert back.loaded_len == 0 and back.match.prefix_len == 0
-    assert not node.on_device and _host_copy(node) is not None
+    assert not node.on_device and extra_host_copy(node) is not None
     assert h.allocator.available_size() == free_kv
     assert h.states.available_size() == free_states
     assert h.cache.counters.failed_ops == 1
@@ -237,7 +231,7 @@ def test_a_failed_write_leaves_no_host_state(closing: list[Hierarchy]) -> None:
     a = list(range(1, 2 * P + 1))
     serve(h, a)
     node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.host_value is None and _host_copy(node) is None
+    assert node is not None and node.host_value is None and extra_host_copy(node) is None
     allocator = h.cache.host_state_allocator
     assert allocator is not None and allocator.available_size() == allocator.size
     assert h.cache.counters.failed_ops >= 1

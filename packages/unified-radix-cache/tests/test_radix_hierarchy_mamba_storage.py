@@ -10,18 +10,17 @@ import pytest
 
 from kvstrata.hybrid_cache import PrefetchPolicy
 from kvstrata.storage import FaultInjectingStorage, FaultRules, MemoryStorage, Storage
-from kvstrata.testkit.tiers import Hierarchy, drop_all_but_storage, make_hierarchy, serve
+from kvstrata.testkit.tiers import (
+    Hierarchy,
+    drop_all_but_storage,
+    extra_host_copy,
+    make_hierarchy,
+    serve,
+)
 from kvstrata.unified_radix_cache import RadixKey
 from kvstrata.unified_radix_cache.errors import InvalidConfig
-from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams
-
-
-def _host_copy(node: TreeNode) -> ComponentValue:
-    """The host copy on `node` of the tree's one component besides Full (index 1)."""
-    return None if node.comp_hosts is None else node.comp_hosts[1]
-
 
 P = 4
 PARAMS = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
@@ -47,7 +46,7 @@ def test_backup_stores_the_boundary_state_beside_its_page(
     a = list(range(1, 3 * P + 1))
     serve(h, a)
     node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.in_storage and _host_copy(node) is not None
+    assert node is not None and node.in_storage and extra_host_copy(node) is not None
     keys = h.cache.keyer.page_keys(RadixKey(a).tokens())
     assert storage.batch_exists(keys) == 3
     # Only the boundary page carries a state.

@@ -9,7 +9,13 @@ from __future__ import annotations
 import pytest
 
 from kvstrata.allocator import SWAAllocator
-from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, scramble_free_device, serve
+from kvstrata.testkit.tiers import (
+    Hierarchy,
+    extra_host_copy,
+    make_hierarchy,
+    scramble_free_device,
+    serve,
+)
 from kvstrata.unified_radix_cache import (
     EvictRequest,
     FullComponent,
@@ -19,14 +25,7 @@ from kvstrata.unified_radix_cache import (
 )
 from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
-from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
 from kvstrata.unified_radix_cache.paths import node_at
-
-
-def _host_copy(node: TreeNode) -> ComponentValue:
-    """The host copy on `node` of the tree's one component besides Full (index 1)."""
-    return None if node.comp_hosts is None else node.comp_hosts[1]
-
 
 P = 4
 
@@ -48,11 +47,11 @@ def test_a_write_copies_only_the_window_of_swa_pages(closing: list[Hierarchy]) -
     a = list(range(1, 5 * P + 1))
     serve(h, a)
     node = node_at(h.tree, RadixKey(a))
-    assert node is not None and _host_copy(node) is not None
+    assert node is not None and extra_host_copy(node) is not None
     # The write split the node at the window: the head has full pages on the host only.
     assert node.num_tokens == h.window
     assert node.parent is not None and node.parent.host_value is not None
-    assert _host_copy(node.parent) is None
+    assert extra_host_copy(node.parent) is None
     assert _host_swa(h) == h.window == h.cache.device_tree.component("swa").host_held_size
     group = h.cache.controller.group
     pages = 5 * group.page_bytes("full") + 2 * group.page_bytes("swa")
@@ -131,7 +130,7 @@ def test_no_host_swa_room_means_a_shorter_hit(closing: list[Hierarchy]) -> None:
     a = list(range(1, 3 * P + 1))
     serve(h, a, check=False)
     node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.host_value is not None and _host_copy(node) is None
+    assert node is not None and node.host_value is not None and extra_host_copy(node) is None
     h.cache.evict_device(h.tree.evictable_size())
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
     assert m.prefix_len == 0
@@ -206,8 +205,8 @@ def test_integrity_catches_a_leaked_host_swa_copy(closing: list[Hierarchy]) -> N
     a = list(range(1, 3 * P + 1))
     serve(h, a)
     node = node_at(h.tree, RadixKey(a))
-    assert node is not None and _host_copy(node) is not None
-    value = _host_copy(node)
+    assert node is not None and extra_host_copy(node) is not None
+    value = extra_host_copy(node)
     assert node.comp_hosts is not None
     node.comp_hosts[1] = None  # the slots stay allocated, no node holds them
     with pytest.raises(IntegrityError, match="host swa"):

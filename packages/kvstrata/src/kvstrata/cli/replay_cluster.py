@@ -8,10 +8,10 @@ unchanged.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import TYPE_CHECKING, TextIO
 
 from kvstrata.cli.errors import print_error
+from kvstrata.cli.json_output import write_json
 
 if TYPE_CHECKING:
     from kvstrata.replay import ReplayRequest
@@ -217,13 +217,7 @@ def run_cluster_replay(args: argparse.Namespace, out: TextIO) -> int:
         f"{100 * report.pooled_hit_rate:.2f} %",
     )
     Console(file=out, width=max(110, Console(file=out).width)).print(table)
-    if args.json is not None:
-        try:
-            args.json.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-        except OSError as exc:
-            print_error(f"cannot write {args.json}: {exc}")
-            return 2
-    return 0
+    return 0 if write_json(args.json, document) else 2
 
 
 def _run_on_ray(

@@ -12,13 +12,13 @@ spelled out here; a test checks them against `kvstrata.build.FAMILIES` and `POLI
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from kvstrata.cli.errors import print_error
+from kvstrata.cli.json_output import write_json
 from kvstrata.cli.replay_cluster import add_cluster_arguments, run_cluster_replay
 from kvstrata.cli.replay_model import (
     add_model_arguments,
@@ -274,13 +274,7 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
     else:
         console.print(_summary_table(records[0], runs[0].stats))
         document = records[0]
-    status = 0
-    if args.json is not None:
-        try:
-            args.json.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-        except OSError as exc:
-            print_error(f"cannot write {args.json}: {exc}")
-            status = 2
+    status = 0 if write_json(args.json, document) else 2
     if args.plot is not None:
         err.print(f"plot written to {args.plot}", highlight=False)
     _close(server, hold=args.metrics_hold)

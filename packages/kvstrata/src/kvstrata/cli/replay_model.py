@@ -13,11 +13,11 @@ Only argparse is imported at module level (`kvstrata --help` builds this parser 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from kvstrata.cli.errors import print_error
+from kvstrata.cli.json_output import write_json
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -207,13 +207,7 @@ def run_reference_replay(args: argparse.Namespace, out: TextIO) -> int:
         return 2
     record = _reference_record(args, result, source=f"embedded workload (seed {args.seed})")
     Console(file=out, width=max(80, Console(file=out).width)).print(_reference_table(record))
-    if args.json is not None:
-        try:
-            args.json.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        except OSError as exc:
-            print_error(f"cannot write {args.json}: {exc}")
-            return 2
-    return 0
+    return 0 if write_json(args.json, record) else 2
 
 
 def _reference_record(

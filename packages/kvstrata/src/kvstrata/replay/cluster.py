@@ -37,7 +37,12 @@ from typing import Protocol
 
 from kvstrata.prefix_index import PrefixIndex, RouteDecision, Router
 from kvstrata.prefix_index.router import MatchSource
-from kvstrata.replay.cluster_instance import EngineInstance, InstanceSpec, Served
+from kvstrata.replay.cluster_instance import (
+    CacheSettings,
+    EngineInstance,
+    InstanceSpec,
+    Served,
+)
 from kvstrata.replay.errors import ReplayOptionError
 from kvstrata.replay.request import ReplayRequest
 from kvstrata.storage import PageKeyer, Storage
@@ -142,26 +147,19 @@ class ClusterReport:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ClusterSpec:
+class ClusterSpec(CacheSettings):
     """Shape of the cluster. Checked on construction (ReplayOptionError). The instances are
-    built by `instance_spec()`: `capacity_pages` x `page_size` device tokens each, the eviction
-    `policy`, a host tier of `host_ratio` / `host_bytes` when given, and the hierarchical
-    cache's write and prefetch parameters."""
+    built by `instance_spec()`: `capacity_pages` x `page_size` device tokens each and the
+    cluster's `CacheSettings` (the eviction `policy`, a host tier of `host_ratio` /
+    `host_bytes` when given, and the hierarchical cache's write and prefetch parameters)."""
 
     num_instances: int
     capacity_pages: int
     router: str
-    page_size: int = 16
     prefill_tps: float = 10_000.0
     decode_tps: float = 50.0
     load_weight: float = 1.0
     prefill_weight: float = 1.0
-    policy: str = "lru"
-    host_ratio: float | None = None
-    host_bytes: int | None = None
-    write_policy: str = "write_through"
-    prefetch_policy: str = "wait_complete"
-    prefetch_threshold: int = 256
 
     def __post_init__(self) -> None:
         if self.num_instances < 1:

@@ -33,12 +33,12 @@ from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 
 @dataclass(frozen=True, kw_only=True)
-class InstanceSpec:
-    """How every instance of a cluster is built: device KV tokens, page size, eviction policy,
-    an optional host tier (`host_ratio` or `host_bytes`) and the hierarchical cache's
-    parameters (used when there is a host tier or an L3). Picklable: it travels to Ray actors."""
+class CacheSettings:
+    """The cache settings every instance of a cluster shares: page size, eviction policy, an
+    optional host tier (`host_ratio` or `host_bytes`) and the hierarchical cache's write and
+    prefetch parameters (used when there is a host tier or an L3). `ClusterSpec` and
+    `InstanceSpec` both carry them."""
 
-    capacity_tokens: int
     page_size: int = 16
     policy: str = "lru"
     host_ratio: float | None = None
@@ -46,6 +46,14 @@ class InstanceSpec:
     write_policy: str = "write_through"
     prefetch_policy: str = "wait_complete"
     prefetch_threshold: int = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceSpec(CacheSettings):
+    """How every instance of a cluster is built: `capacity_tokens` device KV tokens and the
+    shared `CacheSettings`. Picklable: it travels to Ray actors."""
+
+    capacity_tokens: int
     #: Host writes submitted at once (1): an instance's pages reach the host, and through it
     #: the shared L3, with the request that wrote them, before another instance's next request.
     write_batch: int = 1

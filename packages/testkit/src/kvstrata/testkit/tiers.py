@@ -40,6 +40,7 @@ from kvstrata.testkit.host_pools import page_tokens
 from kvstrata.testkit.pools import fill_random_bytes
 from kvstrata.unified_radix_cache import CacheRequest, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
+from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 Shape = Literal["full", "swa", "mamba"]
@@ -314,6 +315,12 @@ def scramble_free_device(h: Hierarchy, *, seed: int) -> None:
         if states is not None and len(states):
             scramble(h.mamba_pool, states, seed=seed + 2)
             h.states.free(states)
+
+
+def extra_host_copy(node: TreeNode) -> ComponentValue:
+    """The host copy on `node` of the tree's one component besides Full (index 1: SWA or
+    Mamba), or None."""
+    return None if node.comp_hosts is None else node.comp_hosts[1]
 
 
 def drop_all_but_storage(h: Hierarchy, *, seed: int) -> None:
