@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvstrata.allocator import NotAllocated
-from kvstrata.testkit.tiers import Hierarchy, make_hierarchy
+from kvstrata.testkit.tiers import Hierarchy, Shape, make_hierarchy
 from kvstrata.unified_radix_cache import EvictRequest, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache.components.full import FullComponent
 
@@ -25,10 +25,11 @@ def _snapshot(tree: UnifiedRadixCache) -> tuple[object, ...]:
     return (tuple(nodes), tree.evictable_size(), tree.protected_size(), tree.num_nodes)
 
 
+@pytest.mark.parametrize("shape", ["full", "swa"])
 def test_hierarchical_evict_refused_by_the_allocator_changes_nothing(
-    closing: list[Hierarchy],
+    closing: list[Hierarchy], shape: Shape
 ) -> None:
-    h = make_hierarchy(page_size=P)
+    h = make_hierarchy(shape, page_size=P)
     closing.append(h)
     key = RadixKey(list(range(1, 3 * P + 1)))
     slots = h.allocator.alloc(3 * P)
