@@ -31,6 +31,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvstrata.allocator import NotAllocated
 from kvstrata.hybrid_cache import PrefetchPolicy
 from kvstrata.storage import FaultInjectingStorage, FaultRules, MemoryStorage
 from kvstrata.testkit.tiers import (
@@ -42,6 +43,8 @@ from kvstrata.testkit.tiers import (
     scramble_free_device,
 )
 from kvstrata.unified_radix_cache import CacheRequest, EvictRequest, RadixKey
+from kvstrata.unified_radix_cache.components.full import FullComponent
+from kvstrata.unified_radix_cache.host_tier import HostTier
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 P = 2
@@ -220,6 +223,36 @@ class HierarchyMachine(RuleBasedStateMachine):
     @rule(amount=st.integers(1, 16))
     def evict_device(self, amount: int) -> None:
         self._built().cache.evict_device(amount)
+
+    @precondition(
+        lambda self: (
+            self.h is not None
+            and self.h.cache.core.params.write_policy is not WritePolicy.WRITE_BACK
+        )
+    )
+    @rule(amount=st.integers(1, 16))
+    def evict_as_planned(self, amount: int) -> None:
+        """`HostTier.device_frees` changes nothing and names exactly the Full slots the tree's
+        evict then frees (the evict checks that plan before moving any node: issue 17)."""
+        h = self._built()
+        tree = h.tree
+        tier = tree.host_tier
+        assert isinstance(tier, HostTier)
+        full = tree.components[0]
+        assert isinstance(full, FullComponent) and full.heap is not None
+        heap = full.heap
+        members = sorted(n.id for n in tree.iter_nodes() if n in heap)
+        planned = [int(x) for part in tier.device_frees(amount) for x in part]
+        assert sorted(n.id for n in tree.iter_nodes() if n in heap) == members
+        assert len(set(planned)) == len(planned)
+        if planned:
+            h.allocator.check_allocated(torch.tensor(planned), "planned")
+        result = tree.evict(EvictRequest.full(amount))
+        event(f"evict as planned: {'some' if planned else 'no'} slots")
+        assert result.evicted["full"] == len(planned)
+        for slot in planned:
+            with pytest.raises(NotAllocated):
+                h.allocator.check_allocated(torch.tensor([slot]), "evicted")
 
     @precondition(lambda self: self.h is not None and self.shape != "full")
     @rule(amount=st.integers(1, 8))

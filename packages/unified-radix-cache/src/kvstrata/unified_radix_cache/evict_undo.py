@@ -15,12 +15,12 @@ back exactly as it was from an `EvictJournal` and raises with the allocators unt
 - sizes, counters, node count, queued frees and queued events: snapshots taken at the start.
 
 A Full-only device tree has its own, cheaper roll-back (`FullComponent.evict_checked`); a
-hierarchical tree's device eviction (host_tier.py) is not covered here.
+hierarchical tree checks the Full slots of its device walk before the walk (`evict_tiered`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -36,9 +36,10 @@ from kvstrata.unified_radix_cache.node import NO_CHILDREN
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from kvstrata.unified_radix_cache.events import EventLog
     from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
-    from kvstrata.unified_radix_cache.policies import LRUList
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+    from kvstrata.unified_radix_cache.policies import LeafHeap, LRUList
+    from kvstrata.unified_radix_cache.tier_hooks import TreeTier
 
 _Record = tuple[
     "TreeNode",
@@ -50,13 +51,32 @@ _Record = tuple[
 ]
 
 
+class EvictingTree(Protocol):
+    """What an evict here reads and writes on the tree (`UnifiedRadixCache` implements it;
+    typed so, this module never imports tree.py, which imports it)."""
+
+    num_nodes: int
+    check_slots: bool
+    host_tier: TreeTier | None
+    _page_bytes: int
+    _heap: LeafHeap
+    _events: EventLog | None
+    _journal: EvictJournal | None
+
+    @property
+    def root(self) -> TreeNode: ...
+
+    @property
+    def components(self) -> tuple[TreeComponent, ...]: ...
+
+
 class EvictJournal:
     """Undo record of one `evict` (see the module docstring). Built at the start of the evict;
     the tree calls `node()` before it changes a node; `roll_back()` or `close()` ends it."""
 
     __slots__ = ("_lrus", "_num_nodes", "_pending", "_queued", "_records", "_sizes", "_tree")
 
-    def __init__(self, tree: UnifiedRadixCache) -> None:
+    def __init__(self, tree: EvictingTree) -> None:
         components = tree.components
         self._tree = tree
         self._sizes = [(c.evictable_size, c.protected_size, c.evicted_total) for c in components]
@@ -173,7 +193,7 @@ def check_frees(component: TreeComponent, slots: npt.NDArray[np.int64]) -> None:
         )
 
 
-def evict_components(tree: UnifiedRadixCache, targets: Mapping[str, int]) -> None:
+def evict_components(tree: EvictingTree, targets: Mapping[str, int]) -> None:
     """Each component frees its target by its own order, all or nothing (module docstring);
     the queued slots reach the allocators, one `free` call per component, only when every
     component's slots passed their check."""
@@ -205,12 +225,26 @@ def evict_components(tree: UnifiedRadixCache, targets: Mapping[str, int]) -> Non
         component.flush()
 
 
-def evict_tiered(tree: UnifiedRadixCache, targets: Mapping[str, int]) -> None:
+def evict_tiered(tree: EvictingTree, targets: Mapping[str, int]) -> None:
     """Hierarchical mode: Full's device eviction takes host_tier.py's walk, the others their
-    own order; then every component frees. Not rolled back when it raises."""
+    own order; then every component frees. The Full slots that walk will free are found
+    (`HostTier.device_frees`, changing nothing) and checked as the device-only evict checks
+    them before any node moves: a refusal raises HeldSlotsNotAllocated / HeldSlotsRepeated with
+    the tree and the allocators untouched. The other components' frees (SWA, Mamba) are checked
+    only by their allocators, after the walk: not rolled back yet."""
     tier = tree.host_tier
     assert tier is not None
     full = tree.components[0]
+    assert isinstance(full, FullComponent)
+    amount = targets.get(full.name, 0)
+    if amount > 0:
+        planned = tier.device_frees(amount)
+        if planned:
+            slots = planned[0] if len(planned) == 1 else np.concatenate(planned)
+            if tree.check_slots:
+                _check_full(full, slots)
+            else:
+                check_frees(full, slots)
     for component in tree.components:
         target = targets.get(component.name, 0)
         if target > 0:

@@ -170,6 +170,52 @@ class HostTier(HostWalks):
                 break
         return freed
 
+    def device_frees(self, amount: int) -> list[npt.NDArray[np.int64]]:
+        """The Full slots `evict_device(amount)` would queue, in its order, changing nothing
+        (the device heap is walked and put back; its keys end ties by node id, so the walk that
+        follows takes the same nodes). O(k log n) for k nodes."""
+        heap = self._device_heap
+        page = self.tree.page_size
+        popped: list[TreeNode] = []
+        pushed: list[TreeNode] = []
+        gone: set[int] = set()
+        slots: list[npt.NDArray[np.int64]] = []
+        freed = 0
+        try:
+            while freed < amount:
+                node = heap.pop()
+                if node is None:
+                    break
+                popped.append(node)
+                value = node.value
+                keep = len(value) - -(-(amount - freed) // page) * page
+                if keep > 0:
+                    slots.append(value[keep:])
+                    break
+                slots.append(value)
+                freed += len(value)
+                gone.add(node.id)
+                parent = node.parent
+                assert parent is not None, "the root is never evicted"
+                if (
+                    parent.parent is not None
+                    and len(parent.value)
+                    and parent.lock_ref == 0
+                    and parent not in heap
+                    and all(c.id in gone or not len(c.value) for c in parent.children.values())
+                ):
+                    heap.push(parent)
+                    pushed.append(parent)
+        finally:
+            # Back as it was: a parent the walk pushed (and perhaps popped again) goes out.
+            for node in pushed:
+                heap.discard(node)
+            added = {node.id for node in pushed}
+            for node in popped:
+                if node.id not in added:
+                    heap.push(node)
+        return slots
+
     def _drop_device(self, node: TreeNode) -> int:
         size = len(node.value)
         if node.host_value is None:

@@ -548,9 +548,9 @@ class UnifiedRadixCache:
         leaves in policy order, page-granular at the last leaf; SWA and Mamba from their own
         LRU lists (internal nodes become tombstones). Locked data is never touched. The slots
         reach the allocators in one `free` call per component before this returns, after a
-        check that each allocator takes them: on a device-only tree an evict that raises
-        (HeldSlotsNotAllocated, HeldSlotsRepeated) changed nothing. Cost: O(k log n) for k
-        nodes evicted. `evict` with all targets 0 is a no-op."""
+        check that each allocator takes them: an evict that raises (HeldSlotsNotAllocated,
+        HeldSlotsRepeated) changed nothing (with a host tier: checked for Full's slots only).
+        Cost: O(k log n) for k nodes evicted. `evict` with all targets 0 is a no-op."""
         targets = request.targets
         by_name = self._by_name
         for name in targets:
@@ -563,7 +563,7 @@ class UnifiedRadixCache:
         before = [c.evicted_total for c in components]
         nodes_before = self.num_nodes
         if self.host_tier is not None:
-            evict_tiered(self, targets)  # host_tier.py's device eviction (no roll-back yet)
+            evict_tiered(self, targets)  # Full's slots checked before the walk
         elif not self._extras:
             amount = targets.get("full", 0)
             if amount > 0:  # checked: a free behind the tree's back raises with nothing changed
