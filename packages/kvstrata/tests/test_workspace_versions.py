@@ -8,6 +8,7 @@ from __future__ import annotations
 import tomllib
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from kvstrata.testkit import member_dirs
@@ -20,7 +21,7 @@ def _members() -> dict[str, tuple[Version, list[str]]]:
         deps = list(project.get("dependencies", []))
         for extra in project.get("optional-dependencies", {}).values():
             deps += extra
-        out[project["name"]] = (Version(project["version"]), deps)
+        out[canonicalize_name(project["name"])] = (Version(project["version"]), deps)
     return out
 
 
@@ -31,8 +32,9 @@ def test_member_constraints_admit_the_members_versions() -> None:
     for name, (_, deps) in members.items():
         for dep in deps:
             req = Requirement(dep)
-            if req.name in members:
-                version = members[req.name][0]
+            dep_name = canonicalize_name(req.name)
+            if dep_name in members:
+                version = members[dep_name][0]
                 if not req.specifier.contains(version, prereleases=True):
-                    stale.append(f"{name}: {dep} excludes {req.name} {version}")
+                    stale.append(f"{name}: {dep} excludes {dep_name} {version}")
     assert not stale, "\n".join(stale)

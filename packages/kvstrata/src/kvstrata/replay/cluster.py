@@ -263,8 +263,15 @@ class LocalCluster:
         self._index.check_integrity()
 
     def close(self) -> None:
+        """Close every instance, even when one raises (the first error is re-raised)."""
+        first: BaseException | None = None
         for instance in self.instances:
-            instance.close()
+            try:
+                instance.close()
+            except BaseException as exc:  # noqa: BLE001 (the others must still stop)
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 def arrival_order(requests: Sequence[ReplayRequest]) -> list[int]:

@@ -23,6 +23,7 @@ a dead actor or a call that times out is an `InstanceFailed`.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -91,6 +92,7 @@ def local_ray(
             os.environ.pop("RAY_TMPDIR", None)
         else:
             os.environ["RAY_TMPDIR"] = saved
+        shutil.rmtree(tmp, ignore_errors=True)  # the session folder of this cluster
 
 
 def l3_namespace(storage_url: str) -> str:
@@ -208,17 +210,23 @@ class RayCluster:
         if self._closed:
             return
         self._closed = True
+        # Each step runs whatever the one before raised (a dead actor must not leave this
+        # run's stores and shards on a cluster given by --address); the first error wins.
         try:
-            if self._actors:
+            try:
                 try:
-                    ray.get([a.close.remote() for a in self._actors], timeout=self.timeout_s)
+                    if self._actors:
+                        try:
+                            self._get([a.close.remote() for a in self._actors])
+                        finally:
+                            for actor in self._actors:
+                                ray.kill(actor)
                 finally:
-                    for actor in self._actors:
-                        ray.kill(actor)
-            if self._own_stores and self._namespace is not None:
-                deploy.down(self._namespace, timeout_s=self.timeout_s)
-            if self._own_shards:
-                remove_shards()
+                    if self._own_stores and self._namespace is not None:
+                        deploy.down(self._namespace, timeout_s=self.timeout_s)
+            finally:
+                if self._own_shards:
+                    remove_shards()
         finally:
             if self._local is not None:
                 self._local.__exit__(None, None, None)
