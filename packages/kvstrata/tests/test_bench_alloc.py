@@ -132,8 +132,14 @@ def test_a_dying_peer_is_reported(tmp_path: Path) -> None:
 def test_run_configuration_alternates_ours_and_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
     log: list[str] = []
 
-    def fake_repeat(variant: bench.Variant, *_: object, **__: object) -> bench.Repeat:
-        log.append("ours-checked" if variant.checked else "ours-unchecked")
+    def fake_repeat(
+        variant: bench.Variant, _workload: str, _size: int, rounds: list[object], **__: object
+    ) -> bench.Repeat:
+        # With WARMUP_ROUNDS at 1, a one-round repeat is the warm-up.
+        if len(rounds) == 1:
+            log.append("ours-warm")
+        else:
+            log.append("ours-checked" if variant.checked else "ours-unchecked")
         return bench.Repeat(tokens_per_s=4.0, calls_per_s=1.0, tokens=8, round_ns=[5, 7])
 
     class FakePeer:
@@ -147,7 +153,7 @@ def test_run_configuration_alternates_ours_and_the_peer(monkeypatch: pytest.Monk
             )
 
     monkeypatch.setattr(bench, "one_repeat", fake_repeat)
-    monkeypatch.setattr(bench, "warm_up", lambda *_, **__: log.append("ours-warm"))
+    monkeypatch.setattr(bench, "WARMUP_ROUNDS", 1)
     args = bench.parse_args(["--rounds", "2", "--repeats", "3"])
     peer = cast(bench.Peer, FakePeer())
     variants = ["numpy", "numpy-unchecked"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -66,6 +67,18 @@ def _verified_replay(
     assert t is not None
     assert t.device_hit_tokens + t.host_hit_tokens + t.storage_hit_tokens == stats.hit_tokens
     return engine, stats, t
+
+
+def _replay_json(tmp_path: Path, *options: str) -> dict[str, Any]:
+    """`kvstrata replay *options --json`: exit 0, every tier key in the record and the hits of
+    the three tiers adding up to the run's hits; the record."""
+    out = tmp_path / "replay.json"
+    assert main(["replay", *options, "--json", str(out), "--no-progress"]) == 0
+    record: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
+    assert sorted(record) == sorted((*JSON_KEYS, *TIER_JSON_KEYS))
+    tiers = record["device_hit_tokens"] + record["host_hit_tokens"] + record["storage_hit_tokens"]
+    assert tiers == record["hit_tokens"]
+    return record
 
 
 @pytest.mark.parametrize("policy", list(WritePolicy))
@@ -228,9 +241,8 @@ def test_build_tiers_reports_a_refused_combination(monkeypatch: pytest.MonkeyPat
 
 
 def test_cli_reports_hits_per_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "tiers.json"
-    argv = [
-        "replay",
+    record = _replay_json(
+        tmp_path,
         "--limit", "40",
         "--capacity-tokens", "4096",
         "--host-ratio", "2",
@@ -238,15 +250,9 @@ def test_cli_reports_hits_per_tier(tmp_path: Path, capsys: pytest.CaptureFixture
         "--write-policy", "write_back",
         "--prefetch-policy", "wait_complete",
         "--prefetch-threshold", "16",
-        "--json", str(out),
-        "--no-progress",
-    ]  # fmt: skip
-    assert main(argv) == 0
-    record = json.loads(out.read_text(encoding="utf-8"))
-    assert sorted(record) == sorted((*JSON_KEYS, *TIER_JSON_KEYS))
+    )  # fmt: skip
     assert record["host_tokens"] == 8192 and record["write_policy"] == "write_back"
-    tiers = record["device_hit_tokens"] + record["host_hit_tokens"] + record["storage_hit_tokens"]
-    assert tiers == record["hit_tokens"] > 0
+    assert record["hit_tokens"] > 0
     assert record["bytes_d2h"] > 0
     text = capsys.readouterr().out
     for row in ("hits: device", "hits: host", "hits: storage", "waited for transfers"):
@@ -259,22 +265,15 @@ def test_cli_reports_hits_per_tier(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_cli_hybrid_families_with_a_host_tier(
     family: str, size: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out = tmp_path / f"{family}.json"
-    argv = [
-        "replay",
+    record = _replay_json(
+        tmp_path,
         "--family", family,
         "--limit", "80",
         "--capacity-tokens", "4096",
         *size,
         "--verify",
-        "--json", str(out),
-        "--no-progress",
-    ]  # fmt: skip
-    assert main(argv) == 0
-    record = json.loads(out.read_text(encoding="utf-8"))
-    assert sorted(record) == sorted((*JSON_KEYS, *TIER_JSON_KEYS))
-    tiers = record["device_hit_tokens"] + record["host_hit_tokens"] + record["storage_hit_tokens"]
-    assert tiers == record["hit_tokens"] and record["host_hit_tokens"] > 0
+    )  # fmt: skip
+    assert record["host_hit_tokens"] > 0
     assert record["bytes_d2h"] > 0 and record["bytes_h2d"] > 0
     text = capsys.readouterr().out
     if family == "mamba":
@@ -286,23 +285,16 @@ def test_cli_hybrid_families_with_a_host_tier(
 
 
 def test_cli_mamba_with_storage(tmp_path: Path) -> None:
-    out = tmp_path / "mamba.json"
-    argv = [
-        "replay",
+    record = _replay_json(
+        tmp_path,
         "--family", "mamba",
         "--limit", "40",
         "--capacity-tokens", "4096",
         "--storage", "memory://?capacity_bytes=100000000",
         "--prefetch-threshold", "16",
         "--verify",
-        "--json", str(out),
-        "--no-progress",
-    ]  # fmt: skip
-    assert main(argv) == 0
-    record = json.loads(out.read_text(encoding="utf-8"))
+    )  # fmt: skip
     assert record["bytes_storage_set"] > 0 and record["failed_transfers"] == 0
-    tiers = record["device_hit_tokens"] + record["host_hit_tokens"] + record["storage_hit_tokens"]
-    assert tiers == record["hit_tokens"]
 
 
 def test_cli_refused_tiers_exit_2(

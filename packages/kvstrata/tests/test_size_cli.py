@@ -19,25 +19,14 @@ def _write(tmp_path: Path, config: dict[str, object]) -> Path:
     return path
 
 
+def _size(tmp_path: Path, config: dict[str, object], *options: str) -> int:
+    """`kvstrata size --model <config written to tmp_path> *options`: the exit code."""
+    return main(["size", "--model", str(_write(tmp_path, config)), *options])
+
+
 def test_json_matches_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    model = _write(tmp_path, LLAMA_3_1_8B)
-    code = main(
-        [
-            "size",
-            "--model",
-            str(model),
-            "--device-memory",
-            "80GiB",
-            "--kv-dtype",
-            "fp8_e4m3",
-            "--tp",
-            "8",
-            "--context-len",
-            "32768",
-            "--json",
-        ]
-    )
-    assert code == 0
+    options = ["--device-memory", "80GiB", "--kv-dtype", "fp8_e4m3", "--tp", "8"]
+    assert _size(tmp_path, LLAMA_3_1_8B, *options, "--context-len", "32768", "--json") == 0
     record = json.loads(capsys.readouterr().out)
     spec = ModelMemorySpec.from_hf_config(LLAMA_3_1_8B, kv_dtype="fp8_e4m3", tp_size=8)
     plan = plan_memory(spec, "80GiB", SizingParams(context_len=32768))
@@ -51,23 +40,8 @@ def test_json_matches_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_table_shows_every_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    model = _write(tmp_path, QWEN3_NEXT_80B)
-    code = main(
-        [
-            "size",
-            "--model",
-            str(model),
-            "--device-memory",
-            "40GiB",
-            "--context-len",
-            "32768",
-            "--host-ratio",
-            "0.01",
-            "--l3-bytes",
-            "1GiB",
-        ]
-    )
-    assert code == 0
+    options = ["--device-memory", "40GiB", "--context-len", "32768", "--host-ratio", "0.01"]
+    assert _size(tmp_path, QWEN3_NEXT_80B, *options, "--l3-bytes", "1GiB") == 0
     out = capsys.readouterr().out
     # 1 GiB / (16 x 24_576 B a page) = 2730 pages
     assert "L3 storage" in out and "43,680 tokens" in out
@@ -79,22 +53,21 @@ def test_table_shows_every_pool(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_swa_table_and_host_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    model = _write(tmp_path, GPT_OSS_120B)
-    args = ["size", "--model", str(model), "--device-memory", "20GiB", "--context-len", "8192"]
-    assert main([*args, "--host-bytes", "100MiB", "--l3-bytes", "1TB", "--json"]) == 0
+    options = ["--device-memory", "20GiB", "--context-len", "8192"]
+    tiers = ["--host-bytes", "100MiB", "--l3-bytes", "1TB", "--json"]
+    assert _size(tmp_path, GPT_OSS_120B, *options, *tiers) == 0
     record = json.loads(capsys.readouterr().out)
     # 10**12 B / (16 x 73_728 B a page) = 847_710 pages
     assert record["l3"] == {"size_bytes": 10**12, "tokens": 847_710 * 16}
     assert record["swa_tokens"] > 0 and record["sliding_window"] == 128
     assert record["host"]["size_bytes"] <= 100 << 20
-    assert main(args) == 0
+    assert _size(tmp_path, GPT_OSS_120B, *options) == 0
     assert "SWA KV (18 layers, window 128)" in capsys.readouterr().out
 
 
 def test_fraction_of_free_device_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    model = _write(tmp_path, DEEPSEEK_V3)
-    args = ["size", "--model", str(model), "--device-memory", "1%", "--device", "cpu"]
-    assert main([*args, "--context-len", "1024", "--json"]) == 0
+    options = ["--device-memory", "1%", "--device", "cpu", "--context-len", "1024", "--json"]
+    assert _size(tmp_path, DEEPSEEK_V3, *options) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["budget_bytes"] > 0 and record["used_bytes"] <= record["budget_bytes"]
 
@@ -123,8 +96,7 @@ def test_refusals_exit_2_with_the_reason(
     extra: list[str],
     message: str,
 ) -> None:
-    model = _write(tmp_path, config)
-    assert main(["size", "--model", str(model), *extra]) == 2
+    assert _size(tmp_path, config, *extra) == 2
     assert message in capsys.readouterr().err
     # The model's directory names the same config.json.
     assert main(["size", "--model", str(tmp_path), *extra]) == 2
@@ -149,6 +121,5 @@ def test_unreadable_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_fraction_without_the_device_exits_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    model = _write(tmp_path, LLAMA_3_1_8B)
-    assert main(["size", "--model", str(model), "--device-memory", "90%"]) == 2
+    assert _size(tmp_path, LLAMA_3_1_8B, "--device-memory", "90%") == 2
     assert "no CUDA device" in capsys.readouterr().err

@@ -13,9 +13,9 @@ reproduced number for number:
   last_loc, sum(extend))` / `alloc_decode(seq, last_loc)` on a `PagedAllocator`;
 - untimed teardown: free each request's first `floor(prefix / P)` pages; the pool must be full
   again (checked every round; `check_integrity()` after every repeat);
-- 20 untimed warm-up rounds on a throwaway allocator, then `--repeats` repeats of `--rounds`
-  rounds, each on a fresh allocator; `tokens_per_s` and `calls_per_s` are medians over repeats;
-  one torch thread; pool of 2,097,152 tokens.
+- a warm-up (a repeat of the first 20 rounds on a throwaway allocator, its figures dropped),
+  then `--repeats` repeats of `--rounds` rounds, each on a fresh allocator; `tokens_per_s` and
+  `calls_per_s` are medians over repeats; one torch thread; pool of 2,097,152 tokens.
 
 Variants of ours, each measured on the same rounds: `numpy` (the default CPU backend, checked:
 the headline figure; its decode round runs compiled when the machine has a C compiler, see
@@ -164,36 +164,31 @@ def one_round(
     if isinstance(lens, ExtendRound):
         held = hold(alloc, page_size, lens.prefix_lens)
         n = int(lens.extend_lens.sum())
-        if page_size == 1:
-            t0 = clock()
-            out = alloc.alloc(n)
-            assert out is not None, "the pool is sized so that no round runs out"
-            alloc.free(out)
-            t1 = clock()
-        else:
-            prefix = torch.from_numpy(lens.prefix_lens)
-            seq = torch.from_numpy(lens.prefix_lens + lens.extend_lens)
-            t0 = clock()
-            out = alloc.alloc_extend(prefix, seq, held.last_loc, n)
-            assert out is not None, "the pool is sized so that no round runs out"
-            alloc.free(out)
-            t1 = clock()
     else:
         held = hold(alloc, page_size, lens - 1)
         n = len(lens)
-        if page_size == 1:
-            t0 = clock()
-            out = alloc.alloc(n)
-            assert out is not None, "the pool is sized so that no round runs out"
-            alloc.free(out)
-            t1 = clock()
-        else:
-            seq = torch.from_numpy(lens)
-            t0 = clock()
-            out = alloc.alloc_decode(seq, held.last_loc)
-            assert out is not None, "the pool is sized so that no round runs out"
-            alloc.free(out)
-            t1 = clock()
+    # Each timed region holds the one call and its free, nothing else (as the peer's).
+    if page_size == 1:
+        t0 = clock()
+        out = alloc.alloc(n)
+        assert out is not None, "the pool is sized so that no round runs out"
+        alloc.free(out)
+        t1 = clock()
+    elif isinstance(lens, ExtendRound):
+        prefix = torch.from_numpy(lens.prefix_lens)
+        seq = torch.from_numpy(lens.prefix_lens + lens.extend_lens)
+        t0 = clock()
+        out = alloc.alloc_extend(prefix, seq, held.last_loc, n)
+        assert out is not None, "the pool is sized so that no round runs out"
+        alloc.free(out)
+        t1 = clock()
+    else:
+        seq = torch.from_numpy(lens)
+        t0 = clock()
+        out = alloc.alloc_decode(seq, held.last_loc)
+        assert out is not None, "the pool is sized so that no round runs out"
+        alloc.free(out)
+        t1 = clock()
     if out.numel() != n:
         raise RuntimeError(f"{workload}: {out.numel()} slots for {n} tokens")
     if held.keep:
@@ -211,20 +206,6 @@ class Repeat(NamedTuple):
     tokens: int
     #: Timed nanoseconds of each round, in round order.
     round_ns: list[int]
-
-
-def warm_up(
-    variant: Variant,
-    workload: str,
-    page_size: int,
-    rounds: list[ExtendRound] | list[Ints],
-    *,
-    pool_tokens: int,
-) -> None:
-    """The first WARMUP_ROUNDS rounds, untimed, on a throwaway allocator (as the peer)."""
-    warm = make_allocator(variant, page_size, pool_tokens)
-    for lens in rounds[:WARMUP_ROUNDS]:
-        one_round(warm, page_size, workload, lens)
 
 
 def one_repeat(
@@ -575,7 +556,10 @@ def run_configuration(
         else decode_rounds(args.seed, args.rounds)
     )
     for name in variants:
-        warm_up(VARIANTS[name], workload, size, rounds, pool_tokens=args.pool_tokens)
+        # The warm-up (as the peer's): a repeat of the first WARMUP_ROUNDS rounds on a throwaway
+        # allocator, its figures dropped.
+        warm = rounds[:WARMUP_ROUNDS]
+        one_repeat(VARIANTS[name], workload, size, warm, pool_tokens=args.pool_tokens)
     if peer is not None:
         peer.warm(workload, size, seed=args.seed, rounds=args.rounds)
     ours: dict[str, list[Repeat]] = {name: [] for name in variants}

@@ -10,10 +10,10 @@ import torch
 
 from kvstrata.allocator import MambaSlotAllocator, PagedAllocator
 from kvstrata.build.errors import InvalidModel
-from kvstrata.build.system import BuildParams, MemorySystem
+from kvstrata.build.system import BuildParams, MemorySystem, assemble_system
 from kvstrata.hybrid_cache import HybridCacheError, HybridPool
 from kvstrata.pool import MambaPool, MambaSpec, MHAKVPool, MHASpec, PoolError
-from kvstrata.unified_radix_cache import FullComponent, MambaComponent, UnifiedRadixCache
+from kvstrata.unified_radix_cache import FullComponent, MambaComponent
 
 #: Default state slots: one per 64 KV tokens of capacity (a cached prefix is hundreds of tokens
 #: long, so the KV pool, not the state pool, usually runs out first), at least 4.
@@ -90,12 +90,6 @@ def build_mamba_system(model: object | None, params: BuildParams) -> MemorySyste
     kv_pool = MHAKVPool(kv_spec, size, page_size, device)
     state_allocator = MambaSlotAllocator(size=slots, device=device)
     state_pool = MambaPool(state_spec, slots, device)
-    tree = UnifiedRadixCache(
-        [FullComponent(kv_allocator), MambaComponent(state_allocator, state_pool)],
-        page_size,
-        params.policy,
-        enable_events=params.enable_events,
-    )
     try:
         layers = HybridPool.with_mamba(
             attention=kv_pool,
@@ -105,16 +99,14 @@ def build_mamba_system(model: object | None, params: BuildParams) -> MemorySyste
         )
     except HybridCacheError as exc:
         raise InvalidModel(f"MambaModel layer layout refused by the router: {exc}") from exc
-    return MemorySystem(
-        family="mamba",
-        model=config,
-        page_size=page_size,
-        capacity_tokens=size,
-        device=device,
+    return assemble_system(
+        "mamba",
+        config,
+        params,
+        [FullComponent(kv_allocator), MambaComponent(state_allocator, state_pool)],
         kv_allocator=kv_allocator,
         kv_pool=kv_pool,
+        layers=layers,
         mamba_allocator=state_allocator,
         mamba_pool=state_pool,
-        layers=layers,
-        tree=tree,
     )

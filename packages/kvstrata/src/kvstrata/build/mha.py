@@ -8,10 +8,10 @@ import torch
 
 from kvstrata.allocator import PagedAllocator
 from kvstrata.build.errors import InvalidModel
-from kvstrata.build.system import BuildParams, MemorySystem
+from kvstrata.build.system import BuildParams, MemorySystem, assemble_system
 from kvstrata.hybrid_cache import HybridPool
 from kvstrata.pool import MHAKVPool, MHASpec, MLAKVPool, PoolError
-from kvstrata.unified_radix_cache import FullComponent, UnifiedRadixCache
+from kvstrata.unified_radix_cache import FullComponent
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,22 +62,12 @@ def full_only_system(
 ) -> MemorySystem:
     """The paged `allocator` and KV `pool` of a model whose every layer is full attention
     (MHA / GQA, or MLA's latent) wired to a Full-only tree."""
-    tree = UnifiedRadixCache(
+    return assemble_system(
+        family,
+        model,
+        params,
         [FullComponent(allocator)],
-        params.page_size,
-        params.policy,
-        enable_events=params.enable_events,
-    )
-    return MemorySystem(
-        family=family,
-        model=model,
-        page_size=params.page_size,
-        capacity_tokens=params.capacity_tokens,
-        device=params.device,
         kv_allocator=allocator,
         kv_pool=pool,
-        mamba_allocator=None,
-        mamba_pool=None,
         layers=HybridPool.full(pool),
-        tree=tree,
     )

@@ -10,10 +10,10 @@ import torch
 
 from kvstrata.allocator import SWAAllocator
 from kvstrata.build.errors import InvalidCapacity, InvalidModel
-from kvstrata.build.system import BuildParams, MemorySystem
+from kvstrata.build.system import BuildParams, MemorySystem, assemble_system
 from kvstrata.hybrid_cache import HybridPool
 from kvstrata.pool import MHASpec, PoolError, SWAKVPool, SWASpec
-from kvstrata.unified_radix_cache import FullComponent, SWAComponent, UnifiedRadixCache
+from kvstrata.unified_radix_cache import FullComponent, SWAComponent
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.components.swa import SWASlotSink
@@ -83,22 +83,12 @@ def build_swa_system(model: object | None, params: BuildParams) -> MemorySystem:
     # cast: SWASlotSink.free_swa names its parameter `full_indices`, SWAAllocator.free_swa
     # `indices`; the tree calls it positionally, so the allocator fits (reported upstream).
     swa_sink = cast("SWASlotSink", allocator)
-    tree = UnifiedRadixCache(
+    return assemble_system(
+        "swa",
+        config,
+        params,
         [FullComponent(allocator), SWAComponent(swa_sink, sliding_window=config.sliding_window)],
-        page_size,
-        params.policy,
-        enable_events=params.enable_events,
-    )
-    return MemorySystem(
-        family="swa",
-        model=config,
-        page_size=page_size,
-        capacity_tokens=size,
-        device=device,
         kv_allocator=allocator,
         kv_pool=pool,
-        mamba_allocator=None,
-        mamba_pool=None,
         layers=HybridPool.swa(pool),
-        tree=tree,
     )

@@ -10,12 +10,13 @@ tree, wired so that the tree frees into the same allocators the engine allocates
 
 Each family lives in its own module (`mha`, `swa`, `mamba`) with its model config and its
 builder; `factory.build_memory_system` dispatches on the family name through one table. This
-module holds what they share: the parameters of a build and the system they return.
+module holds what they share: the parameters of a build, the system they return, and
+`assemble_system`, which every builder ends with (the tree over its components, and the system).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -24,7 +25,7 @@ import torch
 from kvstrata.allocator import MambaSlotAllocator, PagedAllocator, SWAAllocator
 from kvstrata.hybrid_cache import HybridPool, LayerKind
 from kvstrata.pool import MambaPool, MHAKVPool, MLAKVPool, ReqToTokenPool, SWAKVPool
-from kvstrata.unified_radix_cache import DeviceCache, UnifiedRadixCache
+from kvstrata.unified_radix_cache import DeviceCache, TreeComponent, UnifiedRadixCache
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,3 +137,37 @@ class MemorySystem:
         (TreeLocked) while a request holds a lock. Pool contents are left as they are: a slot's
         bytes mean nothing until the next writer fills it."""
         self.tree.reset()
+
+
+def assemble_system(
+    family: str,
+    model: object,
+    params: BuildParams,
+    components: Sequence[TreeComponent],
+    *,
+    kv_allocator: PagedAllocator | SWAAllocator,
+    kv_pool: MHAKVPool | SWAKVPool | MLAKVPool,
+    layers: HybridPool,
+    mamba_allocator: MambaSlotAllocator | None = None,
+    mamba_pool: MambaPool | None = None,
+) -> MemorySystem:
+    """The tree over `components` (the build's page size, policy and events) and the system of
+    a family builder's allocators, pools and router. Builders call it once everything is
+    validated and allocated: it checks nothing (the tree refuses only a bad page size or
+    policy, which `build_memory_system` checked first)."""
+    tree = UnifiedRadixCache(
+        components, params.page_size, params.policy, enable_events=params.enable_events
+    )
+    return MemorySystem(
+        family=family,
+        model=model,
+        page_size=params.page_size,
+        capacity_tokens=params.capacity_tokens,
+        device=params.device,
+        kv_allocator=kv_allocator,
+        kv_pool=kv_pool,
+        mamba_allocator=mamba_allocator,
+        mamba_pool=mamba_pool,
+        layers=layers,
+        tree=tree,
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 from prometheus_client.registry import Collector
@@ -253,25 +254,16 @@ def _build_system(
     page_size: int,
     device: str,
 ) -> MemorySystem:
+    build = partial(
+        build_memory_system, family=family, page_size=page_size, policy=policy, device=device
+    )
     if config.capacity_tokens is None:
         # Room for everything, in every pool: SWA as large as full, a state slot per chunk.
         room = unbounded_capacity(requests, page_size=page_size)
-        return build_memory_system(
-            family=family,
-            capacity_tokens=room.capacity_tokens,
-            page_size=page_size,
-            policy=policy,
-            device=device,
-            swa_ratio=1.0,
-            mamba_slots=room.mamba_slots,
+        return build(
+            capacity_tokens=room.capacity_tokens, swa_ratio=1.0, mamba_slots=room.mamba_slots
         )
-    return build_memory_system(
-        family=family,
-        capacity_tokens=config.capacity_tokens,
-        page_size=page_size,
-        policy=policy,
-        device=device,
-    )
+    return build(capacity_tokens=config.capacity_tokens)
 
 
 def _build_tiers(config: TierConfig, system: MemorySystem) -> TieredSystem | None:
