@@ -10,6 +10,7 @@ import torch
 
 from kvstrata.allocator import MambaSlotAllocator, PagedAllocator
 from kvstrata.build.errors import InvalidModel
+from kvstrata.build.mha import AttentionHeads
 from kvstrata.build.system import BuildParams, MemorySystem, assemble_system
 from kvstrata.hybrid_cache import HybridCacheError, HybridPool
 from kvstrata.pool import MambaPool, MambaSpec, MHAKVPool, MHASpec, PoolError
@@ -21,7 +22,7 @@ TOKENS_PER_STATE_SLOT = 64
 
 
 @dataclass(frozen=True, kw_only=True)
-class MambaModel:
+class MambaModel(AttentionHeads):
     """Attention layers `attention_layer_ids` keep K and V of every token; Mamba layers
     `mamba_layer_ids` keep one conv state `[conv_dim, conv_kernel - 1]` and one SSM state
     `[num_heads, state_head_dim, state_size]` per sequence.
@@ -32,9 +33,6 @@ class MambaModel:
 
     attention_layer_ids: tuple[int, ...] = (3,)
     mamba_layer_ids: tuple[int, ...] = (0, 1, 2)
-    num_kv_heads: int = 1
-    head_dim: int = 4
-    dtype: torch.dtype = torch.float32
     conv_dim: int = 8
     conv_kernel: int = 4
     num_heads: int = 2
@@ -44,12 +42,7 @@ class MambaModel:
     ssm_dtype: torch.dtype = torch.float32
 
     def kv_spec(self) -> MHASpec:
-        return MHASpec(
-            num_layers=len(self.attention_layer_ids),
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-        )
+        return self.attention_spec(len(self.attention_layer_ids))
 
     def state_spec(self) -> MambaSpec:
         return MambaSpec(

@@ -15,27 +15,40 @@ from kvstrata.unified_radix_cache import FullComponent
 
 
 @dataclass(frozen=True, kw_only=True)
-class MHAModel:
-    """A full-attention model: every layer keeps K and V of every token.
+class AttentionHeads:
+    """The attention part every toy model config shares (`MHAModel`, `SWAModel`, `MambaModel`):
+    KV heads, head size and dtype, by default 1 KV head of 4 float32 values. float32 holds
+    integers up to 2**24 exactly, which the replay's `--verify` relies on to read back token
+    ids."""
 
-    The default is deliberately tiny (2 layers, 1 KV head of 4 float32 values: 64 bytes a
-    token) so that a replay of millions of tokens fits in memory and spends its time in the
-    cache, not in copying KV. float32 holds integers up to 2**24 exactly, which the replay's
-    `--verify` relies on to read back token ids.
-    """
-
-    num_layers: int = 2
     num_kv_heads: int = 1
     head_dim: int = 4
     dtype: torch.dtype = torch.float32
 
-    def kv_spec(self) -> MHASpec:
+    def attention_spec(self, num_layers: int) -> MHASpec:
+        """The `MHASpec` of `num_layers` attention layers of these heads (validated by the
+        spec: PoolError for a bad value)."""
         return MHASpec(
-            num_layers=self.num_layers,
+            num_layers=num_layers,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             dtype=self.dtype,
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MHAModel(AttentionHeads):
+    """A full-attention model: every layer keeps K and V of every token.
+
+    The default is deliberately tiny (2 layers, 1 KV head of 4 float32 values: 64 bytes a
+    token) so that a replay of millions of tokens fits in memory and spends its time in the
+    cache, not in copying KV.
+    """
+
+    num_layers: int = 2
+
+    def kv_spec(self) -> MHASpec:
+        return self.attention_spec(self.num_layers)
 
 
 def build_mha_system(model: object | None, params: BuildParams) -> MemorySystem:

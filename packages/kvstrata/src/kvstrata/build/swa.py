@@ -6,13 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-import torch
-
 from kvstrata.allocator import SWAAllocator
 from kvstrata.build.errors import InvalidCapacity, InvalidModel
+from kvstrata.build.mha import AttentionHeads
 from kvstrata.build.system import BuildParams, MemorySystem, assemble_system
 from kvstrata.hybrid_cache import HybridPool
-from kvstrata.pool import MHASpec, PoolError, SWAKVPool, SWASpec
+from kvstrata.pool import PoolError, SWAKVPool, SWASpec
 from kvstrata.unified_radix_cache import FullComponent, SWAComponent
 
 if TYPE_CHECKING:
@@ -20,7 +19,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SWAModel:
+class SWAModel(AttentionHeads):
     """Full-attention layers `full_layer_ids` keep every token; sliding-window layers
     `swa_layer_ids` keep only the last `sliding_window` tokens a request still needs.
 
@@ -31,22 +30,11 @@ class SWAModel:
     full_layer_ids: tuple[int, ...] = (0,)
     swa_layer_ids: tuple[int, ...] = (1,)
     sliding_window: int = 128
-    num_kv_heads: int = 1
-    head_dim: int = 4
-    dtype: torch.dtype = torch.float32
 
     def kv_spec(self) -> SWASpec:
-        def sub(num_layers: int) -> MHASpec:
-            return MHASpec(
-                num_layers=num_layers,
-                num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim,
-                dtype=self.dtype,
-            )
-
         return SWASpec(
-            full=sub(len(self.full_layer_ids)),
-            swa=sub(len(self.swa_layer_ids)),
+            full=self.attention_spec(len(self.full_layer_ids)),
+            swa=self.attention_spec(len(self.swa_layer_ids)),
             full_layer_ids=self.full_layer_ids,
             swa_layer_ids=self.swa_layer_ids,
             sliding_window=self.sliding_window,

@@ -127,16 +127,8 @@ def make_tree(
     elif family == "mamba":
         full = make_full_allocator(size=size, page_size=page_size)
         kit_mamba = MambaSlotAllocator(size=mamba_slots, device="cpu")
-        kit_pool = make_mamba_pool(
-            num_layers=1,
-            conv_dim=2,
-            conv_kernel=2,
-            num_heads=1,
-            head_dim=2,
-            state_size=2,
-            conv_dtype=torch.float32,
-            size=mamba_slots,
-        )
+        # The pools factory's small state shape, one layer, float32 throughout (exact values).
+        kit_pool = make_mamba_pool(num_layers=1, conv_dtype=torch.float32, size=mamba_slots)
         components = [FullComponent(full), MambaComponent(kit_mamba, kit_pool)]
     else:
         raise ValueError(f"unknown tree family {family!r}; choose from {TREE_FAMILIES}")
