@@ -28,8 +28,9 @@ class TierCacheCollector(Collector):
       skipped), `load_backs_refused_total`, `transfer_timeouts_total`,
       `transfer_wait_seconds_total`;
     - `host_tokens{state}` (free, evictable, protected), `transfers_in_flight`;
-    - Mamba models: `host_states{state}` (free, held: host state slots on nodes);
-    - SWA models: `host_swa_tokens{state}` (free, held: host SWA token slots on nodes).
+    - per other component, the gauge its tier hooks name (`ComponentTransfer.metric`; free,
+      held: its host slots on nodes), e.g. `host_states{state}` (Mamba), `host_swa_tokens{state}`
+      (SWA).
     """
 
     def __init__(
@@ -120,27 +121,15 @@ class TierCacheCollector(Collector):
             },
             gauge=True,
         )
-        states = cache.host_state_allocator
-        if states is not None:
+        for name, transfer in cache.core.transfers.items():
+            gauge, doc = transfer.metric()
             yield self._by(
-                "host_states",
-                "Host tier Mamba state slots by state (Mamba models only).",
+                gauge,
+                doc,
                 "state",
                 {
-                    "free": states.available_size(),
-                    "held": cache.device_tree.component("mamba").host_held_size,
-                },
-                gauge=True,
-            )
-        swa = cache.host_swa_allocator
-        if swa is not None:
-            yield self._by(
-                "host_swa_tokens",
-                "Host tier SWA token slots by state (full + sliding-window models only).",
-                "state",
-                {
-                    "free": swa.available_size(),
-                    "held": cache.device_tree.component("swa").host_held_size,
+                    "free": cache.component_hosts[name].available_size(),
+                    "held": cache.device_tree.component(name).host_held_size,
                 },
                 gauge=True,
             )
