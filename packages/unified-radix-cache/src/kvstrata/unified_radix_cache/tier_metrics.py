@@ -110,29 +110,24 @@ class TierCacheCollector(Collector):
             "transfer_wait_seconds", "Time callers waited for transfers.", c.transfer_wait_seconds
         )
         host = cache.tier
-        yield self._by(
-            "host_tokens",
-            "Host tier tokens by state.",
-            "state",
-            {
-                "free": cache.host_allocator.available_size(),
-                "evictable": host.evictable_size,
-                "protected": host.protected_size,
-            },
-            gauge=True,
-        )
-        for name, transfer in cache.core.transfers.items():
-            gauge, doc = transfer.metric()
-            yield self._by(
-                gauge,
-                doc,
-                "state",
+        # Host slots by state: Full's, then each other component's under its hooks' name.
+        gauges: list[tuple[str, str, dict[str, float]]] = [
+            (
+                "host_tokens",
+                "Host tier tokens by state.",
                 {
-                    "free": cache.component_hosts[name].available_size(),
-                    "held": cache.device_tree.component(name).host_held_size,
+                    "free": cache.host_allocator.available_size(),
+                    "evictable": host.evictable_size,
+                    "protected": host.protected_size,
                 },
-                gauge=True,
             )
+        ]
+        for name, transfer in cache.core.transfers.items():
+            held = cache.device_tree.component(name).host_held_size
+            free = cache.component_hosts[name].available_size()
+            gauges.append((*transfer.metric(), {"free": free, "held": held}))
+        for gauge, doc, values in gauges:
+            yield self._by(gauge, doc, "state", values, gauge=True)
         inflight = GaugeMetricFamily(
             "kvstrata_tiered_cache_transfers_in_flight",
             "Writes, backups and prefetches not yet acknowledged.",

@@ -23,6 +23,7 @@ from kvstrata.unified_radix_cache.components.transfer import (
     ComponentTransfer,
     TierAccess,
     TransferLeg,
+    runs_back,
 )
 from kvstrata.unified_radix_cache.errors import (
     IntegrityError,
@@ -321,14 +322,10 @@ class MambaTransfer(ComponentTransfer):
         """Each node of the range with a host state stores it beside its last page."""
         page = tiers.page_size
         states: list[int | None] = [None] * (num_keys - first)
-        start, end = first * page, num_keys * page
-        probe = node
-        while probe.parent is not None and end > start:
+        for probe, _, end in runs_back(node, first * page, num_keys * page):
             slot = self.component.host_slot(probe)
             if slot is not None:
                 states[end // page - 1 - first] = slot
-            end -= probe.num_tokens
-            probe = probe.parent
         return states
 
     def prefetch_pages(

@@ -35,6 +35,7 @@ from kvstrata.unified_radix_cache.components.transfer import (
     ComponentTransfer,
     TierAccess,
     TransferLeg,
+    runs_back,
 )
 from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig, InvalidInsert
 from kvstrata.unified_radix_cache.policies import LRUList
@@ -487,16 +488,12 @@ class SWATransfer(ComponentTransfer):
         """Per page, the host SWA page of the node holding it, or None without a copy."""
         page = tiers.page_size
         pages: list[int | None] = [None] * (num_keys - first)
-        start, end = first * page, num_keys * page
-        probe = node
-        while probe.parent is not None and end > start:
-            lo = end - probe.num_tokens
+        start = first * page
+        for probe, lo, end in runs_back(node, start, num_keys * page):
             host_swa = self.component.host_copy(probe)
             if host_swa is not None:
                 for at in range(max(lo, start), end, page):
                     pages[at // page - first] = int(host_swa[at - lo]) // page
-            end = lo
-            probe = probe.parent
         return pages
 
     def remembered(self, stored: Sequence[int], done: int) -> list[int]:

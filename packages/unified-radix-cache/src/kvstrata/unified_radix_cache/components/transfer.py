@@ -37,11 +37,23 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterator, Sequence
 
     import torch
 
     from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
+
+
+def runs_back(node: TreeNode, start: int, end: int) -> Iterator[tuple[TreeNode, int, int]]:
+    """`(probe, first, last)` for each node on the path ending at `node` (whose run ends at key
+    position `end`), from `node` towards the root, while its run ends past `start`: the node's
+    run is key[first:last]."""
+    probe = node
+    while probe.parent is not None and end > start:
+        first = end - probe.num_tokens
+        yield probe, first, end
+        end = first
+        probe = probe.parent
 
 
 class TierAccess(Protocol):
