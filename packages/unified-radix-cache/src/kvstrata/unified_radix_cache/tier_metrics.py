@@ -125,7 +125,8 @@ class TierCacheCollector(Collector):
         for name, transfer in cache.core.transfers.items():
             held = cache.device_tree.component(name).host_held_size
             free = cache.component_hosts[name].available_size()
-            gauges.append((*transfer.metric(), {"free": free, "held": held}))
+            values: dict[str, float] = {"free": free, "held": held}
+            gauges.append((*transfer.metric(), values))
         for gauge, doc, values in gauges:
             yield self._by(gauge, doc, "state", values, gauge=True)
         inflight = GaugeMetricFamily(
