@@ -11,7 +11,7 @@ import pytest
 from kvstrata.hybrid_cache import Ack, AckStatus, OpKind, PrefetchPolicy
 from kvstrata.storage import MemoryStorage
 from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, serve
-from kvstrata.unified_radix_cache import RadixKey, TreeNode
+from kvstrata.unified_radix_cache import RadixKey, SWAComponent, TreeNode
 from kvstrata.unified_radix_cache.errors import ForeignNode, IntegrityError
 from kvstrata.unified_radix_cache.host_tier import HostReceipt
 from kvstrata.unified_radix_cache.paths import node_at
@@ -308,13 +308,15 @@ def test_a_backup_remembers_only_the_last_windows_swa_pages() -> None:
             keys=keys,
             parent_key=None,
             key=RadixKey(tokens),
-            swa_pages=(0, 1, 2, 3),
+            comp_pages=(("swa", (0, 1, 2, 3)),),
         )
         ack = Ack(
             op_id=10_000, kind=OpKind.BACKUP, status=AckStatus.DONE, num_pages=4, num_pages_done=4
         )
         c.writer.commit_backup(pending, ack)
-        window = -(-h.cache.core.swa.sliding_window // P)  # pyright: ignore[reportOptionalMemberAccess]
+        swa = h.cache.device_tree.component("swa")
+        assert isinstance(swa, SWAComponent)
+        window = -(-swa.sliding_window // P)
         assert list(c.core.stored_states) == keys[4 - window :]
         c.check_integrity()
     finally:

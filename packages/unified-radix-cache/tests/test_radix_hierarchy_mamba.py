@@ -49,8 +49,8 @@ def test_write_through_carries_the_state_to_the_host(closing: list[Hierarchy]) -
     mamba = h.tree.component("mamba")
     assert isinstance(mamba, MambaComponent) and mamba.slot(node) is not None
     assert h.cache.device_tree.component("mamba").host_held_size == 1
-    assert h.cache.host_state_allocator is not None
-    assert h.cache.host_state_allocator.available_size() == h.cache.host_state_allocator.size - 1
+    states = h.cache.component_hosts["mamba"]
+    assert states.available_size() == states.size - 1
 
 
 def test_round_trips_are_bit_identical_through_write_evict_load(
@@ -107,8 +107,7 @@ def test_a_tombstoned_device_state_is_loaded_alone(closing: list[Hierarchy]) -> 
 
 def test_no_host_state_slot_means_a_shorter_hit(closing: list[Hierarchy]) -> None:
     h = _build(closing, host_pages=32)
-    allocator = h.cache.host_state_allocator
-    assert allocator is not None
+    allocator = h.cache.component_hosts["mamba"]
     hoard = allocator.alloc(allocator.available_size())
     assert hoard is not None
     a = list(range(1, 3 * P + 1))
@@ -150,8 +149,8 @@ def test_host_eviction_frees_host_state_slots(closing: list[Hierarchy]) -> None:
     h.cache.evict_host(10**6)
     assert h.cache.device_tree.component("mamba").host_held_size == 0 and h.tree.num_nodes == 0
     assert h.cache.device_tree.component("mamba").host_evicted_total == 2
-    allocator = h.cache.host_state_allocator
-    assert allocator is not None and allocator.available_size() == allocator.size
+    allocator = h.cache.component_hosts["mamba"]
+    assert allocator.available_size() == allocator.size
     h.cache.check_integrity()
 
 
@@ -232,8 +231,8 @@ def test_a_failed_write_leaves_no_host_state(closing: list[Hierarchy]) -> None:
     serve(h, a)
     node = node_at(h.tree, RadixKey(a))
     assert node is not None and node.host_value is None and extra_host_copy(node) is None
-    allocator = h.cache.host_state_allocator
-    assert allocator is not None and allocator.available_size() == allocator.size
+    allocator = h.cache.component_hosts["mamba"]
+    assert allocator.available_size() == allocator.size
     assert h.cache.counters.failed_ops >= 1
 
 

@@ -37,8 +37,7 @@ def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:
 
 
 def _host_swa(h: Hierarchy) -> int:
-    allocator = h.cache.host_swa_allocator
-    assert allocator is not None
+    allocator = h.cache.component_hosts["swa"]
     return allocator.size - allocator.available_size()
 
 
@@ -123,8 +122,7 @@ def test_evictions_free_both_pools_on_both_tiers(closing: list[Hierarchy]) -> No
 
 def test_no_host_swa_room_means_a_shorter_hit(closing: list[Hierarchy]) -> None:
     h = _build(closing)
-    allocator = h.cache.host_swa_allocator
-    assert allocator is not None
+    allocator = h.cache.component_hosts["swa"]
     hoard = allocator.alloc(allocator.available_size())
     assert hoard is not None
     a = list(range(1, 3 * P + 1))
@@ -232,5 +230,5 @@ def test_collector_reports_host_swa_slots(closing: list[Hierarchy]) -> None:
     free = registry.get_sample_value(
         "kvstrata_tiered_cache_host_swa_tokens", {**labels, "state": "free"}
     )
-    allocator = h.cache.host_swa_allocator
-    assert allocator is not None and free == allocator.size - h.window
+    allocator = h.cache.component_hosts["swa"]
+    assert free == allocator.size - h.window

@@ -52,11 +52,10 @@ def collectors(system: MemorySystem, tiers: TieredSystem | None = None) -> list[
     if tiers is None:
         return found
     cache = tiers.cache
-    optional = {"mamba": cache.host_state_allocator, "swa": cache.host_swa_allocator}
     host_allocators: dict[str, HostSlotAllocator] = {
         name: allocator
-        for name, allocator in optional.items()
-        if allocator is not None and name in tiers.host_pools
+        for name, allocator in cache.component_hosts.items()
+        if name in tiers.host_pools
     }
     host_allocators["full"] = cache.host_allocator
     found.append(HostPoolCollector(dict(tiers.host_pools), allocators=host_allocators))

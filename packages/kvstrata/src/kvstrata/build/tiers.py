@@ -60,13 +60,13 @@ class TieredSystem:
     @property
     def host_state_slots(self) -> int | None:
         """Host Mamba state slots (None without Mamba layers)."""
-        allocator = self.cache.host_state_allocator
+        allocator = self.cache.component_hosts.get("mamba")
         return None if allocator is None else allocator.size
 
     @property
     def host_swa_tokens(self) -> int | None:
         """Host sliding-window token slots (None without sliding-window layers)."""
-        allocator = self.cache.host_swa_allocator
+        allocator = self.cache.component_hosts.get("swa")
         return None if allocator is None else allocator.size
 
     def check_integrity(self) -> None:

@@ -22,20 +22,23 @@ says moved:
     prefetch storage -> host    match found >= prefetch_threshold tokens beyond the hits
     backup   host -> storage    after each committed host write
 
-Mamba models (a Full + Mamba tree, a pool group with members "full" and "mamba"): a write
-carries the device state of the node it ends at into a host state slot (member "mamba" of the
-same WriteOp), a load-back brings the host state at its boundary into a fresh device state slot
-(same LoadOp), and a host hit ends only where a state is restorable. With storage, a backup
-stores each node's host state beside the page at the node's end, and a prefetch fetches the
-pages up to the deepest boundary whose state this cache backed up, plus that state.
+Hybrid models (a Full tree with one other component, e.g. Mamba or SWA; a pool group with the
+members "full" and the component's name): the transfers ask the component, through its tier
+hooks (`TreeComponent.tier_transfer()`, components/transfer.py), what it carries with each
+transfer, and nothing here or in the transfer modules names a model family:
 
-SWA models (a Full + SWA tree, members "full" and "swa"): a write carries the SWA pages of the
-last window before its end (translated through the allocator's full-to-SWA map) into host SWA
-slots, a load-back allocates full and SWA slots in step and brings the window's SWA pages (the
-nodes before the window come back as SWA tombstones), and a host hit ends only where its window
-is restorable. With storage, a backup stores the host SWA pages of the backed-up nodes beside
-their pages (member "swa", None where a node has none), and a prefetch fetches the pages up to
-the deepest page whose last window's SWA pages this cache backed up, plus those SWA pages.
+- Mamba (components/mamba.py): a write carries the device state of the node it ends at into a
+  host state slot (member "mamba" of the same WriteOp), a load-back brings the host state at
+  its boundary into a fresh device state slot (same LoadOp), and a host hit ends only where a
+  state is restorable. With storage, a backup stores each node's host state beside the page at
+  the node's end, and a prefetch fetches the pages up to the deepest boundary whose state this
+  cache backed up, plus that state.
+- SWA (components/swa.py): a write carries the SWA pages of the last window before its end
+  into host SWA slots, a load-back brings the window's SWA pages (the nodes before the window
+  come back as SWA tombstones), and a host hit ends only where its window is restorable. With
+  storage, a backup stores the host SWA pages of the backed-up nodes beside their pages, and a
+  prefetch fetches the pages up to the deepest page whose last window's SWA pages this cache
+  backed up, plus those SWA pages.
 
 The cache is composed of one object per transfer kind (tier_core.py has the map), each given
 what it uses when built here: `TierWriter` (tier_writes.py: writes and backups), `DeviceRoom`
@@ -63,8 +66,8 @@ from kvstrata.hybrid_cache import (
 from kvstrata.pool_host import HostSlotAllocator
 from kvstrata.storage.keys import PageKeyer
 from kvstrata.unified_radix_cache.components.base import ComponentInsert
-from kvstrata.unified_radix_cache.components.mamba import MambaComponent
-from kvstrata.unified_radix_cache.components.swa import SWAComponent
+from kvstrata.unified_radix_cache.components.transfer import TransferLeg
+from kvstrata.unified_radix_cache.device_cache import STATES
 from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig
 from kvstrata.unified_radix_cache.events import KVEvent
 from kvstrata.unified_radix_cache.host_tier import HostTier
@@ -79,8 +82,6 @@ from kvstrata.unified_radix_cache.results import (
 )
 from kvstrata.unified_radix_cache.tier_core import (
     FULL,
-    MAMBA,
-    SWA,
     PendingBackup,
     PendingLoad,
     PendingPrefetch,
@@ -123,14 +124,15 @@ class HostSlots:
 
 
 class HierarchicalCache:
-    """Device, host and storage tiers of one Full-attention, attention + Mamba or full +
-    sliding-window model's prefix cache.
+    """Device, host and storage tiers of one model's prefix cache: Full attention, or Full plus
+    one other component with tier hooks (attention + Mamba, full + sliding-window, or a kind of
+    your own: components/transfer.py).
 
-    `device_tree`: an empty Full-only, Full + Mamba or Full + SWA `UnifiedRadixCache` over the
-    device allocators; the cache
+    `device_tree`: an empty Full-only or Full + one component (e.g. Mamba, SWA)
+    `UnifiedRadixCache` over the device allocators; the cache
     attaches a `HostTier` to it (`cache.tier`), so the same tree holds the host copies (engines
     keep using it for locks and the request life cycle). `controller`: a `TierController` whose
-    pool group has the member "full" (and "mamba" for a Mamba tree, "swa" for an SWA tree);
+    pool group has the member "full" and one per other component, by its name ("mamba", "swa");
     with a storage it prefetches and backs up.
     `host_allocator`: the host pool's `HostSlotAllocator` (same page size as the tree).
     `keyer`: the chained page keyer naming storage pages (the tree's, or one for the page size).
@@ -152,21 +154,19 @@ class HierarchicalCache:
         component_hosts: Mapping[str, HostSlotAllocator] | None = None,
     ) -> None:
         extras = device_tree.components[1:]
-        extra = extras[0] if len(extras) == 1 else None
-        if len(extras) > 1 or (extras and not isinstance(extra, (MambaComponent, SWAComponent))):
+        if len(extras) > 1 or any(c.tier_transfer() is None for c in extras):
             raise InvalidConfig(
-                "hierarchical mode supports Full-only, Full + SWA and Full + Mamba trees; got "
-                f"components {[c.name for c in device_tree.components]}"
+                "hierarchical mode supports a Full tree with at most one other component, one "
+                f"with tier hooks (TreeComponent.tier_transfer); got components "
+                f"{[c.name for c in device_tree.components]}"
             )
-        mamba = extra if isinstance(extra, MambaComponent) else None
-        swa = extra if isinstance(extra, SWAComponent) else None
         hosts = dict(component_hosts or {})
         if set(hosts) != {c.name for c in extras}:
             raise InvalidConfig(
                 "component_hosts must give a host allocator for each component besides Full "
                 f"({[c.name for c in extras]}) and no other, got {sorted(hosts)}"
             )
-        members = (FULL,) + ((MAMBA,) if mamba else ()) + ((SWA,) if swa else ())
+        members = (FULL, *(c.name for c in extras))
         if sorted(controller.group.member_names) != sorted(members):
             raise InvalidConfig(
                 f"the controller's pool group must have the members {members}, got "
@@ -196,8 +196,6 @@ class HierarchicalCache:
         self.page_size = page
         #: The host allocators of the components besides Full, by name.
         self.component_hosts = hosts
-        self.host_state_allocator = hosts.get(MAMBA)
-        self.host_swa_allocator = hosts.get(SWA)
         self.tier = HostTier(
             device_tree,
             HostSlots(host_allocator),
@@ -214,8 +212,6 @@ class HierarchicalCache:
             host_allocator=host_allocator,
             component_hosts=hosts,
             params=self.params,
-            mamba=mamba,
-            swa=swa,
         )
         self.counters = self.core.counters
         self.writer = TierWriter(self.core)
@@ -365,19 +361,29 @@ class HierarchicalCache:
         return self.room.alloc(num_tokens)
 
     def alloc_state(self) -> torch.Tensor | None:
-        """One device state slot, evicting an unlocked cached state when the pool is out."""
-        if self.core.mamba is None:
+        """One device state slot of the tree's state component (`unit` "states", e.g. Mamba),
+        evicting an unlocked cached state when the pool is out (its `alloc_device` hook)."""
+        states = self._states()
+        if states is None:
             raise InvalidConfig("alloc_state on a tree without a state component")
-        return self.room.alloc_state()
+        return self.core.transfers[states].alloc_device(self.core, TransferLeg(name=states, size=1))
+
+    def _states(self) -> str | None:
+        """The name of the component holding one state per node (`unit` "states"), or None."""
+        return next((c.name for c in self.core.components.values() if c.unit == STATES), None)
 
     def cache_unfinished_request(self, req: CacheRequest) -> None:
         """The device tree's `cache_unfinished_request` (one state slot made free first for
         the chunk's state copy), then the write policy for the chunk: under write_through the
         part the host lacks is queued for a host write, so the state at the chunk's end can
         reach the host too."""
-        mamba = self.core.mamba
-        if mamba is not None and req.state_slot is not None and mamba.free_size() < 1:
-            self.device_tree.evict(EvictRequest(targets={mamba.name: 1}))
+        states = self._states()
+        if (
+            states is not None
+            and req.state_slot is not None
+            and self.core.components[states].free_size() < 1
+        ):
+            self.device_tree.evict(EvictRequest(targets={states: 1}))
         node = self.device_tree.cache_unfinished_request(req)
         self._written(req.key[: req.cached_len], node)
 
@@ -507,23 +513,21 @@ class HierarchicalCache:
         slots of loads in flight) == device capacity; host free + evictable + protected + in
         flight == host capacity; both tiers prefix-closed, off-device nodes carry a host value;
         device and host lock counts equal their receipts, and every host receipt is the one a
-        transfer in flight holds (by id); no host page, host state or host SWA slot is held
-        twice (nodes and transfers); the host allocator and the controller's bookkeeping.
+        transfer in flight holds (by id); no host page, nor host slot of another component, is
+        held twice (nodes and transfers); the host allocators and the controller's bookkeeping.
         Raises IntegrityError. O(nodes + host slots log host slots)."""
         device_held = dict(held or {})
         loading = sum(
             len(p.device_slots) for p in self.core.pending.values() if isinstance(p, PendingLoad)
         )
-        device_held["full"] = device_held.get("full", 0) + loading
-        if self.core.swa is not None:
-            device_held[SWA] = device_held.get(SWA, 0) + loading
-        if self.core.mamba is not None:
-            states = sum(
-                1
-                for p in self.core.pending.values()
-                if isinstance(p, PendingLoad) and p.device_state is not None
-            )
-            device_held[MAMBA] = device_held.get(MAMBA, 0) + states
+        device_held[FULL] = device_held.get(FULL, 0) + loading
+        for p in self.core.pending.values():
+            if isinstance(p, PendingLoad):
+                for leg in p.legs:
+                    held_by = self.core.transfers[leg.name].load_device_held(
+                        leg, len(p.device_slots)
+                    )
+                    device_held[leg.name] = device_held.get(leg.name, 0) + held_by
         self.device_tree.check_integrity(device_held)
         # Host slots a transfer holds outside the tree: a write's or prefetch's new pages until
         # their ack commits them.
@@ -532,17 +536,7 @@ class HierarchicalCache:
             for p in self.core.pending.values()
             if isinstance(p, (PendingWrite, PendingPrefetch))
         )
-        states_in_flight = sum(
-            1
-            for p in self.core.pending.values()
-            if isinstance(p, (PendingWrite, PendingPrefetch)) and p.host_state is not None
-        )
-        swa_in_flight = sum(
-            len(p.host_swa)
-            for p in self.core.pending.values()
-            if isinstance(p, (PendingWrite, PendingPrefetch)) and p.host_swa is not None
-        )
-        self.tier.check_integrity(in_flight, {MAMBA: states_in_flight, SWA: swa_in_flight})
+        self.tier.check_integrity(in_flight, self.core.host_in_flight())
         self.host_allocator.check_integrity()
         for allocator in self.component_hosts.values():
             allocator.check_integrity()

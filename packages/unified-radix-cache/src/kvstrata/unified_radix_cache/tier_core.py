@@ -1,6 +1,10 @@
 """`TierCore`: the state a `HierarchicalCache` shares between its transfer kinds, the routing of
-acknowledgements to them, and the host slot allocation every kind uses (host pages, host
-states, host SWA slots), each evicting on the host tier when short.
+acknowledgements to them, and the host slot allocation every kind uses (host pages, and the
+host slots of each other component), each evicting on the host tier when short.
+
+Every transfer moves Full pages itself and asks each other component for its part through the
+component's `ComponentTransfer` hooks (components/transfer.py); `TierCore` is the `TierAccess`
+those hooks call back into. No module here names a model family.
 
 The cache is split by transfer kind along the seams of its life cycle (hierarchy.py):
 
@@ -38,14 +42,14 @@ from kvstrata.hybrid_cache import (
 )
 from kvstrata.pool_host import HostSlotAllocator
 from kvstrata.unified_radix_cache.components.full import FullComponent
-from kvstrata.unified_radix_cache.components.mamba import MambaComponent
-from kvstrata.unified_radix_cache.components.swa import SWAComponent
+from kvstrata.unified_radix_cache.components.transfer import ComponentTransfer, TransferLeg
 from kvstrata.unified_radix_cache.errors import IntegrityError
 from kvstrata.unified_radix_cache.events import KVEvent
 from kvstrata.unified_radix_cache.host_tier import HostReceipt, HostTier
 from kvstrata.unified_radix_cache.key import RadixKey
-from kvstrata.unified_radix_cache.node import TreeNode
+from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
 from kvstrata.unified_radix_cache.results import (
+    EvictRequest,
     LockReceipt,
 )
 from kvstrata.unified_radix_cache.tiers import (
@@ -56,8 +60,6 @@ from kvstrata.unified_radix_cache.tiers import (
 from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 FULL = "full"
-MAMBA = "mamba"
-SWA = "swa"
 NO_SLOTS = torch.empty(0, dtype=torch.int64)
 # Bound on the finished-but-not-taken prefetch records (an engine that drops a prefetch id
 # without finish_prefetch must not grow them forever).
@@ -71,9 +73,8 @@ class PendingWrite:
     host_slots: torch.Tensor  # host token slots of key[start:]
     device_receipt: LockReceipt
     host_receipt: HostReceipt
-    host_state: torch.Tensor | None = None  # Mamba: the host state slot of the key's end
-    host_swa: torch.Tensor | None = None  # SWA: host SWA slots of the key ranges swa_ranges
-    swa_ranges: tuple[tuple[int, int], ...] = ()
+    #: The other components' parts (host slots each took), in tree order.
+    legs: tuple[TransferLeg, ...] = ()
 
 
 @dataclass(kw_only=True, eq=False)
@@ -82,9 +83,9 @@ class PendingBackup:
     keys: list[bytes]
     parent_key: bytes | None
     key: RadixKey
-    state_pages: tuple[int, ...] = ()  # Mamba: indices into keys of the pages carrying a state
-    swa_pages: tuple[int, ...] = ()  # SWA: indices into keys of the pages with a host SWA copy
-    fresh_from: int = 0  # keys[:fresh_from] were stored before (re-sent for their SWA pages)
+    #: Per other component (by name): indices into keys of the pages stored with its page.
+    comp_pages: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    fresh_from: int = 0  # keys[:fresh_from] were stored before (re-sent for their other pages)
 
 
 @dataclass(kw_only=True, eq=False)
@@ -94,13 +95,10 @@ class PendingPrefetch:
     host_slots: torch.Tensor
     host_receipt: HostReceipt
     committed: int = 0  # tokens of host_slots already handed to the tree
-    host_state: int | None = None  # Mamba: host state slot of the key's end, until committed
-    state_key: bytes | None = None  # Mamba: the page key whose stored state is fetched
     stopped: bool = False  # finish_prefetch stopped it (a short ack is then no miss)
     taken: bool = False  # finish_prefetch was called for it (no record kept at its ack)
-    host_swa: torch.Tensor | None = None  # SWA: host SWA slots of key[swa_from:], until committed
-    swa_from: int = 0  # SWA: where the window fetched with the pages starts
-    swa_keys: tuple[bytes, ...] = ()  # SWA: the page keys whose stored SWA pages are fetched
+    #: The other components' parts, until committed (once every page arrived).
+    legs: tuple[TransferLeg, ...] = ()
 
 
 @dataclass(kw_only=True, eq=False)
@@ -114,8 +112,8 @@ class PendingLoad:
     device_receipt: LockReceipt
     host_receipt: HostReceipt
     load: TierLoad
-    device_state: torch.Tensor | None = None  # Mamba: the fresh device slot of the state
-    swa_from: int = 0  # SWA: key[swa_from:] got its window's SWA pages (before it: tombstone)
+    #: The other components' parts (device slots each took, where its data comes back).
+    legs: tuple[TransferLeg, ...] = ()
 
 
 Pending = PendingWrite | PendingBackup | PendingPrefetch | PendingLoad
@@ -139,7 +137,8 @@ class TierCore:
     The writer, prefetcher and loader (tier_writes.py, tier_prefetch.py, tier_loads.py) each
     hold this core and register the commit of their own record kind (`route`); `on_ack` pops
     the record an ack names and hands it to that kind. `device_tree` carries a `HostTier`
-    (`tier`); `mamba` / `swa` are its state components when it has them.
+    (`tier`); `transfers` are the tier hooks of its other components (by name, tree order),
+    and `TierCore` is the `TierAccess` they call.
     """
 
     def __init__(
@@ -151,8 +150,6 @@ class TierCore:
         host_allocator: HostSlotAllocator,
         component_hosts: Mapping[str, HostSlotAllocator],
         params: TierParams,
-        mamba: MambaComponent | None,
-        swa: SWAComponent | None,
     ) -> None:
         full = device_tree.components[0]
         assert isinstance(full, FullComponent), "component 0 of every tree is Full"
@@ -162,16 +159,22 @@ class TierCore:
         self.keyer = tier.keyer
         self.controller = controller
         self.host_allocator = host_allocator
-        self.host_state_allocator = component_hosts.get(MAMBA)
-        self.host_swa_allocator = component_hosts.get(SWA)
+        self.component_hosts = dict(component_hosts)
         self.page_size = device_tree.page_size
         self.device_full = full
-        self.mamba = mamba
-        self.swa = swa
+        #: The other components (by name) and their tier hooks, in tree order.
+        self.components = {c.name: c for c in device_tree.components[1:]}
+        transfers: dict[str, ComponentTransfer] = {}
+        for name, component in self.components.items():
+            transfer = component.tier_transfer()
+            assert transfer is not None, f"component {name!r} has no tier hooks"
+            transfers[name] = transfer
+        self.transfers = transfers
         group = controller.group
         self.page_bytes = group.page_bytes(FULL)
-        self.state_bytes = 0 if mamba is None else group.page_bytes(MAMBA)
-        self.swa_page_bytes = 0 if swa is None else group.page_bytes(SWA)
+        #: Per other component: bytes of one page of its host pool, and its host page size.
+        self.comp_page_bytes = {name: group.page_bytes(name) for name in transfers}
+        self.comp_page_tokens = {name: a.page_size for name, a in self.component_hosts.items()}
         self.backups = params.backup_to_storage and controller.storage is not None
         self.counters = TierCounters()
         self.pending: dict[int, Pending] = {}
@@ -180,12 +183,13 @@ class TierCore:
         #: Backups started while `poll` commits a run of acks, sent together at its end; None
         #: outside `poll` (a backup is then submitted at once).
         self.held_backups: list[tuple[BackupOp, PendingBackup]] | None = None
-        #: Mamba / SWA + storage: page keys whose boundary state (Mamba) or SWA page (SWA) a
-        #: backup stored (oldest first, at most `params.known_stored_states`). The nodes that
-        #: held them may have left the tree since, and storage can only say whether a run of
-        #: keys exists from the first one, so this is how a prefetch picks the boundary whose
-        #: state or window to fetch. An entry storage no longer holds costs one empty
-        #: prefetch, which drops it.
+        #: Other components + storage: page keys a backup stored a component's page beside
+        #: that a prefetch may end at (`ComponentTransfer.remembered`; e.g. a Mamba boundary
+        #: state, the last window's SWA pages), oldest first, at most
+        #: `params.known_stored_states`. The nodes that held them may have left the tree since,
+        #: and storage can only say whether a run of keys exists from the first one, so this is
+        #: how a prefetch picks the boundary to fetch. An entry storage no longer holds costs
+        #: one empty prefetch, which drops it.
         self.stored_states: OrderedDict[bytes, None] = OrderedDict()
         self._routes: dict[type, Callable[[Pending, Ack], None]] = {}
 
@@ -238,7 +242,7 @@ class TierCore:
 
     def check_pending(self) -> None:
         """The pending records hold exactly the host tier's outstanding receipts (by id), and
-        no host page slot, host state slot or host SWA slot is held twice: node host values
+        no host page slot, nor host slot of another component, is held twice: node host values
         plus what transfers hold outside the tree (a write's slots, a prefetch's uncommitted
         ones). Raises IntegrityError. O(nodes + slots log slots)."""
         held = sorted(p.host_receipt.receipt_id for p in self.pending.values())
@@ -248,35 +252,51 @@ class TierCore:
                 f"pending transfers hold host receipts {held}, the host tier has {outstanding}"
             )
         pages: list[npt.NDArray[np.int64]] = []
-        states: list[int] = []
-        swa: list[npt.NDArray[np.int64]] = []
-        mamba, swa_component = self.mamba, self.swa
+        parts: dict[str, list[npt.NDArray[np.int64]]] = {name: [] for name in self.components}
+        components = tuple(self.components.values())
         for node in self.device_tree.iter_nodes():
             if node.host_value is not None:
                 pages.append(node.host_value)
-            if mamba is not None and (slot := mamba.host_slot(node)) is not None:
-                states.append(slot)
-            if swa_component is not None and (copy := swa_component.host_copy(node)) is not None:
-                swa.append(copy)
+            for component in components:
+                slots = component.host_slots(component.host_value(node))
+                if len(slots):
+                    parts[component.name].append(slots)
         for p in self.pending.values():
             if isinstance(p, PendingWrite):
                 pages.append(p.host_slots.numpy())
-                if p.host_state is not None:
-                    states.extend(int(s) for s in p.host_state.tolist())
             elif isinstance(p, PendingPrefetch):
                 pages.append(p.host_slots[p.committed :].numpy())
-                if p.host_state is not None:
-                    states.append(p.host_state)
             else:
                 continue
-            if p.host_swa is not None:
-                swa.append(p.host_swa.numpy())
-        for name, parts in (("host page", pages), ("host SWA", swa)):
-            slots = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+            for leg in p.legs:
+                if leg.host is not None:
+                    parts[leg.name].append(leg.host.numpy())
+        for name, found in (("host page", pages), *((f"host {n}", v) for n, v in parts.items())):
+            slots = np.concatenate(found) if found else np.empty(0, dtype=np.int64)
             if len(np.unique(slots)) != len(slots):
                 raise IntegrityError(f"a {name} slot is held twice (nodes and transfers)")
-        if len(set(states)) != len(states):
-            raise IntegrityError("a host state slot is held twice (nodes and transfers)")
+
+    def host_in_flight(self) -> dict[str, int]:
+        """Per other component: host slots transfers hold outside the tree (a write's, a
+        prefetch's until committed)."""
+        out = dict.fromkeys(self.components, 0)
+        for p in self.pending.values():
+            if isinstance(p, (PendingWrite, PendingPrefetch)):
+                for leg in p.legs:
+                    if leg.host is not None:
+                        out[leg.name] += len(leg.host)
+        return out
+
+    def leg_bytes(self, leg: TransferLeg, num_slots: int) -> int:
+        """Bytes `num_slots` host slots of `leg`'s component move (whole host pages)."""
+        return num_slots // self.comp_page_tokens[leg.name] * self.comp_page_bytes[leg.name]
+
+    def free_legs(self, legs: tuple[TransferLeg, ...]) -> None:
+        """Hand the host slots `legs` still hold back to their allocators."""
+        for leg in legs:
+            if leg.host is not None:
+                self.free_component_host(leg.name, leg.host)
+                leg.host = None
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least `num_tokens` host tokens (or all that may go), in the host policy's
@@ -295,80 +315,34 @@ class TierCore:
             slots = self.host_allocator.alloc(num_tokens)
         return slots
 
-    def alloc_host_state(self) -> torch.Tensor | None:
-        """One host state slot; when the pool is out, host-evicts (in the host policy's order)
-        only off-device nodes holding a host state, and only when one of them can go (see
-        `HostTier.evict_for`). None, with nothing evicted, when none can."""
-        allocator = self.host_state_allocator
-        assert allocator is not None, "host states in a tree without Mamba"
-        slot = allocator.alloc(1)
-        if slot is None:
-            assert self.mamba is not None
-            freed = self.tier.evict_for(self.mamba, 1 - allocator.available_size())
-            self.counters.host_evicted_tokens += freed.tokens
-            slot = allocator.alloc(1) if freed.slots else None
-        return slot
-
-    def alloc_host_swa(self, num_tokens: int) -> torch.Tensor | None:
-        """Host SWA slots; when the pool is short, host-evicts (in the host policy's order)
-        only off-device nodes holding host SWA slots, and only when together they hold enough
-        (see `HostTier.evict_for`). None, with nothing evicted, when they do not: the host
-        SWA pool is then held by copies of nodes still on the device (or by transfers)."""
-        allocator = self.host_swa_allocator
-        assert allocator is not None, "host SWA slots in a tree without SWA"
-        slots = allocator.alloc(num_tokens)
+    def alloc_component_host(self, name: str, num: int) -> torch.Tensor | None:
+        """`num` host slots of component `name`; when its pool is short, host-evicts (in the
+        host policy's order) only off-device nodes holding such slots, and only when together
+        they hold enough (see `HostTier.evict_for`). None, with nothing evicted, when they do
+        not: that pool is then held by copies of nodes still on the device (or by transfers)."""
+        allocator = self.component_hosts[name]
+        slots = allocator.alloc(num)
         if slots is None:
-            assert self.swa is not None
-            freed = self.tier.evict_for(self.swa, num_tokens - allocator.available_size())
+            freed = self.tier.evict_for(self.components[name], num - allocator.available_size())
             self.counters.host_evicted_tokens += freed.tokens
-            slots = allocator.alloc(num_tokens) if freed.slots else None
+            slots = allocator.alloc(num) if freed.slots else None
         return slots
 
-    def free_host_swa(self, slots: torch.Tensor) -> None:
-        assert self.host_swa_allocator is not None, "host SWA slots in a tree without SWA"
-        self.host_swa_allocator.free(slots)
+    # -- TierAccess: what the components' tier hooks call -----------------------------------
+    def free_component_host(self, name: str, slots: torch.Tensor) -> None:
+        self.component_hosts[name].free(slots)
 
-    def window_pages(self) -> int:
-        """SWA trees: the pages the sliding window spans (whole pages)."""
-        assert self.swa is not None, "_window_pages on a tree without SWA"
-        return -(-self.swa.sliding_window // self.page_size)
+    def split_node(self, node: TreeNode, num_tokens: int) -> TreeNode:
+        return self.device_tree.split_node(node, num_tokens)
 
-    def commit_host_swa(
-        self,
-        node: TreeNode,
-        end: int,
-        ranges: tuple[tuple[int, int], ...],
-        host_swa: torch.Tensor,
-    ) -> None:
-        """Give the nodes covering the key `ranges` (on the path ending at `node`, at `end`)
-        their slices of `host_swa`; a node that has host SWA slots already keeps them and the
-        new ones go back to the allocator. Ranges are node runs (nodes only split since)."""
-        values = host_swa.numpy()
-        offsets: list[int] = []
-        base = 0
-        for lo, hi in ranges:
-            offsets.append(base)
-            base += hi - lo
-        k = len(ranges) - 1
-        pos, probe = end, node
-        while k >= 0 and probe.parent is not None:
-            first = pos - probe.num_tokens
-            lo, hi = ranges[k]
-            if first < hi:
-                assert lo <= first and pos <= hi, (
-                    f"host SWA commit: node {probe.id} straddles the range {lo}..{hi}"
-                )
-                at = offsets[k] + first - lo
-                part = values[at : at + probe.num_tokens].copy()
-                assert self.swa is not None
-                if not self.tier.set_host(self.swa, probe, part):
-                    self.free_host_swa(torch.from_numpy(part))
-                if first == lo:
-                    k -= 1
-            pos = first
-            probe = probe.parent
-        assert k < 0, "host SWA commit: the ranges run past the root"
+    def prefix_slots(self, node: TreeNode) -> torch.Tensor:
+        return self.device_tree.prefix_slots(node)
 
-    def free_host_state(self, slot: torch.Tensor) -> None:
-        assert self.host_state_allocator is not None, "host states in a tree without Mamba"
-        self.host_state_allocator.free(slot)
+    def set_host(self, name: str, node: TreeNode, value: ComponentValue) -> bool:
+        return self.tier.set_host(self.components[name], node, value)
+
+    def evict_device_component(self, name: str, amount: int) -> None:
+        self.device_tree.evict(EvictRequest(targets={name: amount}))
+
+    def knows_stored(self, page_key: bytes) -> bool:
+        return page_key in self.stored_states

@@ -1,8 +1,9 @@
 """Host -> device load-backs of a `HierarchicalCache` (`TierLoader`).
 
-A load-back allocates device slots for the off-device part of a prefix (and a device state
-slot, or SWA slots in step with the full ones), submits one layer-wise LoadOp and returns a
-`TierLoad` the forward waits on per layer; the nodes get their device slots only on the ack.
+A load-back allocates device slots for the off-device part of a prefix (and what each other
+component's `plan_load` asks for: e.g. a device state slot; SWA slots come in step with the
+full ones), submits one layer-wise LoadOp and returns a `TierLoad` the forward waits on per
+layer; the nodes get their device slots only on the ack (with each component's `load_input`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from kvstrata.hybrid_cache import (
     QueueFull,
 )
 from kvstrata.unified_radix_cache.components.base import ComponentInsert
-from kvstrata.unified_radix_cache.components.mamba import MambaInsert
-from kvstrata.unified_radix_cache.components.swa import SWAInsert
+from kvstrata.unified_radix_cache.components.transfer import TransferLeg
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.paths import key_of
 from kvstrata.unified_radix_cache.results import (
@@ -27,9 +27,7 @@ from kvstrata.unified_radix_cache.results import (
 )
 from kvstrata.unified_radix_cache.tier_core import (
     FULL,
-    MAMBA,
     NO_SLOTS,
-    SWA,
     PendingLoad,
     TierCore,
     prefix_len,
@@ -64,63 +62,61 @@ class TierLoader:
         key = key_of(tree, node)
         device = self._core.tier.match_key(key)
         anchor = device.last_node
-        mamba = self._core.mamba
-        host_state: int | None = None
-        if mamba is not None or self._core.swa is not None:
+        core = self._core
+        if core.transfers:
             # The on-device run may reach past the device hit (nodes without a device state,
-            # SWA tombstones): their pages stay; only the off-device pages move (with the
-            # boundary state, or the window's SWA pages).
+            # SWA tombstones): their pages stay; only the off-device pages move (with what
+            # each component brings back, e.g. the boundary state or the window's SWA pages).
             anchor = node
             while anchor.parent is not None and not len(anchor.value):
                 anchor = anchor.parent
-            if mamba is not None and mamba.slot(node) is None:
-                host_state = mamba.host_slot(node)
         start, end = prefix_len(anchor), len(key)
-        swa_from = self._host_window_start(node, start, end)
-        if start >= end and host_state is None:
+        legs = [t.plan_load(core, node, start, end) for t in core.transfers.values()]
+        if start >= end and not any(leg.size for leg in legs):
             return self._done_load(LoadBack(0, device))
         device_receipt = tree.lock(anchor)
-        host_receipt = self._core.tier.lock(node)
+        host_receipt = core.tier.lock(node)
         slots: torch.Tensor | None = None
-        state: torch.Tensor | None = None
+        refused = False
         try:
             slots = self._room.alloc(end - start) if end > start else NO_SLOTS
-            state = self._room.alloc_state() if host_state is not None else None
+            # Each component's device slots are taken even when the Full ones could not be
+            # (its allocation may evict its own device data first, as it would for a request).
+            for leg in legs:
+                if refused or not leg.size:
+                    continue
+                leg.device = core.transfers[leg.name].alloc_device(core, leg)
+                refused = leg.device is None
         except BaseException:
             # Nothing is in flight yet: release what this call took before re-raising.
             if slots is not None and len(slots):
-                self._core.device_full.give_back(slots)
-            self._core.tier.unlock(host_receipt)
+                core.device_full.give_back(slots)
+            self._give_back_legs(legs)
+            core.tier.unlock(host_receipt)
             tree.unlock(device_receipt)
             raise
         handle = None
-        if slots is not None and (host_state is None or state is not None):
+        if slots is not None and not refused:
             moves: dict[str, PageMove] = {}
             if end > start:
-                host_slots = self._core.tier.host_slots(node)[start:end]
+                host_slots = core.tier.host_slots(node)[start:end]
                 moves[FULL] = PageMove(device=slots, host=host_slots)
-            if state is not None and host_state is not None:
-                moves[MAMBA] = PageMove(
-                    device=state, host=torch.tensor([host_state], dtype=torch.int64)
-                )
-            if self._core.swa is not None and swa_from < end:
-                assert slots is not None
-                moves[SWA] = PageMove(
-                    device=self._core.swa.allocator.translate(slots[swa_from - start :]),
-                    host=self._host_swa_slots(node, end, swa_from),
-                )
+            for leg in legs:
+                move = core.transfers[leg.name].load_move(core, leg, node, slots, start)
+                if move is not None:
+                    moves[leg.name] = PageMove(device=move[0], host=move[1])
+                    leg.moved = len(move[1])
             self._writer.flush()  # the worker wakes for the load: the queued writes ride along
             try:
-                handle = self._core.controller.submit_load(LoadOp(moves=moves), inline=wait_now)
+                handle = core.controller.submit_load(LoadOp(moves=moves), inline=wait_now)
             except QueueFull:
                 handle = None
         if slots is None or handle is None:
             if slots is not None and len(slots):
-                self._core.device_full.give_back(slots)
-            if state is not None and mamba is not None:
-                mamba.give_back(state)
-            self._core.counters.load_backs_refused += 1
-            self._core.tier.unlock(host_receipt)
+                core.device_full.give_back(slots)
+            self._give_back_legs(legs)
+            core.counters.load_backs_refused += 1
+            core.tier.unlock(host_receipt)
             tree.unlock(device_receipt)
             return self._done_load(LoadBack(0, device))
         load = TierLoad(num_tokens=end - start, handle=handle, finish=self._finish_load)
@@ -131,43 +127,16 @@ class TierLoader:
             device_receipt=device_receipt,
             host_receipt=host_receipt,
             load=load,
-            device_state=state,
-            swa_from=swa_from,
+            legs=tuple(legs),
         )
         return load
 
-    def _host_window_start(self, node: TreeNode, start: int, end: int) -> int:
-        """SWA: where the load of key[start:end] (ending at `node`) starts bringing SWA pages:
-        back from `end` over off-device nodes with host SWA copies until a sliding window is
-        covered (never before `start`). Nodes before it come back as SWA tombstones. `end`
-        when the tree has no SWA."""
-        swa = self._core.swa
-        if swa is None:
-            return end
-        pos, probe = end, node
-        while (
-            pos > start
-            and end - pos < swa.sliding_window
-            and probe.parent is not None
-            and swa.host_copy(probe) is not None
-        ):
-            pos -= probe.num_tokens
-            probe = probe.parent
-        return pos
-
-    def _host_swa_slots(self, node: TreeNode, end: int, swa_from: int) -> torch.Tensor:
-        """Host SWA slots of key[swa_from:end], the nodes ending at `node` (host-locked)."""
-        parts: list[torch.Tensor] = []
-        pos, probe = end, node
-        while pos > swa_from:
-            assert self._core.swa is not None
-            value = self._core.swa.host_copy(probe)
-            assert value is not None, f"node {probe.id} in a loaded window without host SWA"
-            parts.append(torch.from_numpy(value))
-            pos -= probe.num_tokens
-            assert probe.parent is not None
-            probe = probe.parent
-        return torch.cat(parts[::-1])
+    def _give_back_legs(self, legs: list[TransferLeg]) -> None:
+        """Free the device slots the legs of a load that never started took."""
+        for leg in legs:
+            if leg.device is not None:
+                self._core.components[leg.name].give_back(leg.device)
+                leg.device = None
 
     def load_back(self, node: TreeNode) -> LoadBack:
         """Blocking `start_load_back(node)` (an engine without a layer-wise forward): waits for
@@ -204,26 +173,25 @@ class TierLoader:
             value = torch.cat(
                 [tree.prefix_slots(anchor), pending.device_slots.to(tree.full_device)]
             )
-            state = pending.device_state
-            inputs: dict[str, ComponentInsert] | None = None
-            if state is not None:
-                inputs = {MAMBA: MambaInsert(slot=int(state.item()))}
-            elif self._core.swa is not None:
-                # Only the window came back into the SWA slots: the rest is a tombstone.
-                inputs = {SWA: SWAInsert(evicted_len=pending.swa_from)}
-            result = tree.insert(pending.key, value, cached_len=pending.start, inputs=inputs)
+            core = self._core
+            inputs: dict[str, ComponentInsert] = {}
+            for leg in pending.legs:
+                inp = core.transfers[leg.name].load_input(leg)
+                if inp is not None:
+                    inputs[leg.name] = inp
+            result = tree.insert(
+                pending.key, value, cached_len=pending.start, inputs=inputs or None
+            )
             duplicates = result.duplicates(value)
             if len(duplicates):
-                self._core.device_full.give_back(duplicates)
-            if state is not None and MAMBA not in result.adopted_states:
-                self._room.give_back_state(state)
+                core.device_full.give_back(duplicates)
+            for leg in pending.legs:
+                if leg.device is not None and leg.name not in result.adopted_states:
+                    core.components[leg.name].give_back(leg.device)
             num = len(pending.key) - pending.start
-            self._core.counters.loaded_tokens += num
-            swa_pages = (len(pending.key) - pending.swa_from) // self._core.page_size
-            self._core.counters.bytes_h2d += (
-                num // self._core.page_size * self._core.page_bytes
-                + (self._core.state_bytes if state is not None else 0)
-                + (swa_pages * self._core.swa_page_bytes if self._core.swa is not None else 0)
+            core.counters.loaded_tokens += num
+            core.counters.bytes_h2d += num // core.page_size * core.page_bytes + sum(
+                core.leg_bytes(leg, leg.moved) for leg in pending.legs
             )
             node = result.last_node
             pending.load.result = LoadBack(
@@ -233,8 +201,9 @@ class TierLoader:
             self._core.counters.failed_ops += 1
             if len(pending.device_slots):
                 self._core.device_full.give_back(pending.device_slots)
-            if pending.device_state is not None:
-                self._room.give_back_state(pending.device_state)
+            for leg in pending.legs:
+                if leg.device is not None:
+                    self._core.components[leg.name].give_back(leg.device)
             pending.load.result = LoadBack(
                 0, MatchResult(pending.start, tree.prefix_slots(anchor), anchor)
             )

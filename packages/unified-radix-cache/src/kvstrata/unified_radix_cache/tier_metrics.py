@@ -28,8 +28,9 @@ class TierCacheCollector(Collector):
       skipped), `load_backs_refused_total`, `transfer_timeouts_total`,
       `transfer_wait_seconds_total`;
     - `host_tokens{state}` (free, evictable, protected), `transfers_in_flight`;
-    - Mamba models: `host_states{state}` (free, held: host state slots on nodes);
-    - SWA models: `host_swa_tokens{state}` (free, held: host SWA token slots on nodes).
+    - per other component, the gauge its tier hooks name (`ComponentTransfer.metric`; free,
+      held: its host slots on nodes), e.g. `host_states{state}` (Mamba), `host_swa_tokens{state}`
+      (SWA).
     """
 
     def __init__(
@@ -109,41 +110,25 @@ class TierCacheCollector(Collector):
             "transfer_wait_seconds", "Time callers waited for transfers.", c.transfer_wait_seconds
         )
         host = cache.tier
-        yield self._by(
-            "host_tokens",
-            "Host tier tokens by state.",
-            "state",
-            {
-                "free": cache.host_allocator.available_size(),
-                "evictable": host.evictable_size,
-                "protected": host.protected_size,
-            },
-            gauge=True,
-        )
-        states = cache.host_state_allocator
-        if states is not None:
-            yield self._by(
-                "host_states",
-                "Host tier Mamba state slots by state (Mamba models only).",
-                "state",
+        # Host slots by state: Full's, then each other component's under its hooks' name.
+        gauges: list[tuple[str, str, dict[str, float]]] = [
+            (
+                "host_tokens",
+                "Host tier tokens by state.",
                 {
-                    "free": states.available_size(),
-                    "held": cache.device_tree.component("mamba").host_held_size,
+                    "free": cache.host_allocator.available_size(),
+                    "evictable": host.evictable_size,
+                    "protected": host.protected_size,
                 },
-                gauge=True,
             )
-        swa = cache.host_swa_allocator
-        if swa is not None:
-            yield self._by(
-                "host_swa_tokens",
-                "Host tier SWA token slots by state (full + sliding-window models only).",
-                "state",
-                {
-                    "free": swa.available_size(),
-                    "held": cache.device_tree.component("swa").host_held_size,
-                },
-                gauge=True,
-            )
+        ]
+        for name, transfer in cache.core.transfers.items():
+            held = cache.device_tree.component(name).host_held_size
+            free = cache.component_hosts[name].available_size()
+            values: dict[str, float] = {"free": free, "held": held}
+            gauges.append((*transfer.metric(), values))
+        for gauge, doc, values in gauges:
+            yield self._by(gauge, doc, "state", values, gauge=True)
         inflight = GaugeMetricFamily(
             "kvstrata_tiered_cache_transfers_in_flight",
             "Writes, backups and prefetches not yet acknowledged.",

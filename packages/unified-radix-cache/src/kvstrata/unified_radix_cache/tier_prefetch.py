@@ -1,20 +1,19 @@
 """Storage -> host prefetches of a `HierarchicalCache` (`TierPrefetcher`).
 
 A prefetch brings the pages after the host prefix into new host pages, stopped by the prefetch
-policy and by the controller at the first page it cannot restore; a Mamba tree fetches only up
-to the deepest page whose state this cache backed up, plus that state; an SWA tree fetches only
-up to the deepest page whose last window's SWA pages this cache backed up, plus those SWA pages
-(member "swa", None elsewhere). What arrived is committed to the host tier (new off-device
-nodes past the tree's end); the window's SWA pages only once every page arrived, so a host hit
-into a short prefetch ends where its window is restorable, never further.
+policy and by the controller at the first page it cannot restore. Each other component says how
+far a prefetch may go (`prefetch_pages`: e.g. a Mamba tree only up to the deepest page whose
+state this cache backed up, an SWA tree up to the deepest page whose last window's SWA pages it
+backed up) and what it fetches with the pages (`plan_prefetch`: that state, those SWA pages).
+What arrived is committed to the host tier (new off-device nodes past the tree's end); the
+components' parts only once every page arrived (`commit_prefetch`), so a host hit into a short
+prefetch ends where they are restorable, never further.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-
-import torch
 
 from kvstrata.hybrid_cache import (
     Ack,
@@ -23,13 +22,12 @@ from kvstrata.hybrid_cache import (
     PrefetchPolicy,
     QueueFull,
 )
+from kvstrata.unified_radix_cache.components.transfer import TransferLeg
 from kvstrata.unified_radix_cache.errors import ForeignNode
 from kvstrata.unified_radix_cache.key import RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.tier_core import (
     FULL,
-    MAMBA,
-    SWA,
     UNTAKEN_PREFETCHES,
     PendingPrefetch,
     TierCore,
@@ -112,78 +110,67 @@ class TierPrefetcher:
             cache_salt=key.cache_salt,
             parent=parent,
         )
-        state_key: bytes | None = None
-        if self._core.mamba is not None:
-            known = self._core.stored_states
-            num_pages = next((i + 1 for i in range(num_pages - 1, -1, -1) if keys[i] in known), 0)
+        core = self._core
+        for transfer in core.transfers.values():
+            num_pages = transfer.prefetch_pages(core, anchor, start, keys[:num_pages])
             if num_pages == 0:
-                self._core.counters.prefetches_skipped += 1
+                core.counters.prefetches_skipped += 1
                 return None
             keys = keys[:num_pages]
-            state_key = keys[-1]
-        swa_first = num_pages
-        if self._core.swa is not None:
-            num_pages = self._swa_prefetch_pages(anchor, start, keys)
-            if num_pages == 0:
-                self._core.counters.prefetches_skipped += 1
-                return None
-            keys = keys[:num_pages]
-            swa_first = max(0, num_pages - self._core.window_pages())
         num_pages = self._stored_pages(keys, num_pages)
         if num_pages == 0:
-            self._core.counters.prefetches_skipped += 1
+            core.counters.prefetches_skipped += 1
             return None
         keys = keys[:num_pages]
-        receipt = self._core.tier.lock(anchor)
-        slots = self._core.alloc_host(num_pages * page)
-        host_state = None
-        if slots is not None and state_key is not None:
-            host_state = self._core.alloc_host_state()
-            if host_state is None:
-                self._core.host_allocator.free(slots)
-                slots = None
-        host_swa = None
-        if slots is not None and swa_first < num_pages:
-            # Without room for the window the pages could never make a hit: no prefetch.
-            host_swa = self._core.alloc_host_swa((num_pages - swa_first) * page)
-            if host_swa is None:
-                self._core.host_allocator.free(slots)
-                slots = None
+        receipt = core.tier.lock(anchor)
+        slots = core.alloc_host(num_pages * page)
+        legs: list[TransferLeg] = []
+        for transfer in core.transfers.values():
+            if slots is None:
+                break
+            leg = transfer.plan_prefetch(core, start, keys)
+            if leg.size:
+                # Without room for a component's part the pages could never make a hit: no
+                # prefetch.
+                leg.host = core.alloc_component_host(leg.name, leg.size)
+                if leg.host is None:
+                    core.host_allocator.free(slots)
+                    slots = None
+                    core.free_legs(tuple(legs))
+                    break
+            legs.append(leg)
         if slots is None:
-            self._core.tier.unlock(receipt)
-            self._core.counters.prefetches_skipped += 1
+            core.tier.unlock(receipt)
+            core.counters.prefetches_skipped += 1
             return None
         host_pages: dict[str, list[int | None]] = {
             FULL: list[int | None]((slots[::page] // page).tolist())
         }
-        if host_state is not None:
-            host_pages[MAMBA] = [None] * (num_pages - 1) + [int(host_state.item())]
-        if host_swa is not None:
-            host_pages[SWA] = [None] * swa_first + list[int | None](
-                (host_swa[::page] // page).tolist()
-            )
+        for leg in legs:
+            if leg.host is not None:
+                unit = core.comp_page_tokens[leg.name]
+                host_pages[leg.name] = [None] * leg.first + list[int | None](
+                    (leg.host[::unit] // unit).tolist()
+                )
         op = PrefetchOp(
             keys=keys,
             host_pages=host_pages,
             num_tokens=num_pages * page,
-            policy=self._core.params.prefetch_policy,
-            timeout=self._core.params.prefetch_timeout,
+            policy=core.params.prefetch_policy,
+            timeout=core.params.prefetch_timeout,
         )
         self._writer.flush()  # the controller wakes for the prefetch: send the writes along
         try:
-            op_id = self._core.controller.submit_prefetch(
+            op_id = core.controller.submit_prefetch(
                 op, inline=wait_now and op.policy is PrefetchPolicy.WAIT_COMPLETE
             )
         except QueueFull:
             op_id = None
         if op_id is None:
-            self._core.tier.unlock(receipt)
-            self._core.host_allocator.free(slots)
-            if host_state is not None:
-                self._core.free_host_state(host_state)
-            if host_swa is not None:
-                self._core.free_host_swa(host_swa)
-            self._core.counters.prefetches_skipped += 1
+            core.tier.unlock(receipt)
+            core.host_allocator.free(slots)
+            core.free_legs(tuple(legs))
+            core.counters.prefetches_skipped += 1
             return None
         self._core.counters.prefetches_started += 1
         self._core.pending[op_id] = PendingPrefetch(
@@ -191,11 +178,7 @@ class TierPrefetcher:
             start=start,
             host_slots=slots,
             host_receipt=receipt,
-            host_state=None if host_state is None else int(host_state.item()),
-            state_key=state_key,
-            host_swa=host_swa,
-            swa_from=start + swa_first * page,
-            swa_keys=tuple(keys[swa_first:]) if host_swa is not None else (),
+            legs=tuple(leg for leg in legs if leg.host is not None),
         )
         return op_id
 
@@ -211,75 +194,40 @@ class TierPrefetcher:
             return num_pages
         group = self._core.controller.group
         found = storage.batch_exists([group.storage_key(FULL, k) for k in keys[:num_pages]])
-        if found == 0 or (self._core.mamba is None and self._core.swa is None):
+        if found == 0 or not self._core.transfers:
             return found
         return num_pages
-
-    def _swa_prefetch_pages(self, anchor: TreeNode, start: int, keys: list[bytes]) -> int:
-        """SWA: the longest run of `keys` (the pages after the host prefix ending at `anchor`,
-        at `start`) whose last window's SWA pages a backup of this cache stored, as far as it
-        knows; a window reaching before `start` needs the host prefix's window restorable
-        (pages past that could never be a hit). O(len(keys) + nodes in the window)."""
-        known = self._core.stored_states
-        window = self._core.window_pages()
-        assert self._core.swa is not None
-        before_ok = start == 0 or self._core.swa.window_restorable(anchor)
-        best = run = 0
-        for e, page_key in enumerate(keys, start=1):
-            run = run + 1 if page_key in known else 0
-            if run >= window or (run == e and before_ok):
-                best = e
-        return best
 
     def _prefetched_tokens(self, ack: Ack) -> int:
         done = ack.num_pages_done if ack.status is not AckStatus.FAILED else 0
         return done * self._core.page_size
 
     def _commit_prefetch(self, pending: PendingPrefetch, upto: int) -> int:
-        """Hand host_slots[committed:upto] (arrived) to the tree, and a Mamba prefetch's state
-        to the node ending at the key once every page arrived; returns tokens added."""
+        """Hand host_slots[committed:upto] (arrived) to the tree, and the components' parts to
+        the nodes ending at the key once every page arrived; returns tokens added."""
         got = upto - pending.committed
         key = pending.key[: pending.start + upto]
         pending.host_receipt = self._core.tier.commit(
             pending.host_receipt, key, pending.host_slots[pending.committed : upto]
         )
         pending.committed = upto
-        state = pending.host_state
-        got_state = state is not None and upto == len(pending.host_slots)
-        if got_state and state is not None:
-            pending.host_state = None
-            assert self._core.mamba is not None
-            if not self._core.tier.set_host(self._core.mamba, pending.host_receipt.anchor, state):
-                self._core.free_host_state(torch.tensor([state], dtype=torch.int64))
-        host_swa = pending.host_swa
-        got_swa = 0
-        if host_swa is not None and upto == len(pending.host_slots):
-            # Every page arrived, so did the window's SWA pages (the controller's window rule).
-            pending.host_swa = None
+        core = self._core
+        moved = got // core.page_size * core.page_bytes
+        if pending.legs and upto == len(pending.host_slots):
+            # Every page arrived, so did the components' parts (the controller's restore rules).
+            legs, pending.legs = pending.legs, ()
             end = pending.start + upto
-            node = self._split_window(pending.host_receipt.anchor, end, pending.swa_from)
-            self._core.commit_host_swa(node, end, ((pending.swa_from, end),), host_swa)
-            got_swa = len(host_swa)
-        self._core.counters.storage_hit_tokens += got
-        self._core.counters.bytes_storage_get += (
-            got // self._core.page_size * self._core.page_bytes
-            + (self._core.state_bytes if got_state else 0)
-            + got_swa // self._core.page_size * self._core.swa_page_bytes
-        )
+            for leg in legs:
+                host = leg.host
+                assert host is not None
+                core.transfers[leg.name].commit_prefetch(
+                    core, leg, pending.host_receipt.anchor, end
+                )
+                leg.host = None  # the nodes hold it now (or it went back)
+                moved += core.leg_bytes(leg, len(host))
+        core.counters.storage_hit_tokens += got
+        core.counters.bytes_storage_get += moved
         return got
-
-    def _split_window(self, node: TreeNode, end: int, lo: int) -> TreeNode:
-        """Split the node (on the path ending at `node`, at `end`) that key position `lo` falls
-        inside, so the nodes of key[lo:end] are whole runs; returns `node` (it keeps its tail)."""
-        pos, probe = end, node
-        while pos > lo and probe.parent is not None:
-            first = pos - probe.num_tokens
-            if first < lo:
-                self._core.device_tree.split_node(probe, lo - first)  # probe keeps [lo, pos)
-                break
-            pos = first
-            probe = probe.parent
-        return node
 
     def commit(self, pending: PendingPrefetch, ack: Ack) -> None:
         done = self._prefetched_tokens(ack)
@@ -296,18 +244,14 @@ class TierPrefetcher:
         rest = pending.host_slots[max(done, pending.committed) :]
         if len(rest):
             self._core.host_allocator.free(rest)
-        if pending.host_state is not None:
-            # The state never arrived (BOUNDARY: then no page did either). Storage no longer
-            # holds it, or a fault hid it: forget it, a later backup learns it again.
-            self._core.free_host_state(torch.tensor([pending.host_state], dtype=torch.int64))
-            pending.host_state = None
-            if pending.state_key is not None and not pending.stopped:
-                self._core.stored_states.pop(pending.state_key, None)
-        if pending.host_swa is not None:
-            # The window's SWA pages never all arrived: as for a Mamba state, forget them.
-            self._core.free_host_swa(pending.host_swa)
-            pending.host_swa = None
+        if pending.legs:
+            # The components' parts never all arrived (then, for a state at the last page, no
+            # page did either). Storage no longer holds them, or a fault hid them: forget their
+            # keys, a later backup learns them again.
+            legs, pending.legs = pending.legs, ()
+            self._core.free_legs(legs)
             if not pending.stopped:
-                for page_key in pending.swa_keys:
-                    self._core.stored_states.pop(page_key, None)
+                for leg in legs:
+                    for page_key in leg.keys:
+                        self._core.stored_states.pop(page_key, None)
         self._core.tier.unlock(pending.host_receipt)

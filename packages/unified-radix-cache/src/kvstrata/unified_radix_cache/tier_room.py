@@ -13,7 +13,7 @@ import torch
 
 from kvstrata.unified_radix_cache.paths import key_of
 from kvstrata.unified_radix_cache.results import EvictRequest
-from kvstrata.unified_radix_cache.tier_core import MAMBA, TierCore
+from kvstrata.unified_radix_cache.tier_core import TierCore
 from kvstrata.unified_radix_cache.tier_writes import TierWriter
 from kvstrata.unified_radix_cache.tiers import WritePolicy
 
@@ -70,20 +70,6 @@ class DeviceRoom:
                 break
             freed += got.num_evicted()
         return freed
-
-    def alloc_state(self) -> torch.Tensor | None:
-        """One device state slot, evicting an unlocked device state when the pool is out."""
-        mamba = self._core.mamba
-        assert mamba is not None, "device states in a tree without Mamba"
-        slot = mamba.allocator.alloc(1)
-        if slot is None:
-            self._core.device_tree.evict(EvictRequest(targets={MAMBA: 1}))
-            slot = mamba.allocator.alloc(1)
-        return slot
-
-    def give_back_state(self, slot: torch.Tensor) -> None:
-        assert self._core.mamba is not None, "device states in a tree without Mamba"
-        self._core.mamba.give_back(slot)
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Device KV slots, evicting when short: Full through the write policy

@@ -1,18 +1,16 @@
 """Device -> host writes and host -> storage backups of a `HierarchicalCache` (`TierWriter`).
 
-A write moves the pages the host lacks (member "full") plus, in a Mamba tree, the device state
-of the node it ends at (member "mamba") and, in an SWA tree, the SWA pages of the last window
-before its end (member "swa"); its ack gives the nodes their host values. With storage, each
-committed write is backed up: its pages under their chained page keys and, in a Mamba tree,
-each node's host state beside the page at the node's end; the backup's ack flags the stored
-nodes and remembers the stored state keys a prefetch may fetch.
+A write moves the pages the host lacks (member "full") plus what each other component's
+`plan_write` asks for (components/transfer.py: e.g. the device state of the node it ends at,
+the SWA pages of the last window before its end); its ack gives the nodes their host values.
+With storage, each committed write is backed up: its pages under their chained page keys and,
+beside them, the host pages each component's `backup_pages` names; the backup's ack flags the
+stored nodes and remembers the stored page keys a prefetch may end at (`remembered`).
 """
 
 from __future__ import annotations
 
 import time
-
-import torch
 
 from kvstrata.hybrid_cache import (
     Ack,
@@ -22,15 +20,14 @@ from kvstrata.hybrid_cache import (
     QueueFull,
     WriteOp,
 )
+from kvstrata.unified_radix_cache.components.transfer import TransferLeg
 from kvstrata.unified_radix_cache.events import BlockStored
 from kvstrata.unified_radix_cache.host_tier import HostReceipt
 from kvstrata.unified_radix_cache.key import RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.tier_core import (
     FULL,
-    MAMBA,
     NO_SLOTS,
-    SWA,
     PendingBackup,
     PendingWrite,
     TierCore,
@@ -78,53 +75,47 @@ class TierWriter:
         submits another kind). With `now`, submit at once and return the controller's op id
         (None when nothing was queued: already there, host full, queue full); otherwise the
         id is a temporary negative one."""
-        anchor = self._core.tier.host_prefix(node)
+        core = self._core
+        anchor = core.tier.host_prefix(node)
         start, end = prefix_len(anchor), len(key)
-        mamba = self._core.mamba
-        device_state = mamba.slot(node) if mamba is not None else None
-        want_state = (
-            mamba is not None and device_state is not None and mamba.host_slot(node) is None
-        )
-        swa_ranges = self._window_ranges(node, end) if self._core.swa is not None else ()
-        if start >= end and not want_state and not swa_ranges:
+        plans = [
+            leg
+            for transfer in core.transfers.values()
+            if (leg := transfer.plan_write(core, node, end)) is not None
+        ]
+        if start >= end and not plans:
             return None
-        host_receipt = self._core.tier.lock(anchor)
-        slots = self._core.alloc_host(end - start) if end > start else NO_SLOTS
+        host_receipt = core.tier.lock(anchor)
+        slots = core.alloc_host(end - start) if end > start else NO_SLOTS
         if slots is None:
-            self._core.tier.unlock(host_receipt)
+            core.tier.unlock(host_receipt)
             return None
-        # No host state slot to be had: the pages still go (the host hit then ends earlier).
-        host_state = self._core.alloc_host_state() if want_state else None
-        # Likewise without host SWA room: the window is then not restorable from the host.
-        swa_tokens = sum(hi - lo for lo, hi in swa_ranges)
-        host_swa = self._core.alloc_host_swa(swa_tokens) if swa_tokens else None
-        if not len(slots) and host_state is None and host_swa is None:
-            self._core.tier.unlock(host_receipt)
+        # A component whose host slots cannot be had is left out: the pages still go (the
+        # host hit then ends earlier, e.g. where a state or window is not restorable).
+        legs: list[TransferLeg] = []
+        for leg in plans:
+            leg.host = core.alloc_component_host(leg.name, leg.size)
+            if leg.host is not None:
+                legs.append(leg)
+        if not len(slots) and not legs:
+            core.tier.unlock(host_receipt)
             return None
-        device_receipt = self._core.device_tree.lock(node)
+        device_receipt = core.device_tree.lock(node)
         moves: dict[str, PageMove] = {}
         if len(slots):
-            device_slots = self._core.device_tree.prefix_slots(node)[start:end]
+            device_slots = core.device_tree.prefix_slots(node)[start:end]
             moves[FULL] = PageMove(device=device_slots, host=slots)
-        if host_swa is not None and self._core.swa is not None:
-            prefix = self._core.device_tree.prefix_slots(node)
-            window = torch.cat([prefix[lo:hi] for lo, hi in swa_ranges])
-            moves[SWA] = PageMove(device=self._core.swa.allocator.translate(window), host=host_swa)
-        else:
-            swa_ranges = ()
-        if host_state is not None and device_state is not None:
-            moves[MAMBA] = PageMove(
-                device=torch.tensor([device_state], dtype=torch.int64), host=host_state
-            )
+        for leg in legs:
+            assert leg.host is not None
+            device = core.transfers[leg.name].write_source(core, node, leg)
+            moves[leg.name] = PageMove(device=device, host=leg.host)
         pending = PendingWrite(
             key=key,
             start=start,
             host_slots=slots,
             device_receipt=device_receipt,
             host_receipt=host_receipt,
-            host_state=host_state,
-            host_swa=host_swa,
-            swa_ranges=swa_ranges,
+            legs=tuple(legs),
         )
         # Queued, not yet submitted: a temporary negative id until `_flush_writes` hands the
         # batch to the controller (one wake-up of its worker for the whole batch).
@@ -164,10 +155,7 @@ class TierWriter:
         self._core.tier.unlock(pending.host_receipt)
         if len(pending.host_slots):
             self._core.host_allocator.free(pending.host_slots)
-        if pending.host_state is not None:
-            self._core.free_host_state(pending.host_state)
-        if pending.host_swa is not None:
-            self._core.free_host_swa(pending.host_swa)
+        self._core.free_legs(pending.legs)
 
     def in_flight(self, node: TreeNode) -> bool:
         """Whether a write in flight covers `node` (its source reaches through it)."""
@@ -201,106 +189,59 @@ class TierWriter:
         self._core.counters.transfer_wait_seconds += time.perf_counter() - began
         return acked
 
-    def _window_ranges(self, node: TreeNode, end: int) -> tuple[tuple[int, int], ...]:
-        """SWA: the key ranges (node runs, ascending) of the last sliding window before `end`
-        (whole pages; the path ending at device node `node`) whose SWA pages a write must copy:
-        live on the device and without a host SWA copy yet. Empty when the window is not live
-        on the device as a whole (a copy could never make a hit). Splits the node the window
-        starts inside, so host SWA copies cover whole nodes. O(nodes in the window)."""
-        swa = self._core.swa
-        assert swa is not None, "_window_ranges on a tree without SWA"
-        page = self._core.page_size
-        lo = max(0, end - -(-swa.sliding_window // page) * page)
-        ranges: list[tuple[int, int]] = []
-        pos, probe = end, node
-        while pos > lo:
-            if probe.parent is None:
-                break
-            if not swa.is_live(probe):
-                return ()
-            first = pos - probe.num_tokens
-            if first < lo:
-                self._core.device_tree.split_node(probe, lo - first)  # probe keeps [lo, pos)
-                first = lo
-            if swa.host_copy(probe) is None:
-                ranges.append((first, pos))
-            pos = first
-            probe = probe.parent
-        return tuple(reversed(ranges))
-
     def commit_write(self, pending: PendingWrite, ack: Ack) -> None:
-        self._core.device_tree.unlock(pending.device_receipt)
-        state = pending.host_state
+        core = self._core
+        core.device_tree.unlock(pending.device_receipt)
         if not ack.ok:
-            self._core.tier.unlock(pending.host_receipt)
+            core.tier.unlock(pending.host_receipt)
             if len(pending.host_slots):
-                self._core.host_allocator.free(pending.host_slots)
-            if state is not None:
-                self._core.free_host_state(state)
-            if pending.host_swa is not None:
-                self._core.free_host_swa(pending.host_swa)
+                core.host_allocator.free(pending.host_slots)
+            core.free_legs(pending.legs)
             return
         num = len(pending.host_slots)
-        receipt = self._core.tier.commit(pending.host_receipt, pending.key, pending.host_slots)
-        mamba = self._core.mamba
-        if (
-            state is not None
-            and mamba is not None
-            and not self._core.tier.set_host(mamba, receipt.anchor, int(state.item()))
-        ):
-            self._core.free_host_state(state)
-        swa_tokens = 0
-        if pending.host_swa is not None:
-            swa_tokens = len(pending.host_swa)
-            self._core.commit_host_swa(
-                receipt.anchor, len(pending.key), pending.swa_ranges, pending.host_swa
-            )
-        self._core.counters.written_tokens += num
-        # The state moved with the pages even when the node had meanwhile got another one.
-        self._core.counters.bytes_d2h += (
-            num // self._core.page_size * self._core.page_bytes
-            + (self._core.state_bytes if state is not None else 0)
-            + swa_tokens // self._core.page_size * self._core.swa_page_bytes
-        )
-        if self._core.backups:
-            # The window's SWA pages may lie before `start` (on pages stored before): the backup
-            # then starts at the window so they go to storage too (stored pages are skipped).
-            lo = min(pending.start, pending.swa_ranges[0][0]) if pending.swa_ranges else None
-            self._backup(receipt, pending.key, pending.start if lo is None else lo, pending.start)
+        receipt = core.tier.commit(pending.host_receipt, pending.key, pending.host_slots)
+        moved = num // core.page_size * core.page_bytes
+        # Each component's data moved with the pages even when a node meanwhile got its own.
+        for leg in pending.legs:
+            host = leg.host
+            assert host is not None
+            core.transfers[leg.name].commit_write(core, leg, receipt.anchor, len(pending.key))
+            leg.host = None  # the nodes hold it now (or it went back)
+            moved += core.leg_bytes(leg, len(host))
+        core.counters.written_tokens += num
+        core.counters.bytes_d2h += moved
+        if core.backups:
+            # A component's host pages may lie before `start` (on pages stored before, e.g. a
+            # window's SWA pages): the backup then starts there so they go to storage too
+            # (stored pages are skipped).
+            lo = pending.start
+            for leg in pending.legs:
+                at = core.transfers[leg.name].backup_start(leg)
+                if at is not None:
+                    lo = min(lo, at)
+            self._backup(receipt, pending.key, lo, pending.start)
         else:
-            self._core.tier.unlock(receipt)
+            core.tier.unlock(receipt)
 
     def _backup(
         self, receipt: HostReceipt, key: RadixKey, start: int, fresh: int | None = None
     ) -> None:
         """Queue host -> storage of the pages of `key` from `start` on (the prefix ending at the
         host-locked node); the lock passes to the backup until its ack. Pages before `fresh`
-        (default `start`) were stored before: they are re-sent only for their SWA pages and
-        the ack counts and announces only the pages from `fresh` on."""
+        (default `start`) were stored before: they are re-sent only for the other components'
+        pages beside them (e.g. SWA pages) and the ack counts and announces only the pages
+        from `fresh` on."""
         node = receipt.anchor
         keys = self._core.tier.page_keys(node)
         first = start // self._core.page_size
         page = self._core.page_size
         pages = self._core.tier.host_slots(node)[start::page] // page
         host_pages: dict[str, list[int | None]] = {FULL: list[int | None](pages.tolist())}
-        state_pages: tuple[int, ...] = ()
-        if self._core.mamba is not None:
-            # Each node of the range with a host state stores it beside its last page.
-            states: list[int | None] = [None] * (len(keys) - first)
-            end = len(keys) * self._core.page_size
-            probe = node
-            while probe.parent is not None and end > start:
-                slot = self._core.mamba.host_slot(probe)
-                if slot is not None:
-                    states[end // self._core.page_size - 1 - first] = slot
-                end -= probe.num_tokens
-                probe = probe.parent
-            host_pages[MAMBA] = states
-            state_pages = tuple(i for i, s in enumerate(states) if s is not None)
-        swa_pages: tuple[int, ...] = ()
-        if self._core.swa is not None:
-            host_pages[SWA] = self._backup_swa_pages(node, len(keys), first)
-            swa_pages = tuple(i for i, p in enumerate(host_pages[SWA]) if p is not None)
+        comp_pages: list[tuple[str, tuple[int, ...]]] = []
+        for name, transfer in self._core.transfers.items():
+            part = transfer.backup_pages(self._core, node, first, len(keys))
+            host_pages[name] = part
+            comp_pages.append((name, tuple(i for i, p in enumerate(part) if p is not None)))
         op = BackupOp(keys=keys[first:], host_pages=host_pages)
         parent = keys[first - 1] if first else None
         pending = PendingBackup(
@@ -308,8 +249,7 @@ class TierWriter:
             keys=keys[first:],
             parent_key=parent,
             key=key,
-            state_pages=state_pages,
-            swa_pages=swa_pages,
+            comp_pages=tuple(comp_pages),
             fresh_from=(start if fresh is None else fresh) // self._core.page_size - first,
         )
         held = self._core.held_backups
@@ -323,45 +263,23 @@ class TierWriter:
             return
         self._core.pending[op_id] = pending
 
-    def _backup_swa_pages(self, node: TreeNode, num_keys: int, first: int) -> list[int | None]:
-        """SWA: per page of keys[first:num_keys] (the prefix ending at `node`), the host SWA
-        page of the node holding it, or None where the node has no host SWA copy."""
-        swa = self._core.swa
-        assert swa is not None, "_backup_swa_pages on a tree without SWA"
-        page = self._core.page_size
-        pages: list[int | None] = [None] * (num_keys - first)
-        start = first * page
-        end = num_keys * page
-        probe = node
-        while probe.parent is not None and end > start:
-            lo = end - probe.num_tokens
-            host_swa = swa.host_copy(probe)
-            if host_swa is not None:
-                for at in range(max(lo, start), end, page):
-                    pages[at // page - first] = int(host_swa[at - lo]) // page
-            end = lo
-            probe = probe.parent
-        return pages
-
     def commit_backup(self, pending: PendingBackup, ack: Ack) -> None:
         done = ack.num_pages_done if ack.status is not AckStatus.FAILED else 0
         self._mark_stored(pending, done * self._core.page_size)
         self._core.tier.unlock(pending.host_receipt)
         fresh = min(pending.fresh_from, done)
         if done:
-            stored_states = [i for i in pending.state_pages if i < done]
-            stored_swa = [i for i in pending.swa_pages if i < done]
-            # Only the last window before `done` makes a stored prefix's window restorable:
-            # SWA pages further back name no prefix a prefetch could end at.
-            window_from = done - self._core.window_pages() if self._core.swa is not None else done
-            for i in stored_states + [i for i in stored_swa if i >= window_from]:
-                self._know_stored_state(pending.keys[i])
-            self._core.counters.backed_up_tokens += (done - fresh) * self._core.page_size
-            self._core.counters.bytes_storage_set += (
-                (done - fresh) * self._core.page_bytes
-                + len(stored_states) * self._core.state_bytes
-                + len(stored_swa) * self._core.swa_page_bytes
-            )
+            core = self._core
+            moved = (done - fresh) * core.page_bytes
+            for name, pages in pending.comp_pages:
+                stored = [i for i in pages if i < done]
+                # e.g. only the last window before `done` makes a stored prefix's window
+                # restorable: SWA pages further back name no prefix a prefetch could end at.
+                for i in core.transfers[name].remembered(stored, done):
+                    self._know_stored_state(pending.keys[i])
+                moved += len(stored) * core.comp_page_bytes[name]
+            core.counters.backed_up_tokens += (done - fresh) * core.page_size
+            core.counters.bytes_storage_set += moved
         if done > fresh:
             self._core.events.append(
                 BlockStored(

@@ -30,6 +30,10 @@ alike and a new kind of state needs no change there. A component's host copy of 
 | host evict   | `take_host` / `free_host`             | the node leaves the host tier            |
 | integrity    | `check_host_node` / `check_host_pool` | per node; host free + held == capacity   |
 
+What moves between the tiers with each transfer (write, backup, prefetch, load) is the
+component's `ComponentTransfer` (components/transfer.py), returned by `tier_transfer()`; a
+component without one cannot be tiered.
+
 Cascade: when a node loses a component's data, components of lower or equal `priority` lose
 theirs too (Full 2 > SWA 1 > Mamba 0); a leaf that loses any component leaves the tree whole.
 """
@@ -37,13 +41,13 @@ theirs too (Full 2 > SWA 1 > Mamba 0); a leaf that loses any component leaves th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvstrata.unified_radix_cache.components.transfer import ComponentInsert, ComponentTransfer
 from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig, InvalidInsert
 from kvstrata.unified_radix_cache.policies import LRUList
 
@@ -71,11 +75,6 @@ class SlotSink(Protocol):
     def free(self, indices: torch.Tensor, /) -> None: ...
 
     def available_size(self) -> int: ...
-
-
-@dataclass(frozen=True, kw_only=True)
-class ComponentInsert:
-    """Base of the per-component inputs to `insert(..., inputs={name: ...})`."""
 
 
 class TreeComponent(ABC):
@@ -359,6 +358,11 @@ class TreeComponent(ABC):
     def reset_host(self) -> None:
         """Forget the host copies (the host tier freed their slots)."""
         self.host_held_size = 0
+
+    def tier_transfer(self) -> ComponentTransfer | None:
+        """How this component's data moves between the tiers of a `HierarchicalCache`
+        (components/transfer.py), or None when it cannot be tiered. Default: None."""
+        return None
 
 
 class LRUListComponent(TreeComponent):

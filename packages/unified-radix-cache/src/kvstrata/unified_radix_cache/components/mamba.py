@@ -19,6 +19,12 @@ import torch
 
 from kvstrata.allocator.errors import NotAllocated
 from kvstrata.unified_radix_cache.components.base import ComponentInsert, LRUListComponent
+from kvstrata.unified_radix_cache.components.transfer import (
+    ComponentTransfer,
+    TierAccess,
+    TransferLeg,
+    runs_back,
+)
 from kvstrata.unified_radix_cache.errors import (
     IntegrityError,
     InvalidInsert,
@@ -28,6 +34,8 @@ from kvstrata.unified_radix_cache.errors import (
 from kvstrata.unified_radix_cache.policies import LRUList
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from kvstrata.unified_radix_cache.node import TreeNode
     from kvstrata.unified_radix_cache.results import LockReceipt
 
@@ -77,6 +85,7 @@ class MambaComponent(LRUListComponent):
         self.lru = LRUList()
         #: Copy-on-write copies made by matches (a counter for metrics).
         self.copies_total = 0
+        self._transfer = MambaTransfer(self)
 
     def capacity(self) -> int:
         return int(self.allocator.size)
@@ -183,6 +192,9 @@ class MambaComponent(LRUListComponent):
         """A host hit ends only where the host holds the state at the end of the node."""
         return self.host_value(node) is not None
 
+    def tier_transfer(self) -> MambaTransfer:
+        return self._transfer
+
     # -- eviction -------------------------------------------------------------------------
     def release(self, node: TreeNode, node_goes: bool) -> int:
         i = self.index
@@ -266,3 +278,86 @@ class MambaComponent(LRUListComponent):
     def reset(self) -> None:
         super().reset()
         self.lru.clear()
+
+
+class MambaTransfer(ComponentTransfer):
+    """The tier hooks of a `MambaComponent` (member "mamba" of the pool group, host pool of
+    page size 1: one host state slot per entry): the state at the end of a node's run moves
+    with the pages that end there.
+
+    - write: the device state of the node the write ends at, when the host has none for it;
+    - backup: each node's host state beside the page at the node's end; every stored one is a
+      boundary a prefetch may end at;
+    - prefetch: only up to the deepest page whose state a backup stored, plus that state;
+    - load: the host state at the load's end into a fresh device state slot (evicting another
+      unlocked device state when the pool is out), adopted by the tree through `MambaInsert`.
+    """
+
+    gauge = ("host_states", "Host tier Mamba state slots by state (Mamba models only).")
+
+    def __init__(self, component: MambaComponent) -> None:
+        self.component = component
+        self.name = component.name
+
+    def plan_write(self, tiers: TierAccess, node: TreeNode, end: int) -> TransferLeg | None:
+        mamba = self.component
+        if mamba.slot(node) is None or mamba.host_slot(node) is not None:
+            return None
+        return TransferLeg(name=self.name, size=1)
+
+    def write_source(self, tiers: TierAccess, node: TreeNode, leg: TransferLeg) -> torch.Tensor:
+        slot = self.component.slot(node)
+        assert slot is not None, f"Mamba write from node {node.id} without a device state"
+        return torch.tensor([slot], dtype=torch.int64)
+
+    def commit_write(self, tiers: TierAccess, leg: TransferLeg, node: TreeNode, end: int) -> None:
+        host = leg.host
+        assert host is not None
+        if not tiers.set_host(self.name, node, int(host.item())):
+            tiers.free_component_host(self.name, host)
+
+    def backup_pages(
+        self, tiers: TierAccess, node: TreeNode, first: int, num_keys: int
+    ) -> list[int | None]:
+        """Each node of the range with a host state stores it beside its last page."""
+        page = tiers.page_size
+        states: list[int | None] = [None] * (num_keys - first)
+        for probe, _, end in runs_back(node, first * page, num_keys * page):
+            slot = self.component.host_slot(probe)
+            if slot is not None:
+                states[end // page - 1 - first] = slot
+        return states
+
+    def prefetch_pages(
+        self, tiers: TierAccess, anchor: TreeNode, start: int, keys: Sequence[bytes]
+    ) -> int:
+        return next((i + 1 for i in range(len(keys) - 1, -1, -1) if tiers.knows_stored(keys[i])), 0)
+
+    def plan_prefetch(self, tiers: TierAccess, start: int, keys: Sequence[bytes]) -> TransferLeg:
+        return TransferLeg(name=self.name, size=1, first=len(keys) - 1, keys=(keys[-1],))
+
+    def plan_load(self, tiers: TierAccess, node: TreeNode, start: int, end: int) -> TransferLeg:
+        """The host state of `node` when the device has none there."""
+        mamba = self.component
+        host = mamba.host_slot(node) if mamba.slot(node) is None else None
+        if host is None:
+            return TransferLeg(name=self.name)
+        return TransferLeg(name=self.name, size=1, host=torch.tensor([host], dtype=torch.int64))
+
+    def alloc_device(self, tiers: TierAccess, leg: TransferLeg) -> torch.Tensor | None:
+        allocator = self.component.allocator
+        slot = allocator.alloc(leg.size)
+        if slot is None:
+            tiers.evict_device_component(self.name, leg.size)
+            slot = allocator.alloc(leg.size)
+        return slot
+
+    def load_move(
+        self, tiers: TierAccess, leg: TransferLeg, node: TreeNode, device: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if leg.device is None or leg.host is None:
+            return None
+        return leg.device, leg.host
+
+    def load_input(self, leg: TransferLeg) -> ComponentInsert | None:
+        return None if leg.device is None else MambaInsert(slot=int(leg.device.item()))

@@ -31,10 +31,18 @@ import numpy.typing as npt
 import torch
 
 from kvstrata.unified_radix_cache.components.base import ComponentInsert, LRUListComponent
+from kvstrata.unified_radix_cache.components.transfer import (
+    ComponentTransfer,
+    TierAccess,
+    TransferLeg,
+    runs_back,
+)
 from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig, InvalidInsert
 from kvstrata.unified_radix_cache.policies import LRUList
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from kvstrata.unified_radix_cache.components.base import TreeComponent
     from kvstrata.unified_radix_cache.node import TreeNode
     from kvstrata.unified_radix_cache.results import LockReceipt
@@ -81,6 +89,7 @@ class SWAComponent(LRUListComponent):
         self.sliding_window = sliding_window
         self.device = torch.device(allocator.device)
         self.lru = LRUList()
+        self._transfer = SWATransfer(self)
 
     def bind(self, tree: TreeView[TreeComponent], index: int) -> None:
         super().bind(tree, index)
@@ -247,6 +256,9 @@ class SWAComponent(LRUListComponent):
         """A host hit ends only at a node with a host value whose window is restorable."""
         return node.host_value is not None and self.window_restorable(node)
 
+    def tier_transfer(self) -> SWATransfer:
+        return self._transfer
+
     # -- eviction -------------------------------------------------------------------------
     def release(self, node: TreeNode, node_goes: bool) -> int:
         i = self.index
@@ -353,3 +365,229 @@ class SWAComponent(LRUListComponent):
     def reset(self) -> None:
         super().reset()
         self.lru.clear()
+
+
+class SWATransfer(ComponentTransfer):
+    """The tier hooks of an `SWAComponent` (member "swa" of the pool group, host pool of the
+    tree's page size): the SWA pages of the last sliding window before a prefix's end move with
+    its pages, translated through the allocator's full-to-SWA map.
+
+    - write: the window's SWA pages still live on the device and not yet on the host (whole
+      nodes: the node the window starts inside is split), none when the window is not live as a
+      whole (a copy could never make a hit);
+    - backup: the host SWA page of each backed-up node beside its page; only the last window
+      before the stored end names a prefix a prefetch may end at;
+    - prefetch: only up to the deepest page whose last window's SWA pages a backup stored, plus
+      those SWA pages;
+    - load: SWA slots come in step with the full ones; the window's SWA pages come back, the
+      nodes before it as SWA tombstones (`SWAInsert.evicted_len`).
+    """
+
+    gauge = (
+        "host_swa_tokens",
+        "Host tier SWA token slots by state (full + sliding-window models only).",
+    )
+
+    def __init__(self, component: SWAComponent) -> None:
+        self.component = component
+        self.name = component.name
+
+    def window_pages(self, page_size: int) -> int:
+        """The pages the sliding window spans (whole pages)."""
+        return -(-self.component.sliding_window // page_size)
+
+    # -- writes ---------------------------------------------------------------------------
+    def plan_write(self, tiers: TierAccess, node: TreeNode, end: int) -> TransferLeg | None:
+        ranges = self._window_ranges(tiers, node, end)
+        if not ranges:
+            return None
+        return TransferLeg(name=self.name, size=sum(hi - lo for lo, hi in ranges), ranges=ranges)
+
+    def _window_ranges(
+        self, tiers: TierAccess, node: TreeNode, end: int
+    ) -> tuple[tuple[int, int], ...]:
+        """The key ranges (node runs, ascending) of the last sliding window before `end` (whole
+        pages; the path ending at device node `node`) whose SWA pages a write must copy: live on
+        the device and without a host SWA copy yet. Empty when the window is not live on the
+        device as a whole. Splits the node the window starts inside, so host SWA copies cover
+        whole nodes. O(nodes in the window)."""
+        swa = self.component
+        page = tiers.page_size
+        lo = max(0, end - self.window_pages(page) * page)
+        ranges: list[tuple[int, int]] = []
+        pos, probe = end, node
+        while pos > lo:
+            if probe.parent is None:
+                break
+            if not swa.is_live(probe):
+                return ()
+            first = pos - probe.num_tokens
+            if first < lo:
+                tiers.split_node(probe, lo - first)  # probe keeps [lo, pos)
+                first = lo
+            if swa.host_copy(probe) is None:
+                ranges.append((first, pos))
+            pos = first
+            probe = probe.parent
+        return tuple(reversed(ranges))
+
+    def write_source(self, tiers: TierAccess, node: TreeNode, leg: TransferLeg) -> torch.Tensor:
+        prefix = tiers.prefix_slots(node)
+        window = torch.cat([prefix[lo:hi] for lo, hi in leg.ranges])
+        return self.component.allocator.translate(window)
+
+    def commit_write(self, tiers: TierAccess, leg: TransferLeg, node: TreeNode, end: int) -> None:
+        assert leg.host is not None
+        self._commit_ranges(tiers, node, end, leg.ranges, leg.host)
+
+    def _commit_ranges(
+        self,
+        tiers: TierAccess,
+        node: TreeNode,
+        end: int,
+        ranges: tuple[tuple[int, int], ...],
+        host_swa: torch.Tensor,
+    ) -> None:
+        """Give the nodes covering the key `ranges` (on the path ending at `node`, at `end`)
+        their slices of `host_swa`; a node that has host SWA slots already keeps them and the
+        new ones go back to the allocator. Ranges start at node boundaries (nodes only split
+        since)."""
+        values = host_swa.numpy()
+        offsets: list[int] = []
+        base = 0
+        for lo, hi in ranges:
+            offsets.append(base)
+            base += hi - lo
+        k = len(ranges) - 1
+        pos, probe = end, node
+        while k >= 0 and probe.parent is not None:
+            first = pos - probe.num_tokens
+            lo, hi = ranges[k]
+            if first < hi:
+                assert lo <= first and pos <= hi, (
+                    f"host SWA commit: node {probe.id} straddles the range {lo}..{hi}"
+                )
+                at = offsets[k] + first - lo
+                part = values[at : at + probe.num_tokens].copy()
+                if not tiers.set_host(self.name, probe, part):
+                    tiers.free_component_host(self.name, torch.from_numpy(part))
+                if first == lo:
+                    k -= 1
+            pos = first
+            probe = probe.parent
+        assert k < 0, "host SWA commit: the ranges run past the root"
+
+    def backup_start(self, leg: TransferLeg) -> int | None:
+        """The window's SWA pages may lie before the write's new pages."""
+        return leg.ranges[0][0] if leg.ranges else None
+
+    # -- backups ----------------------------------------------------------------------------
+    def backup_pages(
+        self, tiers: TierAccess, node: TreeNode, first: int, num_keys: int
+    ) -> list[int | None]:
+        """Per page, the host SWA page of the node holding it, or None without a copy."""
+        page = tiers.page_size
+        pages: list[int | None] = [None] * (num_keys - first)
+        start = first * page
+        for probe, lo, end in runs_back(node, start, num_keys * page):
+            host_swa = self.component.host_copy(probe)
+            if host_swa is not None:
+                for at in range(max(lo, start), end, page):
+                    pages[at // page - first] = int(host_swa[at - lo]) // page
+        return pages
+
+    def remembered(self, stored: Sequence[int], done: int) -> list[int]:
+        """Only the last window before `done` makes a stored prefix's window restorable."""
+        window_from = done - self.window_pages(self.component.tree.page_size)
+        return [i for i in stored if i >= window_from]
+
+    # -- prefetches ---------------------------------------------------------------------------
+    def prefetch_pages(
+        self, tiers: TierAccess, anchor: TreeNode, start: int, keys: Sequence[bytes]
+    ) -> int:
+        """The longest run of `keys` whose last window's SWA pages a backup of this cache
+        stored, as far as it knows; a window reaching before `start` needs the host prefix's
+        window restorable. O(len(keys) + nodes in the window)."""
+        window = self.window_pages(tiers.page_size)
+        before_ok = start == 0 or self.component.window_restorable(anchor)
+        best = run = 0
+        for e, page_key in enumerate(keys, start=1):
+            run = run + 1 if tiers.knows_stored(page_key) else 0
+            if run >= window or (run == e and before_ok):
+                best = e
+        return best
+
+    def plan_prefetch(self, tiers: TierAccess, start: int, keys: Sequence[bytes]) -> TransferLeg:
+        page = tiers.page_size
+        num = len(keys)
+        first = max(0, num - self.window_pages(page))
+        return TransferLeg(
+            name=self.name,
+            size=(num - first) * page,
+            first=first,
+            keys=tuple(keys[first:]),
+            ranges=((start + first * page, start + num * page),),
+        )
+
+    def commit_prefetch(
+        self, tiers: TierAccess, leg: TransferLeg, node: TreeNode, end: int
+    ) -> None:
+        """Split the node the window starts inside, then give the window's nodes their SWA
+        pages."""
+        assert leg.host is not None
+        lo = leg.ranges[0][0]
+        pos, probe = end, node
+        while pos > lo and probe.parent is not None:
+            first = pos - probe.num_tokens
+            if first < lo:
+                tiers.split_node(probe, lo - first)  # probe keeps [lo, pos)
+                break
+            pos = first
+            probe = probe.parent
+        self._commit_ranges(tiers, node, end, ((lo, end),), leg.host)
+
+    # -- loads ------------------------------------------------------------------------------
+    def plan_load(self, tiers: TierAccess, node: TreeNode, start: int, end: int) -> TransferLeg:
+        """SWA pages come back from where, going back from `end` over off-device nodes with
+        host SWA copies, a sliding window is covered (never before `start`)."""
+        swa = self.component
+        pos, probe = end, node
+        while (
+            pos > start
+            and end - pos < swa.sliding_window
+            and probe.parent is not None
+            and swa.host_copy(probe) is not None
+        ):
+            pos -= probe.num_tokens
+            probe = probe.parent
+        return TransferLeg(name=self.name, start=pos)
+
+    def load_move(
+        self, tiers: TierAccess, leg: TransferLeg, node: TreeNode, device: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        end = start + len(device)
+        if leg.start >= end:
+            return None
+        translated = self.component.allocator.translate(device[leg.start - start :])
+        return translated, self._host_slots(node, end, leg.start)
+
+    def _host_slots(self, node: TreeNode, end: int, lo: int) -> torch.Tensor:
+        """Host SWA slots of key[lo:end], the nodes ending at `node` (host-locked)."""
+        parts: list[torch.Tensor] = []
+        pos, probe = end, node
+        while pos > lo:
+            value = self.component.host_copy(probe)
+            assert value is not None, f"node {probe.id} in a loaded window without host SWA"
+            parts.append(torch.from_numpy(value))
+            pos -= probe.num_tokens
+            assert probe.parent is not None
+            probe = probe.parent
+        return torch.cat(parts[::-1])
+
+    def load_input(self, leg: TransferLeg) -> ComponentInsert | None:
+        """Only the window came back into the SWA slots: the rest is a tombstone."""
+        return SWAInsert(evicted_len=leg.start)
+
+    def load_device_held(self, leg: TransferLeg, num_slots: int) -> int:
+        """SWA slots are allocated in step with the Full ones."""
+        return num_slots
