@@ -177,7 +177,7 @@ def test_a_failed_load_frees_full_and_swa_slots(
 
 
 def test_refusals(hierarchy: Callable[..., Hierarchy]) -> None:
-    """An SWA tree needs the host SWA allocator (storage: test_radix_hierarchy_swa_storage)."""
+    """An SWA tree needs the host SWA allocator (storage: test_radix_hierarchy_hybrid_storage)."""
     h = hierarchy("swa")
     tiers = h.tiers
 
