@@ -70,21 +70,6 @@ def _stored_bytes(h: Hierarchy, shape: Shape, num_pages: int) -> int:
 # ---- Full + SWA ---------------------------------------------------------------------------
 
 
-def test_backup_stores_the_window_swa_pages(hierarchy: MakeHierarchy) -> None:
-    storage = MemoryStorage(capacity_bytes=1 << 24)
-    h = hierarchy("swa", storage=storage, params=PARAMS)
-    a = list(range(1, 4 * P + 1))
-    serve(h, a)
-    node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.in_storage and extra_host_copy(node) is not None
-    assert storage.batch_exists(_page_keys(h, a)) == 4
-    swa = _swa_keys(h, a)
-    # Only the last window (2 pages) has host SWA copies, so only those go to storage.
-    assert storage.batch_exists(swa[2:]) == 2
-    assert storage.batch_exists(swa[:1]) == 0 and storage.batch_exists(swa[1:2]) == 0
-    assert h.cache.counters.bytes_storage_set == _stored_bytes(h, "swa", 4)
-
-
 def test_window_before_the_write_is_backed_up_too(hierarchy: MakeHierarchy) -> None:
     """A write whose window reaches back over pages the host (and storage) already had sends
     those pages' SWA pages to storage, so a prefetch can end inside the old part's tail."""
@@ -104,23 +89,6 @@ def test_window_before_the_write_is_backed_up_too(hierarchy: MakeHierarchy) -> N
 
 
 # ---- attention + Mamba --------------------------------------------------------------------
-
-
-def test_backup_stores_the_boundary_state_beside_its_page(hierarchy: MakeHierarchy) -> None:
-    storage = MemoryStorage(capacity_bytes=1 << 24)
-    h = hierarchy("mamba", storage=storage, params=PARAMS)
-    a = list(range(1, 3 * P + 1))
-    serve(h, a)
-    node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.in_storage and extra_host_copy(node) is not None
-    assert storage.batch_exists(_page_keys(h, a)) == 3
-    # Only the boundary page carries a state.
-    assert storage.batch_exists([_state_key(h, a)]) == 1
-    assert storage.batch_exists([_state_key(h, a[: 2 * P])]) == 0
-    counters = h.cache.counters
-    assert counters.bytes_storage_set == _stored_bytes(h, "mamba", 3)
-    # Step 3: state bytes are counted in the device -> host bytes too.
-    assert counters.bytes_d2h == _stored_bytes(h, "mamba", 3)
 
 
 def test_known_stored_states_is_bounded(hierarchy: MakeHierarchy) -> None:
@@ -144,6 +112,32 @@ def test_known_stored_states_is_bounded(hierarchy: MakeHierarchy) -> None:
 
 
 # ---- both ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["swa", "mamba"])
+def test_backup_stores_the_pages_and_what_the_boundary_needs(
+    hierarchy: MakeHierarchy, shape: Shape
+) -> None:
+    """SWA: only the last window (2 pages) has host SWA copies, so only those go to storage.
+    Mamba: only the boundary page carries a state."""
+    storage = MemoryStorage(capacity_bytes=1 << 24)
+    h = hierarchy(shape, storage=storage, params=PARAMS)
+    num_pages = PROMPT_PAGES[shape]
+    a = list(range(1, num_pages * P + 1))
+    serve(h, a)
+    node = node_at(h.tree, RadixKey(a))
+    assert node is not None and node.in_storage and extra_host_copy(node) is not None
+    assert storage.batch_exists(_page_keys(h, a)) == num_pages
+    if shape == "swa":
+        swa = _swa_keys(h, a)
+        assert storage.batch_exists(swa[2:]) == 2
+        assert storage.batch_exists(swa[:1]) == 0 and storage.batch_exists(swa[1:2]) == 0
+    else:
+        assert storage.batch_exists([_state_key(h, a)]) == 1
+        assert storage.batch_exists([_state_key(h, a[: 2 * P])]) == 0
+        # Step 3: state bytes are counted in the device -> host bytes too.
+        assert h.cache.counters.bytes_d2h == _stored_bytes(h, shape, num_pages)
+    assert h.cache.counters.bytes_storage_set == _stored_bytes(h, shape, num_pages)
 
 
 @pytest.mark.parametrize("shape", ["swa", "mamba"])
