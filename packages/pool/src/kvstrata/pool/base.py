@@ -386,16 +386,16 @@ class KVPool(DevicePool, Generic[SpecT]):
         )
         self._bind_stacks(self._allocate())
 
+    @property
+    def spec(self) -> SpecT:
+        """The spec the pool was built from."""
+        return self._spec
+
     @abstractmethod
     def _allocate(self) -> list[BufferStack]:
         """Allocate the family's zeroed buffers for `num_rows` rows of `spec` (called once, by
         `__init__`, after size, page size, device and spec are set) and return them as the
         stacks of the flat page, in page order."""
-
-    @property
-    def spec(self) -> SpecT:
-        """The spec the pool was built from."""
-        return self._spec
 
     @property
     def bytes_per_token(self) -> int:
