@@ -36,8 +36,8 @@ P = 4
 PARAMS = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
 MakeHierarchy = Callable[..., Hierarchy]
 
-# Pages of the prompt the round-trip and fault tests serve, and the pages beside its full pages
-# that a hit needs from storage: SWA, the 2 pages of the last window; Mamba, the boundary state.
+# Pages of the prompt the backup, round-trip and fault tests serve, and the pages beside its full
+# pages that a hit needs from storage: SWA, the 2 pages of the last window; Mamba, the state.
 PROMPT_PAGES: dict[Shape, int] = {"swa": 4, "mamba": 3}
 EXTRA_PAGES: dict[Shape, int] = {"swa": 2, "mamba": 1}
 
