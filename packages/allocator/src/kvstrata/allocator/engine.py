@@ -167,6 +167,12 @@ class PageEngine(ABC, Generic[A, M]):
         # Pages freed inside an open group: already marked free, not yet takeable.
         self._pending: list[A] | None = None
         self._num_pending = 0
+        self._allocate()
+
+    @abstractmethod
+    def _allocate(self) -> None:
+        """Allocate the backend's free stack, released list, marks and scratch arrays for
+        the geometry set above (called once, by `__init__`)."""
 
     # ---- plain bookkeeping ---------------------------------------------------------------
 

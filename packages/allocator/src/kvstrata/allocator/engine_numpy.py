@@ -85,18 +85,10 @@ def _native(value: torch.Tensor, name: str) -> Ints:
 class NumpyPageEngine(PageEngine[Ints, Bools]):
     """Page engine whose free list, marks and arithmetic are numpy arrays in host memory."""
 
-    def __init__(
-        self, *, num_pages: int, page_size: int, sorted_reuse: bool, checked: bool
-    ) -> None:
-        super().__init__(
-            num_pages=num_pages,
-            page_size=page_size,
-            device=torch.device("cpu"),
-            sorted_reuse=sorted_reuse,
-            checked=checked,
-        )
+    def _allocate(self) -> None:
+        num_pages, page_size, checked = self.num_pages, self.page_size, self.checked
         self._stack: Ints = np.arange(1, num_pages, dtype=np.int64)
-        self._released: Ints = np.empty(self.capacity if sorted_reuse else 0, dtype=np.int64)
+        self._released: Ints = np.empty(self.capacity if self.sorted_reuse else 0, dtype=np.int64)
         self._marks = np.zeros(num_pages + 1, dtype=np.int32)
         self._reset_marks()
         # Power-of-two pages (the usual case): shifts and masks instead of // and %, which

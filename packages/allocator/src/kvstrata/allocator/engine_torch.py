@@ -37,28 +37,16 @@ FREE, RESERVED, BEYOND = -1, -2, -3
 class TorchPageEngine(PageEngine[torch.Tensor, torch.Tensor]):
     """Page engine whose free list, marks and arithmetic are tensors on `device`."""
 
-    def __init__(
-        self,
-        *,
-        num_pages: int,
-        page_size: int,
-        device: torch.device,
-        sorted_reuse: bool,
-        checked: bool,
-    ) -> None:
-        super().__init__(
-            num_pages=num_pages,
-            page_size=page_size,
-            device=device,
-            sorted_reuse=sorted_reuse,
-            checked=checked,
-        )
+    def _allocate(self) -> None:
+        num_pages, page_size, device = self.num_pages, self.page_size, self.device
         self._stack = torch.arange(1, num_pages, dtype=I64, device=device)
-        self._released = torch.empty(self.capacity if sorted_reuse else 0, dtype=I64, device=device)
+        self._released = torch.empty(
+            self.capacity if self.sorted_reuse else 0, dtype=I64, device=device
+        )
         self._marks = torch.zeros(num_pages + 1, dtype=torch.int32, device=device)
         self._reset_marks()
         self._token_stamp: torch.Tensor | None = None
-        if checked and page_size > 1:
+        if self.checked and page_size > 1:
             self._token_stamp = torch.zeros(self.num_rows, dtype=torch.int32, device=device)
         self._offsets = torch.arange(page_size, dtype=I64, device=device)
         self._i32 = torch.arange(4096, dtype=torch.int32, device=device)
