@@ -143,39 +143,18 @@ class TorchPageEngine(PageEngine[torch.Tensor, torch.Tensor]):
 
     # ---- free -----------------------------------------------------------------------------
 
-    def plan_free_tokens(self, indices: torch.Tensor) -> FreePlan[torch.Tensor]:
-        # Same steps as NumpyPageEngine.plan_free_tokens.
-        x = self._native(indices, "indices")
-        m = len(x)
-        if m == 0:
-            return FreePlan(pages=x, num_pages=0)
-        if self.page_size == 1:
-            if not self.checked:
-                return FreePlan(pages=x, num_pages=m)
-            if bool((self._marks_of(x) < 0).any()):
-                self._raise_bad_slots(x.tolist(), "free", freeing=True)
-            if len(self._distinct(x)) != m:
-                self._raise_duplicates(x.tolist(), "free")
-            return FreePlan(pages=x, num_pages=m)
-        pages = x // self.page_size
-        heads, rising = pages, True
-        if m >= 1024:
-            starts = torch.empty(m, dtype=torch.bool, device=self.device)
-            starts[0] = True
-            torch.ne(pages[1:], pages[:-1], out=starts[1:])
-            heads = pages[starts]
-            if self.checked:
-                rising = bool(((x[1:] > x[:-1]) | starts[1:]).all())
-        if self.checked and bool((self._marks_of(heads) < 0).any()):
-            self._raise_bad_slots(x.tolist(), "free", freeing=True)
-        distinct = self._distinct(heads)
-        if self.checked and (len(distinct) != len(heads) or not rising):
-            assert self._token_stamp is not None, "slot stamps exist on checked paged engines"
-            iota = self._iota32(m)
-            self._token_stamp.index_put_((x,), iota)
-            if bool((self._token_stamp.index_select(0, x) != iota).any()):
-                self._raise_duplicates(x.tolist(), "free")
-        return FreePlan(pages=distinct, num_pages=len(distinct))
+    def _run_starts(self, pages: torch.Tensor) -> torch.Tensor:
+        starts = torch.empty(len(pages), dtype=torch.bool, device=self.device)
+        starts[0] = True
+        torch.ne(pages[1:], pages[:-1], out=starts[1:])
+        return starts
+
+    def _check_distinct_slots(self, slots: torch.Tensor) -> None:
+        assert self._token_stamp is not None, "slot stamps exist on checked paged engines"
+        iota = self._iota32(len(slots))
+        self._token_stamp.index_put_((slots,), iota)
+        if bool((self._token_stamp.index_select(0, slots) != iota).any()):
+            self._raise_duplicates(slots.tolist(), "free")
 
     def _distinct(self, pages: torch.Tensor) -> torch.Tensor:
         k = len(pages)
