@@ -584,15 +584,18 @@ class PageEngine(ABC, Generic[A, M]):
 
     @abstractmethod
     def _run_starts(self, pages: A) -> M:
-        """True where a run of equal pages starts (the first entry always)."""
+        """True where a run of equal pages starts (the first entry always). Mutates nothing."""
 
     @abstractmethod
     def _distinct(self, pages: A) -> A:
-        """One entry per distinct page (order otherwise unspecified), via the mark stamps."""
+        """One entry per distinct page (order otherwise unspecified). Stamps the marks of
+        `pages` (handed-out pages only: they stay >= 0, so a later refusal has changed
+        nothing; see `engine_numpy`)."""
 
     @abstractmethod
     def _check_distinct_slots(self, slots: A) -> None:
-        """Raise `DuplicateIndex` if a slot repeats (stamp pass over the slots)."""
+        """Raise `DuplicateIndex` if a slot repeats: one pass over the per-slot stamps (checked
+        engines with pages of more than one slot); only those scratch stamps change."""
 
     @abstractmethod
     def _marks_of(self, pages: A) -> Any:
