@@ -33,6 +33,24 @@ def mamba(num_layers: int) -> MambaPool:
     return MambaPool(spec, 4, "cpu")
 
 
+def swa(
+    *,
+    full_layer_ids: tuple[int, ...],
+    swa_layer_ids: tuple[int, ...],
+    sliding_window: int,
+    swa_size: int,
+) -> SWAKVPool:
+    """An SWA pool of 16 full slots and `swa_size` SWA slots (pages of 4), one MHA layer per id."""
+    spec = SWASpec(
+        full=MHASpec(num_layers=len(full_layer_ids), **HEAD),
+        swa=MHASpec(num_layers=len(swa_layer_ids), **HEAD),
+        full_layer_ids=full_layer_ids,
+        swa_layer_ids=swa_layer_ids,
+        sliding_window=sliding_window,
+    )
+    return SWAKVPool(spec, 16, swa_size, 4, "cpu")
+
+
 def kv_values(n: int, seed: float) -> torch.Tensor:
     return torch.arange(n * 8, dtype=torch.float32).reshape(n, 2, 4) + seed
 
@@ -61,14 +79,7 @@ def test_full_only_routes_every_layer_to_the_one_pool() -> None:
 
 
 def test_swa_routes_window_layers_to_the_swa_pool_at_translated_slots() -> None:
-    spec = SWASpec(
-        full=MHASpec(num_layers=2, **HEAD),
-        swa=MHASpec(num_layers=2, **HEAD),
-        full_layer_ids=(0, 3),
-        swa_layer_ids=(1, 2),
-        sliding_window=6,
-    )
-    pool = SWAKVPool(spec, 16, 8, 4, "cpu")
+    pool = swa(full_layer_ids=(0, 3), swa_layer_ids=(1, 2), sliding_window=6, swa_size=8)
     mapping = torch.zeros(pool.full_pool.num_rows, dtype=torch.int64)
     mapping[8:12] = torch.arange(4, 8)  # full page 2 lives on SWA page 1
     pool.set_full_to_swa(mapping)
@@ -122,16 +133,11 @@ def test_attention_plus_mamba_routes_by_layer_kind() -> None:
 
 
 def test_attention_through_swa_plus_mamba() -> None:
-    spec = SWASpec(
-        full=MHASpec(num_layers=1, **HEAD),
-        swa=MHASpec(num_layers=1, **HEAD),
-        full_layer_ids=(0,),
-        swa_layer_ids=(1,),
-        sliding_window=4,
-    )
-    swa = SWAKVPool(spec, 16, 16, 4, "cpu")
     router = HybridPool.with_mamba(
-        attention=swa, attention_layer_ids=(1, 3), mamba=mamba(2), mamba_layer_ids=(0, 2)
+        attention=swa(full_layer_ids=(0,), swa_layer_ids=(1,), sliding_window=4, swa_size=16),
+        attention_layer_ids=(1, 3),
+        mamba=mamba(2),
+        mamba_layer_ids=(0, 2),
     )
     assert router.member_names == ("full", "swa", "mamba")
     assert [router.route(i).member for i in router.layer_ids] == ["mamba", "full", "mamba", "swa"]

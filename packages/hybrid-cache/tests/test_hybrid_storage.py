@@ -33,7 +33,7 @@ from kvstrata.hybrid_cache.metrics import Direction, FaultReason
 from kvstrata.hybrid_cache.storage_io import checksum_key
 from kvstrata.pool_host import HostLayout
 from kvstrata.storage import FaultInjectingStorage, MemoryStorage, PageKeyer, Storage
-from kvstrata.storage.base import Occupancy, WriteResult
+from kvstrata.storage.base import WriteResult
 from kvstrata.storage.faults import FaultRules
 from kvstrata.testkit.tiers import (
     SHAPES,
@@ -50,10 +50,10 @@ TIMEOUT_S = 10.0
 N = 6  # pages of the prefix in most tests
 
 
-class GatedStorage(Storage):
-    """Passes every call to `inner`; a `batch_get` of a `hold_get` key (a `batch_set` of a
-    `hold_set` key) first waits for `gate`, or sleeps `stall_s`; `raise_on` keys make batch_get
-    raise."""
+class GatedStorage(FaultInjectingStorage):
+    """Passes every call to `inner` (a FaultInjectingStorage with no rules); a `batch_get` of a
+    `hold_get` key (a `batch_set` of a `hold_set` key) first waits for `gate`, or sleeps
+    `stall_s`; `raise_on` keys make batch_get raise."""
 
     def __init__(
         self,
@@ -64,8 +64,7 @@ class GatedStorage(Storage):
         stall_s: float = 0.0,
         raise_on: frozenset[bytes] = frozenset(),
     ) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.hold_get = hold_get
         self.hold_set = hold_set
         self.stall_s = stall_s
@@ -82,35 +81,16 @@ class GatedStorage(Storage):
             else:
                 assert self.gate.wait(TIMEOUT_S), "gate never opened"
 
-    def _exists_prefix(self, keys: Sequence[bytes]) -> int:
-        return self.inner.batch_exists(keys)
-
     def _get_into(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
         self._pause(keys, self.hold_get)
         if self.raise_on & set(keys):
             raise OSError("backend unreachable")
-        return self.inner.batch_get(keys, views)
+        return super()._get_into(keys, views)
 
     def _set_from(self, keys: Sequence[bytes], views: list[memoryview]) -> list[WriteResult]:
         self.set_calls += 1
         self._pause(keys, self.hold_set)
-        return [
-            WriteResult.WRITTEN if ok else WriteResult.FAILED
-            for ok in self.inner.batch_set(keys, views)
-        ]
-
-    def _delete(self, keys: Sequence[bytes]) -> int:
-        return self.inner.delete(keys)
-
-    def _clear(self) -> None:
-        self.inner.clear()
-
-    def _occupancy(self) -> Occupancy:
-        s = self.inner.stats()
-        return Occupancy(s.num_pages, s.used_bytes, s.capacity_bytes)
-
-    def check_integrity(self) -> None:
-        self.inner.check_integrity()
+        return super()._set_from(keys, views)
 
 
 def prefix_keys(tiers: Tiers, num_pages: int, *, salt: int = 0) -> list[bytes]:

@@ -76,6 +76,16 @@ class Gate:
         return gated
 
 
+def hold_worker_in_a_write(tiers: Tiers, controller: TierController) -> tuple[Gate, int]:
+    """Gate the group's backups and submit a write of device page 1 to host page 0; returns
+    the gate and the write's op id once the worker is inside it (held until `gate.opened`)."""
+    gate = Gate()
+    tiers.group.backup = gate.wrap(tiers.group.backup)  # type: ignore[method-assign]
+    op_id = controller.submit_write(WriteOp(moves=moves_for(tiers, {"full": [1]}, {"full": [0]})))
+    assert gate.entered.wait(TIMEOUT_S)
+    return gate, op_id
+
+
 def per_layer(
     load_layers: Callable[..., list[object]], *, before_layer: dict[int, Callable[[], object]]
 ) -> Callable[..., list[object]]:
@@ -204,10 +214,7 @@ def test_consecutive_writes_are_merged_into_one_transfer(
     full: tuple[Tiers, TierController],
 ) -> None:
     tiers, controller = full
-    gate = Gate()
-    tiers.group.backup = gate.wrap(tiers.group.backup)  # type: ignore[method-assign]
-    first = controller.submit_write(WriteOp(moves=moves_for(tiers, {"full": [1]}, {"full": [0]})))
-    assert gate.entered.wait(TIMEOUT_S)
+    gate, first = hold_worker_in_a_write(tiers, controller)
     # The worker is held inside op `first`: these wait in the queue and go together.
     later = [
         controller.submit_write(WriteOp(moves=moves_for(tiers, {"full": [p]}, {"full": [p]})))
@@ -266,11 +273,8 @@ def test_full_queue_refuses_and_changes_nothing() -> None:
     tiers = make_tiers("full")
     params = ControllerParams(queue_capacity=2, max_merge_ops=1)
     with TierController(tiers.group, params=params) as controller:
-        gate = Gate()
-        tiers.group.backup = gate.wrap(tiers.group.backup)  # type: ignore[method-assign]
+        gate, running = hold_worker_in_a_write(tiers, controller)
         move = moves_for(tiers, {"full": [1]}, {"full": [0]})
-        running = controller.submit_write(WriteOp(moves=move))
-        assert gate.entered.wait(TIMEOUT_S)
         queued = [controller.submit_write(WriteOp(moves=move)) for _ in range(2)]
         before = controller.stats.snapshot()
         with pytest.raises(QueueFull) as info:
@@ -291,10 +295,7 @@ def test_a_failing_op_fails_alone_and_the_worker_keeps_serving(
     full: tuple[Tiers, TierController],
 ) -> None:
     tiers, controller = full
-    gate = Gate()
-    tiers.group.backup = gate.wrap(tiers.group.backup)  # type: ignore[method-assign]
-    held = controller.submit_write(WriteOp(moves=moves_for(tiers, {"full": [1]}, {"full": [0]})))
-    assert gate.entered.wait(TIMEOUT_S)
+    gate, held = hold_worker_in_a_write(tiers, controller)
     good = controller.submit_write(WriteOp(moves=moves_for(tiers, {"full": [2]}, {"full": [1]})))
     # Two device pages into one host page: well-formed, refused by the host pool on the worker.
     bad = controller.submit_write(

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from typing import ParamSpec, Protocol
 
 import pytest
+
+from kvstrata.testkit.tiers import Hierarchy, make_hierarchy
+
+_P = ParamSpec("_P")
 
 
 class _Controller(Protocol):
@@ -30,3 +34,21 @@ def closing() -> Iterator[list[_Built]]:
     yield made
     for h in made:
         h.cache.controller.close()
+
+
+def _closed_at_teardown(
+    make: Callable[_P, Hierarchy], closing: list[_Built]
+) -> Callable[_P, Hierarchy]:
+    def build(*args: _P.args, **kwargs: _P.kwargs) -> Hierarchy:
+        h = make(*args, **kwargs)
+        closing.append(h)
+        return h
+
+    return build
+
+
+@pytest.fixture
+def hierarchy(closing: list[_Built]) -> Callable[..., Hierarchy]:
+    """testkit's `make_hierarchy` (same arguments: shape first, page size 4 by default) whose
+    hierarchies are closed when the test ends (through `closing`)."""
+    return _closed_at_teardown(make_hierarchy, closing)

@@ -7,7 +7,7 @@ snapshot taken at insert proves the KV came back bit-identical, page for page.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -20,7 +20,6 @@ from kvstrata.testkit.tiers import (
     Hierarchy,
     Shape,
     assert_pages_equal,
-    make_hierarchy,
     scramble,
     scramble_free_device,
     serve,
@@ -33,12 +32,6 @@ from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 P = 4
-
-
-def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:
-    h = make_hierarchy(page_size=P, **kw)  # type: ignore[arg-type]
-    closing.append(h)
-    return h
 
 
 def _run(h: Hierarchy, tokens: list[int]) -> tuple[RadixKey, torch.Tensor, list[torch.Tensor]]:
@@ -80,8 +73,10 @@ def _reload(h: Hierarchy, key: RadixKey, expected: list[torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("policy", list(WritePolicy))
-def test_cycles_keep_kv_bit_identical(closing: list[Hierarchy], policy: WritePolicy) -> None:
-    h = _build(closing, write_policy=policy, device_pages=9, host_pages=24)
+def test_cycles_keep_kv_bit_identical(
+    hierarchy: Callable[..., Hierarchy], policy: WritePolicy
+) -> None:
+    h = hierarchy(write_policy=policy, device_pages=9, host_pages=24)
     key, _, expected = _run(h, list(range(1, 3 * P + 1)))
     if policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
         h.cache.match_prefix(key)
@@ -98,7 +93,7 @@ def test_cycles_keep_kv_bit_identical(closing: list[Hierarchy], policy: WritePol
         _reload(h, key, expected)
 
 
-def test_write_policies_back_up_when_they_say(closing: list[Hierarchy]) -> None:
+def test_write_policies_back_up_when_they_say(hierarchy: Callable[..., Hierarchy]) -> None:
     """BEHAVIOURS 21: write-through on the first hit, selective on the second, write-back only
     on device eviction."""
     tokens = list(range(1, 2 * P + 1))
@@ -107,7 +102,7 @@ def test_write_policies_back_up_when_they_say(closing: list[Hierarchy]) -> None:
         (WritePolicy.WRITE_THROUGH_SELECTIVE, 0, 2 * P),
         (WritePolicy.WRITE_BACK, 0, 0),
     ):
-        h = _build(closing, write_policy=policy)
+        h = hierarchy(write_policy=policy)
         key, _, _ = _run(h, tokens)
         h.cache.drain()
         assert _host_total(h) == after_insert, policy
@@ -122,8 +117,8 @@ def test_write_policies_back_up_when_they_say(closing: list[Hierarchy]) -> None:
         h.cache.check_integrity()
 
 
-def test_match_reports_host_hit_and_load_back_commits(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_match_reports_host_hit_and_load_back_commits(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy()
     key, _, expected = _run(h, list(range(1, 3 * P + 1)))
     h.cache.drain()
     h.cache.evict_device(P)  # the last page leaves the device, stays on the host
@@ -138,11 +133,13 @@ def test_match_reports_host_hit_and_load_back_commits(closing: list[Hierarchy]) 
     again = h.cache.load_back(m.device.last_node)  # already on the device: nothing to load
     assert again.loaded_len == 0 and again.match.prefix_len == 2 * P
     with pytest.raises(ForeignNode):
-        h.cache.load_back(_build(closing).cache.match_prefix(key).host_node)  # another tree
+        h.cache.load_back(hierarchy().cache.match_prefix(key).host_node)  # another tree
 
 
-def test_load_back_without_device_room_keeps_the_shorter_hit(closing: list[Hierarchy]) -> None:
-    h = _build(closing, device_pages=5)
+def test_load_back_without_device_room_keeps_the_shorter_hit(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
+    h = hierarchy(device_pages=5)
     key, _, _ = _run(h, list(range(1, 4 * P + 1)))
     h.cache.drain()
     h.cache.evict_device(4 * P)
@@ -155,8 +152,8 @@ def test_load_back_without_device_room_keeps_the_shorter_hit(closing: list[Hiera
     h.cache.check_integrity(held={"full": 0 if hold is None else len(hold)})
 
 
-def test_host_eviction_spares_locked_host_pages(closing: list[Hierarchy]) -> None:
-    h = _build(closing, host_pages=4)
+def test_host_eviction_spares_locked_host_pages(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy(host_pages=4)
     key, _, _ = _run(h, list(range(1, 2 * P + 1)))
     h.cache.drain()
     h.cache.evict_device(2 * P)  # only copies of what left the device may go
@@ -170,8 +167,8 @@ def test_host_eviction_spares_locked_host_pages(closing: list[Hierarchy]) -> Non
     h.cache.check_integrity()
 
 
-def test_events_carry_the_tier(closing: list[Hierarchy]) -> None:
-    h = _build(closing, storage=MemoryStorage(capacity_bytes=1 << 24))
+def test_events_carry_the_tier(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy(storage=MemoryStorage(capacity_bytes=1 << 24))
     _run(h, list(range(1, 2 * P + 1)))
     h.cache.drain()
     events = h.cache.take_events()
@@ -187,11 +184,13 @@ def test_events_carry_the_tier(closing: list[Hierarchy]) -> None:
 
 
 def _prefetch_setup(
-    closing: list[Hierarchy], storage: MemoryStorage | FaultInjectingStorage, **kw: object
+    hierarchy: Callable[..., Hierarchy],
+    storage: MemoryStorage | FaultInjectingStorage,
+    **kw: object,
 ) -> tuple[Hierarchy, RadixKey, list[torch.Tensor]]:
     """Back a prompt up to storage, then drop it from device and host."""
     params = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
-    h = _build(closing, storage=storage, params=params, **kw)
+    h = hierarchy(storage=storage, params=params, **kw)
     key, _, expected = _run(h, list(range(1, 4 * P + 1)))
     h.cache.drain()
     h.cache.evict_device(4 * P)
@@ -200,8 +199,8 @@ def _prefetch_setup(
     return h, key, expected
 
 
-def test_prefetch_from_storage_then_load_back(closing: list[Hierarchy]) -> None:
-    h, key, expected = _prefetch_setup(closing, MemoryStorage(capacity_bytes=1 << 24))
+def test_prefetch_from_storage_then_load_back(hierarchy: Callable[..., Hierarchy]) -> None:
+    h, key, expected = _prefetch_setup(hierarchy, MemoryStorage(capacity_bytes=1 << 24))
     m = h.cache.match_prefix(key)
     assert m.prefix_len == 0 and m.prefetch_id is not None
     assert h.cache.finish_prefetch(m.prefetch_id) == 4 * P
@@ -212,14 +211,14 @@ def test_prefetch_from_storage_then_load_back(closing: list[Hierarchy]) -> None:
 
 @pytest.mark.parametrize("fault", ["fail", "corrupt", "stall"])
 def test_storage_faults_give_a_shorter_hit_never_wrong_kv(
-    closing: list[Hierarchy], fault: str
+    hierarchy: Callable[..., Hierarchy], fault: str
 ) -> None:
     inner = MemoryStorage(capacity_bytes=1 << 24)
     storage = FaultInjectingStorage(inner)
     kw: dict[str, object] = {}
     if fault == "stall":
         kw["controller_params"] = ControllerParams(storage_call_timeout_s=0.05)
-    h, key, expected = _prefetch_setup(closing, storage, **kw)
+    h, key, expected = _prefetch_setup(hierarchy, storage, **kw)
     keys = h.cache.keyer.page_keys(key.tokens())
     if fault == "fail":
         storage.set_rules(FaultRules(fail_keys=frozenset({keys[2]})))
@@ -256,8 +255,8 @@ def test_storage_faults_give_a_shorter_hit_never_wrong_kv(
     )
 
 
-def test_rejects_hybrid_trees_and_mismatched_pages(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_rejects_hybrid_trees_and_mismatched_pages(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy()
     with pytest.raises(InvalidConfig):
         TierParams(host_eviction_policy="nope")
     with pytest.raises(InvalidConfig):
@@ -281,12 +280,12 @@ def test_rejects_hybrid_trees_and_mismatched_pages(closing: list[Hierarchy]) -> 
         )
 
 
-def test_collector_reads_tier_counters(closing: list[Hierarchy]) -> None:
+def test_collector_reads_tier_counters(hierarchy: Callable[..., Hierarchy]) -> None:
     from prometheus_client import CollectorRegistry
 
     from kvstrata.unified_radix_cache.tier_metrics import TierCacheCollector
 
-    h, key, _ = _prefetch_setup(closing, MemoryStorage(capacity_bytes=1 << 24))
+    h, key, _ = _prefetch_setup(hierarchy, MemoryStorage(capacity_bytes=1 << 24))
     m = h.cache.match_prefix(key)
     assert m.prefetch_id is not None
     h.cache.finish_prefetch(m.prefetch_id)
@@ -309,13 +308,10 @@ def test_collector_reads_tier_counters(closing: list[Hierarchy]) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("policy", list(WritePolicy))
-def test_cycles_on_cuda(closing: list[Hierarchy], policy: WritePolicy) -> None:
+def test_cycles_on_cuda(hierarchy: Callable[..., Hierarchy], policy: WritePolicy) -> None:
     """The same write / evict / load-back cycle with the device pool on CUDA (pinned host
     memory, copy streams): KV comes back bit-identical."""
-    h = make_hierarchy(
-        page_size=P, write_policy=policy, device_pages=9, host_pages=24, device="cuda"
-    )
-    closing.append(h)
+    h = hierarchy(write_policy=policy, device_pages=9, host_pages=24, device="cuda")
     key, _, expected = _run(h, list(range(1, 3 * P + 1)))
     if policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
         h.cache.match_prefix(key)
@@ -328,9 +324,9 @@ def test_cycles_on_cuda(closing: list[Hierarchy], policy: WritePolicy) -> None:
 
 
 def test_backup_flags_stored_nodes_and_reset_empties_both_tiers(
-    closing: list[Hierarchy],
+    hierarchy: Callable[..., Hierarchy],
 ) -> None:
-    h = _build(closing, storage=MemoryStorage(capacity_bytes=1 << 24))
+    h = hierarchy(storage=MemoryStorage(capacity_bytes=1 << 24))
     key, _, _ = _run(h, list(range(1, 2 * P + 1)))
     h.cache.drain()
     node = h.cache.match_prefix(key).device.last_node
@@ -346,11 +342,11 @@ def test_backup_flags_stored_nodes_and_reset_empties_both_tiers(
 
 
 def test_prefetch_needs_the_threshold_and_stops_at_the_first_missing_page(
-    closing: list[Hierarchy],
+    hierarchy: Callable[..., Hierarchy],
 ) -> None:
     storage = MemoryStorage(capacity_bytes=1 << 24)
     params = TierParams(prefetch_threshold=3 * P, prefetch_policy=PrefetchPolicy.TIMEOUT)
-    h = _build(closing, storage=storage, params=params)
+    h = hierarchy(storage=storage, params=params)
     key, _, expected = _run(h, list(range(1, 2 * P + 1)))
     h.cache.drain()
     h.cache.evict_device(2 * P)
@@ -368,10 +364,12 @@ def test_prefetch_needs_the_threshold_and_stops_at_the_first_missing_page(
     _reload(h, key, expected)
 
 
-def test_host_eviction_takes_only_copies_off_the_device(closing: list[Hierarchy]) -> None:
+def test_host_eviction_takes_only_copies_off_the_device(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
     from kvstrata.unified_radix_cache.paths import node_at
 
-    h = _build(closing)
+    h = hierarchy()
     on_device, _, _ = _run(h, list(range(1, 2 * P + 1)))
     h.cache.drain()
     off, _, _ = _run(h, list(range(50, 50 + 2 * P)))
@@ -387,10 +385,10 @@ def test_host_eviction_takes_only_copies_off_the_device(closing: list[Hierarchy]
     h.cache.check_integrity()
 
 
-def test_read_only_walks_change_nothing(closing: list[Hierarchy]) -> None:
+def test_read_only_walks_change_nothing(hierarchy: Callable[..., Hierarchy]) -> None:
     from kvstrata.unified_radix_cache.paths import held_len, key_of, node_at
 
-    h = _build(closing)
+    h = hierarchy()
     key, _, _ = _run(h, list(range(1, 3 * P + 1)))
     tree = h.cache.device_tree
     leaf = tree.match_prefix(key).last_node
@@ -402,7 +400,7 @@ def test_read_only_walks_change_nothing(closing: list[Hierarchy]) -> None:
     assert key_of(tree, leaf).token_bytes() == key.token_bytes()
     assert (leaf.last_access, leaf.hit_count, tree.num_nodes) == (access, hits, nodes)
     with pytest.raises(ForeignNode):
-        key_of(_build(closing).tree, leaf)
+        key_of(hierarchy().tree, leaf)
 
 
 class _GatedStorage(FaultInjectingStorage):
@@ -422,10 +420,12 @@ class _GatedStorage(FaultInjectingStorage):
         return super()._get_into(keys, views)
 
 
-def test_best_effort_prefetch_commits_late_pages_on_its_ack(closing: list[Hierarchy]) -> None:
+def test_best_effort_prefetch_commits_late_pages_on_its_ack(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
     storage = _GatedStorage(MemoryStorage(capacity_bytes=1 << 24))
     params = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.BEST_EFFORT)
-    h = _build(closing, storage=storage, params=params)
+    h = hierarchy(storage=storage, params=params)
     key, _, expected = _run(h, list(range(1, 4 * P + 1)))
     h.cache.drain()
     h.cache.evict_device(4 * P)
@@ -448,14 +448,13 @@ def test_best_effort_prefetch_commits_late_pages_on_its_ack(closing: list[Hierar
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("policy", [WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH_SELECTIVE])
 def test_other_write_policies_bring_hits_back_from_the_host(
-    closing: list[Hierarchy], shape: Shape, policy: WritePolicy
+    hierarchy: Callable[..., Hierarchy], shape: Shape, policy: WritePolicy
 ) -> None:
     """write_back (on eviction) and write_through_selective (once a prefix is hit twice) put a
     prefix on the host with everything a hit needs (an SWA model's window, a Mamba model's
     state): after the device lost it and its bytes were overwritten, the hit comes back,
     checked bit for bit by `serve`."""
-    h = make_hierarchy(shape, page_size=P, write_policy=policy)
-    closing.append(h)
+    h = hierarchy(shape, write_policy=policy)
     a = list(range(1, 3 * P + 1))
     serve(h, [*a, 9, 9, 9, 9])
     for _ in range(2):  # selective: the prefix is written once it is hit the second time
@@ -469,7 +468,7 @@ def test_other_write_policies_bring_hits_back_from_the_host(
 
 @pytest.mark.parametrize("shape", ["swa", "mamba"])
 def test_only_boundaries_this_cache_backed_up_are_prefetched(
-    closing: list[Hierarchy], shape: Shape
+    hierarchy: Callable[..., Hierarchy], shape: Shape
 ) -> None:
     """Storage can only say how long a run of keys it holds from the first, so a cache learns
     where stored windows (SWA) or states (Mamba) are from its own backups; another cache over
@@ -477,10 +476,7 @@ def test_only_boundaries_this_cache_backed_up_are_prefetched(
     a hit)."""
     storage = MemoryStorage(capacity_bytes=1 << 24)
     params = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
-    first, other = (
-        make_hierarchy(shape, page_size=P, storage=storage, params=params) for _ in range(2)
-    )
-    closing += [first, other]
+    first, other = (hierarchy(shape, storage=storage, params=params) for _ in range(2))
     a = list(range(1, 3 * P + 1))
     serve(first, a)
     skipped = other.cache.counters.prefetches_skipped

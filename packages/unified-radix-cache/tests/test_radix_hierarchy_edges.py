@@ -5,6 +5,7 @@ one hit per node per request, and the integrity checks that catch a slot held tw
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -19,12 +20,6 @@ from kvstrata.unified_radix_cache.tier_core import PendingBackup
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 P = 4
-
-
-def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:
-    h = make_hierarchy(page_size=P, **kw)  # type: ignore[arg-type]
-    closing.append(h)
-    return h
 
 
 def _insert(h: Hierarchy, key: RadixKey) -> None:
@@ -66,9 +61,9 @@ def _settle(h: Hierarchy) -> None:
 
 
 def test_load_back_behind_a_slow_write_is_refused_and_leaks_no_lock(
-    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch
+    hierarchy: Callable[..., Hierarchy], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    h = _build(closing, device_pages=9, host_pages=32)
+    h = hierarchy(device_pages=9, host_pages=32)
     c = h.cache
     _, host_node = _host_only(h)
     b = RadixKey([100 + i for i in range(h.allocator.available_size())])
@@ -87,9 +82,9 @@ def test_load_back_behind_a_slow_write_is_refused_and_leaks_no_lock(
 
 
 def test_load_back_releases_both_locks_when_allocation_raises(
-    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch
+    hierarchy: Callable[..., Hierarchy], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    h = _build(closing)
+    h = hierarchy()
     c = h.cache
     _, host_node = _host_only(h)
 
@@ -106,10 +101,9 @@ def test_load_back_releases_both_locks_when_allocation_raises(
 
 
 def test_write_back_eviction_stops_at_a_slow_write(
-    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch
+    hierarchy: Callable[..., Hierarchy], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    h = _build(
-        closing,
+    h = hierarchy(
         write_policy=WritePolicy.WRITE_BACK,
         params=TierParams(write_policy=WritePolicy.WRITE_BACK),
     )
@@ -144,9 +138,10 @@ def _storage_only(h: Hierarchy, key: RadixKey) -> None:
     assert h.cache.device_tree.num_nodes == 0
 
 
-def test_finish_prefetch_returns_what_another_poll_committed(closing: list[Hierarchy]) -> None:
-    h = _build(
-        closing,
+def test_finish_prefetch_returns_what_another_poll_committed(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
+    h = hierarchy(
         storage=MemoryStorage(capacity_bytes=1 << 24),
         params=TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.BEST_EFFORT),
     )
@@ -169,10 +164,9 @@ def test_finish_prefetch_returns_what_another_poll_committed(closing: list[Hiera
     "policy", [WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH_SELECTIVE], ids=lambda p: p.value
 )
 def test_prefetch_fetches_only_pages_beyond_the_device_hit(
-    closing: list[Hierarchy], policy: WritePolicy
+    hierarchy: Callable[..., Hierarchy], policy: WritePolicy
 ) -> None:
-    h = _build(
-        closing,
+    h = hierarchy(
         write_policy=policy,
         storage=MemoryStorage(capacity_bytes=1 << 24),
         params=TierParams(
@@ -217,8 +211,8 @@ def test_prefetch_fetches_only_pages_beyond_the_device_hit(
     c.check_integrity()
 
 
-def test_a_request_counts_one_hit_per_node(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_a_request_counts_one_hit_per_node(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy()
     c = h.cache
     key = RadixKey(list(range(1, 3 * P + 1)))
     _insert(h, key)
@@ -240,9 +234,9 @@ def test_a_request_counts_one_hit_per_node(closing: list[Hierarchy]) -> None:
 
 
 def test_a_timed_out_load_back_is_no_failure_when_its_late_ack_commits(
-    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch
+    hierarchy: Callable[..., Hierarchy], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    h = _build(closing)
+    h = hierarchy()
     c = h.cache
     key, host_node = _host_only(h)
     with monkeypatch.context() as m:
@@ -258,9 +252,9 @@ def test_a_timed_out_load_back_is_no_failure_when_its_late_ack_commits(
 
 
 def test_integrity_sees_a_host_slot_held_twice_and_a_foreign_receipt(
-    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch
+    hierarchy: Callable[..., Hierarchy], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    h = _build(closing)
+    h = hierarchy()
     c = h.cache
     a = RadixKey(list(range(1, 2 * P + 1)))
     b = RadixKey(list(range(500, 500 + 2 * P)))

@@ -5,6 +5,8 @@ faults (no host or device state slot) leave a shorter hit, never a wrong one."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -13,7 +15,6 @@ from kvstrata.testkit.tiers import (
     assert_prefix_kv,
     assert_prefix_state,
     extra_host_copy,
-    make_hierarchy,
     scramble_free_device,
     serve,
     write_prefix_kv,
@@ -34,14 +35,8 @@ from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 P = 4
 
 
-def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:
-    h = make_hierarchy("mamba", page_size=P, **kw)  # type: ignore[arg-type]
-    closing.append(h)
-    return h
-
-
-def test_write_through_carries_the_state_to_the_host(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_write_through_carries_the_state_to_the_host(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("mamba")
     serve(h, list(range(1, 3 * P + 1)))
     node = node_at(h.tree, RadixKey(list(range(1, 3 * P + 1))))
     assert node is not None
@@ -54,9 +49,9 @@ def test_write_through_carries_the_state_to_the_host(closing: list[Hierarchy]) -
 
 
 def test_round_trips_are_bit_identical_through_write_evict_load(
-    closing: list[Hierarchy],
+    hierarchy: Callable[..., Hierarchy],
 ) -> None:
-    h = _build(closing, device_pages=12)
+    h = hierarchy("mamba", device_pages=12)
     a = list(range(1, 3 * P + 1))
     b = [*a, *range(50, 50 + 2 * P)]
     assert serve(h, [*a, 99, 98, 97, 96]) == 0
@@ -74,8 +69,10 @@ def test_round_trips_are_bit_identical_through_write_evict_load(
     assert h.cache.counters.host_hit_tokens >= 4 * len(b)
 
 
-def test_host_hit_ends_only_where_a_state_is_restorable(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_host_hit_ends_only_where_a_state_is_restorable(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
+    h = hierarchy("mamba")
     a = list(range(1, 4 * P + 1))
     serve(h, a)
     h.cache.evict_device(h.tree.evictable_size())
@@ -88,8 +85,8 @@ def test_host_hit_ends_only_where_a_state_is_restorable(closing: list[Hierarchy]
     h.cache.check_integrity()
 
 
-def test_a_tombstoned_device_state_is_loaded_alone(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_a_tombstoned_device_state_is_loaded_alone(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("mamba")
     a = list(range(1, 3 * P + 1))
     serve(h, a)
     moved = h.cache.counters.loaded_tokens
@@ -105,8 +102,8 @@ def test_a_tombstoned_device_state_is_loaded_alone(closing: list[Hierarchy]) -> 
     assert h.cache.counters.loaded_tokens == moved  # no page moved, only the state
 
 
-def test_no_host_state_slot_means_a_shorter_hit(closing: list[Hierarchy]) -> None:
-    h = _build(closing, host_pages=32)
+def test_no_host_state_slot_means_a_shorter_hit(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("mamba", host_pages=32)
     allocator = h.cache.component_hosts["mamba"]
     hoard = allocator.alloc(allocator.available_size())
     assert hoard is not None
@@ -123,8 +120,8 @@ def test_no_host_state_slot_means_a_shorter_hit(closing: list[Hierarchy]) -> Non
     h.cache.check_integrity()
 
 
-def test_no_device_state_slot_refuses_the_load(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_no_device_state_slot_refuses_the_load(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("mamba")
     a = list(range(1, 3 * P + 1))
     serve(h, a)
     h.cache.evict_device(h.tree.evictable_size())
@@ -140,8 +137,8 @@ def test_no_device_state_slot_refuses_the_load(closing: list[Hierarchy]) -> None
     assert serve(h, [*a, 5, 5, 5, 5]) == len(a)
 
 
-def test_host_eviction_frees_host_state_slots(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_host_eviction_frees_host_state_slots(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("mamba")
     serve(h, list(range(1, 3 * P + 1)))
     serve(h, list(range(100, 100 + 2 * P)))
     assert h.cache.device_tree.component("mamba").host_held_size == 2
@@ -154,8 +151,8 @@ def test_host_eviction_frees_host_state_slots(closing: list[Hierarchy]) -> None:
     h.cache.check_integrity()
 
 
-def test_refusals(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_refusals(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("mamba")
     tiers = h.tiers
     with pytest.raises(InvalidConfig, match="component_hosts"):
         states = h.states.__class__(size=4, device="cpu")
@@ -173,8 +170,8 @@ def test_refusals(closing: list[Hierarchy]) -> None:
     assert TierParams().write_policy is WritePolicy.WRITE_THROUGH
 
 
-def test_layer_wise_load_brings_pages_and_state(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_layer_wise_load_brings_pages_and_state(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("mamba")
     a = list(range(1, 3 * P + 1))
     serve(h, a)
     h.cache.evict_device(h.tree.evictable_size())
@@ -198,8 +195,8 @@ def test_layer_wise_load_brings_pages_and_state(closing: list[Hierarchy]) -> Non
     h.cache.check_integrity()
 
 
-def test_a_failed_load_frees_the_state_slot_too(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_a_failed_load_frees_the_state_slot_too(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("mamba")
     a = list(range(1, 2 * P + 1))
     serve(h, a)
     h.cache.evict_device(h.tree.evictable_size())
@@ -220,8 +217,8 @@ def test_a_failed_load_frees_the_state_slot_too(closing: list[Hierarchy]) -> Non
     h.cache.check_integrity()
 
 
-def test_a_failed_write_leaves_no_host_state(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_a_failed_write_leaves_no_host_state(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("mamba")
 
     def broken(*args: object, **kwargs: object) -> None:
         raise OSError("copy engine fault")
@@ -237,9 +234,9 @@ def test_a_failed_write_leaves_no_host_state(closing: list[Hierarchy]) -> None:
 
 
 def test_the_device_tree_api_copies_the_state_on_a_tiered_tree(
-    closing: list[Hierarchy],
+    hierarchy: Callable[..., Hierarchy],
 ) -> None:
-    h = _build(closing)
+    h = hierarchy("mamba")
     a = list(range(1, 2 * P + 1))
     serve(h, a)
     ids = torch.tensor([*a, 3, 3, 3, 3], dtype=torch.int64)
@@ -255,13 +252,13 @@ def test_the_device_tree_api_copies_the_state_on_a_tiered_tree(
     h.cache.check_integrity()
 
 
-def test_insert_with_a_state_and_the_host_state_gauge(closing: list[Hierarchy]) -> None:
+def test_insert_with_a_state_and_the_host_state_gauge(hierarchy: Callable[..., Hierarchy]) -> None:
     from prometheus_client import CollectorRegistry
 
     from kvstrata.unified_radix_cache import MambaInsert
     from kvstrata.unified_radix_cache.tier_metrics import TierCacheCollector
 
-    h = _build(closing)
+    h = hierarchy("mamba")
     ids = torch.tensor(range(1, 2 * P + 1), dtype=torch.int64)
     slots = h.allocator.alloc(len(ids))
     state = h.states.alloc(1)

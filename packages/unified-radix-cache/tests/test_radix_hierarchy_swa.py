@@ -6,13 +6,14 @@ slots on both pools of both tiers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from kvstrata.allocator import SWAAllocator
 from kvstrata.testkit.tiers import (
     Hierarchy,
     extra_host_copy,
-    make_hierarchy,
     scramble_free_device,
     serve,
 )
@@ -30,19 +31,13 @@ from kvstrata.unified_radix_cache.paths import node_at
 P = 4
 
 
-def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:
-    h = make_hierarchy("swa", page_size=P, **kw)  # type: ignore[arg-type]
-    closing.append(h)
-    return h
-
-
 def _host_swa(h: Hierarchy) -> int:
     allocator = h.cache.component_hosts["swa"]
     return allocator.size - allocator.available_size()
 
 
-def test_a_write_copies_only_the_window_of_swa_pages(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_a_write_copies_only_the_window_of_swa_pages(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("swa")
     a = list(range(1, 5 * P + 1))
     serve(h, a)
     node = node_at(h.tree, RadixKey(a))
@@ -57,8 +52,8 @@ def test_a_write_copies_only_the_window_of_swa_pages(closing: list[Hierarchy]) -
     assert h.cache.counters.bytes_d2h == pages
 
 
-def test_round_trips_are_bit_identical(closing: list[Hierarchy]) -> None:
-    h = _build(closing, device_pages=12)
+def test_round_trips_are_bit_identical(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("swa", device_pages=12)
     a = list(range(1, 4 * P + 1))
     b = [*a, *range(50, 50 + 3 * P)]
     assert serve(h, a) == 0
@@ -78,8 +73,8 @@ def test_round_trips_are_bit_identical(closing: list[Hierarchy]) -> None:
     h.cache.check_integrity()
 
 
-def test_host_hit_ends_where_a_window_is_restorable(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_host_hit_ends_where_a_window_is_restorable(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("swa")
     a = list(range(1, 6 * P + 1))
     serve(h, a)
     h.cache.evict_device(h.tree.evictable_size())
@@ -92,9 +87,9 @@ def test_host_hit_ends_where_a_window_is_restorable(closing: list[Hierarchy]) ->
 
 
 def test_a_device_swa_tombstone_is_not_restored_from_the_host(
-    closing: list[Hierarchy],
+    hierarchy: Callable[..., Hierarchy],
 ) -> None:
-    h = _build(closing)
+    h = hierarchy("swa")
     a = list(range(1, 4 * P + 1))
     serve(h, a)
     # SWA eviction tombstones the window node: full pages stay on the device, SWA slots go.
@@ -106,8 +101,8 @@ def test_a_device_swa_tombstone_is_not_restored_from_the_host(
     h.cache.check_integrity()
 
 
-def test_evictions_free_both_pools_on_both_tiers(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_evictions_free_both_pools_on_both_tiers(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("swa")
     serve(h, list(range(1, 3 * P + 1)))
     serve(h, list(range(100, 100 + 4 * P)))
     assert _host_swa(h) == 2 * h.window
@@ -120,8 +115,8 @@ def test_evictions_free_both_pools_on_both_tiers(closing: list[Hierarchy]) -> No
     h.cache.check_integrity()
 
 
-def test_no_host_swa_room_means_a_shorter_hit(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_no_host_swa_room_means_a_shorter_hit(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("swa")
     allocator = h.cache.component_hosts["swa"]
     hoard = allocator.alloc(allocator.available_size())
     assert hoard is not None
@@ -136,8 +131,8 @@ def test_no_host_swa_room_means_a_shorter_hit(closing: list[Hierarchy]) -> None:
     h.cache.check_integrity()
 
 
-def test_layer_wise_load_brings_full_and_swa_layers(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_layer_wise_load_brings_full_and_swa_layers(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("swa")
     a = list(range(1, 3 * P + 1))
     serve(h, a)
     h.cache.evict_device(h.tree.evictable_size())
@@ -157,9 +152,9 @@ def test_layer_wise_load_brings_full_and_swa_layers(closing: list[Hierarchy]) ->
 
 
 def test_a_failed_load_frees_full_and_swa_slots(
-    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch
+    hierarchy: Callable[..., Hierarchy], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    h = _build(closing)
+    h = hierarchy("swa")
     a = list(range(1, 3 * P + 1))
     serve(h, a)
     h.cache.evict_device(h.tree.evictable_size())
@@ -179,9 +174,9 @@ def test_a_failed_load_frees_full_and_swa_slots(
     assert serve(h, [*a, 5, 5, 5, 5]) == len(a)
 
 
-def test_refusals(closing: list[Hierarchy]) -> None:
-    """An SWA tree needs the host SWA allocator (storage: test_radix_hierarchy_swa_storage)."""
-    h = _build(closing)
+def test_refusals(hierarchy: Callable[..., Hierarchy]) -> None:
+    """An SWA tree needs the host SWA allocator (storage: test_radix_hierarchy_hybrid_storage)."""
+    h = hierarchy("swa")
     tiers = h.tiers
 
     def tree() -> UnifiedRadixCache:
@@ -198,8 +193,8 @@ def test_refusals(closing: list[Hierarchy]) -> None:
         )
 
 
-def test_integrity_catches_a_leaked_host_swa_copy(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_integrity_catches_a_leaked_host_swa_copy(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy("swa")
     a = list(range(1, 3 * P + 1))
     serve(h, a)
     node = node_at(h.tree, RadixKey(a))
@@ -213,12 +208,12 @@ def test_integrity_catches_a_leaked_host_swa_copy(closing: list[Hierarchy]) -> N
     h.cache.check_integrity()
 
 
-def test_collector_reports_host_swa_slots(closing: list[Hierarchy]) -> None:
+def test_collector_reports_host_swa_slots(hierarchy: Callable[..., Hierarchy]) -> None:
     from prometheus_client import CollectorRegistry
 
     from kvstrata.unified_radix_cache.tier_metrics import TierCacheCollector
 
-    h = _build(closing)
+    h = hierarchy("swa")
     serve(h, list(range(1, 3 * P + 1)))
     registry = CollectorRegistry()
     registry.register(TierCacheCollector(h.cache, labels={"instance": "s"}))

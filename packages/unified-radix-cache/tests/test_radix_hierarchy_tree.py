@@ -3,25 +3,21 @@ device-leaf eviction, the per-layer load-back handle, and counting each query on
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
 
 from kvstrata.hybrid_cache import LayerLoadFailed
 from kvstrata.storage import MemoryStorage
-from kvstrata.testkit.tiers import Hierarchy, assert_pages_equal, make_hierarchy, scramble, snapshot
+from kvstrata.testkit.tiers import Hierarchy, assert_pages_equal, scramble, snapshot
 from kvstrata.unified_radix_cache import FullComponent, RadixKey, TreeNode
 from kvstrata.unified_radix_cache.errors import IntegrityError, NoHostCopy
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 P = 4
-
-
-def _build(closing: list[Hierarchy], **kw: object) -> Hierarchy:
-    h = make_hierarchy(page_size=P, **kw)  # type: ignore[arg-type]
-    closing.append(h)
-    return h
 
 
 def _insert(h: Hierarchy, tokens: list[int]) -> tuple[RadixKey, list[torch.Tensor]]:
@@ -48,8 +44,8 @@ def _path(h: Hierarchy, key: RadixKey) -> list[TreeNode]:
     return list(reversed(list(node.path_to_root())))
 
 
-def test_host_values_live_on_the_nodes(closing: list[Hierarchy]) -> None:
-    h = _build(closing, storage=MemoryStorage(capacity_bytes=1 << 24))
+def test_host_values_live_on_the_nodes(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy(storage=MemoryStorage(capacity_bytes=1 << 24))
     key, _ = _insert(h, list(range(1, 3 * P + 1)))
     _insert(h, [*range(1, P + 1), 70, 71, 72, 73])  # splits the first node after one page
     h.cache.drain()
@@ -64,9 +60,9 @@ def test_host_values_live_on_the_nodes(closing: list[Hierarchy]) -> None:
 
 
 def test_device_eviction_keeps_off_device_nodes_and_match_reports_both_hits(
-    closing: list[Hierarchy],
+    hierarchy: Callable[..., Hierarchy],
 ) -> None:
-    h = _build(closing)
+    h = hierarchy()
     key, expected = _insert(h, list(range(1, 3 * P + 1)))
     h.cache.drain()
     nodes_before = h.tree.num_nodes
@@ -92,8 +88,10 @@ def test_device_eviction_keeps_off_device_nodes_and_match_reports_both_hits(
     h.cache.check_integrity()
 
 
-def test_device_eviction_without_host_copy_drops_the_tail(closing: list[Hierarchy]) -> None:
-    h = _build(closing, write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
+def test_device_eviction_without_host_copy_drops_the_tail(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
+    h = hierarchy(write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
     key, _ = _insert(h, list(range(1, 3 * P + 1)))
     assert h.cache.evict_device(P) == P
     (node,) = _path(h, key[: 2 * P])
@@ -102,8 +100,8 @@ def test_device_eviction_without_host_copy_drops_the_tail(closing: list[Hierarch
     h.cache.check_integrity()
 
 
-def test_insert_over_off_device_nodes_revives_them(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_insert_over_off_device_nodes_revives_them(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy()
     key, _ = _off_device(h, 2, evict=2 * P)
     (node,) = _path(h, key)
     assert not node.on_device
@@ -119,9 +117,9 @@ def test_insert_over_off_device_nodes_revives_them(closing: list[Hierarchy]) -> 
 
 
 def test_load_back_handle_waits_per_layer_and_commits_on_the_ack(
-    closing: list[Hierarchy],
+    hierarchy: Callable[..., Hierarchy],
 ) -> None:
-    h = _build(closing)
+    h = hierarchy()
     key, expected = _off_device(h, 3, evict=2 * P)
     free = h.allocator.alloc(h.allocator.available_size())
     assert free is not None
@@ -145,8 +143,8 @@ def test_load_back_handle_waits_per_layer_and_commits_on_the_ack(
     h.cache.check_integrity()
 
 
-def test_a_load_committed_by_poll(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_a_load_committed_by_poll(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy()
     key, expected = _off_device(h, 2, evict=2 * P)
     load = h.cache.start_load_back(h.cache.match_prefix(key).host_node)
     h.cache.drain()  # the ack arrives through the cache: it commits
@@ -158,8 +156,8 @@ def test_a_load_committed_by_poll(closing: list[Hierarchy]) -> None:
     h.cache.check_integrity()
 
 
-def test_a_failed_load_leaves_the_tree_unchanged(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_a_failed_load_leaves_the_tree_unchanged(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy()
     key, _ = _off_device(h, 2, evict=2 * P)
     (node,) = _path(h, key)
     free_before = h.allocator.available_size()
@@ -181,8 +179,8 @@ def test_a_failed_load_leaves_the_tree_unchanged(closing: list[Hierarchy]) -> No
     h.cache.check_integrity()
 
 
-def test_begin_request_counts_a_query_once(closing: list[Hierarchy]) -> None:
-    h = _build(closing)
+def test_begin_request_counts_a_query_once(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy()
     _insert(h, list(range(1, 3 * P + 1)))
     key = RadixKey(list(range(1, 3 * P + 2)))  # one token more: a request computes at least one
     h.cache.drain()
@@ -200,8 +198,8 @@ def test_begin_request_counts_a_query_once(closing: list[Hierarchy]) -> None:
     h.cache.check_integrity()
 
 
-def test_check_integrity_catches_a_broken_closure(closing: list[Hierarchy]) -> None:
-    h = _build(closing, params=TierParams(write_policy=WritePolicy.WRITE_THROUGH))
+def test_check_integrity_catches_a_broken_closure(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy(params=TierParams(write_policy=WritePolicy.WRITE_THROUGH))
     key, _ = _off_device(h, 2, evict=2 * P)
     (node,) = _path(h, key)
     saved = node.host_value
@@ -212,8 +210,8 @@ def test_check_integrity_catches_a_broken_closure(closing: list[Hierarchy]) -> N
     h.cache.check_integrity()
 
 
-def test_host_lock_needs_a_host_copy(closing: list[Hierarchy]) -> None:
-    h = _build(closing, write_policy=WritePolicy.WRITE_BACK)
+def test_host_lock_needs_a_host_copy(hierarchy: Callable[..., Hierarchy]) -> None:
+    h = hierarchy(write_policy=WritePolicy.WRITE_BACK)
     key, _ = _insert(h, list(range(1, 2 * P + 1)))
     (node,) = _path(h, key)
     with pytest.raises(NoHostCopy):

@@ -37,6 +37,21 @@ from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams
 
 
+def _paged_tree(
+    *, size: int, page_size: int, check_slots: bool = True
+) -> tuple[PagedAllocator, UnifiedRadixCache]:
+    """A Full-only tree over a PagedAllocator (also at page size 1, not a TokenAllocator)."""
+    alloc = PagedAllocator(size=size, page_size=page_size, device="cpu")
+    tree = UnifiedRadixCache([FullComponent(alloc)], page_size=page_size, check_slots=check_slots)
+    return alloc, tree
+
+
+def _take(alloc: PagedAllocator, num_tokens: int) -> torch.Tensor:
+    slots = alloc.alloc(num_tokens)
+    assert slots is not None
+    return slots
+
+
 def _snapshot(tree: UnifiedRadixCache) -> tuple[object, ...]:
     nodes = sorted((n.id, n.key, n.value.tolist()) for n in tree.iter_nodes())
     return (tuple(nodes), tree.evictable_size(), tree.num_nodes, tree.inserted_tokens)
@@ -46,15 +61,13 @@ def _snapshot(tree: UnifiedRadixCache) -> tuple[object, ...]:
 
 
 def test_issue_example_is_refused_at_insert_and_evict_stays_whole() -> None:
-    alloc = PagedAllocator(size=64, page_size=1, device="cpu")
-    tree = UnifiedRadixCache([FullComponent(alloc)], page_size=1)
+    alloc, tree = _paged_tree(size=64, page_size=1)
     before = _snapshot(tree)
     with pytest.raises(SlotNotAllocated) as never:
         tree.insert(RadixKey(range(16)), torch.arange(1, 17))  # never allocated
     assert isinstance(never.value, NotAllocated)
     assert isinstance(never.value, InvalidInsert)
-    v = alloc.alloc(8)
-    assert v is not None
+    v = _take(alloc, 8)
     with pytest.raises(DuplicateSlot) as twice:
         tree.insert(RadixKey(range(100, 116)), torch.cat([v, v]))
     assert isinstance(twice.value, DuplicateIndex)
@@ -110,10 +123,8 @@ def test_evict_of_slots_freed_behind_the_tree_raises_with_nothing_changed(
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_out_of_range_and_page_zero_slots_are_refused(page_size: int) -> None:
-    alloc = PagedAllocator(size=32, page_size=page_size, device="cpu")
-    tree = UnifiedRadixCache([FullComponent(alloc)], page_size=page_size)
-    good = alloc.alloc(8)
-    assert good is not None
+    alloc, tree = _paged_tree(size=32, page_size=page_size)
+    good = _take(alloc, 8)
     bad = good.clone()
     bad[-1] = 32 + page_size + 5  # past the last page
     with pytest.raises(SlotOutOfRange) as outside:
@@ -129,10 +140,8 @@ def test_out_of_range_and_page_zero_slots_are_refused(page_size: int) -> None:
 
 
 def test_freed_page_is_refused_with_page_size_four() -> None:
-    alloc = PagedAllocator(size=32, page_size=4, device="cpu")
-    tree = UnifiedRadixCache([FullComponent(alloc)], page_size=4)
-    slots = alloc.alloc(8)
-    assert slots is not None
+    alloc, tree = _paged_tree(size=32, page_size=4)
+    slots = _take(alloc, 8)
     alloc.free(slots[4:])  # second page back to the allocator
     with pytest.raises(SlotNotAllocated):
         tree.insert(RadixKey(range(8)), slots)
@@ -140,10 +149,8 @@ def test_freed_page_is_refused_with_page_size_four() -> None:
 
 
 def test_same_slots_under_two_keys_are_refused() -> None:
-    alloc = PagedAllocator(size=64, page_size=1, device="cpu")
-    tree = UnifiedRadixCache([FullComponent(alloc)], page_size=1)
-    slots = alloc.alloc(8)
-    assert slots is not None
+    alloc, tree = _paged_tree(size=64, page_size=1)
+    slots = _take(alloc, 8)
     tree.insert(RadixKey(range(8)), slots)
     before = _snapshot(tree)
     with pytest.raises(SlotInTree):
@@ -153,21 +160,17 @@ def test_same_slots_under_two_keys_are_refused() -> None:
     assert _snapshot(tree) == before
     # Once evicted (freed), the slots may come back under another key.
     tree.evict(EvictRequest.full(8))
-    again = alloc.alloc(8)
-    assert again is not None
+    again = _take(alloc, 8)
     assert tree.insert(RadixKey(range(50, 58)), again).inserted_len == 8
     tree.check_integrity()
 
 
 def test_locked_prefix_slots_before_cached_len_are_accepted() -> None:
-    alloc = PagedAllocator(size=64, page_size=1, device="cpu")
-    tree = UnifiedRadixCache([FullComponent(alloc)], page_size=1)
-    first = alloc.alloc(4)
-    assert first is not None
+    alloc, tree = _paged_tree(size=64, page_size=1)
+    first = _take(alloc, 4)
     tree.insert(RadixKey(range(4)), first)
     hit = tree.match_prefix(RadixKey(range(8)))
-    more = alloc.alloc(4)
-    assert more is not None
+    more = _take(alloc, 4)
     value = torch.cat([hit.device_indices, more])
     result = tree.insert(RadixKey(range(8)), value, cached_len=4)
     assert (result.prefix_len, result.inserted_len) == (4, 4)
@@ -175,8 +178,7 @@ def test_locked_prefix_slots_before_cached_len_are_accepted() -> None:
 
 
 def test_check_slots_false_trusts_the_caller() -> None:
-    alloc = PagedAllocator(size=64, page_size=1, device="cpu")
-    tree = UnifiedRadixCache([FullComponent(alloc)], page_size=1, check_slots=False)
+    _, tree = _paged_tree(size=64, page_size=1, check_slots=False)
     assert tree.insert(RadixKey(range(16)), torch.arange(1, 17)).inserted_len == 16
 
 

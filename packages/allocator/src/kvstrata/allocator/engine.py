@@ -71,6 +71,10 @@ M = TypeVar("M")
 #: At most this many offending values are quoted in an error message.
 SAMPLE = 4
 
+#: Below this many slots a free skips collapsing runs of one page: a decode batch frees one slot
+#: per page, and the extra pass would cost more than it saves.
+RUN_COLLAPSE_MIN = 1024
+
 
 class ExtendPlan(NamedTuple, Generic[A]):
     """A validated `alloc_extend`, ready to commit once `num_new_pages` pages are available."""
@@ -167,6 +171,12 @@ class PageEngine(ABC, Generic[A, M]):
         # Pages freed inside an open group: already marked free, not yet takeable.
         self._pending: list[A] | None = None
         self._num_pending = 0
+        self._allocate()
+
+    @abstractmethod
+    def _allocate(self) -> None:
+        """Allocate the backend's free stack, released list, marks and scratch arrays for
+        the geometry set above (called once, by `__init__`)."""
 
     # ---- plain bookkeeping ---------------------------------------------------------------
 
@@ -513,6 +523,42 @@ class PageEngine(ABC, Generic[A, M]):
     def raise_seq_lens() -> NoReturn:
         raise InvalidRequest("alloc_decode: every seq_len counts the new token, so is >= 1")
 
+    def plan_free_tokens(self, indices: torch.Tensor) -> FreePlan[A]:
+        """Validate token slots and reduce them to the distinct pages they touch."""
+        return self._plan_free_slots(self._as_array(indices, "indices"))
+
+    def _plan_free_slots(self, slots: A) -> FreePlan[A]:
+        x: Any = slots
+        m = len(x)
+        if m == 0:
+            return FreePlan(pages=slots, num_pages=0)
+        if self.page_size == 1:
+            if not self.checked:
+                return FreePlan(pages=slots, num_pages=m)
+            if self._any(self._marks_of(slots) < 0):
+                self._raise_bad_slots(x.tolist(), "free", freeing=True)
+            unique: Any = self._distinct(slots)
+            if len(unique) != m:
+                self._raise_duplicates(x.tolist(), "free")
+            return FreePlan(pages=slots, num_pages=m)
+        pages: Any = self._page_of(slots)
+        heads, rising = pages, True
+        if m >= RUN_COLLAPSE_MIN:
+            # A batch's slots of one page are adjacent: collapse runs to one entry (every
+            # slot of a run lies in its head's page, so checking heads checks them all).
+            starts: Any = self._run_starts(pages)
+            heads = pages[starts]
+            if self.checked:
+                rising = not self._any(~((x[1:] > x[:-1]) | starts[1:]))
+        if self.checked and self._any(self._marks_of(heads) < 0):
+            self._raise_bad_slots(x.tolist(), "free", freeing=True)
+        # Duplicate slots: a run of slots in one page that strictly rises holds none, so
+        # slot-level stamping is needed only if a page turns up in two places.
+        distinct: Any = self._distinct(heads)
+        if self.checked and (len(distinct) != len(heads) or not rising):
+            self._check_distinct_slots(slots)
+        return FreePlan(pages=distinct, num_pages=len(distinct))
+
     # ---- array primitives (one implementation per backend) ------------------------------
 
     @abstractmethod
@@ -537,6 +583,21 @@ class PageEngine(ABC, Generic[A, M]):
         """`slots % page_size`."""
 
     @abstractmethod
+    def _run_starts(self, pages: A) -> M:
+        """True where a run of equal pages starts (the first entry always). Mutates nothing."""
+
+    @abstractmethod
+    def _distinct(self, pages: A) -> A:
+        """One entry per distinct page (order otherwise unspecified). Stamps the marks of
+        `pages` (handed-out pages only: they stay >= 0, so a later refusal has changed
+        nothing; see `engine_numpy`)."""
+
+    @abstractmethod
+    def _check_distinct_slots(self, slots: A) -> None:
+        """Raise `DuplicateIndex` if a slot repeats: one pass over the per-slot stamps (checked
+        engines with pages of more than one slot); only those scratch stamps change."""
+
+    @abstractmethod
     def _marks_of(self, pages: A) -> Any:
         """The marks of `pages` (clipped: a page id past the end or below 0 reads a negative
         mark), so `< 0` means out of range, page 0 or free. Any: the marks' dtype is the
@@ -554,10 +615,6 @@ class PageEngine(ABC, Generic[A, M]):
 
     @abstractmethod
     def commit_decode(self, plan: DecodePlan[A]) -> torch.Tensor: ...
-
-    @abstractmethod
-    def plan_free_tokens(self, indices: torch.Tensor) -> FreePlan[A]:
-        """Validate token slots and reduce them to the distinct pages they touch."""
 
     @abstractmethod
     def plan_free_pages(self, page_ids: torch.Tensor) -> FreePlan[A]:

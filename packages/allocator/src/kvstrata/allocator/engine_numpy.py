@@ -37,6 +37,7 @@ import torch
 
 from kvstrata.allocator.base import AllocatorCounters
 from kvstrata.allocator.engine import (
+    RUN_COLLAPSE_MIN,
     DecodePlan,
     ExtendPlan,
     FreePlan,
@@ -55,10 +56,6 @@ Ints = npt.NDArray[np.int64]
 Bools = npt.NDArray[np.bool_]
 
 FREE, RESERVED, BEYOND = -1, -2, -3
-
-#: Below this many slots a free skips collapsing runs of one page: a decode batch frees one slot
-#: per page, and the extra pass would cost more than it saves.
-RUN_COLLAPSE_MIN = 1024
 
 
 _INT64 = np.dtype(np.int64)
@@ -85,18 +82,10 @@ def _native(value: torch.Tensor, name: str) -> Ints:
 class NumpyPageEngine(PageEngine[Ints, Bools]):
     """Page engine whose free list, marks and arithmetic are numpy arrays in host memory."""
 
-    def __init__(
-        self, *, num_pages: int, page_size: int, sorted_reuse: bool, checked: bool
-    ) -> None:
-        super().__init__(
-            num_pages=num_pages,
-            page_size=page_size,
-            device=torch.device("cpu"),
-            sorted_reuse=sorted_reuse,
-            checked=checked,
-        )
+    def _allocate(self) -> None:
+        num_pages, page_size, checked = self.num_pages, self.page_size, self.checked
         self._stack: Ints = np.arange(1, num_pages, dtype=np.int64)
-        self._released: Ints = np.empty(self.capacity if sorted_reuse else 0, dtype=np.int64)
+        self._released: Ints = np.empty(self.capacity if self.sorted_reuse else 0, dtype=np.int64)
         self._marks = np.zeros(num_pages + 1, dtype=np.int32)
         self._reset_marks()
         # Power-of-two pages (the usual case): shifts and masks instead of // and %, which
@@ -402,51 +391,20 @@ class NumpyPageEngine(PageEngine[Ints, Bools]):
         counters.free_calls += 1
         counters.freed_slots += num_pages * self.page_size
 
-    def plan_free_tokens(self, indices: torch.Tensor) -> FreePlan[Ints]:
-        return self._plan_free_slots(_native(indices, "indices"))
+    def _run_starts(self, pages: Ints) -> Bools:
+        starts = np.empty(len(pages), dtype=np.bool_)
+        starts[0] = True
+        np.not_equal(pages[1:], pages[:-1], out=starts[1:])
+        return starts
 
-    def _plan_free_slots(self, x: Ints) -> FreePlan[Ints]:
-        m = len(x)
-        if m == 0:
-            return FreePlan(pages=x, num_pages=0)
-        if self.page_size == 1:
-            if not self.checked:
-                return FreePlan(pages=x, num_pages=m)
-            if np.count_nonzero(self._marks.take(x, mode="clip") < 0):
-                self._raise_bad_slots(x.tolist(), "free", freeing=True)
-            if len(self._distinct(x)) != m:
-                self._raise_duplicates(x.tolist(), "free")
-            return FreePlan(pages=x, num_pages=m)
-        pages = self._page_of(x)
-        heads, rising = pages, True
-        if m >= RUN_COLLAPSE_MIN:
-            # A batch's slots of one page are adjacent: collapse runs to one entry (every
-            # slot of a run lies in its head's page, so checking heads checks them all).
-            starts = np.empty(m, dtype=np.bool_)
-            starts[0] = True
-            np.not_equal(pages[1:], pages[:-1], out=starts[1:])
-            heads = pages[starts]
-            if self.checked:
-                rising = np.count_nonzero((x[1:] > x[:-1]) | starts[1:]) == m - 1
-        if self.checked and np.count_nonzero(self._marks.take(heads, mode="clip") < 0):
-            self._raise_bad_slots(x.tolist(), "free", freeing=True)
-        # Duplicate slots: a run of slots in one page that strictly rises holds none, so
-        # slot-level stamping is needed only if a page turns up in two places.
-        distinct = self._distinct(heads)
-        if self.checked and (len(distinct) != len(heads) or not rising):
-            self._check_distinct_slots(x)
-        return FreePlan(pages=distinct, num_pages=len(distinct))
-
-    def _check_distinct_slots(self, x: Ints) -> None:
-        """Raise `DuplicateIndex` if a slot repeats (stamp pass over the slots)."""
+    def _check_distinct_slots(self, slots: Ints) -> None:
         assert self._token_stamp is not None, "slot stamps exist on checked paged engines"
-        iota = self._iota32(len(x))
-        self._token_stamp[x] = iota
-        if np.count_nonzero(self._token_stamp[x] != iota):
-            self._raise_duplicates(x.tolist(), "free")
+        iota = self._iota32(len(slots))
+        self._token_stamp[slots] = iota
+        if np.count_nonzero(self._token_stamp[slots] != iota):
+            self._raise_duplicates(slots.tolist(), "free")
 
     def _distinct(self, pages: Ints) -> Ints:
-        """One entry per distinct page (order otherwise unspecified), via the mark stamps."""
         k = len(pages)
         if k < 2:
             return pages

@@ -37,28 +37,16 @@ FREE, RESERVED, BEYOND = -1, -2, -3
 class TorchPageEngine(PageEngine[torch.Tensor, torch.Tensor]):
     """Page engine whose free list, marks and arithmetic are tensors on `device`."""
 
-    def __init__(
-        self,
-        *,
-        num_pages: int,
-        page_size: int,
-        device: torch.device,
-        sorted_reuse: bool,
-        checked: bool,
-    ) -> None:
-        super().__init__(
-            num_pages=num_pages,
-            page_size=page_size,
-            device=device,
-            sorted_reuse=sorted_reuse,
-            checked=checked,
-        )
+    def _allocate(self) -> None:
+        num_pages, page_size, device = self.num_pages, self.page_size, self.device
         self._stack = torch.arange(1, num_pages, dtype=I64, device=device)
-        self._released = torch.empty(self.capacity if sorted_reuse else 0, dtype=I64, device=device)
+        self._released = torch.empty(
+            self.capacity if self.sorted_reuse else 0, dtype=I64, device=device
+        )
         self._marks = torch.zeros(num_pages + 1, dtype=torch.int32, device=device)
         self._reset_marks()
         self._token_stamp: torch.Tensor | None = None
-        if checked and page_size > 1:
+        if self.checked and page_size > 1:
             self._token_stamp = torch.zeros(self.num_rows, dtype=torch.int32, device=device)
         self._offsets = torch.arange(page_size, dtype=I64, device=device)
         self._i32 = torch.arange(4096, dtype=torch.int32, device=device)
@@ -155,39 +143,18 @@ class TorchPageEngine(PageEngine[torch.Tensor, torch.Tensor]):
 
     # ---- free -----------------------------------------------------------------------------
 
-    def plan_free_tokens(self, indices: torch.Tensor) -> FreePlan[torch.Tensor]:
-        # Same steps as NumpyPageEngine.plan_free_tokens.
-        x = self._native(indices, "indices")
-        m = len(x)
-        if m == 0:
-            return FreePlan(pages=x, num_pages=0)
-        if self.page_size == 1:
-            if not self.checked:
-                return FreePlan(pages=x, num_pages=m)
-            if bool((self._marks_of(x) < 0).any()):
-                self._raise_bad_slots(x.tolist(), "free", freeing=True)
-            if len(self._distinct(x)) != m:
-                self._raise_duplicates(x.tolist(), "free")
-            return FreePlan(pages=x, num_pages=m)
-        pages = x // self.page_size
-        heads, rising = pages, True
-        if m >= 1024:
-            starts = torch.empty(m, dtype=torch.bool, device=self.device)
-            starts[0] = True
-            torch.ne(pages[1:], pages[:-1], out=starts[1:])
-            heads = pages[starts]
-            if self.checked:
-                rising = bool(((x[1:] > x[:-1]) | starts[1:]).all())
-        if self.checked and bool((self._marks_of(heads) < 0).any()):
-            self._raise_bad_slots(x.tolist(), "free", freeing=True)
-        distinct = self._distinct(heads)
-        if self.checked and (len(distinct) != len(heads) or not rising):
-            assert self._token_stamp is not None, "slot stamps exist on checked paged engines"
-            iota = self._iota32(m)
-            self._token_stamp.index_put_((x,), iota)
-            if bool((self._token_stamp.index_select(0, x) != iota).any()):
-                self._raise_duplicates(x.tolist(), "free")
-        return FreePlan(pages=distinct, num_pages=len(distinct))
+    def _run_starts(self, pages: torch.Tensor) -> torch.Tensor:
+        starts = torch.empty(len(pages), dtype=torch.bool, device=self.device)
+        starts[0] = True
+        torch.ne(pages[1:], pages[:-1], out=starts[1:])
+        return starts
+
+    def _check_distinct_slots(self, slots: torch.Tensor) -> None:
+        assert self._token_stamp is not None, "slot stamps exist on checked paged engines"
+        iota = self._iota32(len(slots))
+        self._token_stamp.index_put_((slots,), iota)
+        if bool((self._token_stamp.index_select(0, slots) != iota).any()):
+            self._raise_duplicates(slots.tolist(), "free")
 
     def _distinct(self, pages: torch.Tensor) -> torch.Tensor:
         k = len(pages)

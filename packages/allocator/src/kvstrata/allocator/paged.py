@@ -62,12 +62,10 @@ def make_engine(
     if chosen == "numpy":
         if device.type != "cpu":
             raise InvalidRequest(f"backend 'numpy' keeps its arrays on the CPU, not {device}")
-        return NumpyPageEngine(
-            num_pages=num_pages, page_size=page_size, sorted_reuse=sorted_reuse, checked=checked
-        )
-    if chosen != "torch":
+    elif chosen != "torch":
         raise InvalidRequest(f"backend must be 'numpy', 'torch' or None, not {backend!r}")
-    return TorchPageEngine(
+    engine = NumpyPageEngine if chosen == "numpy" else TorchPageEngine
+    return engine(
         num_pages=num_pages,
         page_size=page_size,
         device=device,

@@ -19,18 +19,24 @@ mapped whole when it is handed out, also at the offsets its request has not reac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvstrata.allocator.base import AllocatorCounters, AllocatorState, PoolUsage, SlotAllocator
-from kvstrata.allocator.engine import Backend, as_index_tensor, sample
+from kvstrata.allocator.engine import Backend, DecodePlan, ExtendPlan, as_index_tensor, sample
 from kvstrata.allocator.errors import IntegrityError, InvalidRequest, NotAllocated
 from kvstrata.allocator.paged import PagedAllocator, PagedState
 
 __all__ = ["SWAAllocator", "SWAState"]
+
+
+#: An extend or a decode plan of one sub-allocator.
+PlanT = TypeVar("PlanT", ExtendPlan[Any], DecodePlan[Any])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,13 +168,7 @@ class SWAAllocator(SlotAllocator):
             continues = (prefix % self.page_size != 0) & (seq > prefix)
             swa_last = self._translate_last(last_loc, continues, "alloc_extend")
         swa_plan = self._swa._plan_extend(prefix_lens, seq_lens, swa_last, num_extend_tokens)
-        if not (
-            self._full._engine.can_take(full_plan.num_new_pages)
-            and self._swa._engine.can_take(swa_plan.num_new_pages)
-        ):
-            return self._fail()
-        full = self._full._commit_extend(full_plan)
-        return self._commit(full, self._swa._commit_extend(swa_plan))
+        return self._take_both(full_plan, swa_plan, PagedAllocator._commit_extend)
 
     def alloc_decode(
         self, seq_lens: torch.Tensor, last_loc: torch.Tensor | None
@@ -181,13 +181,22 @@ class SWAAllocator(SlotAllocator):
             continues = (seq - 1) % self.page_size != 0
             swa_last = self._translate_last(last_loc, continues, "alloc_decode")
         swa_plan = self._swa._plan_decode(seq_lens, swa_last)
+        return self._take_both(full_plan, swa_plan, PagedAllocator._commit_decode)
+
+    def _take_both(
+        self,
+        full_plan: PlanT,
+        swa_plan: PlanT,
+        commit: Callable[[PagedAllocator, PlanT], torch.Tensor],
+    ) -> torch.Tensor | None:
+        """Commit the full pool's plan and the SWA pool's, or neither (a failed allocation,
+        nothing changed) when either pool lacks the pages."""
         if not (
             self._full._engine.can_take(full_plan.num_new_pages)
             and self._swa._engine.can_take(swa_plan.num_new_pages)
         ):
             return self._fail()
-        full = self._full._commit_decode(full_plan)
-        return self._commit(full, self._swa._commit_decode(swa_plan))
+        return self._commit(commit(self._full, full_plan), commit(self._swa, swa_plan))
 
     def _translate_last(
         self, last_loc: torch.Tensor, continues: torch.Tensor, name: str

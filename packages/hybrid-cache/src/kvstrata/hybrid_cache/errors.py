@@ -10,7 +10,12 @@ it too), re-exported here; it is a `RuntimeError`, not a `HybridCacheError`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TypeVar
+
 from kvstrata.core.errors import LayerLoadFailed
+
+T = TypeVar("T")
 
 __all__ = [
     "ControllerClosed",
@@ -92,3 +97,13 @@ def _span(known: range | tuple[int, ...]) -> str:
     if not known:
         return "(none)"
     return ", ".join(str(i) for i in known)
+
+
+def member_named(
+    members: Mapping[str, T], name: str, error: type[HybridCacheError], owner: str
+) -> T:
+    """`members[name]`; else `error` naming the members `owner` has (a lookup, no change)."""
+    try:
+        return members[name]
+    except KeyError:
+        raise error(f"no member {name!r}; this {owner} has {', '.join(members)}") from None

@@ -20,7 +20,7 @@ from typing import NamedTuple, cast
 
 import torch
 
-from kvstrata.hybrid_cache.errors import InvalidOperation, InvalidPoolLayout
+from kvstrata.hybrid_cache.errors import InvalidOperation, InvalidPoolLayout, member_named
 from kvstrata.hybrid_cache.ops import PageMove
 from kvstrata.hybrid_cache.restore import RestoreKind, RestoreRule
 from kvstrata.hybrid_cache.router import HybridPool
@@ -122,12 +122,7 @@ class PoolGroup:
         return dict(self._rules)
 
     def member(self, name: str) -> GroupMember:
-        try:
-            return self._members[name]
-        except KeyError:
-            raise InvalidOperation(
-                f"no member {name!r}; this group has {', '.join(self._members)}"
-            ) from None
+        return member_named(self._members, name, InvalidOperation, "group")
 
     def layer_route(self, layer_id: int) -> MemberLayer:
         return self._routes[layer_id]

@@ -166,6 +166,16 @@ class ReadsMetrics(Protocol):
     def metrics_reading(self) -> ControllerReading: ...
 
 
+def _counter(name: str, doc: str, *labels: str) -> CounterMetricFamily:
+    """An empty `kvstrata_tier_<name>` counter family labelled by controller, then `labels`."""
+    return CounterMetricFamily(f"kvstrata_tier_{name}", doc, labels=["controller", *labels])
+
+
+def _gauge(name: str, doc: str, *labels: str) -> GaugeMetricFamily:
+    """The gauge counterpart of `_counter`."""
+    return GaugeMetricFamily(f"kvstrata_tier_{name}", doc, labels=["controller", *labels])
+
+
 class TierControllerCollector(Collector):
     """Exports the counters of named controllers (label `controller`) as `kvstrata_tier_*`.
 
@@ -179,67 +189,36 @@ class TierControllerCollector(Collector):
         self._controllers = dict(controllers)
 
     def collect(self) -> Iterator[Metric]:
-        submitted = CounterMetricFamily(
-            "kvstrata_tier_ops_submitted", "Operations accepted", labels=["controller", "kind"]
+        submitted = _counter("ops_submitted", "Operations accepted", "kind")
+        finished = _counter("ops_finished", "Operations acknowledged, by status", "kind", "status")
+        merged = _counter(
+            "ops_merged", "Operations merged into another operation's transfer", "kind"
         )
-        finished = CounterMetricFamily(
-            "kvstrata_tier_ops_finished",
-            "Operations acknowledged, by status",
-            labels=["controller", "kind", "status"],
-        )
-        merged = CounterMetricFamily(
-            "kvstrata_tier_ops_merged",
-            "Operations merged into another operation's transfer",
-            labels=["controller", "kind"],
-        )
-        errors = CounterMetricFamily(
-            "kvstrata_tier_worker_errors",
+        errors = _counter(
+            "worker_errors",
             "Worker batches that raised (their operations were acknowledged as failed)",
-            labels=["controller", "kind"],
+            "kind",
         )
-        pages = CounterMetricFamily(
-            "kvstrata_tier_transfer_pages", "Pages moved", labels=["controller", "direction"]
+        pages = _counter("transfer_pages", "Pages moved", "direction")
+        moved = _counter("transfer_bytes", "Bytes moved", "direction")
+        seconds = _counter(
+            "transfer_seconds", "Time spent in copies and storage calls", "direction"
         )
-        moved = CounterMetricFamily(
-            "kvstrata_tier_transfer_bytes", "Bytes moved", labels=["controller", "direction"]
+        faults = _counter(
+            "storage_faults", "Storage calls that ended a prefetch or backup early", "reason"
         )
-        seconds = CounterMetricFamily(
-            "kvstrata_tier_transfer_seconds",
-            "Time spent in copies and storage calls",
-            labels=["controller", "direction"],
-        )
-        faults = CounterMetricFamily(
-            "kvstrata_tier_storage_faults",
-            "Storage calls that ended a prefetch or backup early",
-            labels=["controller", "reason"],
-        )
-        refused = CounterMetricFamily(
-            "kvstrata_tier_prefetch_refused",
+        refused = _counter(
+            "prefetch_refused",
             "Prefetches refused because in-flight pages would pass the host share",
-            labels=["controller"],
         )
-        skipped = CounterMetricFamily(
-            "kvstrata_tier_backup_skipped_pages",
-            "Pages a backup found already in storage",
-            labels=["controller"],
+        skipped = _counter("backup_skipped_pages", "Pages a backup found already in storage")
+        waits = _counter("waits", "Caller waits on operations and layers")
+        wait_seconds = _counter(
+            "wait_seconds", "Caller time blocked waiting on operations and layers"
         )
-        waits = CounterMetricFamily(
-            "kvstrata_tier_waits", "Caller waits on operations and layers", labels=["controller"]
-        )
-        wait_seconds = CounterMetricFamily(
-            "kvstrata_tier_wait_seconds",
-            "Caller time blocked waiting on operations and layers",
-            labels=["controller"],
-        )
-        depth = GaugeMetricFamily(
-            "kvstrata_tier_queue_depth",
-            "Operations waiting in a queue",
-            labels=["controller", "kind"],
-        )
-        inflight = GaugeMetricFamily(
-            "kvstrata_tier_prefetch_inflight_pages",
-            "Host pages held by prefetches in flight",
-            labels=["controller", "member"],
+        depth = _gauge("queue_depth", "Operations waiting in a queue", "kind")
+        inflight = _gauge(
+            "prefetch_inflight_pages", "Host pages held by prefetches in flight", "member"
         )
         for name, controller in self._controllers.items():
             r = controller.metrics_reading()

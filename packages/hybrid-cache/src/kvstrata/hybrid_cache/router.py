@@ -23,7 +23,12 @@ from typing import NamedTuple
 
 import torch
 
-from kvstrata.hybrid_cache.errors import InvalidPoolLayout, LayerKindMismatch, UnknownLayer
+from kvstrata.hybrid_cache.errors import (
+    InvalidPoolLayout,
+    LayerKindMismatch,
+    UnknownLayer,
+    member_named,
+)
 from kvstrata.hybrid_cache.restore import RestoreRule
 from kvstrata.pool import KVPool, MambaPool, SWAKVPool
 from kvstrata.pool.base import DevicePool
@@ -204,12 +209,7 @@ class HybridPool:
         return tuple(self._members)
 
     def member(self, name: str) -> PoolMember:
-        try:
-            return self._members[name]
-        except KeyError:
-            raise InvalidPoolLayout(
-                f"no member {name!r}; this model has {', '.join(self._members)}"
-            ) from None
+        return member_named(self._members, name, InvalidPoolLayout, "model")
 
     def route(self, layer_id: int) -> LayerRouting:
         """The member, pool and pool-local layer id of global `layer_id`; UnknownLayer if none."""

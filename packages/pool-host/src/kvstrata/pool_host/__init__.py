@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstrata.pool_host.base import DevicePagePool, HostPool
+from kvstrata.pool_host.base import DevicePagePool, HostPool, KVHostPool
 from kvstrata.pool_host.completion import LayerCompletion, LayerLoad, Transfer
 from kvstrata.pool_host.layout import HostLayout
 from kvstrata.pool_host.mamba import MambaHostPool
@@ -27,6 +27,7 @@ __all__: list[str] = [
     "DevicePagePool",
     "HostLayout",
     "HostPool",
+    "KVHostPool",
     "HostPoolCollector",
     "HostPoolStats",
     "HostRegion",

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from kvstrata.core.histogram import LatencyHistogram
+from kvstrata.pool import KVPool
 from kvstrata.pool_host.completion import Direction, LayerCompletion, LayerLoad, Transfer
 from kvstrata.pool_host.errors import (
     BufferSizeMismatch,
@@ -589,3 +590,15 @@ class HostPool(ABC, Generic[PoolT]):
             raise BufferSizeMismatch(
                 f"a page is {self.page_size_bytes} bytes, the buffer holds {buf.size}"
             )
+
+
+KVPoolT = TypeVar("KVPoolT", bound=KVPool)
+
+
+class KVHostPool(HostPool[KVPoolT]):
+    """Host mirror of an attention KV pool (MHA, MLA): it takes the layer ids the device pool
+    holds (global ids, from the pipeline stage's `start_layer`)."""
+
+    @property
+    def layer_ids(self) -> range:
+        return self.device_pool.layer_ids

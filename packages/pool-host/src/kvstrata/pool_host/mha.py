@@ -11,17 +11,13 @@ with its own HostSlotAllocator; the full-to-SWA index map stays with the caller.
 from __future__ import annotations
 
 from kvstrata.pool import MHAKVPool
-from kvstrata.pool_host.base import HostPool
+from kvstrata.pool_host.base import KVHostPool
 
 
-class MHAHostPool(HostPool[MHAKVPool]):
+class MHAHostPool(KVHostPool[MHAKVPool]):
     """Host mirror of an MHAKVPool. Constructor: see HostPool."""
 
     family = "mha"
-
-    @property
-    def layer_ids(self) -> range:
-        return self.device_pool.layer_ids
 
     def layer_buffer_ids(self, layer_id: int) -> tuple[int, ...]:
         local = self._local_layer(layer_id)

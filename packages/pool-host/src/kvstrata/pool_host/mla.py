@@ -4,17 +4,13 @@ buffer l - start_layer."""
 from __future__ import annotations
 
 from kvstrata.pool import MLAKVPool
-from kvstrata.pool_host.base import HostPool
+from kvstrata.pool_host.base import KVHostPool
 
 
-class MLAHostPool(HostPool[MLAKVPool]):
+class MLAHostPool(KVHostPool[MLAKVPool]):
     """Host mirror of an MLAKVPool. Constructor: see HostPool."""
 
     family = "mla"
-
-    @property
-    def layer_ids(self) -> range:
-        return self.device_pool.layer_ids
 
     def layer_buffer_ids(self, layer_id: int) -> tuple[int, ...]:
         return (self._local_layer(layer_id),)

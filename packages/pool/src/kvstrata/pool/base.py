@@ -48,6 +48,7 @@ class PageIOCounters:
 
 
 PoolT = TypeVar("PoolT", bound="DevicePool")
+SpecT = TypeVar("SpecT", MHASpec, MLASpec)
 
 
 class LayerRoute(NamedTuple, Generic[PoolT]):
@@ -357,7 +358,7 @@ class DevicePool(ABC):
             assert stack.shape[1] == self.num_rows, "stack rows differ from num_rows"
 
 
-class KVPool(DevicePool):
+class KVPool(DevicePool, Generic[SpecT]):
     """A device pool of attention layers (MHA, MLA), addressed by global layer id.
 
     `spec.start_layer .. spec.start_layer + spec.num_layers - 1` are the layers held (a pipeline
@@ -371,22 +372,30 @@ class KVPool(DevicePool):
 
     def __init__(
         self,
-        *,
+        spec: SpecT,
         size: int,
-        page_size: int,
-        device: torch.device | str,
-        dtype: torch.dtype,
+        page_size: int = 1,
+        device: torch.device | str = "cpu",
+        *,
         check_locations: bool | None = None,
     ) -> None:
-        super().__init__(size=size, page_size=page_size, device=device, dtype=dtype)
+        super().__init__(size=size, page_size=page_size, device=device, dtype=spec.dtype)
+        self._spec = spec
         self.check_locations = (
             self.device.type == "cpu" if check_locations is None else check_locations
         )
+        self._bind_stacks(self._allocate())
 
     @property
-    @abstractmethod
-    def spec(self) -> MHASpec | MLASpec:
+    def spec(self) -> SpecT:
         """The spec the pool was built from."""
+        return self._spec
+
+    @abstractmethod
+    def _allocate(self) -> list[BufferStack]:
+        """Allocate the family's zeroed buffers for `num_rows` rows of `spec` (called once, by
+        `__init__`, after size, page size, device and spec are set) and return them as the
+        stacks of the flat page, in page order."""
 
     @property
     def bytes_per_token(self) -> int:

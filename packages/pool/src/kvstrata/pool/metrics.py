@@ -35,6 +35,16 @@ from kvstrata.pool.swa import SWAKVPool
 PoolLike = DevicePool | SWAKVPool | ReqToTokenPool
 
 
+def _gauge(name: str, doc: str, *labels: str) -> GaugeMetricFamily:
+    """An empty `kvstrata_pool_<name>` gauge family labelled by pool, then `labels`."""
+    return GaugeMetricFamily(f"kvstrata_pool_{name}", doc, labels=["pool", *labels])
+
+
+def _counter(name: str, doc: str, *labels: str) -> CounterMetricFamily:
+    """The counter counterpart of `_gauge`."""
+    return CounterMetricFamily(f"kvstrata_pool_{name}", doc, labels=["pool", *labels])
+
+
 class _Families(NamedTuple):
     tokens: GaugeMetricFamily
     slots: GaugeMetricFamily
@@ -64,46 +74,31 @@ class PoolCollector(Collector):
     @staticmethod
     def _families() -> _Families:
         """Empty families, filled by collect and yielded bare by describe."""
-        tokens = GaugeMetricFamily(
-            "kvstrata_pool_capacity_tokens",
-            "Usable token slots of a KV pool (the dummy page excluded).",
-            labels=["pool"],
+        tokens = _gauge(
+            "capacity_tokens", "Usable token slots of a KV pool (the dummy page excluded)."
         )
-        slots = GaugeMetricFamily(
-            "kvstrata_pool_capacity_slots",
-            "Usable state slots of a Mamba pool (slot 0 excluded).",
-            labels=["pool"],
+        slots = _gauge("capacity_slots", "Usable state slots of a Mamba pool (slot 0 excluded).")
+        size = _gauge(
+            "size_bytes", "Device bytes held by the pool's buffers (dummy page included)."
         )
-        size = GaugeMetricFamily(
-            "kvstrata_pool_size_bytes",
-            "Device bytes held by the pool's buffers (dummy page included).",
-            labels=["pool"],
-        )
-        page = GaugeMetricFamily(
-            "kvstrata_pool_page_size_bytes",
-            "Bytes of one flat page (all layers).",
-            labels=["pool"],
-        )
-        pages_moved = CounterMetricFamily(
-            "kvstrata_pool_page_io_pages",
+        page = _gauge("page_size_bytes", "Bytes of one flat page (all layers).")
+        pages_moved = _counter(
+            "page_io_pages",
             "Pages moved by read_pages (read) and write_pages (write).",
-            labels=["pool", "direction"],
+            "direction",
         )
-        bytes_moved = CounterMetricFamily(
-            "kvstrata_pool_page_io_bytes",
+        bytes_moved = _counter(
+            "page_io_bytes",
             "Bytes moved by read_pages (read) and write_pages (write).",
-            labels=["pool", "direction"],
+            "direction",
         )
-        rows = GaugeMetricFamily(
-            "kvstrata_pool_request_rows",
-            "Rows of a request-to-token table by state (used, free).",
-            labels=["pool", "state"],
+        rows = _gauge(
+            "request_rows", "Rows of a request-to-token table by state (used, free).", "state"
         )
-        native = GaugeMetricFamily(
-            "kvstrata_pool_native_page_copies",
+        native = _gauge(
+            "native_page_copies",
             "1 when the pool's page I/O runs the compiled copies, 0 on the NumPy / torch path "
             "(no C compiler, KVSTRATA_NATIVE=0, or a GPU pool).",
-            labels=["pool"],
         )
         return _Families(tokens, slots, size, page, pages_moved, bytes_moved, rows, native)
 

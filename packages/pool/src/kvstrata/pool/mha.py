@@ -18,34 +18,19 @@ from kvstrata.pool.page_io import BufferStack, empty_stack
 from kvstrata.pool.spec import MHASpec
 
 
-class MHAKVPool(KVPool):
+class MHAKVPool(KVPool[MHASpec]):
     """K and V of `spec.num_layers` attention layers for `size` token slots (+ the dummy page).
 
     `size` must be a positive multiple of `page_size`. Buffers are zeroed at construction.
     """
 
-    def __init__(
-        self,
-        spec: MHASpec,
-        size: int,
-        page_size: int = 1,
-        device: torch.device | str = "cpu",
-        *,
-        check_locations: bool | None = None,
-    ) -> None:
-        super().__init__(
-            size=size,
-            page_size=page_size,
-            device=device,
-            dtype=spec.dtype,
-            check_locations=check_locations,
-        )
-        self._spec = spec
+    def _allocate(self) -> list[BufferStack]:
+        spec = self.spec
         self._key_shape = (spec.num_kv_heads, spec.head_dim)
         self._value_shape = (spec.num_kv_heads, spec.value_head_dim)
         layers, store = spec.num_layers, spec.store_dtype
-        k_page = spec.key_bytes_per_token * page_size
-        v_page = spec.value_bytes_per_token * page_size
+        k_page = spec.key_bytes_per_token * self.page_size
+        v_page = spec.value_bytes_per_token * self.page_size
         if self._key_shape == self._value_shape:
             # One allocation for K and V: the flat page is then a single run of 2L equal
             # buffers, and page I/O makes one gather per page instead of two.
@@ -65,14 +50,10 @@ class MHAKVPool(KVPool):
                 BufferStack(tensor=self._k, page_offset=0, page_stride=k_page),
                 BufferStack(tensor=self._v, page_offset=layers * k_page, page_stride=v_page),
             ]
-        self._bind_stacks(stacks)
         # Logical views made once: get_key_buffer runs per layer per step.
         self._k_views = [to_logical(self._k[i], spec.dtype) for i in range(layers)]
         self._v_views = [to_logical(self._v[i], spec.dtype) for i in range(layers)]
-
-    @property
-    def spec(self) -> MHASpec:
-        return self._spec
+        return stacks
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """K of global `layer_id`: `[num_rows, num_kv_heads, head_dim]`, logical dtype (a view)."""

@@ -20,41 +20,22 @@ from kvstrata.pool.page_io import BufferStack, empty_stack
 from kvstrata.pool.spec import MLASpec
 
 
-class MLAKVPool(KVPool):
+class MLAKVPool(KVPool[MLASpec]):
     """Latent KV of `spec.num_layers` MLA layers for `size` token slots (+ the dummy page).
 
     `size` must be a positive multiple of `page_size`. Buffers are zeroed at construction.
     """
 
-    def __init__(
-        self,
-        spec: MLASpec,
-        size: int,
-        page_size: int = 1,
-        device: torch.device | str = "cpu",
-        *,
-        check_locations: bool | None = None,
-    ) -> None:
-        super().__init__(
-            size=size,
-            page_size=page_size,
-            device=device,
-            dtype=spec.dtype,
-            check_locations=check_locations,
-        )
-        self._spec = spec
+    def _allocate(self) -> list[BufferStack]:
+        spec = self.spec
         layers = spec.num_layers
         self._kv = empty_stack(
             layers, self.num_rows, (1, spec.kv_dim), dtype=spec.store_dtype, device=self.device
         )
-        page = spec.bytes_per_token // layers * page_size
-        self._bind_stacks([BufferStack(tensor=self._kv, page_offset=0, page_stride=page)])
+        page = spec.bytes_per_token // layers * self.page_size
         self._kv_views = [to_logical(self._kv[i], spec.dtype) for i in range(layers)]
         self._v_views = [view[..., : spec.kv_lora_rank] for view in self._kv_views]
-
-    @property
-    def spec(self) -> MLASpec:
-        return self._spec
+        return [BufferStack(tensor=self._kv, page_offset=0, page_stride=page)]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """The latent buffer of global `layer_id`: `[num_rows, 1, kv_lora_rank + rope]`,
