@@ -32,11 +32,17 @@ runs = st.tuples(st.integers(0, 13), st.integers(1, 7)).map(lambda t: KEYS[t[0] 
 queries = st.lists(st.sampled_from(KEYS), max_size=9) | runs.map(list)
 
 
-def twins(**kwargs: object) -> tuple[PrefixIndex, PrefixIndex]:
-    fast = PrefixIndex(1, **kwargs)
+def twins(*, in_place: bool = True, **kwargs: object) -> tuple[PrefixIndex, PrefixIndex]:
+    """A native index and a Python one; `in_place=False`: the native one joins keys in Python
+    instead of reading the tuples in place (the path of interpreters with another layout)."""
+    fast = PrefixIndex(1, **kwargs)  # pyright: ignore[reportArgumentType]
     with native.disabled():
-        slow = PrefixIndex(1, **kwargs)
+        slow = PrefixIndex(1, **kwargs)  # pyright: ignore[reportArgumentType]
     assert fast.core == "native" and slow.core == "python"
+    core = fast._core  # pyright: ignore[reportPrivateUsage]
+    assert core is not None
+    if not in_place:
+        core._in_place = False  # pyright: ignore[reportPrivateUsage]
     return fast, slow
 
 
@@ -78,14 +84,16 @@ bad_events = st.sampled_from(
 
 
 class NativeVersusPython(RuleBasedStateMachine):
+    in_place = True
+
     def __init__(self) -> None:
         super().__init__()
-        self.fast, self.slow = twins()
+        self.fast, self.slow = twins(in_place=self.in_place)
 
     @rule(bound=st.sampled_from((None, 3, 6, 10)))
     def restart(self, bound: int | None) -> None:
         """Start over with a bound (small ones evict on most stores)."""
-        self.fast, self.slow = twins(max_entries=bound)
+        self.fast, self.slow = twins(in_place=self.in_place, max_entries=bound)
 
     @rule(name=st.sampled_from(NAMES), batch=st.lists(events, min_size=1, max_size=4))
     def apply(self, name: str, batch: list[KVEvent]) -> None:
@@ -135,13 +143,25 @@ TestNativeVersusPython = NativeVersusPython.TestCase
 TestNativeVersusPython.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
 
 
-def test_queries_with_odd_keys_stop_where_the_python_index_stops() -> None:
-    fast, slow = twins()
+class JoinedKeysVersusPython(NativeVersusPython):
+    in_place = False
+
+
+TestJoinedKeysVersusPython = JoinedKeysVersusPython.TestCase
+TestJoinedKeysVersusPython.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None
+)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_queries_with_odd_keys_stop_where_the_python_index_stops(in_place: bool) -> None:
+    fast, slow = twins(in_place=in_place)
     for index in (fast, slow):
         index.apply("a", [BlockStored(page_keys=KEYS[:4], parent_key=None, tokens_per_page=1)])
     # A 33-byte key then a 31-byte one: joined they are 64 bytes, as two keys would be.
     spliced = [KEYS[0], KEYS[1] + KEYS[2][:1], KEYS[2][1:], KEYS[3]]
-    for query in (spliced, [KEYS[0], "text", KEYS[1]], [KEYS[0], KEYS[1][:16]], []):
+    queries = (spliced, [KEYS[0], "text", KEYS[1]], [KEYS[0], KEYS[1][:16]], [], tuple(KEYS))
+    for query in queries:
         assert fast.find_matches(query) == slow.find_matches(query)
         assert fast.match_lengths(query) == slow.match_lengths(query)
     assert fast.find_matches(spliced).by_instance["a"].num_pages == 1
@@ -192,8 +212,8 @@ def test_twins_agree_on_every_lookup_of_an_op_stream() -> None:
         [int(t) for t in rng.integers(0, 4, size=int(rng.integers(2, 30)))] for _ in range(300)
     ]
     stream = build_op_stream(prompts, num_instances=3, capacity_pages=120)
-    for bound in (None, 150):
-        fast, slow = twins(max_entries=bound)
+    for bound, in_place in ((None, True), (150, True), (150, False)):
+        fast, slow = twins(max_entries=bound, in_place=in_place)
         for req in stream.requests:
             assert fast.find_matches(req.page_keys) == slow.find_matches(req.page_keys)
             fast.apply(req.instance, req.events)

@@ -316,9 +316,14 @@ class PrefixIndex:
         with the best tier of each page. Page keys (a sequence of bytes) are used as they are
         (they already fold in their namespace); token ids are keyed with `keyer` in the
         namespace (`extra_key`, `cache_salt`). Touches the matched keys (bounded mode)."""
+        core = self._core
+        if core is not None:
+            query = tokens_or_page_keys
+            kind = type(query)
+            if (kind is tuple or kind is list) and query and type(query[0]) is bytes:  # type: ignore[index]
+                return self._native_matches(core, query)  # type: ignore[arg-type]
+            return self._native_matches(core, self._as_keys(query, extra_key, cache_salt))
         keys = self._as_keys(tokens_or_page_keys, extra_key, cache_salt)
-        if self._core is not None:
-            return self._native_matches(self._core, keys)
         vals, runs, uniform = self._runs(keys)
         if not uniform and not reduce(or_, vals, 0) & self._below_best:
             # Every holder holds every page it holds on the best tier: one tier for all.
@@ -347,7 +352,8 @@ class PrefixIndex:
         names = self._names
         core = self._core
         if core is not None:
-            got, res, _ = core.match(*self._joined(core, page_keys), False)
+            got = core.match(page_keys, False)
+            res = core.res
             return {names[res[3 * j]]: res[3 * j + 1] for j in range(got)}
         return {names[iid]: run for iid, run in self._runs(page_keys)[1].items()}
 
@@ -598,29 +604,18 @@ class PrefixIndex:
             self._by_inst[iid].discard(key)
         self._evicted += 1
 
-    def _joined(self, core: NativeCore, keys: Sequence[bytes]) -> tuple[bytes, int]:
-        """The query's keys back to back for the C core, up to the first key that is not a
-        bytes of the index's key length (a key no entry can have: the match stops there)."""
-        num = len(keys)
-        kb = core.key_bytes
-        try:
-            joined = b"".join(keys)
-            if len(joined) == num * kb and (not num or max(map(len, keys)) == kb):
-                return joined, num  # total and longest right: every key is kb bytes
-        except TypeError:
-            pass  # a key that is no bytes-like object: it ends the match below
-        for i, key in enumerate(keys):
-            if not isinstance(key, bytes) or len(key) != kb:
-                num = i
-                break
-        return b"".join(keys[:num]), num
-
     def _native_matches(self, core: NativeCore, keys: Sequence[bytes]) -> PrefixMatches:
-        got, res, pages = core.match(*self._joined(core, keys), True)
+        got = core.match(keys, True)
         if not got:
             return PrefixMatches(len(keys), {})
         names = self._names
         rank = self._rank_tiers
+        res = core.res
+        if got == 1 and res[2] >= 0:  # one holder, one tier: the common answer
+            return PrefixMatches(
+                len(keys), {names[res[0]]: InstanceMatch(res[1], (rank[res[2]],) * res[1])}
+            )
+        pages = core.pages
         out: dict[str, InstanceMatch] = {}
         for j in range(0, 3 * got, 3):
             run, tier = res[j + 1], res[j + 2]

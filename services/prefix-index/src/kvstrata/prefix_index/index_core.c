@@ -68,6 +68,9 @@ typedef struct {
     int64_t res_cap;
     uint8_t *pages;
     int64_t page_cap;
+    int64_t *args; /* the caller's argument block of the *_seq calls (kvx_buffers) */
+    uint8_t *gathered; /* keys copied out of a sequence of bytes objects */
+    int64_t gathered_cap;
 } ix_t;
 
 static uint64_t key_hash(const ix_t *x, const uint8_t *key) {
@@ -437,6 +440,7 @@ static void ix_free(ix_t *x) {
     free(x->slots);
     free(x->at);
     free(x->tags);
+    free(x->gathered);
     free(x->alive);
     free(x);
 }
@@ -646,6 +650,50 @@ static int64_t ix_check(ix_t *x) {
     return 0;
 }
 
+/* ---- keys read from the Python objects themselves ----------------------------------------
+   A tuple or list of bytes objects is read in place (no join, no per-key len() in Python):
+   the object layout (type pointer at 8, size at 16, a tuple's items / a list's item array at
+   24, a bytes object's data at 32) is the one of CPython 3.11-3.13 default builds, and the
+   Python side checks it on probe objects before it ever uses these calls (kvx_layout); on
+   any other layout it joins the keys itself. Each item must be exactly a bytes object of the
+   key length (type pointer compared with bytes'). Calls hold the GIL (PyDLL): the objects
+   cannot change meanwhile. */
+
+static const void *type_bytes, *type_tuple, *type_list;
+
+void kvx_layout(const void *bytes_type, const void *tuple_type, const void *list_type) {
+    type_bytes = bytes_type;
+    type_tuple = tuple_type;
+    type_list = list_type;
+}
+
+static const void *ob_type(const void *o) { return *(const void *const *)((const char *)o + 8); }
+static int64_t ob_size(const void *o) { return *(const int64_t *)((const char *)o + 16); }
+
+/* Copy the keys of sequence `seq` into x->gathered up to the first item that is not a bytes
+   object of key_len bytes; returns how many, or -1 (not a tuple / list, out of memory). */
+static int64_t gather(ix_t *x, const void *seq, int64_t *total) {
+    const void *const *items;
+    if (!type_bytes) return -1;
+    if (ob_type(seq) == type_tuple) items = (const void *const *)((const char *)seq + 24);
+    else if (ob_type(seq) == type_list) items = *(const void *const *const *)((const char *)seq + 24);
+    else return -1;
+    int64_t n = ob_size(seq);
+    *total = n;
+    if (n > x->gathered_cap) {
+        uint8_t *g = (uint8_t *)realloc(x->gathered, (size_t)(n * x->key_len));
+        if (!g) return -1;
+        x->gathered = g;
+        x->gathered_cap = n;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const void *o = items[i];
+        if (ob_type(o) != type_bytes || ob_size(o) != x->key_len) return i;
+        memcpy(x->gathered + i * x->key_len, (const char *)o + 32, (size_t)x->key_len);
+    }
+    return n;
+}
+
 /* ---- exported: indexes named by small ints ----------------------------------------------
    The hot calls (kvx_apply1, kvx_match) are made through ctypes without argument types, which
    costs a third of a typed call: every argument is then a C int or a bytes buffer, so an index
@@ -677,8 +725,11 @@ void kvx_free(int id) {
     reg[id] = 0;
 }
 
-/* kvx_match's output: res (int32, res_cap), pages (uint8, page_cap), owned by the caller. */
-void kvx_buffers(int id, int32_t *res, int64_t res_cap, uint8_t *pages, int64_t page_cap) {
+/* kvx_match's output: res (int32, res_cap), pages (uint8, page_cap); `args`: where the *_seq
+   calls find the address of their sequence of keys. All owned by the caller. */
+void kvx_buffers(int id, int32_t *res, int64_t res_cap, uint8_t *pages, int64_t page_cap,
+                 int64_t *args) {
+    reg[id]->args = args;
     reg[id]->res = res;
     reg[id]->res_cap = res_cap;
     reg[id]->pages = pages;
@@ -696,6 +747,25 @@ int kvx_apply(int id, int iid, const int64_t *spec, int num_events, const uint8_
 int kvx_apply1(int id, int iid, int kind, int bits, const uint8_t *keys, int n) {
     int64_t spec[3] = {kind, bits, n};
     return (int)ix_apply(reg[id], iid, spec, 1, keys);
+}
+
+/* kvx_apply1 of the keys of the tuple / list whose address is args[0]: 0, -1 out of memory,
+   -4 a key that is not a bytes of key_len (or no tuple / list): nothing changed then. */
+int kvx_apply_seq(int id, int iid, int kind, int bits) {
+    ix_t *x = reg[id];
+    int64_t total = 0, n = gather(x, (const void *)(intptr_t)x->args[0], &total);
+    if (n < 0 || n != total) return -4;
+    int64_t spec[3] = {kind, bits, n};
+    return (int)ix_apply(x, iid, spec, 1, x->gathered);
+}
+
+/* kvx_match of the keys of the tuple / list at args[0], up to the first that is not a bytes
+   of key_len (no entry can have it: the runs stop there); -4 when args[0] is neither. */
+int kvx_match_seq(int id, int tiers) {
+    ix_t *x = reg[id];
+    int64_t total = 0, n = gather(x, (const void *)(intptr_t)x->args[0], &total);
+    if (n < 0) return -4;
+    return (int)ix_match(x, x->gathered, n, tiers);
 }
 
 /* Every key of `iid` goes; returns how many it held. */

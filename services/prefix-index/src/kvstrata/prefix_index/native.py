@@ -16,6 +16,7 @@ every match compares the full key bytes, so two keys with one hash are two entri
 from __future__ import annotations
 
 import ctypes
+import sys
 import weakref
 from array import array
 from collections.abc import Callable, Sequence
@@ -63,7 +64,8 @@ class _Library:
 
         self.new = typed("kvx_new", [_I64, _I64, _I64], _INT)
         self.free = typed("kvx_free", [_INT], None)
-        self.buffers = typed("kvx_buffers", [_INT, _PTR, _I64, _PTR, _I64], None)
+        self.buffers = typed("kvx_buffers", [_INT, _PTR, _I64, _PTR, _I64, _PTR], None)
+        self.layout = typed("kvx_layout", [_PTR, _PTR, _PTR], None)
         self.apply = typed("kvx_apply", [_INT, _INT, _PTR, _INT, ctypes.c_char_p], _INT)
         self.drop = typed("kvx_drop", [_INT, _INT], _I64)
         self.held = typed("kvx_held", [_INT, _I64], _I64)
@@ -73,6 +75,39 @@ class _Library:
         self.check = typed("kvx_check", [_INT], _I64)
         self.apply1: Callable[..., int] = lib.kvx_apply1  # (id, iid, kind, bits, keys, n)
         self.match: Callable[..., int] = lib.kvx_match  # (id, keys, n, tiers)
+        self.apply_seq: Callable[..., int] = lib.kvx_apply_seq  # (id, iid, kind, bits)
+        self.match_seq: Callable[..., int] = lib.kvx_match_seq  # (id, tiers)
+        #: Whether the C code may read tuples / lists of bytes in place (`object_layout_ok`).
+        self.in_place = object_layout_ok()
+        if self.in_place:
+            self.layout(id(bytes), id(tuple), id(list))
+
+
+def object_layout_ok() -> bool:
+    """Whether this interpreter lays out bytes, tuple and list objects as `index_core.c`
+    reads them in place (CPython 3.11-3.13 default builds: type at 8, size at 16, items at
+    24, bytes data at 32), checked on probe objects; when not, keys are joined in Python."""
+    if sys.implementation.name != "cpython":
+        return False
+    probe = bytes(range(40))
+    pair = (probe, probe)
+    one = [probe]
+    ptr = ctypes.c_void_p.from_address
+    size = ctypes.c_ssize_t.from_address
+    try:
+        return (
+            ptr(id(probe) + 8).value == id(bytes)
+            and size(id(probe) + 16).value == len(probe)
+            and ctypes.string_at(id(probe) + 32, len(probe)) == probe
+            and ptr(id(pair) + 8).value == id(tuple)
+            and size(id(pair) + 16).value == 2
+            and ptr(id(pair) + 24).value == id(probe)
+            and ptr(id(one) + 8).value == id(list)
+            and size(id(one) + 16).value == 1
+            and ptr(ptr(id(one) + 24).value or 0).value == id(probe)
+        )
+    except (ValueError, OSError):
+        return False
 
 
 _loaded: dict[Path, _Library | None] = {}
@@ -122,6 +157,11 @@ class NativeCore:
         self.max_entries = max_entries
         self._apply1 = lib.apply1
         self._match = lib.match
+        self._apply_seq = lib.apply_seq
+        self._match_seq = lib.match_seq
+        self._in_place = lib.in_place
+        # args[0]: the address of the tuple / list of keys a *_seq call reads.
+        self._args = array("q", [0])
         # kvx_match's output, grown when more instances exist or a run needs more pages.
         self._res = array("i", bytes(4 * 3 * 64))
         self._pages = array("B", bytes(4096))
@@ -135,12 +175,21 @@ class NativeCore:
             len(self._res),
             self._pages.buffer_info()[0],
             len(self._pages),
+            self._args.buffer_info()[0],
         )
 
     def apply_one(self, iid: int, removed: bool, bit: int, keys: Sequence[bytes]) -> bool:
         """Store (or remove) `keys` on tier `bit` for `iid` if every key is a bytes of the key
         length (checked here: the joined length and the longest key); False, having changed
         nothing, when one is not (the caller's checks then say which)."""
+        if self._in_place:
+            self._args[0] = id(keys)
+            rc = self._apply_seq(self._id, iid, removed, bit)
+            if rc == -4:
+                return False
+            if rc < 0:
+                raise MemoryError("the native prefix index ran out of memory")
+            return True
         try:
             joined = b"".join(keys)
             num = len(keys)
@@ -149,7 +198,7 @@ class NativeCore:
                 return False  # total and longest right: every key is kb bytes
         except TypeError:  # a key that is no bytes-like object
             return False
-        if type(keys[0]) is not bytes or set(map(type, keys)) != _BYTES:
+        if num and set(map(type, keys)) != _BYTES:
             return False
         if self._apply1(self._id, iid, removed, bit, joined, num) < 0:
             raise MemoryError("the native prefix index ran out of memory")
@@ -183,16 +232,46 @@ class NativeCore:
             self._res = array("i", bytes(4 * 3 * 2 * count))
             self._register()
 
-    def match(self, joined: bytes, num: int, tiers: bool) -> tuple[int, array[int], array[int]]:
-        """(instances, res, pages) of kvx_match over `num` keys joined back to back."""
-        got = self._match(self._id, joined, num, tiers)
-        if got < -2:
+    def match(self, keys: Sequence[bytes], tiers: bool) -> int:
+        """kvx_match over `keys` up to the first that is not a bytes of the key length (no
+        entry can have it); the result is then in `res` and `pages` (see `index_core.c`)."""
+        if self._in_place:
+            self._args[0] = id(keys)
+            got = self._match_seq(self._id, tiers)
+            if got == -4:  # neither a tuple nor a list
+                got = self._match_joined(keys, tiers)
+        else:
+            got = self._match_joined(keys, tiers)
+        if got < -2:  # a run of mixed tiers longer than `pages`: nothing changed, again
             self._pages = array("B", bytes(2 * (-3 - got)))
             self._register()
-            got = self._match(self._id, joined, num, tiers)
+            return self.match(keys, tiers)
         if got < 0:
             raise MemoryError("the native prefix index ran out of memory")
-        return got, self._res, self._pages
+        return got
+
+    @property
+    def res(self) -> array[int]:
+        return self._res
+
+    @property
+    def pages(self) -> array[int]:
+        return self._pages
+
+    def _match_joined(self, keys: Sequence[bytes], tiers: bool) -> int:
+        num = len(keys)
+        kb = self.key_bytes
+        try:
+            joined = b"".join(keys)
+            if len(joined) == num * kb and (not num or max(map(len, keys)) == kb):
+                return self._match(self._id, joined, num, tiers)
+        except TypeError:
+            pass  # a key that is no bytes-like object: it ends the match below
+        for i, key in enumerate(keys):
+            if not isinstance(key, bytes) or len(key) != kb:
+                num = i
+                break
+        return self._match(self._id, b"".join(keys[:num]), num, tiers)
 
     def holdings(self, iid: int) -> list[tuple[bytes, int]]:
         """`iid`'s keys and the tier bits it holds each on."""

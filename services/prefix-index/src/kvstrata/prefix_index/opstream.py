@@ -226,8 +226,11 @@ def dict_lookup_cost(stream: OpStream, *, probes: int = 100_000) -> LookupCost:
 class MemoryFigures:
     """Traced bytes of an index holding `num_entries` keys, once by one instance and once by
     two (every key held twice): `bytes_per_entry` is the cost of a key held by one instance,
-    `bytes_per_extra_holder` what each further holder of a key adds."""
+    `bytes_per_extra_holder` what each further holder of a key adds. On the native core the
+    bytes its C code allocated (`PrefixIndex.native_bytes`, capacity included) are added to
+    what tracemalloc sees of the Python side."""
 
+    core: str
     num_entries: int
     one_holder_bytes: int
     two_holder_bytes: int
@@ -244,7 +247,8 @@ class MemoryFigures:
 
 def measure_memory(stream: OpStream, *, max_entries: int | None = None) -> MemoryFigures:
     """Build an index from every stored key of `stream` (fresh key objects, as a decoder makes
-    them) under tracemalloc, then add a second holder of every key."""
+    them) under tracemalloc, then add a second holder of every key. The index gets the core
+    `PrefixIndex` picks (inside `kvstrata.pool.native.disabled()`: the Python one)."""
     keys: set[bytes] = set()
     for req in stream.requests:
         for event in req.events:
@@ -262,7 +266,7 @@ def measure_memory(stream: OpStream, *, max_entries: int | None = None) -> Memor
         index.apply("holder-a", [stored])
         del fresh, stored
         gc.collect()
-        one = tracemalloc.get_traced_memory()[0] - base
+        one = tracemalloc.get_traced_memory()[0] - base + index.native_bytes()
         index.apply(
             "holder-b",
             [
@@ -272,8 +276,10 @@ def measure_memory(stream: OpStream, *, max_entries: int | None = None) -> Memor
             ],
         )
         gc.collect()
-        two = tracemalloc.get_traced_memory()[0] - base
+        two = tracemalloc.get_traced_memory()[0] - base + index.native_bytes()
     finally:
         tracemalloc.stop()
     assert len(index) == len(ordered)
-    return MemoryFigures(num_entries=len(ordered), one_holder_bytes=one, two_holder_bytes=two)
+    return MemoryFigures(
+        core=index.core, num_entries=len(ordered), one_holder_bytes=one, two_holder_bytes=two
+    )
