@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
     if python is not None:
         py_base = _median(python.unbounded)
         versus = {
-            "python": python.figures(stream),
+            "python_core": python.figures(stream),
             "ratio_native_vs_python_ops_cpu": ratio(base.ops_per_cpu_s, py_base.ops_per_cpu_s),
             "ratio_native_vs_python_untimed": ratio(untimed_rate, python.untimed_rate(stream)),
             "ratio_native_vs_python_p99": ratio(base.p99_us, py_base.p99_us),

@@ -15,7 +15,9 @@
 
    Python validates every input before calling (keys of key_len bytes, known tiers, ids it
    interned): the functions here do not check them again. They return -1 only when memory runs
-   out; `kvx_apply` reserves what a batch can need before it changes anything. */
+   out (a batch may then be applied in part: every structure stays consistent). Arrays grow
+   when an insertion needs room, not by a batch's worst case (a batch of keys already held
+   would otherwise double the entry array). */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -324,6 +326,7 @@ static int store(ix_t *x, uint32_t iid, uint32_t bits, const uint8_t *keys, int6
         const uint8_t *key = keys + k * x->key_len;
         uint32_t tag = tags ? tags[k] : (uint32_t)key_hash(x, key);
         uint64_t where;
+        if (grow_table(x, (uint64_t)x->live + 1)) return -1;
         uint32_t idx = find_slot(x, key, tag, &where);
         entry_t *e;
         if (idx == NIL) {
@@ -331,6 +334,7 @@ static int store(ix_t *x, uint32_t iid, uint32_t bits, const uint8_t *keys, int6
                 evict_front(x);
                 find_slot(x, key, tag, &where); /* the shift may have moved the empty slot */
             }
+            if (x->free_head == NIL && reserve_entries(x, 1)) return -1;
             if (x->free_head != NIL) {
                 idx = x->free_head;
                 x->free_head = x->E[idx].next;
@@ -367,6 +371,7 @@ static int store(ix_t *x, uint32_t iid, uint32_t bits, const uint8_t *keys, int6
             x->heap += e->cap * (int64_t)sizeof(holder_t);
             e->cap *= 2;
         }
+        if (reserve_inst(x, iid, 1)) return -1;
         hs = holders(e);
         memmove(hs + at + 1, hs + at, (e->n - at) * sizeof(holder_t));
         inst_t *in = &x->I[iid];
@@ -446,16 +451,10 @@ static void ix_free(ix_t *x) {
 }
 
 /* A batch of `iid`'s events: `spec` holds (kind, tier bits, key count) per event, kind 0 store,
-   1 remove, 2 clear (no keys); `keys` their keys back to back. 0, or -1 (out of memory; only
-   before any change unless a holder list cannot grow). */
+   1 remove, 2 clear (no keys); `keys` their keys back to back. 0, or -1 (out of memory: the
+   batch may be applied in part). */
 static int64_t ix_apply(ix_t *x, int64_t iid, const int64_t *spec, int64_t num_events,
                         const uint8_t *keys) {
-    uint64_t stored = 0;
-    for (int64_t i = 0; i < num_events; i++)
-        if (spec[3 * i] == 0) stored += (uint64_t)spec[3 * i + 2];
-    if (stored && (reserve_entries(x, stored) || grow_table(x, (uint64_t)x->live + stored) ||
-                   reserve_inst(x, (uint32_t)iid, stored)))
-        return -1;
     for (int64_t i = 0; i < num_events; i++) {
         int64_t kind = spec[3 * i], n = spec[3 * i + 2];
         uint32_t bits = (uint32_t)spec[3 * i + 1];
@@ -738,7 +737,7 @@ void kvx_buffers(int id, int32_t *res, int64_t res_cap, uint8_t *pages, int64_t 
 
 /* A batch of `iid`'s events: `spec` holds (kind, tier bits, key count) per event as int64,
    kind 0 store, 1 remove, 2 clear (no keys); `keys` their keys back to back. 0, or -1 (out of
-   memory; only before any change unless a holder list cannot grow). */
+   memory: the batch may be applied in part). */
 int kvx_apply(int id, int iid, const int64_t *spec, int num_events, const uint8_t *keys) {
     return (int)ix_apply(reg[id], iid, spec, num_events, keys);
 }
