@@ -13,7 +13,8 @@ Three records (JSON lines):
   process's CPU time (the machine is shared), p50/p99 per op, pages per second. Baseline: the
   same stream on an unbounded index, measured in the same run; the bounded index
   (`--max-entries`, default half the distinct keys) is reported beside it with the ratio.
-  Beside them: the unbounded replay untimed (no per-op clock), the same stream as bare dict
+  Beside them: the unbounded replay untimed (no per-op clock), the same stream as bare C calls
+  of the compiled core (`native_floor`: no index API around them), the same stream as bare dict
   probes (`bare_dict`: the floor of any CPython dict-keyed index on this machine, and the
   index's ratio to it), and the CPU ns of one dict probe on a 256-key and on a full-size dict
   (`dict_probe_ns`: on a shared machine the large one is cache misses, not bytecode).
@@ -48,6 +49,7 @@ from kvstrata.prefix_index.opstream import (
     build_op_stream,
     dict_lookup_cost,
     measure_memory,
+    native_floor,
     replay_ops,
     replay_untimed,
 )
@@ -184,11 +186,15 @@ def main(argv: list[str]) -> int:
     main = _CoreRuns(core)
     python = _CoreRuns("python") if core == "native" else None
     floor: list[float] = []
+    c_floor: list[float] = []
     for _ in range(args.repeats):
         main.run(stream, bound)
         if python is not None:
             python.run(stream, bound)
         floor.append(bare_dict_floor(stream))
+        calls = native_floor(stream) if core == "native" else None
+        if calls is not None:
+            c_floor.append(calls[0] / calls[1])
     base = _median(main.unbounded)
     untimed_rate = main.untimed_rate(stream)
     floor_rate = stream.num_ops / statistics.median(floor)
@@ -216,6 +222,16 @@ def main(argv: list[str]) -> int:
             **versus,
             "bare_dict_ops_per_cpu_s": round(floor_rate),
             "ratio_untimed_vs_bare_dict": ratio(untimed_rate, floor_rate),
+            **(
+                {
+                    "native_floor_ops_per_cpu_s": round(statistics.median(c_floor)),
+                    "ratio_untimed_vs_native_floor": ratio(
+                        untimed_rate, statistics.median(c_floor)
+                    ),
+                }
+                if c_floor
+                else {}
+            ),
             "dict_probe_ns": {
                 str(probe.small_entries): round(probe.small_ns, 1),
                 str(probe.large_entries): round(probe.large_ns, 1),

@@ -223,6 +223,12 @@ class NativeCore:
         if self._lib.apply(self._id, iid, spec.buffer_info()[0], len(events), joined) < 0:
             raise MemoryError("the native prefix index ran out of memory")
 
+    def raw_calls(self) -> tuple[Callable[..., int], Callable[..., int], int]:
+        """(match, apply1, this index's number): the untyped C calls behind `match` and
+        `apply_one` (match(number, joined keys, count, tiers); apply1(number, id, kind 0 store /
+        1 remove, tier bits, joined keys, count)), for `opstream.native_floor`."""
+        return self._match, self._apply1, self._id
+
     def drop(self, iid: int) -> int:
         return self._lib.drop(self._id, iid)
 
