@@ -173,7 +173,7 @@ class PrefixIndex:
             # The common batch on the C core: one store or removal by a known instance, checked
             # here (`apply_one` checks the keys); anything else, and anything these checks
             # refuse, takes the full path below, which raises the specific error.
-            one = cast("Sequence[KVEvent]", events)
+            one: Sequence[KVEvent] = events  # pyright: ignore[reportAssignmentType]
             event = one[0] if len(one) == 1 else None
             iid = self._ids.get(instance) if type(instance) is str else None
             if iid is not None and (
