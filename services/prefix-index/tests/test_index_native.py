@@ -225,8 +225,8 @@ def test_twins_agree_on_every_lookup_of_an_op_stream() -> None:
 
 def test_kvstrata_native_0_keeps_the_python_core(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvstrata.pool.native import build
-    from kvstrata.prefix_index.native import SOURCE
+    from kvstrata.prefix_index.native import source
 
     monkeypatch.setenv("KVSTRATA_NATIVE", "0")
-    made = build(SOURCE)
+    made = build(source())
     assert made.library is None and "KVSTRATA_NATIVE" in made.reason

@@ -15,8 +15,12 @@ every match compares the full key bytes, so two keys with one hash are two entri
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import shutil
 import sys
+import tempfile
+import threading
 import weakref
 from array import array
 from collections.abc import Callable, Sequence
@@ -25,7 +29,27 @@ from pathlib import Path
 from kvstrata.pool.native import native_library
 from kvstrata.unified_radix_cache import BlockRemoved, BlockStored, KVEvent
 
-SOURCE = Path(__file__).with_name("index_core.c")
+#: The C sources, compiled as one translation unit (`source()`): the table, entries and
+#: operations, then the integrity check, the in-place key reads and the exported functions.
+SOURCES = (Path(__file__).with_name("index_core.c"), Path(__file__).with_name("index_api.c"))
+
+_combined: list[Path] = []
+_lock = threading.Lock()
+
+
+def source() -> Path:
+    """The two C files as one, written once per process into a private temporary folder
+    (removed at exit). `native_library` caches the build by the text it compiles, so an edit
+    of either file makes a new library, and the same text on the same machine builds once."""
+    with _lock:
+        if not _combined:
+            folder = Path(tempfile.mkdtemp(prefix="kvstrata-index-core-"))
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            path = folder / "index_core.c"
+            path.write_bytes(b"".join(part.read_bytes() for part in SOURCES))
+            _combined.append(path)
+        return _combined[0]
+
 
 #: Longest key the C entries hold (PageKeyer keys are 16 or 32 bytes).
 MAX_KEY_BYTES = 32
@@ -114,7 +138,7 @@ _loaded: dict[Path, _Library | None] = {}
 
 
 def _library() -> _Library | None:
-    made = native_library(SOURCE)
+    made = native_library(source())
     if made.library is None or made.path is None:
         return None
     if made.path not in _loaded:
@@ -129,7 +153,7 @@ def _library() -> _Library | None:
 
 def native_status() -> str:
     """`native: <library>` or `python: <why the compiled core is not used>`."""
-    made = native_library(SOURCE)
+    made = native_library(source())
     if made.library is None:
         return f"python: {made.reason}"
     if _library() is None:
