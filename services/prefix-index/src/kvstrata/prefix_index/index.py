@@ -1,5 +1,10 @@
 """`PrefixIndex`: page key -> which instances hold it, on which tiers.
 
+Two cores hold the entries, with the same API and answers: the compiled one (`native`,
+`index_core.c`: the default where a C compiler exists; `KVSTRATA_NATIVE=0` turns it off) and the
+Python one below (whose dict, key sets and packed ints then stay empty). Validation, instance
+names and ids, sequences and dumps stay here for both.
+
 Keys are the chained page keys of `kvstrata.storage.PageKeyer` (key_i names the whole prefix up
 to page i), so the index is a flat map, not a tree: the longest cached prefix of a prompt on an
 instance is the longest run of its keys, from the first, that the instance holds.
