@@ -6,10 +6,12 @@ from __future__ import annotations
 from array import array
 
 from kvstrata.prefix_index import PrefixIndex
+from kvstrata.prefix_index.native import native_core
 from kvstrata.prefix_index.opstream import (
     bare_dict_floor,
     build_op_stream,
     dict_lookup_cost,
+    native_floor,
     replay_ops,
     replay_untimed,
 )
@@ -54,3 +56,13 @@ def test_probe_cost_covers_both_dict_sizes() -> None:
     }
     assert cost.large_entries == len(stored) and cost.small_entries == min(256, len(stored))
     assert cost.small_ns > 0 and cost.large_ns > 0
+
+
+def test_native_floor_makes_one_call_per_op_or_says_there_is_no_core() -> None:
+    stream = build_op_stream(_prompts(), capacity_pages=20)
+    got = native_floor(stream)
+    if native_core(32, {"device": 1}, None) is None:
+        assert got is None
+    else:
+        assert got is not None
+        assert got[0] == stream.num_ops and got[1] >= 0.0

@@ -2,18 +2,24 @@
 
 Three records (JSON lines):
 
-- `index_ops`: Dynamo's INDEXER_BENCH method in process. The trace is served (untimed) by one
+- `index_ops`: Dynamo's INDEXER_BENCH method in process, on the index core `PrefixIndex` picks
+  (`core`: "native", the compiled `index_core.c`, unless there is no C compiler or
+  `KVSTRATA_NATIVE=0`; `native_status` says which library or why not) and, when that is the
+  native one, on the Python core too (`python`, the same figures, measured alternately in the
+  same run; `ratio_native_vs_python_*`). The trace is served (untimed) by one
   LRU-bounded simulated instance (`--capacity-pages`, default 8 x 5,860); each request gives one
   lookup (`find_matches` of its page keys) and its KV events (stored pages, evicted pages). The
   stream is replayed into a fresh index with every op timed: ops/s by wall clock and by this
   process's CPU time (the machine is shared), p50/p99 per op, pages per second. Baseline: the
   same stream on an unbounded index, measured in the same run; the bounded index
   (`--max-entries`, default half the distinct keys) is reported beside it with the ratio.
-  Beside them: the unbounded replay untimed (no per-op clock), the same stream as bare dict
+  Beside them: the unbounded replay untimed (no per-op clock), the same stream as bare C calls
+  of the compiled core (`native_floor`: no index API around them), the same stream as bare dict
   probes (`bare_dict`: the floor of any CPython dict-keyed index on this machine, and the
   index's ratio to it), and the CPU ns of one dict probe on a 256-key and on a full-size dict
   (`dict_probe_ns`: on a shared machine the large one is cache misses, not bytecode).
-- `index_memory`: traced bytes per entry (a key held by one instance) and per extra holder.
+- `index_memory`: bytes per entry (a key held by one instance) and per extra holder, of each
+  core (the native core's C allocations counted beside tracemalloc's Python ones).
 - `index_ray` (with `--ray`): the same stream through shard actors on a local 2-node loopback
   Ray cluster, `--batch` requests per round (one `round` call per shard: its lookups and its
   event batches), `--in-flight` rounds outstanding; each op's latency is its round's time from
@@ -33,7 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.bench.report import emit, environment, ratio
+from kvstrata.pool.native import disabled
 from kvstrata.prefix_index import PrefixIndex, read_trace, simulate
+from kvstrata.prefix_index.native import native_status
 from kvstrata.prefix_index.opstream import (
     OpStream,
     OpTiming,
@@ -41,6 +49,7 @@ from kvstrata.prefix_index.opstream import (
     build_op_stream,
     dict_lookup_cost,
     measure_memory,
+    native_floor,
     replay_ops,
     replay_untimed,
 )
@@ -74,6 +83,42 @@ def _timing(t: OpTiming) -> dict[str, Any]:
 
 def _median(runs: list[OpTiming]) -> OpTiming:
     return sorted(runs, key=lambda t: t.seconds)[(len(runs) - 1) // 2]
+
+
+def _index(core: str, max_entries: int | None = None) -> PrefixIndex:
+    """An index on `core`: the one PrefixIndex picks ("default"), or the Python entries."""
+    if core == "python":
+        with disabled():
+            return PrefixIndex(1, max_entries=max_entries)
+    return PrefixIndex(1, max_entries=max_entries)
+
+
+class _CoreRuns:
+    """Per-op timed replays (unbounded, bounded) and untimed ones of one core."""
+
+    def __init__(self, core: str) -> None:
+        self.core = core
+        self.unbounded: list[OpTiming] = []
+        self.bounded: list[OpTiming] = []
+        self.untimed: list[float] = []
+
+    def run(self, stream: OpStream, bound: int) -> None:
+        self.unbounded.append(replay_ops(_index(self.core), stream))
+        self.bounded.append(replay_ops(_index(self.core, bound), stream))
+        self.untimed.append(replay_untimed(_index(self.core), stream))
+
+    def figures(self, stream: OpStream) -> dict[str, Any]:
+        base, ours = _median(self.unbounded), _median(self.bounded)
+        return {
+            "unbounded": _timing(base),
+            "bounded": {**_timing(ours)},
+            "ratio_bounded_vs_unbounded_ops": ratio(ours.ops_per_s, base.ops_per_s),
+            "ops_per_cpu_s_all": [round(t.ops_per_cpu_s) for t in self.unbounded],
+            "untimed_ops_per_cpu_s": round(self.untimed_rate(stream)),
+        }
+
+    def untimed_rate(self, stream: OpStream) -> float:
+        return stream.num_ops / statistics.median(self.untimed)
 
 
 def _ray_figures(
@@ -134,38 +179,65 @@ def main(argv: list[str]) -> int:
     prompts = read_trace(str(args.trace), limit=args.limit)
     stream = build_op_stream(prompts, capacity_pages=args.capacity_pages)
     memory = measure_memory(stream)
+    core = memory.core  # the core PrefixIndex picks here: "native" or "python"
+    with disabled():
+        py_memory = measure_memory(stream) if core == "native" else memory
     bound = args.max_entries or max(1, memory.num_entries // 2)
-    unbounded: list[OpTiming] = []
-    bounded: list[OpTiming] = []
-    untimed: list[float] = []
+    main = _CoreRuns(core)
+    python = _CoreRuns("python") if core == "native" else None
     floor: list[float] = []
+    c_floor: list[float] = []
     for _ in range(args.repeats):
-        unbounded.append(replay_ops(PrefixIndex(1), stream))
-        bounded.append(replay_ops(PrefixIndex(1, max_entries=bound), stream))
-        untimed.append(replay_untimed(PrefixIndex(1), stream))
+        main.run(stream, bound)
+        if python is not None:
+            python.run(stream, bound)
         floor.append(bare_dict_floor(stream))
-    base, ours = _median(unbounded), _median(bounded)
-    untimed_rate = stream.num_ops / statistics.median(untimed)
+        calls = native_floor(stream) if core == "native" else None
+        if calls is not None:
+            c_floor.append(calls[0] / calls[1])
+    base = _median(main.unbounded)
+    untimed_rate = main.untimed_rate(stream)
     floor_rate = stream.num_ops / statistics.median(floor)
     probe = dict_lookup_cost(stream)
+    figures = main.figures(stream)
+    figures["bounded"] = {"max_entries": bound, **figures["bounded"]}
+    versus: dict[str, Any] = {}
+    if python is not None:
+        py_base = _median(python.unbounded)
+        versus = {
+            "python_core": python.figures(stream),
+            "ratio_native_vs_python_ops_cpu": ratio(base.ops_per_cpu_s, py_base.ops_per_cpu_s),
+            "ratio_native_vs_python_untimed": ratio(untimed_rate, python.untimed_rate(stream)),
+            "ratio_native_vs_python_p99": ratio(base.p99_us, py_base.p99_us),
+        }
     emit(
         {
             "bench": "index_ops",
+            "core": core,
+            "native_status": native_status(),
             "requests": len(prompts),
             "events": stream.num_events,
             "capacity_pages": args.capacity_pages,
-            "unbounded": _timing(base),
-            "bounded": {"max_entries": bound, **_timing(ours)},
-            "ratio_bounded_vs_unbounded_ops": ratio(ours.ops_per_s, base.ops_per_s),
-            "ops_per_cpu_s_all": [round(t.ops_per_cpu_s) for t in unbounded],
-            "untimed_ops_per_cpu_s": round(untimed_rate),
+            **figures,
+            **versus,
             "bare_dict_ops_per_cpu_s": round(floor_rate),
             "ratio_untimed_vs_bare_dict": ratio(untimed_rate, floor_rate),
+            **(
+                {
+                    "native_floor_ops_per_cpu_s": round(statistics.median(c_floor)),
+                    "ratio_untimed_vs_native_floor": ratio(
+                        untimed_rate, statistics.median(c_floor)
+                    ),
+                }
+                if c_floor
+                else {}
+            ),
             "dict_probe_ns": {
                 str(probe.small_entries): round(probe.small_ns, 1),
                 str(probe.large_entries): round(probe.large_ns, 1),
             },
             "target_ops_per_s": 400_000,
+            "target_p99_us": 50,
             "ratio_vs_target_cpu": ratio(base.ops_per_cpu_s, 400_000),
             "ratio_untimed_vs_target_cpu": ratio(untimed_rate, 400_000),
             **environment(),
@@ -174,9 +246,12 @@ def main(argv: list[str]) -> int:
     emit(
         {
             "bench": "index_memory",
+            "core": core,
             "entries": memory.num_entries,
             "bytes_per_entry": round(memory.bytes_per_entry, 1),
             "bytes_per_extra_holder": round(memory.bytes_per_extra_holder, 1),
+            "python_bytes_per_entry": round(py_memory.bytes_per_entry, 1),
+            "python_bytes_per_extra_holder": round(py_memory.bytes_per_extra_holder, 1),
             "key_bytes": 32,
         }
     )

@@ -1,5 +1,10 @@
 """`PrefixIndex`: page key -> which instances hold it, on which tiers.
 
+Two cores hold the entries, with the same API and answers: the compiled one (`native`,
+`index_core.c`: the default where a C compiler exists; `KVSTRATA_NATIVE=0` turns it off) and the
+Python one below (whose dict, key sets and packed ints then stay empty). Validation, instance
+names and ids, sequences and dumps stay here for both.
+
 Keys are the chained page keys of `kvstrata.storage.PageKeyer` (key_i names the whole prefix up
 to page i), so the index is a flat map, not a tree: the longest cached prefix of a prompt on an
 instance is the longest run of its keys, from the first, that the instance holds.
@@ -36,12 +41,13 @@ from dataclasses import dataclass
 from functools import reduce
 from itertools import accumulate, compress, repeat, takewhile
 from operator import and_, not_, or_, rshift
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy.typing as npt
 
 from kvstrata.prefix_index.engines import EngineKeyMap, decode_engine_batch
 from kvstrata.prefix_index.errors import InvalidEvent, InvalidInstance, InvalidParameter
+from kvstrata.prefix_index.native import NativeCore, native_core
 from kvstrata.prefix_index.tiers import DEFAULT_TIER_WEIGHTS
 from kvstrata.storage import PageKeyer
 from kvstrata.unified_radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -149,7 +155,13 @@ class PrefixIndex:
         self._seq: dict[str, int] = {}
         self._awaiting_dump: set[str] = set()
         self._engine_maps: dict[str, EngineKeyMap] = {}
-        self.evicted_entries = 0
+        self._evicted = 0
+        # The entries in C when the compiled core is available (see `native`): the dict, the
+        # key sets and the packed ints above then stay empty.
+        self._core: NativeCore | None = native_core(
+            self.keyer.key_bytes, {t: 1 << i for i, t in enumerate(ordered)}, max_entries
+        )
+        self._rank_tiers: tuple[str, ...] = tuple(ordered)
         self.gaps = 0
         self.unknown_engine_events = 0
 
@@ -161,6 +173,22 @@ class PrefixIndex:
         bounded, may evict other keys). Raises InvalidInstance / InvalidEvent, before any
         change, for a bad name, an unknown event, a tier absent from the weights or a page size
         other than the index's."""
+        core = self._core
+        if core is not None and type(events) in (tuple, list):
+            # The common batch on the C core: one store or removal by a known instance, checked
+            # here (`apply_one` checks the keys); anything else, and anything these checks
+            # refuse, takes the full path below, which raises the specific error.
+            one: Sequence[KVEvent] = events  # pyright: ignore[reportAssignmentType]
+            event = one[0] if len(one) == 1 else None
+            iid = self._ids.get(instance) if type(instance) is str else None
+            if iid is not None and (
+                type(event) is BlockRemoved
+                or (type(event) is BlockStored and event.tokens_per_page == self.page_size)
+            ):
+                bit = core.tier_bit.get(event.tier)
+                removed = type(event) is BlockRemoved
+                if bit is not None and core.apply_one(iid, removed, bit, event.page_keys):
+                    return
         iid = self._ids.get(instance) if type(instance) is str else None
         if iid is None:
             self._check_instance(instance)
@@ -168,6 +196,9 @@ class PrefixIndex:
         self._check_events(batch)
         if iid is None:
             iid = self._intern(instance)
+        if core is not None:
+            core.apply(iid, batch)
+            return
         tier_bit = self._tier_bit
         for event in batch:
             if isinstance(event, BlockStored):
@@ -286,6 +317,15 @@ class PrefixIndex:
         with the best tier of each page. Page keys (a sequence of bytes) are used as they are
         (they already fold in their namespace); token ids are keyed with `keyer` in the
         namespace (`extra_key`, `cache_salt`). Touches the matched keys (bounded mode)."""
+        core = self._core
+        if core is not None:
+            query = tokens_or_page_keys
+            kind = type(query)
+            if (kind is tuple or kind is list) and query:
+                keys = cast("Sequence[bytes]", query)
+                if type(keys[0]) is bytes:
+                    return self._native_matches(core, keys)
+            return self._native_matches(core, self._as_keys(query, extra_key, cache_salt))
         keys = self._as_keys(tokens_or_page_keys, extra_key, cache_salt)
         vals, runs, uniform = self._runs(keys)
         if not uniform and not reduce(or_, vals, 0) & self._below_best:
@@ -313,6 +353,11 @@ class PrefixIndex:
     def match_lengths(self, page_keys: Sequence[bytes]) -> dict[str, int]:
         """Per instance, pages matched from the first (the hot path of routing: no tiers)."""
         names = self._names
+        core = self._core
+        if core is not None:
+            got = core.match(page_keys, False)
+            res = core.res
+            return {names[res[3 * j]]: res[3 * j + 1] for j in range(got)}
         return {names[iid]: run for iid, run in self._runs(page_keys)[1].items()}
 
     def score(
@@ -334,6 +379,9 @@ class PrefixIndex:
         iid = self._ids.get(instance)
         if iid is None:
             return {}
+        if self._core is not None:
+            sets = self._tier_sets
+            return {key: sets[bits << 1] for key, bits in self._core.holdings(iid)}
         shift = iid * self._width
         holders = self._holders
         sets = self._tier_sets
@@ -344,23 +392,53 @@ class PrefixIndex:
         """Names of the instances with at least one entry or sequence state, sorted."""
         return sorted(set(self._ids) | set(self._seq) | self._awaiting_dump)
 
+    @property
+    def core(self) -> str:
+        """Which core holds the entries: "native" (C, `index_core.c`) or "python"."""
+        return "python" if self._core is None else "native"
+
+    @property
+    def evicted_entries(self) -> int:
+        """Entries evicted by the `max_entries` bound so far."""
+        return self._evicted if self._core is None else self._core.stats()[2]
+
+    def native_bytes(self) -> int:
+        """Bytes the C core has allocated (its table, entries, holder and key lists; not
+        seen by tracemalloc); 0 on the Python core."""
+        return 0 if self._core is None else self._core.stats()[3]
+
     def stats(self) -> IndexStats:
+        core = self._core
+        if core is not None:
+            entries, pairs, evicted, _ = core.stats()
+        else:
+            entries, evicted = len(self._holders), self._evicted
+            pairs = sum(len(s) for s in self._by_inst.values())
         return IndexStats(
-            num_entries=len(self._holders),
+            num_entries=entries,
             num_instances=len(self._ids),
-            num_pairs=sum(len(s) for s in self._by_inst.values()),
-            evicted_entries=self.evicted_entries,
+            num_pairs=pairs,
+            evicted_entries=evicted,
             gaps=self.gaps,
             max_entries=self.max_entries,
         )
 
     def __len__(self) -> int:
-        return len(self._holders)
+        return len(self._holders) if self._core is None else self._core.stats()[0]
 
     def check_integrity(self) -> None:
         """Every entry's groups are valid (holds bit set exactly when a tier bit is) and name
         live instances whose key sets hold the key, and nothing else is in those sets; the id
-        maps agree; the bound holds."""
+        maps agree; the bound holds. On the native core: its own invariants (`kvx_check`) and
+        no entry held by an id not in use."""
+        assert set(self._ids.values()) == set(self._names), "instance id maps disagree"
+        assert not set(self._free_ids) & set(self._names), "a free id is in use"
+        if self._core is not None:
+            self._core.check()
+            for iid in range(self._next_id):
+                if iid not in self._names:
+                    assert not self._core.held(iid), f"free id {iid} still holds keys"
+            return
         width, group = self._width, self._group
         pairs = 0
         for key, packed in self._holders.items():
@@ -378,9 +456,7 @@ class PrefixIndex:
         assert pairs == sum(len(s) for s in self._by_inst.values()), (
             "per-instance key sets hold keys the holders map does not"
         )
-        assert set(self._ids.values()) == set(self._names), "instance id maps disagree"
         assert set(self._by_inst) == set(self._names), "key sets and instances disagree"
-        assert not set(self._free_ids) & set(self._names), "a free id is in use"
         if self.max_entries is not None:
             assert len(self._holders) <= self.max_entries, "entry bound exceeded"
 
@@ -451,6 +527,8 @@ class PrefixIndex:
             self._ids[instance] = iid
             self._names[iid] = instance
             self._by_inst[iid] = set()
+            if self._core is not None:
+                self._core.ensure_instances(self._next_id)
         return iid
 
     def _store(self, iid: int, keys: Sequence[bytes], bit: int) -> None:
@@ -517,6 +595,8 @@ class PrefixIndex:
         iid = self._ids.get(instance)
         if iid is None:
             return 0
+        if self._core is not None:
+            return self._core.drop(iid)
         keys = list(self._by_inst[iid])
         self._remove(iid, keys, self._all_tiers)
         return len(keys)
@@ -525,7 +605,32 @@ class PrefixIndex:
         key, packed = self._holders.popitem(last=False)  # type: ignore[call-arg]
         for iid in _ids_of(packed & self._present, self._width):
             self._by_inst[iid].discard(key)
-        self.evicted_entries += 1
+        self._evicted += 1
+
+    def _native_matches(self, core: NativeCore, keys: Sequence[bytes]) -> PrefixMatches:
+        # The result tuples are made with tuple.__new__ (what NamedTuple._make does, without
+        # its Python-level frame): a third of a lookup's Python time went to the two __new__.
+        got = core.match(keys, True)
+        if not got:
+            return _new(PrefixMatches, (len(keys), {}, False))
+        names = self._names
+        rank = self._rank_tiers
+        res = core.res
+        if got == 1 and res[2] >= 0:  # one holder, one tier: the common answer
+            run = res[1]
+            match = _new(InstanceMatch, (run, (rank[res[2]],) * run))
+            return _new(PrefixMatches, (len(keys), {names[res[0]]: match}, False))
+        pages = core.pages
+        out: dict[str, InstanceMatch] = {}
+        for j in range(0, 3 * got, 3):
+            run, tier = res[j + 1], res[j + 2]
+            if tier >= 0:
+                tiers = (rank[tier],) * run
+            else:
+                start = -1 - tier
+                tiers = tuple(map(rank.__getitem__, pages[start : start + run]))
+            out[names[res[j]]] = InstanceMatch(run, tiers)
+        return PrefixMatches(len(keys), out)
 
     def _check_instance(self, instance: str) -> None:
         if not isinstance(instance, str) or not instance:
@@ -561,6 +666,9 @@ class PrefixIndex:
         if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {key_bytes}):
             bad = next(k for k in keys if not isinstance(k, bytes) or len(k) != key_bytes)
             raise InvalidEvent(f"page keys are {key_bytes}-byte bytes, got {bad!r:.80}")
+
+
+_new = tuple.__new__
 
 
 def _ids_of(holds: int, width: int) -> list[int]:

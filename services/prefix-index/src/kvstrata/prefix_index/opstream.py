@@ -8,8 +8,9 @@ with every op timed (`replay_ops`); and the index's memory per entry measured
                  apply(instance_r, [e])     1 op per event e of r (BlockStored / BlockRemoved)
 
 Besides the timed replay: the same replay untimed (`replay_untimed`: the per-op clock reads are a
-tenth of an op here), and the floor any CPython dict-based index pays on this machine
-(`bare_dict_floor`: the same stream as the bare dict probes it needs, nothing else).
+tenth of an op here), the floor any CPython dict-based index pays on this machine
+(`bare_dict_floor`: the same stream as the bare dict probes it needs, nothing else), and the
+floor of the compiled core (`native_floor`: the same stream as bare C calls).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from itertools import repeat, takewhile
 import numpy as np
 
 from kvstrata.prefix_index.index import PrefixIndex
+from kvstrata.prefix_index.native import native_core
 from kvstrata.prefix_index.simulate import SimInstance
 from kvstrata.unified_radix_cache import BlockRemoved, BlockStored, KVEvent
 
@@ -179,6 +181,34 @@ def bare_dict_floor(stream: OpStream) -> float:
     return time.process_time() - cpu_start
 
 
+def native_floor(stream: OpStream) -> tuple[int, float] | None:
+    """(ops, CPU seconds) of the stream as bare calls of the compiled core: each lookup and
+    each event one untyped ctypes call on keys joined beforehand, no index API around them (no
+    checks, no instance names, no result objects): what the native index cannot go below on
+    this machine. None without the compiled core."""
+    first = next((k for r in stream.requests for k in r.page_keys), None)
+    core = native_core(len(first), {"device": 1}, None) if first is not None else None
+    if core is None:
+        return None
+    core.ensure_instances(1)
+    match, apply1, number = core.raw_calls()
+    ops: list[tuple[int, bytes, int]] = []
+    for req in stream.requests:
+        ops.append((-1, b"".join(req.page_keys), len(req.page_keys)))
+        for event in req.events:
+            if isinstance(event, BlockStored | BlockRemoved):
+                kind = int(isinstance(event, BlockRemoved))
+                ops.append((kind, b"".join(event.page_keys), len(event.page_keys)))
+    gc.collect()
+    cpu_start = time.process_time()
+    for kind, joined, num in ops:
+        if kind < 0:
+            match(number, joined, num, 1)
+        else:
+            apply1(number, 0, kind, 1, joined, num)
+    return len(ops), time.process_time() - cpu_start
+
+
 @dataclass(frozen=True, kw_only=True)
 class LookupCost:
     """CPU ns of one dict probe with a key object other than the stored one (as a query's
@@ -226,8 +256,11 @@ def dict_lookup_cost(stream: OpStream, *, probes: int = 100_000) -> LookupCost:
 class MemoryFigures:
     """Traced bytes of an index holding `num_entries` keys, once by one instance and once by
     two (every key held twice): `bytes_per_entry` is the cost of a key held by one instance,
-    `bytes_per_extra_holder` what each further holder of a key adds."""
+    `bytes_per_extra_holder` what each further holder of a key adds. On the native core the
+    bytes its C code allocated (`PrefixIndex.native_bytes`, capacity included) are added to
+    what tracemalloc sees of the Python side."""
 
+    core: str
     num_entries: int
     one_holder_bytes: int
     two_holder_bytes: int
@@ -244,7 +277,8 @@ class MemoryFigures:
 
 def measure_memory(stream: OpStream, *, max_entries: int | None = None) -> MemoryFigures:
     """Build an index from every stored key of `stream` (fresh key objects, as a decoder makes
-    them) under tracemalloc, then add a second holder of every key."""
+    them) under tracemalloc, then add a second holder of every key. The index gets the core
+    `PrefixIndex` picks (inside `kvstrata.pool.native.disabled()`: the Python one)."""
     keys: set[bytes] = set()
     for req in stream.requests:
         for event in req.events:
@@ -262,7 +296,7 @@ def measure_memory(stream: OpStream, *, max_entries: int | None = None) -> Memor
         index.apply("holder-a", [stored])
         del fresh, stored
         gc.collect()
-        one = tracemalloc.get_traced_memory()[0] - base
+        one = tracemalloc.get_traced_memory()[0] - base + index.native_bytes()
         index.apply(
             "holder-b",
             [
@@ -272,8 +306,10 @@ def measure_memory(stream: OpStream, *, max_entries: int | None = None) -> Memor
             ],
         )
         gc.collect()
-        two = tracemalloc.get_traced_memory()[0] - base
+        two = tracemalloc.get_traced_memory()[0] - base + index.native_bytes()
     finally:
         tracemalloc.stop()
     assert len(index) == len(ordered)
-    return MemoryFigures(num_entries=len(ordered), one_holder_bytes=one, two_holder_bytes=two)
+    return MemoryFigures(
+        core=index.core, num_entries=len(ordered), one_holder_bytes=one, two_holder_bytes=two
+    )

@@ -1,0 +1,232 @@
+"""The compiled core (`index_core.c` via `kvstrata.prefix_index.native`) against the Python
+entries it replaces: twin indexes, one made inside `kvstrata.pool.native.disabled()`, fed the
+same random event streams (stores, removals per tier, clears, multi-event batches, drops with
+ids reused, bad events), bounded and unbounded, must give the same find_matches, match_lengths,
+score, holdings, len and stats after every step, and pass check_integrity. Keys whose hashes
+collide in the C table's slot bits stay distinct entries."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvstrata.pool import native
+from kvstrata.prefix_index import PrefixIndex
+from kvstrata.prefix_index.native import NativeCore, native_core
+from kvstrata.prefix_index.opstream import build_op_stream
+from kvstrata.unified_radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+pytestmark = pytest.mark.skipif(
+    native_core(32, {"device": 1}, None) is None, reason="no compiled index core"
+)
+
+KEYS = tuple(bytes([i]) * 31 + bytes([i % 3]) for i in range(14))
+TIERS = ("device", "host", "storage")
+NAMES = ("a", "b", "c", "d", "e", "f")
+runs = st.tuples(st.integers(0, 13), st.integers(1, 7)).map(lambda t: KEYS[t[0] : t[0] + t[1]])
+queries = st.lists(st.sampled_from(KEYS), max_size=9) | runs.map(list)
+
+
+def twins(*, in_place: bool = True, **kwargs: object) -> tuple[PrefixIndex, PrefixIndex]:
+    """A native index and a Python one; `in_place=False`: the native one joins keys in Python
+    instead of reading the tuples in place (the path of interpreters with another layout)."""
+    fast = PrefixIndex(1, **kwargs)  # pyright: ignore[reportArgumentType]
+    with native.disabled():
+        slow = PrefixIndex(1, **kwargs)  # pyright: ignore[reportArgumentType]
+    assert fast.core == "native" and slow.core == "python"
+    core = fast._core  # pyright: ignore[reportPrivateUsage]
+    assert core is not None
+    if not in_place:
+        core._in_place = False  # pyright: ignore[reportPrivateUsage]
+    return fast, slow
+
+
+def both(fast: PrefixIndex, slow: PrefixIndex, op: Callable[[PrefixIndex], object]) -> object:
+    """Run `op` on both: the same result, or the same error (type and message)."""
+    outcomes: list[tuple[str, object]] = []
+    for index in (fast, slow):
+        try:
+            outcomes.append(("ok", op(index)))
+        except Exception as exc:  # noqa: BLE001 - compared below
+            outcomes.append((type(exc).__name__, str(exc)))
+    assert outcomes[0] == outcomes[1]
+    return outcomes[0][1]
+
+
+events = st.one_of(
+    st.builds(
+        lambda keys, tier: BlockStored(
+            page_keys=keys, parent_key=None, tokens_per_page=1, tier=tier
+        ),
+        runs,
+        st.sampled_from(TIERS),
+    ),
+    st.builds(
+        lambda keys, tier: BlockRemoved(page_keys=tuple(keys), tier=tier),
+        st.lists(st.sampled_from(KEYS), max_size=7),
+        st.sampled_from(TIERS),
+    ),
+    st.builds(lambda tier: AllBlocksCleared(tier=tier), st.sampled_from((*TIERS, None))),
+)
+bad_events = st.sampled_from(
+    [
+        BlockStored(page_keys=(b"short",), parent_key=None, tokens_per_page=1),
+        BlockStored(page_keys=KEYS[:2], parent_key=None, tokens_per_page=2),
+        BlockRemoved(page_keys=KEYS[:1], tier="tape"),
+        AllBlocksCleared(tier="tape"),
+    ]
+)
+
+
+class NativeVersusPython(RuleBasedStateMachine):
+    in_place = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fast, self.slow = twins(in_place=self.in_place)
+
+    @rule(bound=st.sampled_from((None, 3, 6, 10)))
+    def restart(self, bound: int | None) -> None:
+        """Start over with a bound (small ones evict on most stores)."""
+        self.fast, self.slow = twins(in_place=self.in_place, max_entries=bound)
+
+    @rule(name=st.sampled_from(NAMES), batch=st.lists(events, min_size=1, max_size=4))
+    def apply(self, name: str, batch: list[KVEvent]) -> None:
+        both(self.fast, self.slow, lambda ix: ix.apply(name, batch))
+
+    @rule(
+        name=st.sampled_from(NAMES),
+        good=st.lists(events, max_size=2),
+        bad=bad_events,
+    )
+    def apply_bad(self, name: str, good: list[KVEvent], bad: KVEvent) -> None:
+        err = both(self.fast, self.slow, lambda ix: ix.apply(name, [*good, bad]))
+        assert isinstance(err, str), "a bad event must be refused"
+
+    @rule(name=st.sampled_from(NAMES))
+    def drop(self, name: str) -> None:
+        both(self.fast, self.slow, lambda ix: ix.drop_instance(name))
+
+    @rule(query=queries)
+    def find(self, query: list[bytes]) -> None:
+        both(self.fast, self.slow, lambda ix: ix.find_matches(query))
+
+    @rule(query=queries)
+    def lengths(self, query: list[bytes]) -> None:
+        both(self.fast, self.slow, lambda ix: ix.match_lengths(query))
+
+    @rule(query=queries)
+    def score(self, query: list[bytes]) -> None:
+        both(self.fast, self.slow, lambda ix: ix.score(query))
+
+    @invariant()
+    def agree(self) -> None:
+        for index in (self.fast, self.slow):
+            index.check_integrity()
+        assert len(self.fast) == len(self.slow)
+        assert self.fast.stats() == self.slow.stats()
+        assert self.fast.evicted_entries == self.slow.evicted_entries
+        assert self.fast.instances() == self.slow.instances()
+        for name in NAMES:
+            assert self.fast.holdings(name) == self.slow.holdings(name)
+        # The same answers for the same prefix-ordered queries (touching both alike).
+        for query in (list(KEYS), list(KEYS[5:]), [KEYS[0], KEYS[2], KEYS[1]]):
+            assert self.fast.find_matches(query) == self.slow.find_matches(query)
+
+
+TestNativeVersusPython = NativeVersusPython.TestCase
+TestNativeVersusPython.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
+
+
+class JoinedKeysVersusPython(NativeVersusPython):
+    in_place = False
+
+
+TestJoinedKeysVersusPython = JoinedKeysVersusPython.TestCase
+TestJoinedKeysVersusPython.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None
+)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_queries_with_odd_keys_stop_where_the_python_index_stops(in_place: bool) -> None:
+    fast, slow = twins(in_place=in_place)
+    for index in (fast, slow):
+        index.apply("a", [BlockStored(page_keys=KEYS[:4], parent_key=None, tokens_per_page=1)])
+    # A 33-byte key then a 31-byte one: joined they are 64 bytes, as two keys would be.
+    spliced = [KEYS[0], KEYS[1] + KEYS[2][:1], KEYS[2][1:], KEYS[3]]
+    queries = (spliced, [KEYS[0], "text", KEYS[1]], [KEYS[0], KEYS[1][:16]], [], tuple(KEYS))
+    for query in queries:
+        assert fast.find_matches(query) == slow.find_matches(query)
+        assert fast.match_lengths(query) == slow.match_lengths(query)
+    assert fast.find_matches(spliced).by_instance["a"].num_pages == 1
+
+
+def _colliding_keys(core: NativeCore) -> tuple[bytes, bytes]:
+    """Two distinct keys whose hashes agree in the 32 bits a slot keeps (same home slot, same
+    tag): only the full key comparison tells them apart. Birthday search, fixed seed."""
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, size=(300_000, 32), dtype=np.uint8)
+    keys = [row.tobytes() for row in raw]
+    low = np.frombuffer(core.hashes(keys), dtype=np.uint64) & np.uint64(0xFFFFFFFF)
+    order = np.argsort(low, kind="stable")
+    same = np.flatnonzero(low[order][1:] == low[order][:-1])
+    assert same.size, "no 32-bit collision among 300k keys (probability ~3e-5)"
+    a, b = keys[order[same[0]]], keys[order[same[0] + 1]]
+    assert a != b
+    return a, b
+
+
+def test_keys_that_collide_in_the_table_stay_distinct() -> None:
+    fast, slow = twins(max_entries=4)
+    core = fast._core  # pyright: ignore[reportPrivateUsage]
+    assert core is not None
+    a, b = _colliding_keys(core)
+    hashes = core.hashes([a, b])
+    assert hashes[0] & 0xFFFFFFFF == hashes[1] & 0xFFFFFFFF
+    for index in (fast, slow):
+        index.apply("x", [BlockStored(page_keys=(a,), parent_key=None, tokens_per_page=1)])
+        index.apply(
+            "y", [BlockStored(page_keys=(b,), parent_key=None, tokens_per_page=1, tier="host")]
+        )
+        index.check_integrity()
+    assert fast.find_matches([a]) == slow.find_matches([a])
+    assert fast.find_matches([a]).by_instance == {"x": (1, ("device",))}
+    assert fast.find_matches([b]).by_instance == {"y": (1, ("host",))}
+    assert fast.match_lengths([a, b]) == {"x": 1}
+    fast.apply("x", [BlockRemoved(page_keys=(a,))])
+    fast.check_integrity()
+    assert fast.find_matches([a]).by_instance == {}
+    assert fast.find_matches([b]).by_instance == {"y": (1, ("host",))}
+    assert len(fast) == 1
+
+
+def test_twins_agree_on_every_lookup_of_an_op_stream() -> None:
+    rng = np.random.default_rng(3)
+    prompts = [
+        [int(t) for t in rng.integers(0, 4, size=int(rng.integers(2, 30)))] for _ in range(300)
+    ]
+    stream = build_op_stream(prompts, num_instances=3, capacity_pages=120)
+    for bound, in_place in ((None, True), (150, True), (150, False)):
+        fast, slow = twins(max_entries=bound, in_place=in_place)
+        for req in stream.requests:
+            assert fast.find_matches(req.page_keys) == slow.find_matches(req.page_keys)
+            fast.apply(req.instance, req.events)
+            slow.apply(req.instance, req.events)
+        fast.check_integrity()
+        assert fast.stats() == slow.stats()
+        assert fast.native_bytes() > 0 and slow.native_bytes() == 0
+
+
+def test_kvstrata_native_0_keeps_the_python_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstrata.pool.native import build
+    from kvstrata.prefix_index.native import source
+
+    monkeypatch.setenv("KVSTRATA_NATIVE", "0")
+    made = build(source())
+    assert made.library is None and "KVSTRATA_NATIVE" in made.reason
