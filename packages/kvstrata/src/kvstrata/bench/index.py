@@ -77,7 +77,12 @@ def _median(runs: list[OpTiming]) -> OpTiming:
 
 
 def _ray_figures(
-    stream: OpStream, batch: int, depth: int, in_flight: int, in_process: OpTiming
+    stream: OpStream,
+    batches: list[int],
+    depth: int,
+    in_flights: list[int],
+    transports: list[str],
+    in_process: OpTiming,
 ) -> dict[str, Any]:
     # Ray reads its loopback switch at import: set the quiet, loopback-only settings first.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -85,22 +90,62 @@ def _ray_figures(
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Not `uv run` per worker in a copy of the working tree (RAY_NOTES: start-up).
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    from kvstrata.prefix_index.localray import replay_on_local_cluster
+    from kvstrata.prefix_index.localray import ReplayConfig, replay_on_local_cluster
 
-    timing, num_shards, skew = replay_on_local_cluster(
-        stream, batch_requests=batch, branch_depth=depth, in_flight=in_flight
-    )
+    configs = [
+        ReplayConfig(direct=t == "direct", batch_requests=b, in_flight=f)
+        for t in transports
+        for b in batches
+        for f in in_flights
+    ]
+    timings, trips, num_shards, skew = replay_on_local_cluster(stream, configs, branch_depth=depth)
+    curve = [
+        {
+            "transport": "direct" if c.direct else "ray",
+            "batch_requests": c.batch_requests,
+            "in_flight": c.in_flight,
+            "ops_per_s": round(t.ops_per_s),
+            "p50_us": round(t.p50_us),
+            "p99_us": round(t.p99_us),
+            "driver_cpu_s": round(t.cpu_seconds, 3),
+            "ratio_vs_in_process_ops": ratio(t.ops_per_s, in_process.ops_per_s),
+            "meets_target": t.ops_per_s >= 30_000 and t.p99_us <= 3_200,
+        }
+        for c, t in zip(configs, timings, strict=True)
+    ]
     return {
         "shards": num_shards,
-        "batch_requests": batch,
-        "in_flight": in_flight,
         "branch_depth": depth,
-        **_timing(timing),
+        "ops": stream.num_ops,
+        "round_trip_us": {
+            name: {
+                "p50": round(rt.p50_us, 1),
+                "p99": round(rt.p99_us, 1),
+                "caller_cpu_per_call": round(rt.cpu_us_per_call, 1),
+            }
+            for name, rt in trips.items()
+        },
+        "ratio_round_trip_p50_ray_vs_direct": ratio(trips["ray"].p50_us, trips["direct"].p50_us),
+        "curve": curve,
         "shard_skew": round(skew, 4),
-        "ratio_vs_in_process_ops": ratio(timing.ops_per_s, in_process.ops_per_s),
+        "in_process_ops_per_s": round(in_process.ops_per_s),
         "target_ops_per_s": 30_000,
         "target_p99_us": 3_200,
     }
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, comma-separated: {text!r}")
+    return values
+
+
+def _transports(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or not set(values) <= {"ray", "direct"}:
+        raise argparse.ArgumentTypeError(f"expected ray and/or direct: {text!r}")
+    return values
 
 
 def main(argv: list[str]) -> int:
@@ -118,8 +163,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--load-weight", type=float, default=0.03, help="cache_aware load term")
     parser.add_argument("--no-routing", action="store_true")
     parser.add_argument("--ray", action="store_true", help="also measure through Ray shards")
-    parser.add_argument("--batch", type=int, default=64, help="--ray: requests per round")
-    parser.add_argument("--in-flight", type=int, default=8, help="--ray: rounds outstanding")
+    parser.add_argument(
+        "--batch", type=_ints, default=[4, 8, 16, 64], help="--ray: requests per round (list)"
+    )
+    parser.add_argument(
+        "--in-flight", type=_ints, default=[1, 2, 4], help="--ray: rounds outstanding (list)"
+    )
+    parser.add_argument(
+        "--transport",
+        type=_transports,
+        default=["ray", "direct"],
+        help="--ray: Ray actor calls and/or the shards' direct ZMQ channel (list)",
+    )
     parser.add_argument(
         "--branch-depth",
         type=int,
@@ -187,7 +242,14 @@ def main(argv: list[str]) -> int:
             emit(
                 {
                     "bench": "index_ray",
-                    **_ray_figures(stream, args.batch, args.branch_depth, args.in_flight, base),
+                    **_ray_figures(
+                        stream,
+                        args.batch,
+                        args.branch_depth,
+                        args.in_flight,
+                        args.transport,
+                        base,
+                    ),
                 }
             )
         except RayDidNotStart as exc:

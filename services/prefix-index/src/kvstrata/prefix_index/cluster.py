@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from ray.exceptions import ActorDiedError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from kvstrata.prefix_index.channel import METHODS, ChannelServer, Pending, ShardChannel
 from kvstrata.prefix_index.dump import dump_tree
 from kvstrata.prefix_index.errors import InvalidParameter, ShardUnavailable
 from kvstrata.prefix_index.index import PrefixIndex
@@ -210,6 +211,10 @@ class IndexShard:
         lengths, rebuilding = self.match_batch(queries)
         return lengths, rebuilding, self.apply_batches(items)
 
+    def echo(self, value: Any) -> Any:
+        """`value` back: a call that does nothing, for measuring a transport's round trip."""
+        return value
+
     def collector(self) -> IndexCollector:
         """The shard's Prometheus collector (`kvstrata_prefix_index_*`), read at scrape time."""
         return IndexCollector(self.index, self.counters)
@@ -267,6 +272,7 @@ class _RayShard(IndexShard):
         purge_period_s: float = 0.5,
         metrics_port: int | None = None,
         metrics_addr: str = "127.0.0.1",
+        channel_addr: str | None = "127.0.0.1",
     ) -> None:
         ctx = ray.get_runtime_context()
         super().__init__(
@@ -287,6 +293,11 @@ class _RayShard(IndexShard):
             registry.register(self.collector())
             server, _thread = start_http_server(metrics_port, addr=metrics_addr, registry=registry)
             self._metrics_port = server.server_port
+        self._channel = None if channel_addr is None else ChannelServer(self, host=channel_addr)
+
+    def channel_address(self) -> str | None:
+        """Where this shard's direct channel listens (None: no channel; Ray calls only)."""
+        return None if self._channel is None else self._channel.address
 
     def metrics_port(self) -> int | None:
         """The port serving /metrics (None: no endpoint)."""
@@ -334,11 +345,14 @@ def deploy_shards(
     purge_period_s: float = 0.5,
     metrics_port: int | None = None,
     metrics_addr: str = "127.0.0.1",
+    channel_addr: str | None = "127.0.0.1",
 ) -> dict[str, Any]:
     """One named, detached shard actor per alive node (existing ones are reused). Returns
     shard name -> actor handle. `metrics_port` (0: any free port; None: none) makes each new
-    shard serve /metrics on its node at `metrics_addr`. InvalidParameter, before any actor is
-    made, for a page size below 1 or a port outside 0..65535."""
+    shard serve /metrics on its node at `metrics_addr`; `channel_addr` (None: none) is where
+    its direct data channel (`channel.py`, for `ClusterIndex(direct=True)`) listens.
+    InvalidParameter, before any actor is made, for a page size below 1 or a port outside
+    0..65535."""
     if page_size < 1:
         raise InvalidParameter(f"page_size must be >= 1, got {page_size}")
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
@@ -365,6 +379,7 @@ def deploy_shards(
             purge_period_s=purge_period_s,
             metrics_port=metrics_port,
             metrics_addr=metrics_addr,
+            channel_addr=channel_addr,
         )
     return out
 
@@ -395,7 +410,9 @@ class ClusterIndex:
     replicated on every shard, so a query goes to `owner(keys[min(d, len) - 1])` and still sees
     its whole prefix there. d = 1 shards by the first page; on a trace where every request
     opens with the same page (the Mooncake trace), d = 1 puts everything on one shard.
-    `timeout_s` bounds every Ray call; a shard that does not answer raises ShardUnavailable."""
+    `timeout_s` bounds every Ray call; a shard that does not answer raises ShardUnavailable.
+    `direct`: data-plane calls (`channel.METHODS`) go over each shard's ZMQ channel, found
+    through Ray (which keeps registration); a failed channel is dropped and found again."""
 
     def __init__(
         self,
@@ -404,6 +421,7 @@ class ClusterIndex:
         page_size: int,
         timeout_s: float = 10.0,
         branch_depth: int = 1,
+        direct: bool = False,
     ) -> None:
         if not shards:
             raise InvalidParameter("a cluster index needs at least one shard")
@@ -415,6 +433,10 @@ class ClusterIndex:
         self.page_size = page_size
         self.timeout_s = timeout_s
         self._local = all(isinstance(h, IndexShard) for h in self.shards.values())
+        if direct and self._local:
+            raise InvalidParameter("direct channels need Ray shard actors")
+        self.direct = direct
+        self._channels: dict[str, ShardChannel] = {}
         self._owners: dict[bytes, str] = {}
 
     def owner(self, first_key: bytes) -> str:
@@ -429,16 +451,54 @@ class ClusterIndex:
 
     def call_many(self, calls: Mapping[str, tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
         """`method(*args)` on each named shard, all in flight together; results by shard."""
+        pending = {n: self.submit(n, m, args) for n, (m, args) in calls.items()}
+        return {name: p.get() for name, p in pending.items()}
+
+    def submit(self, name: str, method: str, args: tuple[Any, ...]) -> Pending:
+        """Start `method(*args)` on shard `name`; `get()` on the result waits (bounded by
+        `timeout_s`; ShardUnavailable when the shard does not answer). Calls submitted to one
+        shard run there in submission order."""
         if self._local:
-            return {n: getattr(self.shards[n], m)(*args) for n, (m, args) in calls.items()}
-        refs = {n: getattr(self.shards[n], m).remote(*args) for n, (m, args) in calls.items()}
-        out: dict[str, Any] = {}
-        for name, ref in refs.items():
-            try:
-                out[name] = ray.get(ref, timeout=self.timeout_s)
-            except (RayError, TimeoutError) as exc:
-                raise ShardUnavailable(f"shard {name} did not answer: {exc}") from exc
-        return out
+            value = getattr(self.shards[name], method)(*args)
+            return Pending(lambda: value)
+        if self.direct and method in METHODS:
+            channel = self.channel(name)
+            rid = channel.send(method, args)
+
+            def answer() -> Any:
+                try:
+                    return channel.recv(rid)
+                except ShardUnavailable:
+                    self._channels.pop(name, None)  # maybe restarted: ask Ray again next call
+                    raise
+
+            return Pending(answer)
+        ref = getattr(self.shards[name], method).remote(*args)
+        return Pending(lambda: self._ray_get(name, ref))
+
+    def _ray_get(self, name: str, ref: Any) -> Any:
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except (RayError, TimeoutError) as exc:
+            raise ShardUnavailable(f"shard {name} did not answer: {exc}") from exc
+
+    def channel(self, name: str) -> ShardChannel:
+        """Shard `name`'s direct channel, its address asked of Ray (the actor) when there is
+        none open. ShardUnavailable when the actor does not answer or serves no channel."""
+        got = self._channels.get(name)
+        if got is not None and not got.closed:
+            return got
+        address = self._ray_get(name, self.shards[name].channel_address.remote())
+        if address is None:
+            raise ShardUnavailable(f"shard {name} serves no direct channel")
+        got = self._channels[name] = ShardChannel(name, address, timeout_s=self.timeout_s)
+        return got
+
+    def close(self) -> None:
+        """Close the direct channels (a later call opens them again)."""
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
 
     def match_batch(self, queries: Sequence[Sequence[bytes]]) -> list[ClusterMatch]:
         """Each query (page keys) answered by the shard owning its first key; one call per
