@@ -107,6 +107,18 @@ class ChannelServer:
         self._ctx.term()
 
 
+class Pending:
+    """An answer on its way: `get()` waits for it (Ray ref, channel request or a value)."""
+
+    __slots__ = ("_get",)
+
+    def __init__(self, get: Callable[[], Any]) -> None:
+        self._get = get
+
+    def get(self) -> Any:
+        return self._get()
+
+
 class ShardChannel:
     """A client's connection to one shard's `ChannelServer`. `send` queues a request and
     returns its id; `recv(id)` waits for that reply (replies come in request order). Every wait
@@ -169,6 +181,22 @@ class ShardChannel:
             raise ShardCallFailed(f"shard {self.name}: {kind}: {message}")
         return _unpack(body)
 
+    def submit(
+        self, method: str, args: Sequence[object], on_failure: Callable[[], object]
+    ) -> Pending:
+        """`send`; the answer's `get()` is `recv`, calling `on_failure` before a
+        ShardUnavailable propagates (the owner drops this channel)."""
+        rid = self.send(method, args)
+
+        def answer() -> Any:
+            try:
+                return self.recv(rid)
+            except ShardUnavailable:
+                on_failure()
+                raise
+
+        return Pending(answer)
+
     def call(self, method: str, *args: object) -> Any:
         return self.recv(self.send(method, args))
 
@@ -180,15 +208,3 @@ class ShardChannel:
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
-
-
-class Pending:
-    """An answer on its way: `get()` waits for it (Ray ref, channel request or a value)."""
-
-    __slots__ = ("_get",)
-
-    def __init__(self, get: Callable[[], Any]) -> None:
-        self._get = get
-
-    def get(self) -> Any:
-        return self._get()

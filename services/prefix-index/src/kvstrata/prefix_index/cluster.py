@@ -23,6 +23,7 @@ Failure:
   (`__ray_ready__`) every period and drops the instance once Ray answers ActorDiedError;
   registered with a lease (`ttl_s`), every batch, dump or `renew` from the instance extends it,
   and the shard drops an instance whose lease ran out (engines outside Ray, hung engines).
+Transport: Ray actor calls, or (`ClusterIndex(direct=True)`) each shard's ZMQ channel.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -165,13 +165,14 @@ class IndexShard:
         if lease is not None:
             self._leases[instance] = (lease[0], self._clock() + lease[0])
 
-    def _forget(self, instance: str) -> None:
+    def _forget(self, instance: str, *, purged: bool = True) -> int:
         self._nodes.pop(instance, None)
         self._heard.discard(instance)
         self._leases.pop(instance, None)
         self._actors.pop(instance, None)
-        self.index.drop_instance(instance)
-        self.purged.append(instance)
+        if purged:
+            self.purged.append(instance)
+        return self.index.drop_instance(instance)
 
     def apply_batches(self, items: Sequence[tuple[str, int, bytes]]) -> list[bool]:
         """Apply (instance, seq, encoded kvstrata events) in order; False = needs a dump."""
@@ -221,11 +222,7 @@ class IndexShard:
 
     def drop_instance(self, instance: str) -> int:
         with self._lock:
-            self._nodes.pop(instance, None)
-            self._heard.discard(instance)
-            self._leases.pop(instance, None)
-            self._actors.pop(instance, None)
-            return self.index.drop_instance(instance)
+            return self._forget(instance, purged=False)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -238,6 +235,7 @@ class IndexShard:
                 "restarted": self.restarted,
                 "rebuilding": self._rebuilding(),
                 "purged": list(self.purged),
+                "cpu_s": time.process_time(),  # this process's CPU, all threads (bench)
             }
 
     def _rebuilding(self) -> bool:
@@ -461,18 +459,8 @@ class ClusterIndex:
         if self._local:
             value = getattr(self.shards[name], method)(*args)
             return Pending(lambda: value)
-        if self.direct and method in METHODS:
-            channel = self.channel(name)
-            rid = channel.send(method, args)
-
-            def answer() -> Any:
-                try:
-                    return channel.recv(rid)
-                except ShardUnavailable:
-                    self._channels.pop(name, None)  # maybe restarted: ask Ray again next call
-                    raise
-
-            return Pending(answer)
+        if self.direct and method in METHODS:  # on failure: ask Ray again next call
+            return self.channel(name).submit(method, args, lambda: self._channels.pop(name, None))
         ref = getattr(self.shards[name], method).remote(*args)
         return Pending(lambda: self._ray_get(name, ref))
 
@@ -549,9 +537,10 @@ class ShardedPublisher:
         self.instance = instance
         self.cluster = cluster
         self.tree = tree
-        # Per key: its depth (page index) and its branch key (None: a trunk key, on every shard).
-        self._depth: dict[bytes, int] = {}
-        self._branch: dict[bytes, bytes | None] = {}
+        # Per key below the trunk: its branch key; per trunk key (on every shard): its depth.
+        # One dict entry per key (a probe of a large dict is ~1 us of cache misses here).
+        self._branch: dict[bytes, bytes] = {}
+        self._trunk: dict[bytes, int] = {}
         self._seq = dict.fromkeys(cluster.names, 0)
         self.dumps_sent = 0
         if ttl_s is not None and not ttl_s > 0:
@@ -633,21 +622,23 @@ class ShardedPublisher:
 
     def _assign(self, event: BlockStored) -> list[tuple[bytes | None, tuple[bytes, ...]]]:
         """The event's keys grouped by branch (None: trunk), in order; records each key's
-        depth and branch. A run below the trunk stays on one branch, so at most two groups:
-        the trunk part (depths < d - 1) and the rest, recorded with C-level dict updates."""
-        d = self.cluster.branch_depth
+        branch (or trunk depth). A run below the trunk stays on one branch, so at most two
+        groups: the trunk part (depths < d - 1) and the rest, recorded with C-level updates.
+        A parent never seen counts as the root (depth 0)."""
         parent = event.parent_key
-        depth = self._depth.get(parent, -1) + 1 if parent is not None else 0
-        inherited = self._branch.get(parent) if parent is not None else None
         keys = tuple(event.page_keys)
-        self._depth.update(zip(keys, range(depth, depth + len(keys)), strict=False))
-        trunk = max(0, min(len(keys), d - 1 - depth))
+        inherited = None if parent is None else self._branch.get(parent)
+        if inherited is not None:  # below the trunk: the parent's branch
+            self._branch.update(zip(keys, repeat(inherited)))
+            return [(inherited, keys)]
+        depth = 0 if parent is None else self._trunk.get(parent, -1) + 1
+        trunk = max(0, min(len(keys), self.cluster.branch_depth - 1 - depth))
         groups: list[tuple[bytes | None, tuple[bytes, ...]]] = []
         if trunk:
-            self._branch.update(zip(keys[:trunk], repeat(None)))
+            self._trunk.update(zip(keys[:trunk], range(depth, depth + trunk), strict=True))
             groups.append((None, keys[:trunk]))
-        if trunk < len(keys):
-            branch = keys[trunk] if depth + trunk == d - 1 else inherited
+        if trunk < len(keys):  # keys[trunk] is at depth d - 1: it names the branch
+            branch = keys[trunk]
             self._branch.update(zip(keys[trunk:], repeat(branch)))
             groups.append((branch, keys[trunk:]))
         return groups
@@ -671,8 +662,12 @@ class ShardedPublisher:
                         out.setdefault(name, []).append(part)
             elif isinstance(event, BlockRemoved):
                 keys = event.page_keys
-                branches = list(map(self._branch.pop, keys, repeat(_UNKNOWN)))
-                deque(map(self._depth.pop, keys, repeat(None)), maxlen=0)
+                branches: list[bytes | None] = list(map(self._branch.pop, keys, repeat(_UNKNOWN)))
+                if _UNKNOWN in branches:  # trunk keys (rare), or keys never seen stored
+                    branches = [
+                        b if b is not _UNKNOWN else None if self._trunk.pop(k, -1) >= 0 else b
+                        for k, b in zip(keys, branches, strict=True)
+                    ]
                 distinct = set(branches)
                 removed: dict[str, list[bytes]] = {}
                 if len(distinct) == 1:  # the common case: one branch (or the trunk)
@@ -693,7 +688,7 @@ class ShardedPublisher:
             elif isinstance(event, AllBlocksCleared):
                 if event.tier is None or event.tier == "device":
                     self._branch.clear()
-                    self._depth.clear()
+                    self._trunk.clear()
                 for name in self.cluster.names:
                     out.setdefault(name, []).append(event)
         return out

@@ -151,12 +151,13 @@ def replay_on_local_cluster(
     num_workers: int = 1,
     branch_depth: int = 2,
     ping_calls: int = 300,
-) -> tuple[list[OpTiming], dict[str, RoundTrips], int, float]:
+) -> tuple[list[OpTiming], list[float], dict[str, RoundTrips], int, float]:
     """Start a loopback cluster of 1 + `num_workers` nodes, deploy one shard per node, and in
     that one session: time `ping_calls` bare round trips on Ray and on the direct channel,
     then replay `stream` once per config (`replay_ops_on_cluster`; the instances are dropped
-    from every shard between replays). Returns the timings (in `configs` order), the round
-    trips ("ray", "direct"), the number of shards and the shard skew of the last replay.
+    from every shard between replays). Returns the timings (in `configs` order), the CPU
+    seconds the shard processes spent in each replay (all shards, all their threads), the
+    round trips ("ray", "direct"), the number of shards and the last replay's shard skew.
     Everything is shut down on return."""
     with loopback_cluster(num_workers=num_workers):
         shards = deploy_shards(stream.page_size)
@@ -180,10 +181,12 @@ def replay_on_local_cluster(
             }
             instances = sorted({r.instance for r in stream.requests})
             timings: list[OpTiming] = []
+            shard_cpu: list[float] = []
             for config in configs:
                 clusters[False].call_many(
                     {n: ("purge_instances", (instances,)) for n in clusters[False].names}
                 )
+                before = clusters[False].stats()
                 timings.append(
                     replay_ops_on_cluster(
                         clusters[config.direct],
@@ -193,7 +196,9 @@ def replay_on_local_cluster(
                         in_flight=config.in_flight,
                     )
                 )
-            return timings, trips, len(shards), clusters[False].skew()
+                after = clusters[False].stats()
+                shard_cpu.append(sum(after[n]["cpu_s"] - before[n]["cpu_s"] for n in after))
+            return timings, shard_cpu, trips, len(shards), clusters[False].skew()
         finally:
             clusters[True].close()
 
