@@ -15,15 +15,17 @@ import os
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import repeat
+from typing import Any
 
 import ray
 from ray._private import ray_constants
 from ray.actor import ActorHandle
 from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvstrata.prefix_index.channel import Pending
 from kvstrata.prefix_index.cluster import ClusterIndex, ShardedPublisher, deploy_shards
@@ -125,14 +127,43 @@ class ReplayConfig:
     in_flight: int
 
 
+class AsyncEcho:
+    """An async Ray actor (`async def`, `max_concurrency`): the bench times its bare round
+    trip beside the shard's sync actor calls (an async shard would pay at least this)."""
+
+    async def echo(self, value: object) -> object:
+        return value
+
+
 def round_trips(cluster: ClusterIndex, name: str, calls: int) -> RoundTrips:
     """`calls` sequential `echo(0)` round trips to shard `name` on `cluster`'s transport."""
-    cluster.submit(name, "echo", (0,)).get()  # connect / warm
+    return _timed(lambda: cluster.submit(name, "echo", (0,)).get(), calls)
+
+
+def async_actor_round_trips(node_id: str, calls: int, timeout_s: float = 120) -> RoundTrips:
+    """The same against an `AsyncEcho` actor (max_concurrency 16) placed on `node_id`."""
+    actor: Any = (
+        ray.remote(AsyncEcho)
+        .options(
+            num_cpus=0,
+            max_concurrency=16,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote()
+    )
+    try:
+        return _timed(lambda: ray.get(actor.echo.remote(0), timeout=timeout_s), calls)
+    finally:
+        ray.kill(actor)
+
+
+def _timed(call: Callable[[], object], calls: int) -> RoundTrips:
+    call()  # connect / warm
     walls: list[float] = []
     cpu0 = time.process_time()
     for _ in range(calls):
         t0 = time.perf_counter()
-        cluster.submit(name, "echo", (0,)).get()
+        call()
         walls.append(time.perf_counter() - t0)
     cpu = time.process_time() - cpu0
     walls.sort()
@@ -157,7 +188,8 @@ def replay_on_local_cluster(
     then replay `stream` once per config (`replay_ops_on_cluster`; the instances are dropped
     from every shard between replays). Returns the timings (in `configs` order), the CPU
     seconds the shard processes spent in each replay (all shards, all their threads), the
-    round trips ("ray", "direct"), the number of shards and the last replay's shard skew.
+    round trips ("ray", "direct", "ray_async_actor"), the number of shards and the last
+    replay's shard skew.
     Everything is shut down on return."""
     with loopback_cluster(num_workers=num_workers):
         shards = deploy_shards(stream.page_size)
@@ -178,6 +210,9 @@ def replay_on_local_cluster(
             trips = {
                 "ray": round_trips(clusters[False], first, ping_calls),
                 "direct": round_trips(clusters[True], first, ping_calls),
+                "ray_async_actor": async_actor_round_trips(
+                    ray.get(shards[first].stats.remote(), timeout=120)["node_id"], ping_calls
+                ),
             }
             instances = sorted({r.instance for r in stream.requests})
             timings: list[OpTiming] = []
