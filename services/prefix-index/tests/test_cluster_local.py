@@ -248,3 +248,8 @@ def test_evictions_of_trunk_and_branch_keys_keep_the_shards_equal_to_the_tree(de
     assert pub.dumps_sent == 0
     assert not pub._branch.keys() & pub._trunk.keys()  # pyright: ignore[reportPrivateUsage]
     assert set(pub._branch) | set(pub._trunk) == tree_keys(inst)  # pyright: ignore[reportPrivateUsage]
+
+
+def test_direct_channels_need_ray_shard_actors() -> None:
+    with pytest.raises(InvalidParameter, match="direct"):
+        ClusterIndex({"s0": IndexShard(PAGE)}, page_size=PAGE, direct=True)
