@@ -410,7 +410,8 @@ class ClusterIndex:
     opens with the same page (the Mooncake trace), d = 1 puts everything on one shard.
     `timeout_s` bounds every Ray call; a shard that does not answer raises ShardUnavailable.
     `direct`: data-plane calls (`channel.METHODS`) go over each shard's ZMQ channel, found
-    through Ray (which keeps registration); a failed channel is dropped and found again."""
+    through Ray (which keeps registration); a failed channel is dropped and found again.
+    Use a direct ClusterIndex from one thread (ZMQ sockets are not thread-safe)."""
 
     def __init__(
         self,
