@@ -12,6 +12,7 @@ actor took over 60 s to start here and the cluster looked like it had not come u
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from collections import deque
@@ -96,16 +97,22 @@ def loopback_cluster(num_workers: int, attempts: int = 2) -> Iterator[Cluster]:
             raise RayDidNotStart("; ".join(errors))
         ray.init(address=cluster.address, log_to_driver=False, namespace="kvstrata-test")
         yield cluster
-    finally:
-        ray.shutdown()
-        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = saved_uv_hook
-        if cluster is not None:
-            cluster.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    finally:  # each step runs even when the one before raised
+        try:
+            ray.shutdown()
+        finally:
+            ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = saved_uv_hook
+            try:
+                if cluster is not None:
+                    cluster.shutdown()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+                # The session folder (logs, sockets): 0.3-0.7 MB a run, GBs after long ones.
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclass(frozen=True, kw_only=True)
