@@ -224,3 +224,32 @@ def test_lease_must_be_positive() -> None:
         with pytest.raises(InvalidParameter, match="ttl_s"):
             shard.register("x", "n0", ttl_s=bad)
     assert shard.stats()["instances"] == 0 and shard.purge_expired() == []
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_evictions_of_trunk_and_branch_keys_keep_the_shards_equal_to_the_tree(depth: int) -> None:
+    # Small instance, prompts with a few shared openings: evictions remove trunk keys (depth <
+    # d - 1, on every shard) as well as branch keys, in batches that mix both.
+    cluster = ClusterIndex(
+        {f"s{i}": IndexShard(PAGE, node_id="n0") for i in range(3)},
+        page_size=PAGE,
+        branch_depth=depth,
+    )
+    inst = SimInstance("i", capacity_pages=24, page_size=PAGE)
+    pub = ShardedPublisher("i", cluster, inst.tree, node_id="n0")
+    for r in range(60):
+        opening = [r % 4] * PAGE + [100 + r % 3] * PAGE
+        inst.serve(opening + [r * 1000 + j for j in range(PAGE * (1 + r % 4))])
+        pub.publish(inst.take_events())
+        assert held_by(cluster, "i") == tree_keys(inst)
+        for shard in cluster.shards.values():
+            assert isinstance(shard, IndexShard)
+            assert not shard.index.needs_dump("i")
+    assert pub.dumps_sent == 0
+    assert not pub._branch.keys() & pub._trunk.keys()  # pyright: ignore[reportPrivateUsage]
+    assert set(pub._branch) | set(pub._trunk) == tree_keys(inst)  # pyright: ignore[reportPrivateUsage]
+
+
+def test_direct_channels_need_ray_shard_actors() -> None:
+    with pytest.raises(InvalidParameter, match="direct"):
+        ClusterIndex({"s0": IndexShard(PAGE)}, page_size=PAGE, direct=True)

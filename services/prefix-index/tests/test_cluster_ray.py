@@ -17,6 +17,7 @@ from kvstrata.prefix_index.cluster import (
     deploy_shards,
     remove_shards,
 )
+from kvstrata.prefix_index.errors import ShardUnavailable
 from kvstrata.prefix_index.localray import loopback_cluster
 
 PAGE = 4
@@ -184,3 +185,63 @@ def test_a_dead_instance_actor_on_a_live_node_is_purged_within_2s(
     assert all(m.lengths == {"lives": 4} for m in cluster.match_batch(queries))
     assert all("dies" in s["purged"] for s in cluster.stats().values())
     assert not any("lives" in s["purged"] for s in cluster.stats().values())
+
+
+def test_direct_channel_routes_and_survives_a_shard_restart(shards: dict[str, Any]) -> None:
+    cluster = ClusterIndex(shards, page_size=PAGE, direct=True, timeout_s=20)
+    try:
+        for name in cluster.names:
+            assert cluster.channel(name).address.startswith("tcp://127.0.0.1:")
+        node = ray.get_runtime_context().get_node_id()
+        names = ["d1", "d2"]
+        insts = {n: SimInstance(n, capacity_pages=300, page_size=PAGE) for n in names}
+        pubs = {n: ShardedPublisher(n, cluster, insts[n].tree, node_id=node) for n in names}
+        router = Router(cluster, names, policy="cache_aware", load_weight=0.1)
+        keyer = insts["d1"].tree.keyer
+        assert keyer is not None
+        first: dict[int, str] = {}
+        for branch in range(300, 308):
+            toks = prompt(branch, 5)
+            decision = router.route(keyer.page_keys(toks))
+            insts[decision.instance].serve(toks)
+            pubs[decision.instance].publish(insts[decision.instance].take_events())
+            first[branch] = decision.instance
+        for branch in range(300, 308):
+            decision = router.route(keyer.page_keys(prompt(branch, 5, tail=1)))
+            assert (decision.instance, decision.matched_pages) == (first[branch], 5)
+        # The same answers as over Ray calls.
+        queries = [keyer.page_keys(prompt(b, 5)) for b in range(300, 308)]
+        over_ray = ClusterIndex(shards, page_size=PAGE).match_batch(queries)
+        assert [m.lengths for m in cluster.match_batch(queries)] == [m.lengths for m in over_ray]
+
+        keys = queries[0]
+        holder = first[300]
+        victim = cluster.owner(keys[0])
+        old_address = cluster.channel(victim).address
+        ray.kill(shards[victim], no_restart=False)
+        # The channel of the killed process fails fast (a clear error, not a hang)...
+        start = time.monotonic()
+        with pytest.raises(ShardUnavailable):
+            while time.monotonic() - start < 30:
+                cluster.match_batch([keys])
+                time.sleep(0.05)
+        assert time.monotonic() - start < 15
+        # ...and the next calls find the restarted actor's new channel through Ray.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                answer = cluster.match_batch([keys])[0]
+                break
+            except ShardUnavailable:
+                assert time.monotonic() < deadline, "no channel to the restarted shard"
+                time.sleep(0.2)
+        assert cluster.channel(victim).address != old_address
+        assert answer.partial and holder not in answer.lengths
+        # The holder's next batch to it is a gap: a dump (over the channel) rebuilds it.
+        dumps = pubs[holder].dumps_sent
+        insts[holder].serve(prompt(300, 5, tail=9))
+        pubs[holder].publish(insts[holder].take_events())
+        assert pubs[holder].dumps_sent == dumps + 1
+        assert cluster.match_batch([keys])[0].lengths.get(holder) == 6  # 5 pages + the tail
+    finally:
+        cluster.close()

@@ -21,9 +21,13 @@ Three records (JSON lines):
 - `index_memory`: bytes per entry (a key held by one instance) and per extra holder, of each
   core (the native core's C allocations counted beside tracemalloc's Python ones).
 - `index_ray` (with `--ray`): the same stream through shard actors on a local 2-node loopback
-  Ray cluster, `--batch` requests per round (one `round` call per shard: its lookups and its
-  event batches), `--in-flight` rounds outstanding; each op's latency is its round's time from
-  submission to answer. Baseline: the in-process rate above.
+  Ray cluster, one `round` call per shard per round (its lookups and its event batches), over
+  each `--transport` (Ray actor calls; `direct`: the shards' ZMQ channels, placed and found
+  through Ray), for every `--batch` (requests per round) x `--in-flight` (rounds outstanding);
+  `--ray-repeats` passes over all configs, medians per config. Each op's latency is its round's
+  time from submission to answer. Per config: ops/s, p50/p99, the driver's and the shards' CPU
+  per op, and the rate those CPU costs allow on 2 idle cores. Beside the curve: bare round
+  trips (`echo`) on both transports, timed in the same session. Baseline: the in-process rate.
 - `routing` (unless `--no-routing`): 8 simulated device-only LRU instances of 5,860 pages, the
   trace routed round-robin (baseline) and cache-aware; block hit rate and the busiest
   instance's routed pages over the mean.
@@ -122,7 +126,13 @@ class _CoreRuns:
 
 
 def _ray_figures(
-    stream: OpStream, batch: int, depth: int, in_flight: int, in_process: OpTiming
+    stream: OpStream,
+    batches: list[int],
+    depth: int,
+    in_flights: list[int],
+    transports: list[str],
+    repeats: int,
+    in_process: OpTiming,
 ) -> dict[str, Any]:
     # Ray reads its loopback switch at import: set the quiet, loopback-only settings first.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -130,22 +140,82 @@ def _ray_figures(
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Not `uv run` per worker in a copy of the working tree (RAY_NOTES: start-up).
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    from kvstrata.prefix_index.localray import replay_on_local_cluster
+    from kvstrata.prefix_index.localray import ReplayConfig, replay_on_local_cluster
 
-    timing, num_shards, skew = replay_on_local_cluster(
-        stream, batch_requests=batch, branch_depth=depth, in_flight=in_flight
+    configs = [
+        ReplayConfig(direct=t == "direct", batch_requests=b, in_flight=f)
+        for t in transports
+        for b in batches
+        for f in in_flights
+    ]
+    # Every config once per pass, passes one after another: noise spreads over all configs.
+    timings, shard_cpu, trips, num_shards, skew = replay_on_local_cluster(
+        stream, configs * repeats, branch_depth=depth
     )
+    curve: list[dict[str, Any]] = []
+    for i, c in enumerate(configs):
+        runs = timings[i :: len(configs)]
+        cpus = shard_cpu[i :: len(configs)]
+        ops = runs[0].ops
+        rate = statistics.median(t.ops_per_s for t in runs)
+        p99 = statistics.median(t.p99_us for t in runs)
+        driver = statistics.median(t.cpu_seconds for t in runs)
+        shards = statistics.median(cpus)
+        curve.append(
+            {
+                "transport": "direct" if c.direct else "ray",
+                "batch_requests": c.batch_requests,
+                "in_flight": c.in_flight,
+                "ops_per_s": round(rate),
+                "ops_per_s_all": [round(t.ops_per_s) for t in runs],
+                "p50_us": round(statistics.median(t.p50_us for t in runs)),
+                "p99_us": round(p99),
+                "p99_us_all": [round(t.p99_us) for t in runs],
+                "driver_cpu_us_per_op": round(driver / ops * 1e6, 1),
+                "shards_cpu_us_per_op": round(shards / ops * 1e6, 1),
+                # The rate if driver and shards shared 2 idle cores perfectly: the CPU bound.
+                "cpu_bound_ops_per_s_2_cores": round(2 * ops / (driver + shards)),
+                "ratio_vs_in_process_ops": ratio(rate, in_process.ops_per_s),
+                "meets_target": rate >= 30_000 and p99 <= 3_200,
+            }
+        )
     return {
         "shards": num_shards,
-        "batch_requests": batch,
-        "in_flight": in_flight,
         "branch_depth": depth,
-        **_timing(timing),
+        "ops": stream.num_ops,
+        "round_trip_us": {
+            name: {
+                "p50": round(rt.p50_us, 1),
+                "p99": round(rt.p99_us, 1),
+                "caller_cpu_per_call": round(rt.cpu_us_per_call, 1),
+            }
+            for name, rt in trips.items()
+        },
+        "ratio_round_trip_p50_ray_vs_direct": ratio(trips["ray"].p50_us, trips["direct"].p50_us),
+        "ratio_round_trip_p50_async_vs_sync_actor": ratio(
+            trips["ray_async_actor"].p50_us, trips["ray"].p50_us
+        ),
+        "ray_repeats": repeats,
+        "curve": curve,
         "shard_skew": round(skew, 4),
-        "ratio_vs_in_process_ops": ratio(timing.ops_per_s, in_process.ops_per_s),
+        "in_process_ops_per_s": round(in_process.ops_per_s),
         "target_ops_per_s": 30_000,
         "target_p99_us": 3_200,
     }
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, comma-separated: {text!r}")
+    return values
+
+
+def _transports(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or not set(values) <= {"ray", "direct"}:
+        raise argparse.ArgumentTypeError(f"expected ray and/or direct: {text!r}")
+    return values
 
 
 def main(argv: list[str]) -> int:
@@ -163,8 +233,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--load-weight", type=float, default=0.03, help="cache_aware load term")
     parser.add_argument("--no-routing", action="store_true")
     parser.add_argument("--ray", action="store_true", help="also measure through Ray shards")
-    parser.add_argument("--batch", type=int, default=64, help="--ray: requests per round")
-    parser.add_argument("--in-flight", type=int, default=8, help="--ray: rounds outstanding")
+    parser.add_argument(
+        "--batch", type=_ints, default=[8, 16, 32, 64], help="--ray: requests per round (list)"
+    )
+    parser.add_argument(
+        "--in-flight", type=_ints, default=[1, 2], help="--ray: rounds outstanding (list)"
+    )
+    parser.add_argument(
+        "--ray-repeats", type=int, default=3, help="--ray: passes over the configs (medians)"
+    )
+    parser.add_argument(
+        "--transport",
+        type=_transports,
+        default=["ray", "direct"],
+        help="--ray: Ray actor calls and/or the shards' direct ZMQ channel (list)",
+    )
     parser.add_argument(
         "--branch-depth",
         type=int,
@@ -176,6 +259,8 @@ def main(argv: list[str]) -> int:
         parser.error("no trace: pass --trace (Mooncake JSONL)")
     if args.repeats < 1 or args.capacity_pages < 1 or args.limit < 0 or args.max_entries < 0:
         parser.error("--repeats and --capacity-pages must be >= 1; --limit, --max-entries >= 0")
+    if args.ray_repeats < 1:
+        parser.error("--ray-repeats must be >= 1")
     prompts = read_trace(str(args.trace), limit=args.limit)
     stream = build_op_stream(prompts, capacity_pages=args.capacity_pages)
     memory = measure_memory(stream)
@@ -262,7 +347,15 @@ def main(argv: list[str]) -> int:
             emit(
                 {
                     "bench": "index_ray",
-                    **_ray_figures(stream, args.batch, args.branch_depth, args.in_flight, base),
+                    **_ray_figures(
+                        stream,
+                        args.batch,
+                        args.branch_depth,
+                        args.in_flight,
+                        args.transport,
+                        args.ray_repeats,
+                        base,
+                    ),
                 }
             )
         except RayDidNotStart as exc:

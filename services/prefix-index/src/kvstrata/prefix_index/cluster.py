@@ -23,6 +23,7 @@ Failure:
   (`__ray_ready__`) every period and drops the instance once Ray answers ActorDiedError;
   registered with a lease (`ttl_s`), every batch, dump or `renew` from the instance extends it,
   and the shard drops an instance whose lease ran out (engines outside Ray, hung engines).
+Transport: Ray actor calls, or (`ClusterIndex(direct=True)`) each shard's ZMQ channel.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from ray.exceptions import ActorDiedError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from kvstrata.prefix_index.channel import METHODS, ChannelServer, Pending, ShardChannel
 from kvstrata.prefix_index.dump import dump_tree
 from kvstrata.prefix_index.errors import InvalidParameter, ShardUnavailable
 from kvstrata.prefix_index.index import PrefixIndex
@@ -164,13 +165,14 @@ class IndexShard:
         if lease is not None:
             self._leases[instance] = (lease[0], self._clock() + lease[0])
 
-    def _forget(self, instance: str) -> None:
+    def _forget(self, instance: str, *, purged: bool = True) -> int:
         self._nodes.pop(instance, None)
         self._heard.discard(instance)
         self._leases.pop(instance, None)
         self._actors.pop(instance, None)
-        self.index.drop_instance(instance)
-        self.purged.append(instance)
+        if purged:
+            self.purged.append(instance)
+        return self.index.drop_instance(instance)
 
     def apply_batches(self, items: Sequence[tuple[str, int, bytes]]) -> list[bool]:
         """Apply (instance, seq, encoded kvstrata events) in order; False = needs a dump."""
@@ -210,17 +212,17 @@ class IndexShard:
         lengths, rebuilding = self.match_batch(queries)
         return lengths, rebuilding, self.apply_batches(items)
 
+    def echo(self, value: Any) -> Any:
+        """`value` back: a call that does nothing, for measuring a transport's round trip."""
+        return value
+
     def collector(self) -> IndexCollector:
         """The shard's Prometheus collector (`kvstrata_prefix_index_*`), read at scrape time."""
         return IndexCollector(self.index, self.counters)
 
     def drop_instance(self, instance: str) -> int:
         with self._lock:
-            self._nodes.pop(instance, None)
-            self._heard.discard(instance)
-            self._leases.pop(instance, None)
-            self._actors.pop(instance, None)
-            return self.index.drop_instance(instance)
+            return self._forget(instance, purged=False)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -233,6 +235,7 @@ class IndexShard:
                 "restarted": self.restarted,
                 "rebuilding": self._rebuilding(),
                 "purged": list(self.purged),
+                "cpu_s": time.process_time(),  # this process's CPU, all threads (bench)
             }
 
     def _rebuilding(self) -> bool:
@@ -267,6 +270,7 @@ class _RayShard(IndexShard):
         purge_period_s: float = 0.5,
         metrics_port: int | None = None,
         metrics_addr: str = "127.0.0.1",
+        channel_addr: str | None = "127.0.0.1",
     ) -> None:
         ctx = ray.get_runtime_context()
         super().__init__(
@@ -287,6 +291,11 @@ class _RayShard(IndexShard):
             registry.register(self.collector())
             server, _thread = start_http_server(metrics_port, addr=metrics_addr, registry=registry)
             self._metrics_port = server.server_port
+        self._channel = None if channel_addr is None else ChannelServer(self, host=channel_addr)
+
+    def channel_address(self) -> str | None:
+        """Where this shard's direct channel listens (None: no channel; Ray calls only)."""
+        return None if self._channel is None else self._channel.address
 
     def metrics_port(self) -> int | None:
         """The port serving /metrics (None: no endpoint)."""
@@ -334,11 +343,14 @@ def deploy_shards(
     purge_period_s: float = 0.5,
     metrics_port: int | None = None,
     metrics_addr: str = "127.0.0.1",
+    channel_addr: str | None = "127.0.0.1",
 ) -> dict[str, Any]:
     """One named, detached shard actor per alive node (existing ones are reused). Returns
     shard name -> actor handle. `metrics_port` (0: any free port; None: none) makes each new
-    shard serve /metrics on its node at `metrics_addr`. InvalidParameter, before any actor is
-    made, for a page size below 1 or a port outside 0..65535."""
+    shard serve /metrics on its node at `metrics_addr`; `channel_addr` (None: none) is where
+    its direct data channel (`channel.py`, for `ClusterIndex(direct=True)`) listens.
+    InvalidParameter, before any actor is made, for a page size below 1 or a port outside
+    0..65535."""
     if page_size < 1:
         raise InvalidParameter(f"page_size must be >= 1, got {page_size}")
     if metrics_port is not None and not 0 <= metrics_port <= 65535:
@@ -365,6 +377,7 @@ def deploy_shards(
             purge_period_s=purge_period_s,
             metrics_port=metrics_port,
             metrics_addr=metrics_addr,
+            channel_addr=channel_addr,
         )
     return out
 
@@ -395,7 +408,10 @@ class ClusterIndex:
     replicated on every shard, so a query goes to `owner(keys[min(d, len) - 1])` and still sees
     its whole prefix there. d = 1 shards by the first page; on a trace where every request
     opens with the same page (the Mooncake trace), d = 1 puts everything on one shard.
-    `timeout_s` bounds every Ray call; a shard that does not answer raises ShardUnavailable."""
+    `timeout_s` bounds every Ray call; a shard that does not answer raises ShardUnavailable.
+    `direct`: data-plane calls (`channel.METHODS`) go over each shard's ZMQ channel, found
+    through Ray (which keeps registration); a failed channel is dropped and found again.
+    Use a direct ClusterIndex from one thread (ZMQ sockets are not thread-safe)."""
 
     def __init__(
         self,
@@ -404,6 +420,7 @@ class ClusterIndex:
         page_size: int,
         timeout_s: float = 10.0,
         branch_depth: int = 1,
+        direct: bool = False,
     ) -> None:
         if not shards:
             raise InvalidParameter("a cluster index needs at least one shard")
@@ -415,6 +432,10 @@ class ClusterIndex:
         self.page_size = page_size
         self.timeout_s = timeout_s
         self._local = all(isinstance(h, IndexShard) for h in self.shards.values())
+        if direct and self._local:
+            raise InvalidParameter("direct channels need Ray shard actors")
+        self.direct = direct
+        self._channels: dict[str, ShardChannel] = {}
         self._owners: dict[bytes, str] = {}
 
     def owner(self, first_key: bytes) -> str:
@@ -429,16 +450,44 @@ class ClusterIndex:
 
     def call_many(self, calls: Mapping[str, tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
         """`method(*args)` on each named shard, all in flight together; results by shard."""
+        pending = {n: self.submit(n, m, args) for n, (m, args) in calls.items()}
+        return {name: p.get() for name, p in pending.items()}
+
+    def submit(self, name: str, method: str, args: tuple[Any, ...]) -> Pending:
+        """Start `method(*args)` on shard `name`; `get()` on the result waits (bounded by
+        `timeout_s`; ShardUnavailable when the shard does not answer). Calls submitted to one
+        shard run there in submission order."""
         if self._local:
-            return {n: getattr(self.shards[n], m)(*args) for n, (m, args) in calls.items()}
-        refs = {n: getattr(self.shards[n], m).remote(*args) for n, (m, args) in calls.items()}
-        out: dict[str, Any] = {}
-        for name, ref in refs.items():
-            try:
-                out[name] = ray.get(ref, timeout=self.timeout_s)
-            except (RayError, TimeoutError) as exc:
-                raise ShardUnavailable(f"shard {name} did not answer: {exc}") from exc
-        return out
+            value = getattr(self.shards[name], method)(*args)
+            return Pending(lambda: value)
+        if self.direct and method in METHODS:  # on failure: ask Ray again next call
+            return self.channel(name).submit(method, args, lambda: self._channels.pop(name, None))
+        ref = getattr(self.shards[name], method).remote(*args)
+        return Pending(lambda: self._ray_get(name, ref))
+
+    def _ray_get(self, name: str, ref: Any) -> Any:
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except (RayError, TimeoutError) as exc:
+            raise ShardUnavailable(f"shard {name} did not answer: {exc}") from exc
+
+    def channel(self, name: str) -> ShardChannel:
+        """Shard `name`'s direct channel, its address asked of Ray (the actor) when there is
+        none open. ShardUnavailable when the actor does not answer or serves no channel."""
+        got = self._channels.get(name)
+        if got is not None and not got.closed:
+            return got
+        address = self._ray_get(name, self.shards[name].channel_address.remote())
+        if address is None:
+            raise ShardUnavailable(f"shard {name} serves no direct channel")
+        got = self._channels[name] = ShardChannel(name, address, timeout_s=self.timeout_s)
+        return got
+
+    def close(self) -> None:
+        """Close the direct channels (a later call opens them again)."""
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
 
     def match_batch(self, queries: Sequence[Sequence[bytes]]) -> list[ClusterMatch]:
         """Each query (page keys) answered by the shard owning its first key; one call per
@@ -489,9 +538,10 @@ class ShardedPublisher:
         self.instance = instance
         self.cluster = cluster
         self.tree = tree
-        # Per key: its depth (page index) and its branch key (None: a trunk key, on every shard).
-        self._depth: dict[bytes, int] = {}
-        self._branch: dict[bytes, bytes | None] = {}
+        # Per key below the trunk: its branch key; per trunk key (on every shard): its depth.
+        # One dict entry per key (a probe of a large dict is ~1 us of cache misses here).
+        self._branch: dict[bytes, bytes] = {}
+        self._trunk: dict[bytes, int] = {}
         self._seq = dict.fromkeys(cluster.names, 0)
         self.dumps_sent = 0
         if ttl_s is not None and not ttl_s > 0:
@@ -573,21 +623,23 @@ class ShardedPublisher:
 
     def _assign(self, event: BlockStored) -> list[tuple[bytes | None, tuple[bytes, ...]]]:
         """The event's keys grouped by branch (None: trunk), in order; records each key's
-        depth and branch. A run below the trunk stays on one branch, so at most two groups:
-        the trunk part (depths < d - 1) and the rest, recorded with C-level dict updates."""
-        d = self.cluster.branch_depth
+        branch (or trunk depth). A run below the trunk stays on one branch, so at most two
+        groups: the trunk part (depths < d - 1) and the rest, recorded with C-level updates.
+        A parent never seen counts as the root (depth 0)."""
         parent = event.parent_key
-        depth = self._depth.get(parent, -1) + 1 if parent is not None else 0
-        inherited = self._branch.get(parent) if parent is not None else None
         keys = tuple(event.page_keys)
-        self._depth.update(zip(keys, range(depth, depth + len(keys)), strict=False))
-        trunk = max(0, min(len(keys), d - 1 - depth))
+        inherited = None if parent is None else self._branch.get(parent)
+        if inherited is not None:  # below the trunk: the parent's branch
+            self._branch.update(zip(keys, repeat(inherited)))
+            return [(inherited, keys)]
+        depth = 0 if parent is None else self._trunk.get(parent, -1) + 1
+        trunk = max(0, min(len(keys), self.cluster.branch_depth - 1 - depth))
         groups: list[tuple[bytes | None, tuple[bytes, ...]]] = []
         if trunk:
-            self._branch.update(zip(keys[:trunk], repeat(None)))
+            self._trunk.update(zip(keys[:trunk], range(depth, depth + trunk), strict=True))
             groups.append((None, keys[:trunk]))
-        if trunk < len(keys):
-            branch = keys[trunk] if depth + trunk == d - 1 else inherited
+        if trunk < len(keys):  # keys[trunk] is at depth d - 1: it names the branch
+            branch = keys[trunk]
             self._branch.update(zip(keys[trunk:], repeat(branch)))
             groups.append((branch, keys[trunk:]))
         return groups
@@ -611,8 +663,12 @@ class ShardedPublisher:
                         out.setdefault(name, []).append(part)
             elif isinstance(event, BlockRemoved):
                 keys = event.page_keys
-                branches = list(map(self._branch.pop, keys, repeat(_UNKNOWN)))
-                deque(map(self._depth.pop, keys, repeat(None)), maxlen=0)
+                branches: list[bytes | None] = list(map(self._branch.pop, keys, repeat(_UNKNOWN)))
+                if _UNKNOWN in branches:  # trunk keys (rare), or keys never seen stored
+                    branches = [
+                        b if b is not _UNKNOWN else None if self._trunk.pop(k, -1) >= 0 else b
+                        for k, b in zip(keys, branches, strict=True)
+                    ]
                 distinct = set(branches)
                 removed: dict[str, list[bytes]] = {}
                 if len(distinct) == 1:  # the common case: one branch (or the trunk)
@@ -633,7 +689,7 @@ class ShardedPublisher:
             elif isinstance(event, AllBlocksCleared):
                 if event.tier is None or event.tier == "device":
                     self._branch.clear()
-                    self._depth.clear()
+                    self._trunk.clear()
                 for name in self.cluster.names:
                     out.setdefault(name, []).append(event)
         return out

@@ -37,3 +37,7 @@ class NoInstances(PrefixIndexError, LookupError):
 
 class ShardUnavailable(PrefixIndexError, RuntimeError):
     """A shard actor did not answer (dead node, timeout); the caller may retry or fall back."""
+
+
+class ShardCallFailed(PrefixIndexError, RuntimeError):
+    """A shard method called over a direct channel raised; the message names its error."""

@@ -12,11 +12,13 @@ actor took over 60 s to start here and the cluster looked like it had not come u
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
@@ -24,7 +26,9 @@ import ray
 from ray._private import ray_constants
 from ray.actor import ActorHandle
 from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from kvstrata.prefix_index.channel import Pending
 from kvstrata.prefix_index.cluster import ClusterIndex, ShardedPublisher, deploy_shards
 from kvstrata.prefix_index.errors import InvalidParameter, ShardUnavailable
 from kvstrata.prefix_index.opstream import OpStream, OpTiming
@@ -93,40 +97,152 @@ def loopback_cluster(num_workers: int, attempts: int = 2) -> Iterator[Cluster]:
             raise RayDidNotStart("; ".join(errors))
         ray.init(address=cluster.address, log_to_driver=False, namespace="kvstrata-test")
         yield cluster
+    finally:  # each step runs even when the one before raised
+        try:
+            ray.shutdown()
+        finally:
+            ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = saved_uv_hook
+            try:
+                if cluster is not None:
+                    cluster.shutdown()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+                # The session folder (logs, sockets): 0.3-0.7 MB a run, GBs after long ones.
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundTrips:
+    """Sequential `echo` calls to one shard: wall p50/p99 and the caller's CPU per call."""
+
+    calls: int
+    p50_us: float
+    p99_us: float
+    cpu_us_per_call: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayConfig:
+    """One Ray replay: `direct` (ZMQ channel) or Ray calls, requests per round, rounds out."""
+
+    direct: bool
+    batch_requests: int
+    in_flight: int
+
+
+class AsyncEcho:
+    """An async Ray actor (`async def`, `max_concurrency`): the bench times its bare round
+    trip beside the shard's sync actor calls (an async shard would pay at least this)."""
+
+    async def echo(self, value: object) -> object:
+        return value
+
+
+def round_trips(cluster: ClusterIndex, name: str, calls: int) -> RoundTrips:
+    """`calls` sequential `echo(0)` round trips to shard `name` on `cluster`'s transport."""
+    return _timed(lambda: cluster.submit(name, "echo", (0,)).get(), calls)
+
+
+def async_actor_round_trips(node_id: str, calls: int, timeout_s: float = 120) -> RoundTrips:
+    """The same against an `AsyncEcho` actor (max_concurrency 16) placed on `node_id`."""
+    actor: Any = (
+        ray.remote(AsyncEcho)
+        .options(
+            num_cpus=0,
+            max_concurrency=16,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote()
+    )
+    try:
+        return _timed(lambda: ray.get(actor.echo.remote(0), timeout=timeout_s), calls)
     finally:
-        ray.shutdown()
-        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = saved_uv_hook
-        if cluster is not None:
-            cluster.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        ray.kill(actor)
+
+
+def _timed(call: Callable[[], object], calls: int) -> RoundTrips:
+    call()  # connect / warm
+    walls: list[float] = []
+    cpu0 = time.process_time()
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        call()
+        walls.append(time.perf_counter() - t0)
+    cpu = time.process_time() - cpu0
+    walls.sort()
+    return RoundTrips(
+        calls=calls,
+        p50_us=walls[len(walls) // 2] * 1e6,
+        p99_us=walls[min(len(walls) - 1, int(0.99 * len(walls)))] * 1e6,
+        cpu_us_per_call=cpu / calls * 1e6,
+    )
 
 
 def replay_on_local_cluster(
     stream: OpStream,
+    configs: Sequence[ReplayConfig],
     *,
-    batch_requests: int,
     num_workers: int = 1,
     branch_depth: int = 2,
-    in_flight: int = 8,
-) -> tuple[OpTiming, int, float]:
-    """Start a loopback cluster of 1 + `num_workers` nodes, deploy one shard per node, replay
-    `stream` through them (`replay_ops_on_cluster`); returns the timing, the number of shards
-    and the shard skew. Everything is shut down on return."""
+    ping_calls: int = 300,
+) -> tuple[list[OpTiming], list[float], dict[str, RoundTrips], int, float]:
+    """Start a loopback cluster of 1 + `num_workers` nodes, deploy one shard per node, and in
+    that one session: time `ping_calls` bare round trips on Ray and on the direct channel,
+    then replay `stream` once per config (`replay_ops_on_cluster`; the instances are dropped
+    from every shard between replays). Returns the timings (in `configs` order), the CPU
+    seconds the shard processes spent in each replay (all shards, all their threads), the
+    round trips ("ray", "direct", "ray_async_actor"), the number of shards and the last
+    replay's shard skew.
+    Everything is shut down on return."""
     with loopback_cluster(num_workers=num_workers):
         shards = deploy_shards(stream.page_size)
         ray.get([h.stats.remote() for h in shards.values()], timeout=120)
-        cluster = ClusterIndex(
-            shards, page_size=stream.page_size, timeout_s=120, branch_depth=branch_depth
-        )
         node = ray.get_runtime_context().get_node_id()
-        timing = replay_ops_on_cluster(
-            cluster, stream, batch_requests=batch_requests, node_id=node, in_flight=in_flight
-        )
-        return timing, len(shards), cluster.skew()
+        clusters = {
+            direct: ClusterIndex(
+                shards,
+                page_size=stream.page_size,
+                timeout_s=120,
+                branch_depth=branch_depth,
+                direct=direct,
+            )
+            for direct in (False, True)
+        }
+        try:
+            first = clusters[False].names[0]
+            trips = {
+                "ray": round_trips(clusters[False], first, ping_calls),
+                "direct": round_trips(clusters[True], first, ping_calls),
+                "ray_async_actor": async_actor_round_trips(
+                    clusters[False].stats()[first]["node_id"], ping_calls
+                ),
+            }
+            instances = sorted({r.instance for r in stream.requests})
+            timings: list[OpTiming] = []
+            shard_cpu: list[float] = []
+            for config in configs:
+                clusters[False].call_many(
+                    {n: ("purge_instances", (instances,)) for n in clusters[False].names}
+                )
+                before = clusters[False].stats()
+                timings.append(
+                    replay_ops_on_cluster(
+                        clusters[config.direct],
+                        stream,
+                        batch_requests=config.batch_requests,
+                        node_id=node,
+                        in_flight=config.in_flight,
+                    )
+                )
+                after = clusters[False].stats()
+                shard_cpu.append(sum(after[n]["cpu_s"] - before[n]["cpu_s"] for n in after))
+            return timings, shard_cpu, trips, len(shards), clusters[False].skew()
+        finally:
+            clusters[True].close()
 
 
 def replay_ops_on_cluster(
@@ -140,9 +256,9 @@ def replay_ops_on_cluster(
     """The INDEXER_BENCH stream through the shards, `batch_requests` requests a round: one
     `round` call per shard carrying the round's lookups owned by that shard and the round's
     event batches for it; up to `in_flight` rounds outstanding (Ray runs one caller's calls to
-    an actor in order, so every shard still sees the stream in order). Each op's latency is
-    its round's time from submission to answer. Shard-side gaps cannot happen here (no
-    batch is lost): one is an error."""
+    an actor in order, and a direct channel serves them in order, so every shard still sees
+    the stream in order). Each op's latency is its round's time from submission to answer.
+    Shard-side gaps cannot happen here (no batch is lost): one is an error."""
     if batch_requests < 1 or in_flight < 1:
         raise InvalidParameter(
             f"batch_requests and in_flight must be >= 1, got {batch_requests}, {in_flight}"
@@ -157,12 +273,12 @@ def replay_ops_on_cluster(
             )
     depth = cluster.branch_depth
     latencies: list[float] = []
-    pending: deque[tuple[float, int, list[Any]]] = deque()
+    pending: deque[tuple[float, int, list[Pending]]] = deque()
 
     def settle() -> None:
-        t0, ops, refs = pending.popleft()
-        for _, _, oks in ray.get(refs, timeout=cluster.timeout_s):
-            if not all(oks):
+        t0, ops, answers = pending.popleft()
+        for answer in answers:
+            if not all(answer.get()[2]):
                 raise ShardUnavailable("a shard reported a gap in a lossless replay")
         latencies.extend(repeat(time.perf_counter() - t0, ops))
 
@@ -184,13 +300,13 @@ def replay_ops_on_cluster(
         for name, events in by_instance.items():
             for shard, item in publishers[name].batches(events).items():
                 items.setdefault(shard, []).append(item)
-        refs = [
-            cluster.shards[n].round.remote(queries.get(n, []), items.get(n, []))
+        answers = [
+            cluster.submit(n, "round", (queries.get(n, []), items.get(n, [])))
             for n in cluster.names
             if n in queries or n in items
         ]
         ops = sum(1 + len(r.events) for r in chunk)
-        pending.append((t0, ops, refs))
+        pending.append((t0, ops, answers))
         while len(pending) >= in_flight:
             settle()
         pages += sum(
