@@ -241,7 +241,9 @@ class TierWriter:
                 self._core.free_host_swa(pending.host_swa)
             return
         num = len(pending.host_slots)
-        receipt = self._core.tier.commit(pending.host_receipt, pending.key, pending.host_slots)
+        receipt = self._core.tier.commit_path(
+            pending.host_receipt, pending.device_receipt.anchor, pending.key, pending.host_slots
+        )
         mamba = self._core.mamba
         if (
             state is not None
