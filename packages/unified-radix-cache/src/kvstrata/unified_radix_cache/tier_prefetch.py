@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvstrata.hybrid_cache import (
@@ -106,11 +108,12 @@ class TierPrefetcher:
             self._core.counters.prefetches_skipped += 1
             return None
         parent = self._core.tier.page_keys(anchor)[-1] if start else None
+        tokens = key.tokens()[start : start + num_pages * page]
+        if self._probe_first_page(key, tokens[:page], parent):
+            self._core.counters.prefetches_skipped += 1
+            return None
         keys = self._core.keyer.page_keys(
-            key.tokens()[start : start + num_pages * page],
-            extra_key=key.extra_key,
-            cache_salt=key.cache_salt,
-            parent=parent,
+            tokens, extra_key=key.extra_key, cache_salt=key.cache_salt, parent=parent
         )
         state_key: bytes | None = None
         if self._core.mamba is not None:
@@ -198,6 +201,27 @@ class TierPrefetcher:
             swa_keys=tuple(keys[swa_first:]) if host_swa is not None else (),
         )
         return op_id
+
+    def _probe_first_page(
+        self, key: RadixKey, first_page: npt.NDArray[np.int64], parent: bytes | None
+    ) -> bool:
+        """Whether a Full-only tree under a waiting policy may skip the prefetch unhashed:
+        storage lacks the first page beyond the host prefix, so `_stored_pages` would find
+        none. One page hashed instead of the whole rest of the key (most matches find nothing
+        in storage beyond their hits); when the page is there the caller hashes them all."""
+        core = self._core
+        storage = core.controller.storage
+        if (
+            storage is None
+            or core.params.prefetch_policy is PrefetchPolicy.BEST_EFFORT
+            or core.mamba is not None
+            or core.swa is not None
+        ):
+            return False
+        first = core.keyer.page_keys(
+            first_page, extra_key=key.extra_key, cache_salt=key.cache_salt, parent=parent
+        )
+        return storage.batch_exists([core.controller.group.storage_key(FULL, first[0])]) == 0
 
     def _stored_pages(self, keys: list[bytes], num_pages: int) -> int:
         """How many of the `num_pages` pages to prefetch. When the request will wait for the
