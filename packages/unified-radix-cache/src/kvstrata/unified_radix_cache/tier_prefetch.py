@@ -157,7 +157,7 @@ class TierPrefetcher:
             self._core.counters.prefetches_skipped += 1
             return None
         host_pages: dict[str, list[int | None]] = {
-            FULL: list[int | None]((slots[::page] // page).tolist())
+            FULL: list[int | None]((slots.numpy()[::page] // page).tolist())
         }
         if host_state is not None:
             host_pages[MAMBA] = [None] * (num_pages - 1) + [int(host_state.item())]

@@ -283,7 +283,8 @@ class TierWriter:
         keys = self._core.tier.page_keys(node)
         first = start // self._core.page_size
         page = self._core.page_size
-        pages = self._core.tier.host_slots(node)[start::page] // page
+        # NumPy on the host slots (a view): a torch floor_divide per backup costs more.
+        pages = self._core.tier.host_slots(node).numpy()[start::page] // page
         host_pages: dict[str, list[int | None]] = {FULL: list[int | None](pages.tolist())}
         state_pages: tuple[int, ...] = ()
         if self._core.mamba is not None:
