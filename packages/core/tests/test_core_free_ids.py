@@ -47,6 +47,9 @@ def test_the_returned_array_is_the_callers() -> None:
         (ids(0), IndexOutOfRange, r"rows must lie in \[1, 5\)"),
         (ids(5), IndexOutOfRange, r"rows must lie in \[1, 5\)"),
         (ids(2, 2), DoubleFree, "listed twice"),
+        (ids(3, 1, 3), DoubleFree, "listed twice"),  # not adjacent, not ascending
+        (ids(2, 3, 1, 2), DoubleFree, "listed twice"),
+        (ids(3, 2, 2, 4), DoubleFree, "listed twice"),  # a repeat comes before already-free
         (ids(1, 4), DoubleFree, r"rows \[4\] are already free"),
     ],
 )
@@ -56,6 +59,17 @@ def test_bad_gives_change_nothing(bad: np.ndarray, error: type[Exception], match
     with pytest.raises(error, match=match):
         free.give(bad)
     assert free.num_free == 1 and free.allocated(ids(1, 2, 3, 4)).tolist() == [1, 1, 1, 0]
+    free.check_integrity()
+
+
+def test_distinct_ids_in_any_order_are_taken_back() -> None:
+    """The repeat check stamps positions into scratch: stale stamps from an earlier give must
+    not make distinct ids look repeated, whatever their order."""
+    free = FreeIds(6)
+    assert free.take(6) is not None
+    free.give(ids(4, 1, 5))
+    free.give(ids(3, 0, 2))  # stamps of the previous give still lie in the scratch
+    assert free.num_free == 6
     free.check_integrity()
 
 

@@ -209,6 +209,34 @@ def test_prefetch_from_storage_then_load_back(hierarchy: Callable[..., Hierarchy
     _reload(h, key, expected)
 
 
+def test_prefetch_probes_one_page_before_hashing_the_rest(
+    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under wait_complete a Full-only tree asks storage for the first page beyond the host
+    prefix before it hashes the rest of the key: when storage lacks it no prefetch starts and
+    only that page was hashed; when storage holds it the whole prefetch runs as before."""
+    h, key, _ = _prefetch_setup(closing, MemoryStorage(capacity_bytes=1 << 24))
+    keyer = h.cache.keyer
+    hashed: list[int] = []
+    real = keyer.page_keys
+
+    def counting(tokens: object, **kw: object) -> list[bytes]:
+        got = real(tokens, **kw)  # type: ignore[arg-type]
+        hashed.append(len(got))
+        return got
+
+    monkeypatch.setattr(keyer, "page_keys", counting)
+    other = RadixKey([1000 + t for t in range(8 * P)])  # never stored
+    m = h.cache.match_prefix(other)
+    assert m.prefetch_id is None and hashed == [1]
+    assert h.cache.counters.prefetches_skipped == 1
+    hashed.clear()
+    m = h.cache.match_prefix(key)
+    assert m.prefetch_id is not None and hashed == [1, 4]
+    assert h.cache.finish_prefetch(m.prefetch_id) == 4 * P
+    h.cache.check_integrity()
+
+
 @pytest.mark.parametrize("fault", ["fail", "corrupt", "stall"])
 def test_storage_faults_give_a_shorter_hit_never_wrong_kv(
     hierarchy: Callable[..., Hierarchy], fault: str

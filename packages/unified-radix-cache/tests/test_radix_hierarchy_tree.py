@@ -12,7 +12,13 @@ import torch
 from kvstrata.hybrid_cache import LayerLoadFailed
 from kvstrata.storage import MemoryStorage
 from kvstrata.testkit.tiers import Hierarchy, assert_pages_equal, scramble, snapshot
-from kvstrata.unified_radix_cache import FullComponent, RadixKey, TreeNode
+from kvstrata.unified_radix_cache import (
+    BlockRemoved,
+    BlockStored,
+    FullComponent,
+    RadixKey,
+    TreeNode,
+)
 from kvstrata.unified_radix_cache.errors import IntegrityError, NoHostCopy
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
@@ -255,3 +261,70 @@ def test_device_events_follow_nodes_off_and_back_on_the_device() -> None:
         cache.check_integrity()
     finally:
         controller.close()
+
+
+def test_write_commit_walks_up_from_its_source_even_after_a_split(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
+    """A write commits from its device-locked source node upward (`HostTier.commit_path`): a
+    split of that node while the write is in flight leaves the source the node ending at the
+    key, and each half gets exactly its slice of the write's host pages; the events are the
+    ones the root-down commit emits (root side first)."""
+    h = hierarchy()
+    key, _ = _insert(h, list(range(1, 3 * P + 1)))
+    h.cache.writer.flush()
+    other = h.allocator.alloc(2 * P)
+    assert other is not None
+    h.cache.insert(RadixKey([*range(1, P + 1), 90, 91, 92, 93]), other)
+    h.cache.drain()
+    head, *rest = _path(h, key)
+    assert head.num_tokens == P and sum(n.num_tokens for n in rest) == 2 * P
+    whole = np.concatenate([n.host_value for n in _path(h, key) if n.host_value is not None])
+    assert len(whole) == 3 * P and len(set(whole.tolist())) == 3 * P
+    h.cache.check_integrity(held={"full": P})
+
+
+def test_commit_path_matches_commit_and_falls_back_off_the_key_end(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
+    """`commit_path` gives the nodes the same host values, receipts and host events as the
+    root-down `commit`; a node that does not end at the key takes the root-down commit (same
+    result), and pages that meanwhile got a host copy are handed back."""
+    results = []
+    for mode in ("commit", "path", "fallback"):
+        h = hierarchy(host_pages=16)
+        key, _ = _insert(h, list(range(1, 3 * P + 1)))
+        h.cache.drain()
+        h.cache.take_events()
+        tier = h.cache.tier
+        tail = _path(h, key)[-1]
+        # A fourth page on the device only; the host holds the first three.
+        longer = RadixKey(list(range(1, 4 * P + 1)))
+        slots = h.allocator.alloc(P)
+        assert slots is not None
+        value = torch.cat([h.tree.prefix_slots(tail), slots])
+        result = h.cache.device_tree.insert(longer, value, cached_len=3 * P)
+        below = result.last_node
+        anchor = tier.host_prefix(below)
+        receipt = tier.lock(anchor)
+        new = h.cache.host_allocator.alloc(2 * P)  # one page too many: its node has a host copy
+        assert new is not None
+        free_before = h.cache.host_allocator.available_size()
+        if mode == "commit":
+            moved = tier.commit(receipt, longer, new)
+        elif mode == "path":
+            moved = tier.commit_path(receipt, below, longer, new)
+        else:
+            moved = tier.commit_path(receipt, _path(h, key)[0], longer, new)
+        assert moved.anchor is below and below.host_value is not None
+        got = [n.host_value.tolist() for n in _path(h, longer) if n.host_value is not None]
+        assert h.cache.host_allocator.available_size() == free_before + P
+        events = [
+            (type(e).__name__, e.page_keys)
+            for e in h.cache.take_events()
+            if isinstance(e, (BlockStored, BlockRemoved))
+        ]
+        tier.unlock(moved)
+        h.cache.check_integrity()
+        results.append((got, events))
+    assert results[0] == results[1] == results[2]

@@ -203,7 +203,9 @@ def check_unique(pages: PageArray, *, side: str) -> None:
     # Ascending pages (what the allocators hand out) are distinct without a sort.
     if pages.size < 2 or (pages[1:] > pages[:-1]).all():
         return
-    if np.unique(pages).size != pages.size:
+    # A sort and one comparison: np.unique costs several times more on a few hundred pages.
+    ordered = np.sort(pages)
+    if bool((ordered[1:] == ordered[:-1]).any()):
         raise DuplicateIndex(f"a {side} page appears twice as a copy destination")
 
 

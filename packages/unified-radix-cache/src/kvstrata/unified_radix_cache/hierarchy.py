@@ -82,6 +82,7 @@ from kvstrata.unified_radix_cache.results import (
 )
 from kvstrata.unified_radix_cache.tier_core import (
     FULL,
+    NO_SLOTS,
     PendingBackup,
     PendingLoad,
     PendingPrefetch,
@@ -254,7 +255,7 @@ class HierarchicalCache:
         if last_host is not None:
             host_indices = self.tier.host_slots(last_host)[device.prefix_len :]
         else:
-            host_indices = torch.empty(0, dtype=torch.int64)
+            host_indices = NO_SLOTS  # shared and empty: a torch op per match costs more
         prefetch_id = None
         if self.controller.storage is not None:
             end = len(key) if max_len is None else min(len(key), max(max_len, 0))

@@ -316,6 +316,45 @@ class HostTier(HostWalks):
         self.unlock(receipt)
         return moved
 
+    def commit_path(
+        self, receipt: HostReceipt, node: TreeNode, key: RadixKey, new_slots: torch.Tensor
+    ) -> HostReceipt:
+        """`commit` for a key that ends exactly at `node` (a write's device-locked source:
+        splits since keep it the node ending at the key): the nodes without a host value are
+        the run just above `node` (host values are prefix-closed), found by walking up from it
+        instead of matching the key from the root. Same effect, events and receipt as
+        `commit`; falls back to it when `node` does not end at the key. O(depth)."""
+        end = len(key)
+        missing: list[TreeNode] = []
+        probe = node
+        depth = 0
+        closed = False  # a node below had a host value: every one above must too
+        while probe.parent is not None:
+            if probe.host_value is None:
+                assert not closed, f"host values not prefix-closed above node {probe.id}"
+                missing.append(probe)
+            else:
+                closed = True
+            depth += probe.num_tokens
+            probe = probe.parent
+        if depth != end or probe is not self.tree.root:
+            return self.commit(receipt, key, new_slots)
+        new = new_slots.numpy()
+        base = end - len(new)
+        # Prefix-closed: the nodes without a host value are `node` and the ones right above.
+        pos = end - sum(item.num_tokens for item in missing)
+        lo = pos - base
+        assert lo >= 0, f"host commit: node {node.id} lacks a host copy inside the prefix"
+        for item in reversed(missing):  # root side first, as `commit` (events in path order)
+            n = item.num_tokens
+            self._set_host(item, new[lo : lo + n].copy())
+            lo += n
+        if pos > base:  # slots for pages that got a host copy meanwhile: not needed
+            self.host.free(torch.from_numpy(new[: pos - base].copy()))
+        moved = self.lock(node)
+        self.unlock(receipt)
+        return moved
+
     def _set_host(self, node: TreeNode, value: npt.NDArray[np.int64]) -> None:
         assert node.host_lock_ref == 0, f"node {node.id} host-locked without a host value"
         node.host_value = value

@@ -55,18 +55,28 @@ class InsertResult(NamedTuple):
     def duplicates(self, value: torch.Tensor) -> torch.Tensor:
         """The caller's slots in `value[cached_len:prefix_len]` that the tree did not take: the
         ones the caller must free (slots before `cached_len` were the tree's own to begin with:
-        the request's locked prefix). Pure; returns a view when nothing was adopted."""
+        the request's locked prefix). Pure; may return a view of `value` (always when nothing was
+        adopted)."""
         start, end = self.cached_len, self.prefix_len
         if start >= end:
             return value[:0]
         if not self.adopted:
             return value[start:end]
-        keep = torch.ones(end - start, dtype=torch.bool, device=value.device)
-        for lo, hi in self.adopted:
+        # The kept runs between the adopted ranges (ascending, disjoint), joined: slices and
+        # one cat, not a boolean mask (a mask index costs a nonzero pass and a gather).
+        parts: list[torch.Tensor] = []
+        pos = start
+        for lo, hi in sorted(self.adopted):
             lo, hi = max(lo, start), min(hi, end)
             if lo < hi:
-                keep[lo - start : hi - start] = False
-        return value[start:end][keep]
+                if pos < lo:
+                    parts.append(value[pos:lo])
+                pos = max(pos, hi)
+        if pos < end:
+            parts.append(value[pos:end])
+        if not parts:
+            return value[:0]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class LockReceipt(NamedTuple):

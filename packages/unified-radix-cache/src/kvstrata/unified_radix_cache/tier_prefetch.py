@@ -15,6 +15,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
+import numpy as np
+import numpy.typing as npt
+
 from kvstrata.hybrid_cache import (
     Ack,
     AckStatus,
@@ -104,11 +107,12 @@ class TierPrefetcher:
             self._core.counters.prefetches_skipped += 1
             return None
         parent = self._core.tier.page_keys(anchor)[-1] if start else None
+        tokens = key.tokens()[start : start + num_pages * page]
+        if self._probe_first_page(key, tokens[:page], parent):
+            self._core.counters.prefetches_skipped += 1
+            return None
         keys = self._core.keyer.page_keys(
-            key.tokens()[start : start + num_pages * page],
-            extra_key=key.extra_key,
-            cache_salt=key.cache_salt,
-            parent=parent,
+            tokens, extra_key=key.extra_key, cache_salt=key.cache_salt, parent=parent
         )
         core = self._core
         for transfer in core.transfers.values():
@@ -144,7 +148,7 @@ class TierPrefetcher:
             core.counters.prefetches_skipped += 1
             return None
         host_pages: dict[str, list[int | None]] = {
-            FULL: list[int | None]((slots[::page] // page).tolist())
+            FULL: list[int | None]((slots.numpy()[::page] // page).tolist())
         }
         for leg in legs:
             if leg.host is not None:
@@ -181,6 +185,26 @@ class TierPrefetcher:
             legs=tuple(leg for leg in legs if leg.host is not None),
         )
         return op_id
+
+    def _probe_first_page(
+        self, key: RadixKey, first_page: npt.NDArray[np.int64], parent: bytes | None
+    ) -> bool:
+        """Whether a Full-only tree under a waiting policy may skip the prefetch unhashed:
+        storage lacks the first page beyond the host prefix, so `_stored_pages` would find
+        none. One page hashed instead of the whole rest of the key (most matches find nothing
+        in storage beyond their hits); when the page is there the caller hashes them all."""
+        core = self._core
+        storage = core.controller.storage
+        if (
+            storage is None
+            or core.params.prefetch_policy is PrefetchPolicy.BEST_EFFORT
+            or core.transfers  # components with their own parts: they bound the prefetch first
+        ):
+            return False
+        first = core.keyer.page_keys(
+            first_page, extra_key=key.extra_key, cache_salt=key.cache_salt, parent=parent
+        )
+        return storage.batch_exists([core.controller.group.storage_key(FULL, first[0])]) == 0
 
     def _stored_pages(self, keys: list[bytes], num_pages: int) -> int:
         """How many of the `num_pages` pages to prefetch. When the request will wait for the

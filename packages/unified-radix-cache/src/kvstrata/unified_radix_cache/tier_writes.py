@@ -199,7 +199,9 @@ class TierWriter:
             core.free_legs(pending.legs)
             return
         num = len(pending.host_slots)
-        receipt = core.tier.commit(pending.host_receipt, pending.key, pending.host_slots)
+        receipt = core.tier.commit_path(
+            pending.host_receipt, pending.device_receipt.anchor, pending.key, pending.host_slots
+        )
         moved = num // core.page_size * core.page_bytes
         # Each component's data moved with the pages even when a node meanwhile got its own.
         for leg in pending.legs:
@@ -235,7 +237,8 @@ class TierWriter:
         keys = self._core.tier.page_keys(node)
         first = start // self._core.page_size
         page = self._core.page_size
-        pages = self._core.tier.host_slots(node)[start::page] // page
+        # NumPy on the host slots (a view): a torch floor_divide per backup costs more.
+        pages = self._core.tier.host_slots(node).numpy()[start::page] // page
         host_pages: dict[str, list[int | None]] = {FULL: list[int | None](pages.tolist())}
         comp_pages: list[tuple[str, tuple[int, ...]]] = []
         for name, transfer in self._core.transfers.items():
