@@ -210,12 +210,12 @@ def test_prefetch_from_storage_then_load_back(hierarchy: Callable[..., Hierarchy
 
 
 def test_prefetch_probes_one_page_before_hashing_the_rest(
-    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch
+    hierarchy: Callable[..., Hierarchy], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Under wait_complete a Full-only tree asks storage for the first page beyond the host
     prefix before it hashes the rest of the key: when storage lacks it no prefetch starts and
     only that page was hashed; when storage holds it the whole prefetch runs as before."""
-    h, key, _ = _prefetch_setup(closing, MemoryStorage(capacity_bytes=1 << 24))
+    h, key, _ = _prefetch_setup(hierarchy, MemoryStorage(capacity_bytes=1 << 24))
     keyer = h.cache.keyer
     hashed: list[int] = []
     real = keyer.page_keys
