@@ -26,12 +26,15 @@ AB = [*A, *range(50, 50 + 2 * P)]  # A + 2 pages
 C = list(range(200, 200 + 2 * P))
 
 
-def _build(closing: list[Hierarchy], shape: Shape, storage: bool) -> Hierarchy:
+def _build(
+    closing: list[Hierarchy], shape: Shape, storage: bool, *, events: bool = False
+) -> Hierarchy:
     h = make_hierarchy(
         shape,
         page_size=P,
         device_pages=24,
         storage=MemoryStorage(capacity_bytes=1 << 22) if storage else None,
+        enable_events=events,
     )
     closing.append(h)
     return h
@@ -210,4 +213,36 @@ def test_a_refused_walk_keeps_a_device_leaf_s_older_heap_key(closing: list[Hiera
     full = h.tree.components[0]
     with refusing(full, a.value[:1].tolist()):
         _refused(h, {"full": h.tree.evictable_size()}, HeldSlotsNotAllocated)
+    h.cache.check_integrity()
+
+
+@pytest.mark.parametrize("shape", ["full", "swa", "mamba"])
+def test_refused_evict_with_events_and_locks_held(closing: list[Hierarchy], shape: Shape) -> None:
+    """KV events on, a device lock on A and a host lock on A+B's leaf (after it went off the
+    device): the refused evict queues no device or host event, and leaves both locks and
+    every count they hold as they were; both unlock cleanly after."""
+    h = _build(closing, shape, False, events=True)
+    for tokens in (A, AB, C):
+        serve(h, tokens)
+    h.tree.evict(EvictRequest.full(2 * P))  # A+B's leaf (least recent) goes off the device
+    ab = node_at(h.tree, RadixKey(AB))
+    a = node_at(h.tree, RadixKey(A))
+    c = node_at(h.tree, RadixKey(C))
+    assert ab is not None and a is not None and c is not None and not len(ab.value)
+    tier = h.cache.tier
+    host_receipt = tier.lock(ab)
+    receipt = h.tree.lock(a)
+    h.tree.take_events()
+    tier.take_events()
+    full = h.tree.components[0]
+    with refusing(full, c.value[:P].tolist()) as proxy:
+        _refused(h, _everything(h), HeldSlotsNotAllocated)
+        assert proxy.refusals == 1
+    assert h.tree.take_events() == [] and tier.take_events() == []
+    h.tree.unlock(receipt)
+    tier.unlock(host_receipt)
+    h.cache.check_integrity()
+    h.tree.evict(EvictRequest(targets=_everything(h)))
+    assert h.tree.evictable_size() == 0
+    assert h.tree.take_events()  # the evict that went through reports its removals
     h.cache.check_integrity()
