@@ -1,9 +1,10 @@
-"""Issue 17: `evict` on a tree with a host tier checks the Full slots its device walk will free
-(`HostTier.device_frees`) before the walk moves any node off the device: a free the allocator
-would refuse (the engine freed tree-held slots behind the tree's back) raises with the tree and
-the allocator unchanged, whether the bad slot sits in a whole leaf, in the tail of a leaf the
-walk splits, or in a parent the walk reaches after its children; a bad slot the walk would not
-reach refuses nothing."""
+"""Issue 17: `evict` on a tree with a host tier checks the Full slots its device walk freed
+before any reaches the allocator, and puts back every node the walk moved off the device when
+one is refused (evict_undo.py): a free the allocator would refuse (the engine freed tree-held
+slots behind the tree's back) raises with the tree and the allocator unchanged, whether the bad
+slot sits in a whole leaf, in the tail of a leaf the walk splits, or in a parent the walk
+reaches after its children; a bad slot the walk would not reach refuses nothing. (SWA and
+Mamba refusals, storage, and the full before/after state: test_radix_hierarchy_evict_undo.py.)"""
 
 from __future__ import annotations
 

@@ -34,6 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvstrata.allocator import NotAllocated
 from kvstrata.hybrid_cache import PrefetchPolicy
 from kvstrata.storage import FaultInjectingStorage, FaultRules, MemoryStorage
+from kvstrata.testkit.refusals import refusing, tree_state
 from kvstrata.testkit.tiers import (
     Hierarchy,
     Shape,
@@ -43,7 +44,10 @@ from kvstrata.testkit.tiers import (
     scramble_free_device,
 )
 from kvstrata.unified_radix_cache import CacheRequest, EvictRequest, RadixKey
+from kvstrata.unified_radix_cache.components.base import TreeComponent
 from kvstrata.unified_radix_cache.components.full import FullComponent
+from kvstrata.unified_radix_cache.components.mamba import MambaComponent
+from kvstrata.unified_radix_cache.errors import HeldSlotsNotAllocated
 from kvstrata.unified_radix_cache.host_tier import HostTier
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
@@ -233,7 +237,7 @@ class HierarchyMachine(RuleBasedStateMachine):
     @rule(amount=st.integers(1, 16))
     def evict_as_planned(self, amount: int) -> None:
         """`HostTier.device_frees` changes nothing and names exactly the Full slots the tree's
-        evict then frees (the evict checks that plan before moving any node: issue 17)."""
+        evict then frees (the plan of the device walk, read without moving any node)."""
         h = self._built()
         tree = h.tree
         tier = tree.host_tier
@@ -253,6 +257,53 @@ class HierarchyMachine(RuleBasedStateMachine):
         for slot in planned:
             with pytest.raises(NotAllocated):
                 h.allocator.check_allocated(torch.tensor([slot]), "evicted")
+
+    @precondition(lambda self: self.h is not None)
+    @rule(
+        full=st.integers(0, 16),
+        other=st.integers(0, 8),
+        picks=st.lists(st.integers(0, 1 << 16), min_size=1, max_size=2),
+        states=st.booleans(),
+    )
+    def refused_evict(self, full: int, other: int, picks: list[int], states: bool) -> None:
+        """Issue 17: an evict (Full's device walk, then the other component's own eviction)
+        whose frees an injected allocator refuses, for one or two slots the tree holds (Full
+        slots on the device; with `states`, a Mamba model's state slots). Reaching one, it
+        raises HeldSlotsNotAllocated with the tree, the host tier, every allocator and the
+        metrics exactly as before (`tree_state`) and both tiers whole (`check_integrity`);
+        reaching none, it goes through and the refused slots are still handed out."""
+        h = self._built()
+        tree = h.tree
+        targets = {"full": full} if full else {}
+        if other and h.shape != "full":
+            targets[tree.components[1].name] = other
+        if not targets:
+            return
+        component: TreeComponent = tree.components[0]
+        if states and h.shape == "mamba":
+            mamba = tree.components[1]
+            assert isinstance(mamba, MambaComponent)
+            component = mamba
+            held = [s for n in tree.iter_nodes() if (s := mamba.slot(n)) is not None]
+        else:
+            held = [int(s) for n in tree.iter_nodes() for s in n.value]
+        if not held:
+            return
+        held.sort()
+        refused = sorted({held[p % len(held)] for p in picks})
+        before = tree_state(tree, h.cache)
+        with refusing(component, refused) as proxy:
+            try:
+                tree.evict(EvictRequest(targets=targets))
+            except HeldSlotsNotAllocated:
+                event("refused evict: nothing changed")
+                assert proxy.refusals == 1
+                assert tree_state(tree, h.cache) == before
+            else:
+                event("evict reached no refused slot")
+                assert proxy.refusals == 0
+                proxy.inner.check_allocated(torch.tensor(refused), "refused, so still held")  # pyright: ignore[reportAttributeAccessIssue]
+        self.integrity()
 
     @precondition(lambda self: self.h is not None and self.shape != "full")
     @rule(amount=st.integers(1, 8))

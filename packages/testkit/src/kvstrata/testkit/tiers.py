@@ -96,10 +96,16 @@ def tiny_model(shape: Shape, page_size: int) -> MHAModel | SWAModel | MambaModel
 
 
 def make_system(
-    shape: Shape, *, page_size: int = 4, device_pages: int = 16, device: str = "cpu"
+    shape: Shape,
+    *,
+    page_size: int = 4,
+    device_pages: int = 16,
+    device: str = "cpu",
+    enable_events: bool = False,
 ) -> MemorySystem:
     """`build_memory_system` for `tiny_model(shape)`: `device_pages` pages of KV (page 0
-    reserved); the SWA pool as large as the full one; `device_pages` Mamba state slots."""
+    reserved); the SWA pool as large as the full one; `device_pages` Mamba state slots; with
+    `enable_events`, the tree queues KV events."""
     return build_memory_system(
         family=FAMILY[shape],
         model=tiny_model(shape, page_size),
@@ -108,6 +114,7 @@ def make_system(
         device=device,
         swa_ratio=1.0,
         mamba_slots=device_pages if shape == "mamba" else None,
+        enable_events=enable_events,
     )
 
 
@@ -276,12 +283,20 @@ def make_hierarchy(
     controller_params: ControllerParams | None = None,
     seed: int = 0,
     device: str = "cpu",
+    enable_events: bool = False,
 ) -> Hierarchy:
     """`build_tiers` over `make_system(shape)`: `device_pages` device pages (page 0 reserved;
     Mamba: as many state slots), host mirrors of `host_pages` pages (Mamba: state slots), and a
     controller (with `storage` when given) under `params` (default: `write_policy`, prefetch
-    threshold one page). Device bytes are seeded noise. Close `h.cache.controller` when done."""
-    system = make_system(shape, page_size=page_size, device_pages=device_pages, device=device)
+    threshold one page). Device bytes are seeded noise; `enable_events`: the tree queues KV
+    events. Close `h.cache.controller` when done."""
+    system = make_system(
+        shape,
+        page_size=page_size,
+        device_pages=device_pages,
+        device=device,
+        enable_events=enable_events,
+    )
     tiered = build_tiers(
         system,
         host_tokens=host_pages * page_size,

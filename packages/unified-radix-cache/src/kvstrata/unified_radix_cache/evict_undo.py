@@ -1,21 +1,29 @@
-"""`evict` on a device-only tree with state components (Full + SWA, Full + Mamba), all or nothing.
+"""`evict` on a tree with state components (Full + SWA, Full + Mamba) or a host tier, all or
+nothing.
 
-Components evict in turn and only queue their frees; before any allocator sees one, each
-component's queued slots are checked as its `flush()` would check them (Full and Mamba:
-`check_allocated` and no slot twice; SWA: the full slots' range, as `free_swa` checks it, and no
-SWA slot twice). A refusal, or any other exception while the components evict, puts the tree
-back exactly as it was from an `EvictJournal` and raises with the allocators untouched:
+Components evict in turn (on a tree with a host tier, Full's part is the tier's device walk,
+`HostTier.evict_device`, which moves nodes with a host copy off the device) and only queue
+their frees; before any allocator sees one, each component's queued slots are checked as its
+`flush()` would check them (Full and Mamba: the allocator's `check_allocated` and, where
+insert did not rule it out, no slot twice; SWA: the full slots' range, as `free_swa` checks it,
+and no SWA slot twice). A refusal, or any other exception while the components evict, puts the
+tree back exactly as it was from an `EvictJournal` and raises with the allocators untouched:
 
-- nodes: before a leaf leaves the tree (`remove_leaf`), a node is split for a tail eviction or
-  becomes a tombstone, the tree records its place, key, slots and component data; undone
-  newest first, a split node takes its upper half back and every removed node its place;
+- nodes: before a leaf leaves the tree (`remove_leaf`), a node is split, goes off the device or
+  becomes a tombstone, the tree records its place, key, slots, component data and host copies
+  (`node.host_value`, `node.comp_hosts`: a split slices them); undone newest first, a split
+  node takes its upper half back and every removed node its place;
 - LRU lists (SWA, Mamba): their change log (`LRUList.start_log`) restores the exact order;
-- the Full leaf heap: after the nodes are back, every node the evict touched is in it exactly
-  when it is an unlocked leaf of the tree (its policy key did not change, so the order holds);
-- sizes, counters, node count, queued frees and queued events: snapshots taken at the start.
+- the heaps: after the nodes are back, every node the evict touched is in the Full leaf heap
+  exactly when it is an unlocked device leaf (with a host tier: on the device, no child on the
+  device) and in the host tier's candidate heap exactly when it is off the device, childless
+  and host-unlocked (its policy key did not change, so the order holds);
+- sizes, counters, the host candidates' per-component counts, node count, queued frees and
+  queued events: snapshots taken at the start.
 
-A Full-only device tree has its own, cheaper roll-back (`FullComponent.evict_checked`); a
-hierarchical tree checks the Full slots of its device walk before the walk (`evict_tiered`).
+A device eviction never frees host slots (a node going off the device keeps its host copy), so
+the host allocators and the host tier's sizes are not touched before the check.
+A Full-only device tree has its own, cheaper roll-back (`FullComponent.evict_checked`).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from kvstrata.unified_radix_cache.events import EventLog
-    from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
+    from kvstrata.unified_radix_cache.node import ComponentValue, HeapEntry, TreeNode
     from kvstrata.unified_radix_cache.policies import LeafHeap, LRUList
     from kvstrata.unified_radix_cache.tier_hooks import TreeTier
 
@@ -48,6 +56,9 @@ _Record = tuple[
     "npt.NDArray[np.int64]",
     "list[bytes] | None",
     "list[ComponentValue] | None",
+    "npt.NDArray[np.int64] | None",
+    "list[ComponentValue] | None",
+    "HeapEntry | None",
 ]
 
 
@@ -74,7 +85,16 @@ class EvictJournal:
     """Undo record of one `evict` (see the module docstring). Built at the start of the evict;
     the tree calls `node()` before it changes a node; `roll_back()` or `close()` ends it."""
 
-    __slots__ = ("_lrus", "_num_nodes", "_pending", "_queued", "_records", "_sizes", "_tree")
+    __slots__ = (
+        "_candidates",
+        "_lrus",
+        "_num_nodes",
+        "_pending",
+        "_queued",
+        "_records",
+        "_sizes",
+        "_tree",
+    )
 
     def __init__(self, tree: EvictingTree) -> None:
         components = tree.components
@@ -84,16 +104,20 @@ class EvictJournal:
         self._num_nodes = tree.num_nodes
         events = tree._events
         self._queued = len(events.queue) if events is not None else 0
+        tier = tree.host_tier
+        self._candidates = list(tier.candidate_sizes) if tier is not None else None
         self._records: list[_Record] = []
         self._lrus: list[LRUList] = [c.lru for c in components if isinstance(c, LRUListComponent)]
         for lru in self._lrus:
             lru.start_log()
 
     def node(self, node: TreeNode) -> None:
-        """`node` (in the tree, not the root) is about to be split, removed or tombstoned."""
+        """`node` (in the tree, not the root) is about to be split, removed, taken off the device
+        or tombstoned."""
         parent = node.parent
         assert parent is not None, "EvictJournal: the root never changes in an evict"
         values = node.comp_values
+        hosts = node.comp_hosts
         self._records.append(
             (
                 node,
@@ -102,6 +126,10 @@ class EvictJournal:
                 node.value,
                 node.page_keys,
                 list(values) if values is not None else None,
+                node.host_value,
+                list(hosts) if hosts is not None else None,
+                # Its Full leaf heap entry, if any (a device evict takes no host candidate).
+                node.heap_entry if node in self._tree._heap else None,
             )
         )
 
@@ -116,13 +144,19 @@ class EvictJournal:
         root = tree.root
         page_bytes = tree._page_bytes
         touched: list[TreeNode] = []
-        for node, parent, key, value, page_keys, values in reversed(self._records):
+        entries: dict[int, HeapEntry] = {}
+        for record in reversed(self._records):
+            node, parent, key, value, page_keys, values, host, hosts, entry = record
+            if entry is not None:
+                entries[node.id] = entry  # the oldest record's is the entry before the evict
             if node.parent is not None and node.parent is not parent:
                 touched.append(node.parent)  # the upper half of a split: it leaves the tree
             node.key, node.value, node.page_keys, node.parent = key, value, page_keys, parent
             if values is not None:
                 assert node.comp_values is not None
                 node.comp_values[:] = values
+            node.host_value = host
+            node.comp_hosts = hosts
             if parent.children is NO_CHILDREN:
                 parent.children = {}
             first = key[:page_bytes]
@@ -132,27 +166,63 @@ class EvictJournal:
         self._records.clear()
         for lru in self._lrus:
             lru.undo_log()
+        self._settle_heaps(touched, entries)
+        for component, sizes, pending in zip(
+            tree.components, self._sizes, self._pending, strict=True
+        ):
+            component.evictable_size, component.protected_size, component.evicted_total = sizes
+            del component._pending[pending:]
+        tier = tree.host_tier
+        if tier is not None and self._candidates is not None:
+            tier.candidate_sizes[:] = self._candidates
+        tree.num_nodes = self._num_nodes
+        events = tree._events
+        if events is not None:
+            del events.queue[self._queued :]
+
+    def _settle_heaps(self, touched: list[TreeNode], entries: Mapping[int, HeapEntry]) -> None:
+        """Each touched node back in the heaps it belongs to now the nodes are back: the Full
+        leaf heap when it is an unlocked device leaf (with the entry it had before the evict,
+        `entries`, so its place in the order is the one it had: a key can be older than the
+        node's policy fields), the host candidate heap when it is off the device, childless
+        and host-unlocked (hierarchical mode). A node is in at most one (they share
+        `heap_entry`), so it leaves the wrong one before it joins the right one."""
+        tree = self._tree
+        root = tree.root
+        page_bytes = tree._page_bytes
         heap = tree._heap
+        tier = tree.host_tier
+        hosts = tier.heap if tier is not None else None
         for node in touched:
             parent = node.parent
             if parent is None:
                 continue  # the root
             first = node.key[:page_bytes]
             listed = parent.children.get((node.namespace, first) if parent is root else first)
-            evictable = listed is node and not node.children and node.lock_ref == 0
-            if evictable and node not in heap:
-                heap.push(node)
-            elif not evictable and node in heap:
+            leaf = candidate = False
+            if listed is node:
+                if hosts is None:
+                    leaf = not node.children and node.lock_ref == 0
+                elif len(node.value):
+                    leaf = node.lock_ref == 0 and not any(
+                        len(c.value) for c in node.children.values()
+                    )
+                else:
+                    candidate = not node.children and node.host_lock_ref == 0
+            if not leaf and node in heap:
                 heap.discard(node)
-        for component, sizes, pending in zip(
-            tree.components, self._sizes, self._pending, strict=True
-        ):
-            component.evictable_size, component.protected_size, component.evicted_total = sizes
-            del component._pending[pending:]
-        tree.num_nodes = self._num_nodes
-        events = tree._events
-        if events is not None:
-            del events.queue[self._queued :]
+            if hosts is not None and not candidate and node in hosts:
+                hosts.discard(node)
+            if leaf:
+                entry = entries.get(node.id)
+                if entry is None:
+                    if node not in heap:
+                        heap.push(node)
+                elif node.heap_entry != entry:
+                    heap.discard(node)
+                    heap.put_back(node, entry)
+            if candidate and hosts is not None and node not in hosts:
+                hosts.push(node)
 
 
 def _queued(component: TreeComponent, start: int) -> npt.NDArray[np.int64] | None:
@@ -162,10 +232,13 @@ def _queued(component: TreeComponent, start: int) -> npt.NDArray[np.int64] | Non
     return pending[0] if len(pending) == 1 else np.concatenate(pending)
 
 
-def check_frees(component: TreeComponent, slots: npt.NDArray[np.int64]) -> None:
+def check_frees(
+    component: TreeComponent, slots: npt.NDArray[np.int64], *, repeats: bool = True
+) -> None:
     """Raise HeldSlotsNotAllocated / HeldSlotsRepeated if `component.flush()` would have its
-    allocator refuse `slots` (changes nothing). An allocator without `check_allocated` is
-    trusted for what only it can tell."""
+    allocator (the one it frees into now) refuse `slots` (changes nothing). `repeats`: also
+    refuse a slot listed twice (off for Full slots of a tree whose insert ruled repeats out).
+    An allocator without `check_allocated` is trusted for what only it can tell."""
     allocator = getattr(component, "allocator", None)
     tensor = torch.from_numpy(slots)
     device = getattr(component, "device", None)
@@ -186,7 +259,7 @@ def check_frees(component: TreeComponent, slots: npt.NDArray[np.int64]) -> None:
             f"evict: the {component.name} allocator would refuse slots the tree holds (freed "
             f"behind the tree's back?); nothing was evicted: {exc}"
         ) from exc
-    if len(np.unique(freed)) != len(freed):
+    if repeats and len(np.unique(freed)) != len(freed):
         raise HeldSlotsRepeated(
             f"evict: the tree holds some {component.name} slots twice (a double free); "
             "nothing was evicted"
@@ -194,10 +267,12 @@ def check_frees(component: TreeComponent, slots: npt.NDArray[np.int64]) -> None:
 
 
 def evict_components(tree: EvictingTree, targets: Mapping[str, int]) -> None:
-    """Each component frees its target by its own order, all or nothing (module docstring);
-    the queued slots reach the allocators, one `free` call per component, only when every
-    component's slots passed their check."""
+    """Each component frees its target by its own order (Full on a tree with a host tier: the
+    tier's device walk), all or nothing (module docstring); the queued slots reach the
+    allocators, one `free` call per component, only when every component's slots passed their
+    check."""
     components = tree.components
+    tier = tree.host_tier
     journal = EvictJournal(tree)
     starts = [len(c._pending) for c in components]
     tree._journal = journal
@@ -205,16 +280,17 @@ def evict_components(tree: EvictingTree, targets: Mapping[str, int]) -> None:
         for component in components:
             target = targets.get(component.name, 0)
             if target > 0:
-                component.evict(target)
+                if tier is not None and isinstance(component, FullComponent):
+                    tier.evict_device(target)
+                else:
+                    component.evict(target)
         for component, start in zip(components, starts, strict=True):
             slots = _queued(component, start)
             if slots is not None and len(slots):
-                if isinstance(component, FullComponent) and tree.check_slots:
-                    # insert refused repeats and slots the tree held: only the range and the
-                    # allocator's marks are left to check (one call).
-                    _check_full(component, slots)
-                else:
-                    check_frees(component, slots)
+                # A tree that checks insert slots refused repeats of Full slots and slots it
+                # held: only the range and the allocator's marks are left to check (one call).
+                full_checked = isinstance(component, FullComponent) and tree.check_slots
+                check_frees(component, slots, repeats=not full_checked)
     except BaseException:
         tree._journal = None
         journal.roll_back()
@@ -223,47 +299,3 @@ def evict_components(tree: EvictingTree, targets: Mapping[str, int]) -> None:
     journal.close()
     for component in components:
         component.flush()
-
-
-def evict_tiered(tree: EvictingTree, targets: Mapping[str, int]) -> None:
-    """Hierarchical mode: Full's device eviction takes host_tier.py's walk, the others their
-    own order; then every component frees. The Full slots that walk will free are found
-    (`HostTier.device_frees`, changing nothing) and checked as the device-only evict checks
-    them before any node moves: a refusal raises HeldSlotsNotAllocated / HeldSlotsRepeated with
-    the tree and the allocators untouched. The other components' frees (SWA, Mamba) are checked
-    only by their allocators, after the walk: not rolled back yet."""
-    tier = tree.host_tier
-    assert tier is not None
-    full = tree.components[0]
-    assert isinstance(full, FullComponent)
-    amount = targets.get(full.name, 0)
-    if amount > 0:
-        planned = tier.device_frees(amount)
-        if planned:
-            slots = planned[0] if len(planned) == 1 else np.concatenate(planned)
-            if tree.check_slots:
-                _check_full(full, slots)
-            else:
-                check_frees(full, slots)
-    for component in tree.components:
-        target = targets.get(component.name, 0)
-        if target > 0:
-            if component is full:
-                tier.evict_device(target)
-            else:
-                component.evict(target)
-    for component in tree.components:
-        component.flush()
-
-
-def _check_full(full: FullComponent, slots: npt.NDArray[np.int64]) -> None:
-    check = full._check_allocated
-    if check is None:
-        return
-    try:
-        check(full.to_device(slots), "evict: tree-held slots")
-    except (IndexOutOfRange, NotAllocated, ReservedIndex) as exc:
-        raise HeldSlotsNotAllocated(
-            f"evict: the full allocator no longer has slots the tree holds handed out (freed "
-            f"behind the tree's back?); nothing was evicted: {exc}"
-        ) from exc

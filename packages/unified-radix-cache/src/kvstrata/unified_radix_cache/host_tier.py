@@ -160,6 +160,7 @@ class HostTier(HostWalks):
             node = heap.peek()
             if node is None:
                 break
+            self.tree.note_evicting(node)  # before the split and the pop (its heap entry)
             keep = len(node.value) - -(-(amount - freed) // page) * page
             if keep > 0:
                 # The lower half keeps the node's identity and heap entry (still the top).

@@ -142,6 +142,19 @@ class LeafHeap:
         if len(heap) > 2 * len(self._members) + 1024:
             self._compact()
 
+    def put_back(self, node: TreeNode, entry: HeapEntry) -> None:
+        """Add absent `node` with the key of `entry`, an entry it had before (an undo: the
+        order it had then, even if its policy fields moved since without a re-key)."""
+        assert node.id not in self._members, f"LeafHeap.put_back: node {node.id} is present"
+        # A new tuple: the old one may still lie in the heap, stale.
+        fresh: HeapEntry = (entry[0], entry[1], entry[2])
+        node.heap_entry = fresh
+        self._members[node.id] = node
+        heap = self._heap
+        heapq.heappush(heap, fresh)
+        if len(heap) > 2 * len(self._members) + 1024:
+            self._compact()
+
     def discard(self, node: TreeNode) -> None:
         """Remove `node` if present (O(1): its entry just goes stale)."""
         if self._members.pop(node.id, None) is not None:

@@ -16,13 +16,19 @@ if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.components.base import ComponentInsert
     from kvstrata.unified_radix_cache.key import RadixKey
     from kvstrata.unified_radix_cache.node import TreeNode
+    from kvstrata.unified_radix_cache.policies import LeafHeap
     from kvstrata.unified_radix_cache.results import InsertResult, MatchResult
 
 
 class TreeTier(Protocol):
     """The tier hooks: its match and insert walks replace the tree's fast paths, it evicts the
     tree's device data (moving what has a host copy off the device), and it follows the
-    structure changes (a split, a node losing its last child)."""
+    structure changes (a split, a node losing its last child). An evict that raises puts its
+    host eviction candidates (`heap`) and their per-component host slot counts
+    (`candidate_sizes`) back as they were (evict_undo.py)."""
+
+    heap: LeafHeap
+    candidate_sizes: list[int]
 
     def match(
         self, key: RadixKey, data: bytes, end: int, *, copy_state: bool = False
@@ -40,8 +46,6 @@ class TreeTier(Protocol):
     ) -> InsertResult: ...
 
     def evict_device(self, amount: int) -> int: ...
-
-    def device_frees(self, amount: int) -> list[npt.NDArray[np.int64]]: ...
 
     def on_split(self, upper: TreeNode, node: TreeNode) -> None: ...
 

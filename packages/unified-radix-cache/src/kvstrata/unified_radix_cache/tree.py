@@ -34,7 +34,7 @@ from kvstrata.unified_radix_cache.errors import (
     TreeLocked,
 )
 from kvstrata.unified_radix_cache.events import EventLog, KVEvent
-from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_components, evict_tiered
+from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_components
 from kvstrata.unified_radix_cache.hybrid import insert_hybrid, match_hybrid
 from kvstrata.unified_radix_cache.insert_inputs import check_inputs, slots_of
 from kvstrata.unified_radix_cache.integrity import check_tree
@@ -121,7 +121,7 @@ class UnifiedRadixCache:
         self._receipts: dict[int, LockReceipt] = {}
         self._receipt_ids: Iterator[int] = itertools.count(1)
         self._root = structure.new_root(self._num_components)
-        #: Set while a device-only `evict` with state components runs (evict_undo.py).
+        #: Set while an `evict` with state components or a host tier runs (evict_undo.py).
         self._journal: EvictJournal | None = None
         # Bound last: every check above ran first, so a refused tree leaves its components free.
         for index, component in enumerate(components):
@@ -421,6 +421,8 @@ class UnifiedRadixCache:
         the node): a new node takes that head and `node`'s place under its parent; `node` keeps
         the tail, its children and its identity. Returns the new upper node. Sizes and locks are
         unchanged (the upper node copies the lock counts)."""
+        if self._journal is not None:
+            self._journal.node(node)
         return structure.split_node(self, node, num_tokens)
 
     def remove_leaf(self, node: TreeNode, *, evicted: bool) -> int:
@@ -445,8 +447,6 @@ class UnifiedRadixCache:
             f"truncate_leaf({node.id}): not an unlocked leaf"
         )
         if self._extras:
-            if self._journal is not None:
-                self._journal.node(node)
             self.split_node(node, keep)
             if node.heap_entry is not None:
                 self._heap.discard(node)
@@ -465,6 +465,13 @@ class UnifiedRadixCache:
         full.evictable_size -= freed
         full.evicted_total += freed
         return freed
+
+    def note_evicting(self, node: TreeNode) -> None:
+        """Device leaf `node` is about to be split, taken off the device or removed by a host
+        tier's walk inside `evict`: the evict's journal records it as it is (heap entry
+        included), so a refused evict puts it back."""
+        if self._journal is not None:
+            self._journal.node(node)
 
     def evict_component(self, node: TreeNode, component: TreeComponent) -> int:
         """`component` gives up its data on `node` (its own eviction, e.g. SWA or Mamba LRU):
@@ -549,7 +556,7 @@ class UnifiedRadixCache:
         LRU lists (internal nodes become tombstones). Locked data is never touched. The slots
         reach the allocators in one `free` call per component before this returns, after a
         check that each allocator takes them: an evict that raises (HeldSlotsNotAllocated,
-        HeldSlotsRepeated) changed nothing (with a host tier: checked for Full's slots only).
+        HeldSlotsRepeated) changed nothing: tree, host tier and allocators are as they were.
         Cost: O(k log n) for k nodes evicted. `evict` with all targets 0 is a no-op."""
         targets = request.targets
         by_name = self._by_name
@@ -562,15 +569,14 @@ class UnifiedRadixCache:
         components = self._components
         before = [c.evicted_total for c in components]
         nodes_before = self.num_nodes
-        if self.host_tier is not None:
-            evict_tiered(self, targets)  # Full's slots checked before the walk
-        elif not self._extras:
+        if self.host_tier is None and not self._extras:
             amount = targets.get("full", 0)
             if amount > 0:  # checked: a free behind the tree's back raises with nothing changed
                 queue = self._events.queue if self._events is not None else None
                 self._full.evict_checked(amount, queue, repeats=not self.check_slots)
         else:
-            evict_components(self, targets)  # all or nothing: rolled back when it raises
+            # All or nothing (device-only or with a host tier): rolled back when it raises.
+            evict_components(self, targets)
         seconds = time.perf_counter() - start
         self.evict_calls += 1
         self.evict_seconds += seconds
