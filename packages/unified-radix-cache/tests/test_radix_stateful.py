@@ -139,6 +139,37 @@ class TreeMachine(RuleBasedStateMachine):
             assert self.tree.match_prefix(key).prefix_len == kept
         return result.last_node
 
+    @rule(target=nodes, tokens=TOKENS, ns=NAMESPACES, lock=st.booleans(), evict=st.integers(0, 8))
+    def match_evict_insert(self, tokens: list[int], ns: str | None, lock: bool, evict: int):
+        """A scheduler's order on one key object: match, (lock), evict, insert, (unlock). A
+        Full-only insert reuses the match's walk while it holds (walk_reuse tests)."""
+        key = RadixKey(tokens, extra_key=ns)
+        m = self.tree.match_prefix(key)
+        receipt = self.tree.lock(m.last_node) if lock else None
+        if evict:
+            self.tree.evict(EvictRequest.full(evict))
+        page = self.page_size
+        slots = self._make_room(-(-len(tokens) // page) * page)
+        if slots is None:
+            if receipt is not None:
+                self.tree.unlock(receipt)
+            return multiple()
+        slots = slots[: len(tokens)]
+        result = self.tree.insert(key, slots)
+        assert result.prefix_len >= (m.prefix_len if lock else 0)
+        duplicates = result.duplicates(slots)
+        if len(duplicates):
+            self.kit.full.free(duplicates)
+        kept = result.prefix_len + result.inserted_len
+        assert kept == len(tokens) - len(tokens) % page
+        if kept < len(tokens):
+            self.kit.full.free(slots[kept:])
+        if receipt is not None:
+            self.tree.unlock(receipt)
+        if self.family == "full":
+            assert self.tree.match_prefix(RadixKey(tokens, extra_key=ns)).prefix_len == kept
+        return result.last_node
+
     @rule(target=nodes, tokens=TOKENS, ns=NAMESPACES, copy=st.booleans())
     def match(self, tokens: list[int], ns: str | None, copy: bool):
         key = RadixKey(tokens, extra_key=ns)

@@ -69,8 +69,7 @@ class SlotChecker:
         # stand-in sink may announce a practically unbounded pool).
         self._held = _zeroed(min(self._rows, _INITIAL_ROWS))
         full.held = self._held
-        self._iota = np.arange(1, 1025, dtype=np.int32)
-        self._iota_bytes = self._iota.tobytes()
+        self._set_iota(1024)
         check = getattr(allocator, "check_allocated", None)
         self._allocator: _Checks | None = allocator if callable(check) else None  # pyright: ignore[reportAttributeAccessIssue]
 
@@ -95,6 +94,19 @@ class SlotChecker:
         n = len(x)
         if n == 0:
             return
+        # Fast path: a run of consecutive slots inside the table (a slot counter's, or a paged
+        # allocator's fresh pages) cannot repeat a slot: two scalar reads and one comparison of
+        # bytes with the run's prove it is one; one slice of the table then checks and marks it.
+        first = x.item(0)
+        stop = first + n
+        if (
+            first >= 0
+            and stop <= len(self._held)
+            and x.item(-1) == stop - 1
+            and x.tobytes() == np.arange(first, stop, dtype=np.int64).tobytes()
+        ):
+            self._check_run(x, first, stop, keep)
+            return
         try:
             words = x.view(np.int32)
         except ValueError:  # a strided view of the caller's slots
@@ -107,12 +119,7 @@ class SlotChecker:
         if np.count_nonzero(words) != np.count_nonzero(x) or n > len(self._iota):
             held = self._fit(x)
         if self._allocator is not None:
-            try:
-                self._allocator.check_allocated(self._full.to_device(x), "insert")
-            except IndexOutOfRange as e:
-                raise SlotOutOfRange(str(e)) from None
-            except (NotAllocated, ReservedIndex) as e:  # a free page, or page 0
-                raise SlotNotAllocated(str(e)) from None
+            self._check_allocator(x)
         try:
             marks = held[x]
         except IndexError:  # a slot past the table: grow it, or refuse it
@@ -133,6 +140,27 @@ class SlotChecker:
         if not keep:
             held[x] = 0
 
+    def _check_run(self, x: npt.NDArray[np.int64], first: int, stop: int, keep: bool) -> None:
+        """`check` of `x`, the slots `first .. stop - 1` in order (inside the table)."""
+        if self._allocator is not None:
+            self._check_allocator(x)
+        run = self._held[first:stop]
+        if run.tobytes() != bytes(4 * (stop - first)):
+            raise SlotInTree(
+                f"insert: slots {_sample(x[run > 0])} are already held by the tree (another key)"
+            )
+        if keep:
+            run.fill(1)
+
+    def _check_allocator(self, x: npt.NDArray[np.int64]) -> None:
+        assert self._allocator is not None
+        try:
+            self._allocator.check_allocated(self._full.to_device(x), "insert")
+        except IndexOutOfRange as e:
+            raise SlotOutOfRange(str(e)) from None
+        except (NotAllocated, ReservedIndex) as e:  # a free page, or page 0
+            raise SlotNotAllocated(str(e)) from None
+
     def _fit(self, x: npt.NDArray[np.int64]) -> npt.NDArray[np.int32]:
         """The slow path of `check`: refuse slots outside the pool, grow the table to cover
         the others and the stamps to cover `len(x)`; returns the table."""
@@ -143,9 +171,13 @@ class SlotChecker:
         if top >= len(self._held):
             self._grow(top)
         if len(x) > len(self._iota):
-            self._iota = np.arange(1, max(len(x), 2 * len(self._iota)) + 1, dtype=np.int32)
-            self._iota_bytes = self._iota.tobytes()
+            self._set_iota(max(len(x), 2 * len(self._iota)))
         return self._held
+
+    def _set_iota(self, n: int) -> None:
+        """Stamps 1..n and their bytes: what `check` writes and compares for up to n slots."""
+        self._iota = np.arange(1, n + 1, dtype=np.int32)
+        self._iota_bytes = self._iota.tobytes()
 
     def hold(self, slots: npt.NDArray[np.int64]) -> None:
         """The tree adopted `slots`."""

@@ -103,6 +103,24 @@ def remove_leaf(tree: TreeInternals, node: TreeNode, *, evicted: bool) -> int:
     return size
 
 
+def cut_leaf_tail(tree: TreeInternals, node: TreeNode, keep: int) -> int:
+    """Full-only tree: cut unlocked leaf `node` in place after its first `keep` tokens (whole
+    pages), queueing the tail's slots and events. Returns the Full tokens freed."""
+    if tree._events is not None:
+        keys = tree._events.page_keys(tree, node)
+        pages = keep // tree.page_size
+        tree._events.removed_keys(keys[pages:])
+        node.page_keys = keys[:pages]
+    full = tree._full
+    full.queue_free(node.value[keep:])
+    freed = len(node.value) - keep
+    node.value = node.value[:keep]
+    node.key = node.key[: keep * TOKEN_BYTES]
+    full.evictable_size -= freed
+    full.evicted_total += freed
+    return freed
+
+
 def add_off_device_child(
     tree: TreeInternals,
     parent: TreeNode,

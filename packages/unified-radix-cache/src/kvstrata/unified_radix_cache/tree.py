@@ -123,6 +123,10 @@ class UnifiedRadixCache:
         self._root = structure.new_root(self._num_components)
         #: Set while an `evict` with state components or a host tier runs (evict_undo.py).
         self._journal: EvictJournal | None = None
+        #: The Full-only match's walk (key, end, path, bytes matched), reused by an insert of
+        #: the same key object while the tree keeps that path: dropped by any split or new node,
+        #: and by a removal unless the path's end is locked (then no evict can touch the path).
+        self._last_walk: tuple[RadixKey, int, list[TreeNode], int] | None = None
         # Bound last: every check above ran first, so a refused tree leaves its components free.
         for index, component in enumerate(components):
             component.bind(self, index)
@@ -265,6 +269,7 @@ class UnifiedRadixCache:
                 return self.host_tier.match(key, data, end, copy_state=copy_state)
             return match_hybrid(self, key, data, end, copy_state)
         path, pos, _ = descend(root, self._page_bytes, key.namespace, data, end, self.split_node)
+        self._last_walk = (key, end, path, pos)
         self._tick += 1
         tick = self._tick
         node = root
@@ -338,12 +343,18 @@ class UnifiedRadixCache:
         # Full-only fast path: the one walk, then two attribute writes per node (no hook call).
         namespace = key.namespace
         page_bytes = self._page_bytes
-        if checker is None:
-            path, pos, _ = descend(root, page_bytes, namespace, data, end, self.split_node)
+        last = self._last_walk
+        if last is not None and last[0] is key and last[1] == end:
+            # The match just before walked this key and split where it ends: its walk holds.
+            path, pos, partial = last[2], last[3], 0
         else:
-            # The walk without its split finds the held prefix; the slots past it (the ones the
-            # new leaf adopts) are checked, and marked held, before anything changes.
-            path, pos, partial = descend(root, page_bytes, namespace, data, end, None)
+            # With the check, the walk without its split finds the held prefix first.
+            split = self.split_node if checker is None else None
+            path, pos, partial = descend(root, page_bytes, namespace, data, end, split)
+        self._last_walk = None
+        if checker is not None:
+            # The slots past the held prefix (the ones the new leaf adopts) are checked, and
+            # marked held, before anything changes.
             held = (pos + partial) // TOKEN_BYTES
             lo = max(cached_len, held)
             checker.check(slots, lo, end // TOKEN_BYTES, keep=True)
@@ -423,6 +434,7 @@ class UnifiedRadixCache:
         unchanged (the upper node copies the lock counts)."""
         if self._journal is not None:
             self._journal.node(node)
+        self._last_walk = None
         return structure.split_node(self, node, num_tokens)
 
     def remove_leaf(self, node: TreeNode, *, evicted: bool) -> int:
@@ -432,6 +444,8 @@ class UnifiedRadixCache:
         Full tokens removed."""
         if self._journal is not None:
             self._journal.node(node)
+        if self._last_walk is not None:
+            self._forget_walk()
         return structure.remove_leaf(self, node, evicted=evicted)
 
     def truncate_leaf(self, node: TreeNode, keep: int) -> int:
@@ -446,30 +460,18 @@ class UnifiedRadixCache:
         assert not node.children and node.lock_ref == 0, (
             f"truncate_leaf({node.id}): not an unlocked leaf"
         )
+        if self._last_walk is not None:
+            self._forget_walk()
         if self._extras:
             self.split_node(node, keep)
             if node.heap_entry is not None:
                 self._heap.discard(node)
             return self.remove_leaf(node, evicted=True)
-        cut = keep * TOKEN_BYTES
-        if self._events is not None:
-            keys = self._events.page_keys(self, node)
-            pages = keep // self.page_size
-            self._events.removed_keys(keys[pages:])
-            node.page_keys = keys[:pages]
-        full = self._full
-        full.queue_free(node.value[keep:])
-        node.value = node.value[:keep]
-        node.key = node.key[:cut]
-        freed = size - keep
-        full.evictable_size -= freed
-        full.evicted_total += freed
-        return freed
+        return structure.cut_leaf_tail(self, node, keep)
 
     def note_evicting(self, node: TreeNode) -> None:
-        """Device leaf `node` is about to be split, taken off the device or removed by a host
-        tier's walk inside `evict`: the evict's journal records it as it is (heap entry
-        included), so a refused evict puts it back."""
+        """A host tier's walk inside `evict` is about to split, demote or remove device leaf
+        `node`: the journal records it as it is (heap entry included) for a refused evict."""
         if self._journal is not None:
             self._journal.node(node)
 
@@ -478,6 +480,7 @@ class UnifiedRadixCache:
         an unlocked leaf leaves the tree whole; otherwise the node keeps its Full data and
         becomes a tombstone for `component` and every component of lower or equal priority.
         Returns what `component` freed."""
+        self._last_walk = None
         # A leaf with a host copy stays (hierarchical mode): it only loses device state here.
         if not node.children and node.lock_ref == 0 and node.host_value is None:
             before = component.evicted_total
@@ -497,6 +500,13 @@ class UnifiedRadixCache:
                 if other is component:
                     freed = amount
         return freed
+
+    def _forget_walk(self) -> None:
+        """A node leaves or shrinks: drop the match's walk unless its path is locked (or empty:
+        no removal makes a child appear where the walk found none)."""
+        last = self._last_walk
+        if last is not None and last[2] and last[2][-1].lock_ref == 0:
+            self._last_walk = None
 
     # -- hierarchical mode (host_tier.py walks the nodes with these) -----------------------
     def next_tick(self) -> int:
@@ -524,17 +534,15 @@ class UnifiedRadixCache:
     ) -> TreeNode:
         """A new on-device leaf under `parent` for `data[pos:end]` with a copy of its slots
         (device sizes, heap and events updated). `parent` must be on the device (or the root)."""
+        self._last_walk = None
         return self._add_leaf(parent, data, pos, end, slots, namespace, tick, priority)
 
     def add_off_device_child(
-        self,
-        parent: TreeNode,
-        key: bytes,
-        namespace: Namespace | None,
-        tick: int,
+        self, parent: TreeNode, key: bytes, namespace: Namespace | None, tick: int
     ) -> TreeNode:
         """A new node under `parent` for `key` that holds no device slots (the caller gives it
         a host value). Only the structure changes: no size, heap or event."""
+        self._last_walk = None
         return structure.add_off_device_child(self, parent, key, namespace, tick)
 
     def emit_stored(self, node: TreeNode) -> None:
@@ -646,6 +654,7 @@ class UnifiedRadixCache:
             raise TreeLocked(
                 f"{len(self._receipts)} lock receipt(s) outstanding; unlock them first"
             )
+        self._last_walk = None
         stack = list(self._root.children.values())
         while stack:
             node = stack.pop()
