@@ -26,6 +26,7 @@ from kvstrata.testkit.trees import TreeKit, make_tree
 from kvstrata.unified_radix_cache import (
     ComponentInsert,
     EvictRequest,
+    InsertResult,
     LockReceipt,
     MambaInsert,
     RadixKey,
@@ -125,19 +126,25 @@ class TreeMachine(RuleBasedStateMachine):
         key = RadixKey(tokens, extra_key=ns)
         self.keys = [*self.keys[-5:], key]
         result = self.tree.insert(key, slots, inputs=inputs or None)
-        duplicates = result.duplicates(slots)
-        if len(duplicates):
-            self.kit.full.free(duplicates)
-        kept = result.prefix_len + result.inserted_len
-        assert kept == len(tokens) - len(tokens) % page
-        if kept < len(tokens):
-            self.kit.full.free(slots[kept:])
+        kept = self._free_unkept(result, slots, len(tokens))
         if state is not None and "mamba" not in result.adopted_states:
             assert self.kit.mamba is not None
             self.kit.mamba.free(state)
         if self.family == "full":
             assert self.tree.match_prefix(key).prefix_len == kept
         return result.last_node
+
+    def _free_unkept(self, result: InsertResult, slots: torch.Tensor, num_tokens: int) -> int:
+        """Give back what the tree did not keep (its duplicates and the partial page's slots):
+        returns the tokens kept, whole pages of the key."""
+        duplicates = result.duplicates(slots)
+        if len(duplicates):
+            self.kit.full.free(duplicates)
+        kept = result.prefix_len + result.inserted_len
+        assert kept == num_tokens - num_tokens % self.page_size
+        if kept < num_tokens:
+            self.kit.full.free(slots[kept:])
+        return kept
 
     @rule(target=nodes, tokens=TOKENS, ns=NAMESPACES, lock=st.booleans(), evict=st.integers(0, 8))
     def match_evict_insert(self, tokens: list[int], ns: str | None, lock: bool, evict: int):
@@ -157,13 +164,7 @@ class TreeMachine(RuleBasedStateMachine):
         slots = slots[: len(tokens)]
         result = self.tree.insert(key, slots)
         assert result.prefix_len >= (m.prefix_len if lock else 0)
-        duplicates = result.duplicates(slots)
-        if len(duplicates):
-            self.kit.full.free(duplicates)
-        kept = result.prefix_len + result.inserted_len
-        assert kept == len(tokens) - len(tokens) % page
-        if kept < len(tokens):
-            self.kit.full.free(slots[kept:])
+        kept = self._free_unkept(result, slots, len(tokens))
         if receipt is not None:
             self.tree.unlock(receipt)
         if self.family == "full":
