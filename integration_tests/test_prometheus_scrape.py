@@ -236,7 +236,9 @@ def _query(base: str, expr: str) -> list[dict[str, Any]]:
 
 
 def _value(base: str, expr: str) -> float:
-    result = _query(base, expr)
+    # A scrape that times out on a loaded machine (the timeout is the 1 s interval) marks the
+    # target's series stale until the next one succeeds: an empty answer is retried for 10 s.
+    result = _wait(f"a series for {expr}", partial(_query, base, expr), timeout=10)
     assert len(result) == 1, f"{expr}: {result}"
     return float(result[0]["value"][1])
 

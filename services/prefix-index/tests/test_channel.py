@@ -12,7 +12,13 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvstrata.prefix_index.channel import METHODS, ChannelServer, ShardChannel
+from kvstrata.prefix_index.channel import (
+    METHODS,
+    ChannelPool,
+    ChannelServer,
+    ShardChannel,
+    is_loopback,
+)
 from kvstrata.prefix_index.cluster import IndexShard
 from kvstrata.prefix_index.errors import InvalidParameter, ShardCallFailed, ShardUnavailable
 from kvstrata.unified_radix_cache import BlockRemoved, BlockStored, encode_events
@@ -179,3 +185,74 @@ def test_nobody_listening_times_out() -> None:
     channel = ShardChannel("s", f"tcp://127.0.0.1:{port}", timeout_s=0.3)
     with pytest.raises(ShardUnavailable):
         channel.call("stats")
+
+
+def test_is_loopback() -> None:
+    assert is_loopback("tcp://127.0.0.1:5555") and is_loopback("tcp://[::1]:5555")
+    assert is_loopback("tcp://localhost:5555") and is_loopback("tcp://127.0.0.2:1")
+    assert not is_loopback("tcp://10.0.0.3:5555") and not is_loopback("tcp://[fe80::1]:5")
+
+
+def test_a_pool_reaches_loopback_shards_only_on_their_own_host(
+    served: tuple[IndexShard, ChannelServer],
+) -> None:
+    """A shard on another host that listens on loopback is unreachable: `get` says None (the
+    caller goes through Ray) instead of connecting to its own host's loopback."""
+    _, server = served
+    hosts = {"here": "10.0.0.1", "there": "10.0.0.2"}
+    pool = ChannelPool(lambda n: (server.address, hosts[n]), lambda: "10.0.0.1", timeout_s=5)
+    try:
+        assert pool.get("there") is None
+        here = pool.get("here")
+        assert here is not None and pool.get("here") is here  # kept open
+        assert here.call("echo", 7) == 7
+    finally:
+        pool.close()
+    assert here.closed
+
+
+def test_a_pool_drops_only_the_channel_that_failed(
+    served: tuple[IndexShard, ChannelServer],
+) -> None:
+    """A late failure of an old channel must not drop (and leak) the newer one."""
+    _, server = served
+    pool = ChannelPool(lambda n: (server.address, "h"), lambda: "h", timeout_s=5)
+    try:
+        old = pool.get("s")
+        assert old is not None
+        old.close()  # failed: the next get opens a new one
+        new = pool.get("s")
+        assert new is not None and new is not old
+        pool.drop("s", old)  # the old one's late failure callback
+        assert pool.get("s") is new and not new.closed
+        pool.drop("s", new)
+        again = pool.get("s")
+        assert again is not None and again is not new
+        new.close()
+    finally:
+        pool.close()
+
+
+def test_a_pool_refuses_a_shard_without_a_channel() -> None:
+    pool = ChannelPool(lambda n: None, lambda: "h", timeout_s=5)
+    with pytest.raises(ShardUnavailable, match="serves no direct channel"):
+        pool.get("s")
+
+
+def test_a_result_the_channel_cannot_encode_is_an_error_and_the_server_keeps_serving() -> None:
+    """Packing a result inside the server's guard: an unencodable answer is a ShardCallFailed
+    for that call, and the next call is answered (the serving thread did not die)."""
+
+    class Odd(IndexShard):
+        def echo(self, value: object) -> object:
+            return object() if value == "odd" else value
+
+    server = ChannelServer(Odd(1))
+    channel = ShardChannel("s", server.address, timeout_s=5)
+    try:
+        with pytest.raises(ShardCallFailed):
+            channel.call("echo", "odd")
+        assert channel.call("echo", 3) == 3
+    finally:
+        channel.close()
+        server.close()

@@ -26,6 +26,7 @@ the address again (`ClusterIndex` does this on the next call).
 
 from __future__ import annotations
 
+import ipaddress
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -84,6 +85,7 @@ class ChannelServer:
             if len(frames) != 4:
                 continue  # not a client of this protocol: nothing to answer to
             peer, rid, method, body = frames
+            # `_dispatch` answers every failure (packing included): the loop never dies.
             sock.send_multipart([peer, rid, *self._dispatch(method, body)])
             self.served += 1
 
@@ -95,10 +97,9 @@ class ChannelServer:
             args = _unpack(body)
             if not isinstance(args, list):
                 raise InvalidParameter("channel arguments must be a list")
-            result = getattr(self._target, name)(*args)
+            return [_OK, _pack(getattr(self._target, name)(*args))]
         except Exception as exc:  # noqa: BLE001 (sent to the caller, who raises it)
             return [_ERR, _pack([type(exc).__name__, str(exc)])]
-        return [_OK, _pack(result)]
 
     def close(self) -> None:
         self._stop.set()
@@ -135,6 +136,8 @@ class ShardChannel:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # A peer that never connects: a send blocks at the high-water mark, bounded like a recv.
+        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(address)
         self._poller = zmq.Poller()
@@ -152,8 +155,14 @@ class ShardChannel:
         if self.closed:
             raise ShardUnavailable(f"shard {self.name}: channel closed")
         rid = self._next
+        try:
+            self._sock.send_multipart([_ID.pack(rid), method.encode(), _pack(list(args))])
+        except zmq.Again as exc:
+            self.close()
+            raise ShardUnavailable(
+                f"shard {self.name}: could not send on {self.address} within {self.timeout_s} s"
+            ) from exc
         self._next += 1
-        self._sock.send_multipart([_ID.pack(rid), method.encode(), _pack(list(args))])
         return rid
 
     def recv(self, rid: int) -> Any:
@@ -163,7 +172,7 @@ class ShardChannel:
             if self.closed:
                 raise ShardUnavailable(f"shard {self.name}: channel closed")
             events = dict(self._poller.poll(int(self.timeout_s * 1000)))
-            if self._monitor in events:
+            if self._monitor in events and self._sock not in events:  # replies first
                 self.close()
                 raise ShardUnavailable(
                     f"shard {self.name}: its channel {self.address} disconnected (shard died?)"
@@ -208,3 +217,53 @@ class ShardChannel:
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a `tcp://host:port` channel address is on the loopback interface."""
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or ipaddress.ip_address(host).is_loopback
+
+
+class ChannelPool:
+    """A client's direct channels, one per shard, opened on first use at the address
+    `locate(name)` gives (`(address, host IP)`, None when the shard serves no channel), and
+    dropped by whoever saw one fail (`drop`: only that channel, never a newer one)."""
+
+    def __init__(
+        self,
+        locate: Callable[[str], tuple[str, str] | None],
+        this_host: Callable[[], str],
+        *,
+        timeout_s: float,
+    ) -> None:
+        self._locate = locate
+        self._this_host = this_host
+        self.timeout_s = timeout_s
+        self._open: dict[str, ShardChannel] = {}
+
+    def get(self, name: str) -> ShardChannel | None:
+        """Shard `name`'s open channel, or a new one; None when the shard listens on loopback
+        on another host (unreachable from here). ShardUnavailable when the shard serves no
+        channel (or `locate` raises it)."""
+        got = self._open.get(name)
+        if got is not None and not got.closed:
+            return got
+        found = self._locate(name)
+        if found is None:
+            raise ShardUnavailable(f"shard {name} serves no direct channel")
+        address, host = found
+        if is_loopback(address) and host != self._this_host():
+            return None
+        got = self._open[name] = ShardChannel(name, address, timeout_s=self.timeout_s)
+        return got
+
+    def drop(self, name: str, channel: ShardChannel) -> None:
+        """`channel` failed: forget it if it is still shard `name`'s (the next call reopens)."""
+        if self._open.get(name) is channel:
+            del self._open[name]
+
+    def close(self) -> None:
+        for channel in self._open.values():
+            channel.close()
+        self._open.clear()

@@ -41,7 +41,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 from ray.exceptions import ActorDiedError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvstrata.prefix_index.channel import METHODS, ChannelServer, Pending, ShardChannel
+from kvstrata.prefix_index.channel import (
+    METHODS,
+    ChannelPool,
+    ChannelServer,
+    Pending,
+    ShardChannel,
+)
 from kvstrata.prefix_index.dump import dump_tree
 from kvstrata.prefix_index.errors import InvalidParameter, ShardUnavailable
 from kvstrata.prefix_index.index import PrefixIndex
@@ -293,9 +299,12 @@ class _RayShard(IndexShard):
             self._metrics_port = server.server_port
         self._channel = None if channel_addr is None else ChannelServer(self, host=channel_addr)
 
-    def channel_address(self) -> str | None:
-        """Where this shard's direct channel listens (None: no channel; Ray calls only)."""
-        return None if self._channel is None else self._channel.address
+    def channel_address(self) -> tuple[str, str] | None:
+        """Where this shard's direct channel listens and its node's IP address (a loopback
+        channel serves only clients on that host); None: no channel, Ray calls only."""
+        if self._channel is None:
+            return None
+        return self._channel.address, ray.util.get_node_ip_address()
 
     def metrics_port(self) -> int | None:
         """The port serving /metrics (None: no endpoint)."""
@@ -435,7 +444,11 @@ class ClusterIndex:
         if direct and self._local:
             raise InvalidParameter("direct channels need Ray shard actors")
         self.direct = direct
-        self._channels: dict[str, ShardChannel] = {}
+        self._channels = ChannelPool(
+            lambda n: self._ray_get(n, self.shards[n].channel_address.remote()),
+            ray.util.get_node_ip_address,
+            timeout_s=timeout_s,
+        )
         self._owners: dict[bytes, str] = {}
 
     def owner(self, first_key: bytes) -> str:
@@ -460,8 +473,9 @@ class ClusterIndex:
         if self._local:
             value = getattr(self.shards[name], method)(*args)
             return Pending(lambda: value)
-        if self.direct and method in METHODS:  # on failure: ask Ray again next call
-            return self.channel(name).submit(method, args, lambda: self._channels.pop(name, None))
+        if self.direct and method in METHODS and (channel := self.channel(name)) is not None:
+            # On failure drop this channel (not a newer one): the next call asks Ray again.
+            return channel.submit(method, args, lambda: self._channels.drop(name, channel))
         ref = getattr(self.shards[name], method).remote(*args)
         return Pending(lambda: self._ray_get(name, ref))
 
@@ -471,23 +485,14 @@ class ClusterIndex:
         except (RayError, TimeoutError) as exc:
             raise ShardUnavailable(f"shard {name} did not answer: {exc}") from exc
 
-    def channel(self, name: str) -> ShardChannel:
-        """Shard `name`'s direct channel, its address asked of Ray (the actor) when there is
-        none open. ShardUnavailable when the actor does not answer or serves no channel."""
-        got = self._channels.get(name)
-        if got is not None and not got.closed:
-            return got
-        address = self._ray_get(name, self.shards[name].channel_address.remote())
-        if address is None:
-            raise ShardUnavailable(f"shard {name} serves no direct channel")
-        got = self._channels[name] = ShardChannel(name, address, timeout_s=self.timeout_s)
-        return got
+    def channel(self, name: str) -> ShardChannel | None:
+        """Shard `name`'s direct channel (`ChannelPool.get`: None when this caller cannot
+        reach it, its calls then go through Ray)."""
+        return self._channels.get(name)
 
     def close(self) -> None:
         """Close the direct channels (a later call opens them again)."""
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
+        self._channels.close()
 
     def match_batch(self, queries: Sequence[Sequence[bytes]]) -> list[ClusterMatch]:
         """Each query (page keys) answered by the shard owning its first key; one call per
