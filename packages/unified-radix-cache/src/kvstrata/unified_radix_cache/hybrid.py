@@ -99,7 +99,7 @@ def insert_hybrid(
     prefix_len = pos // TOKEN_BYTES
     last = node
     if pos < end:
-        last = tree._add_leaf(node, data, pos, end, slots, key.namespace, tick, priority)
+        last = tree.add_leaf(node, data, pos, end, slots, key.namespace, tick, priority)
         # A component may split the new leaf (SWA window boundary); `last` keeps the tail,
         # so it still ends at the key's end.
         for component in extras:

@@ -70,7 +70,7 @@ class TreeInternals(Protocol):
 
     def split_node(self, node: TreeNode, num_tokens: int) -> TreeNode: ...
 
-    def _add_leaf(
+    def add_leaf(
         self,
         parent: TreeNode,
         data: bytes,
