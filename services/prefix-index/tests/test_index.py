@@ -140,3 +140,25 @@ def test_errors_change_nothing() -> None:
     ):
         with pytest.raises(InvalidParameter):
             PrefixIndex(**kwargs)  # type: ignore[arg-type]
+
+
+class _Key(bytes):
+    """A bytes subclass: a valid page key (hashed and compared as its bytes)."""
+
+
+def test_page_keys_of_a_bytes_subclass_are_keys() -> None:
+    """Either core (this folder also runs with KVSTRATA_NATIVE=0): events and lookups whose
+    keys are a bytes subclass act as with the plain bytes; a wrong length is still refused."""
+    index = PrefixIndex(4)
+    keys = KEYER.page_keys(prompt(3))
+    index.apply("a", [stored([keys[0], _Key(keys[1]), keys[2]])])
+    index.apply(
+        "b", [stored(keys[:2], "host"), BlockRemoved(page_keys=(_Key(keys[1]),), tier="host")]
+    )
+    index.check_integrity()
+    query = [keys[0], _Key(keys[1]), keys[2]]
+    assert index.match_lengths(query) == {"a": 3, "b": 1}
+    assert index.find_matches(tuple(query)).by_instance["a"].num_pages == 3
+    with pytest.raises(InvalidEvent, match="page keys"):
+        index.apply("a", [stored([keys[0], _Key(keys[1][:5])])])
+    assert index.match_lengths(list(keys)) == {"a": 3, "b": 1}

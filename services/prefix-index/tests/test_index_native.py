@@ -230,3 +230,130 @@ def test_kvstrata_native_0_keeps_the_python_core(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("KVSTRATA_NATIVE", "0")
     made = build(source())
     assert made.library is None and "KVSTRATA_NATIVE" in made.reason
+
+
+class _Key(bytes):
+    """A bytes subclass: hashed and compared as its bytes, so the Python entries take it."""
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_keys_of_a_bytes_subclass_count_as_their_bytes(in_place: bool) -> None:
+    fast, slow = twins(in_place=in_place)
+    for index in (fast, slow):
+        index.apply("a", [BlockStored(page_keys=KEYS[:4], parent_key=None, tokens_per_page=1)])
+    odd = [KEYS[0], _Key(KEYS[1]), KEYS[2]]
+    queries = (
+        odd,
+        tuple(odd),
+        [_Key(KEYS[0]), *KEYS[1:4]],
+        [KEYS[0], _Key(KEYS[1][:16]), KEYS[2]],  # a subclass of the wrong length ends the run
+    )
+    for query in queries:
+        assert fast.find_matches(query) == slow.find_matches(query)
+        assert fast.match_lengths(query) == slow.match_lengths(query)
+    assert fast.match_lengths(odd) == {"a": 3}
+    # Events whose keys are of the subclass: one event (the fast path) and batches.
+    host = BlockStored(page_keys=tuple(odd), parent_key=None, tokens_per_page=1, tier="host")
+    batches: list[tuple[str, list[KVEvent]]] = [
+        ("b", [host]),
+        ("a", [BlockRemoved(page_keys=(_Key(KEYS[3]),))]),
+        (
+            "c",
+            [
+                BlockStored(page_keys=(_Key(KEYS[0]), KEYS[1]), parent_key=None, tokens_per_page=1),
+                BlockRemoved(page_keys=(_Key(KEYS[1]),)),
+            ],
+        ),
+    ]
+    for name, batch in batches:
+        for index in (fast, slow):
+            index.apply(name, batch)
+            index.check_integrity()
+        for query in (list(KEYS[:4]), odd):
+            assert fast.find_matches(query) == slow.find_matches(query)
+        assert fast.stats() == slow.stats()
+        for held in ("a", "b", "c"):
+            assert fast.holdings(held) == slow.holdings(held)
+    assert fast.match_lengths(odd) == {"a": 3, "b": 3, "c": 1}
+
+
+def _state(index: PrefixIndex) -> object:
+    return (
+        index.stats(),
+        len(index),
+        {name: index.holdings(name) for name in index.instances()},
+    )
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("bound", [None, 17])
+def test_a_failed_allocation_changes_nothing(bound: int | None, in_place: bool) -> None:
+    """`a` holds 16 keys (its key list full): storing a 17th grows the list. Each allocation
+    in turn fails: MemoryError, and the index is as before (no entry without holders, no
+    eviction on a bounded index); once none fails, the twins agree."""
+    new = bytes([99]) * 32
+    failures = 0
+    for after in range(40):
+        fast, slow = twins(in_place=in_place, max_entries=bound)
+        core = fast._core  # pyright: ignore[reportPrivateUsage]
+        assert core is not None
+        owned = tuple(bytes([i]) * 32 for i in range(100, 116))
+        for index in (fast, slow):
+            index.apply(
+                "b", [BlockStored(page_keys=(KEYS[0],), parent_key=None, tokens_per_page=1)]
+            )
+            index.apply("a", [BlockStored(page_keys=owned, parent_key=None, tokens_per_page=1)])
+        before = _state(fast)
+        event = BlockStored(page_keys=(new,), parent_key=None, tokens_per_page=1)
+        core.fail_allocation(after)
+        try:
+            fast.apply("a", [event])
+        except MemoryError:
+            failures += 1
+            fast.check_integrity()
+            assert _state(fast) == before == _state(slow)
+            continue
+        finally:
+            left = core.fail_allocation(-1)
+        # No error: the failure did not happen, or a path that copes with it was taken (the
+        # keys joined in Python when their in-place copy could not grow its buffer).
+        slow.apply("a", [event])
+        fast.check_integrity()
+        assert _state(fast) == _state(slow)
+        assert fast.find_matches([new]) == slow.find_matches([new])
+        if left >= 0:  # no allocation failed: every one was tried
+            break
+    else:
+        pytest.fail("the store failed for every allocation")
+    assert failures, "no allocation failed: the path under test was not taken"
+
+
+def test_a_batch_cut_short_by_a_failed_allocation_stays_consistent() -> None:
+    """A store of 3000 new keys grows the table, the entries, the key list and the scratch
+    arrays: each allocation in turn fails. MemoryError, a consistent index holding part of
+    the batch; the same batch applied again then gives what the Python index holds."""
+    keys = tuple(i.to_bytes(32, "big") for i in range(3000))
+    event = BlockStored(page_keys=keys, parent_key=None, tokens_per_page=1)
+    failures = 0
+    for after in range(80):
+        fast, slow = twins(max_entries=2500)
+        core = fast._core  # pyright: ignore[reportPrivateUsage]
+        assert core is not None
+        core.fail_allocation(after)
+        try:
+            fast.apply("a", [event])
+        except MemoryError:
+            failures += 1
+            fast.check_integrity()
+            assert set(fast.holdings("a")) <= set(keys)
+            fast.apply("a", [event])
+        finally:
+            left = core.fail_allocation(-1)
+        slow.apply("a", [event])
+        fast.check_integrity()
+        assert _state(fast) == _state(slow)
+        if left >= 0:  # no allocation failed: every one was tried
+            break
+    else:
+        pytest.fail("the store failed for every allocation")
+    assert failures >= 5

@@ -662,10 +662,12 @@ class PrefixIndex:
 
     @staticmethod
     def _check_keys(keys: Sequence[bytes], key_bytes: int) -> None:
-        # Two C-level passes (type, length) instead of a Python loop per key.
+        # Two C-level passes (type, length) instead of a Python loop per key; the loop only
+        # when they see something else (a subclass of bytes is a bytes: no error for it).
         if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {key_bytes}):
-            bad = next(k for k in keys if not isinstance(k, bytes) or len(k) != key_bytes)
-            raise InvalidEvent(f"page keys are {key_bytes}-byte bytes, got {bad!r:.80}")
+            for key in keys:
+                if not isinstance(key, bytes) or len(key) != key_bytes:
+                    raise InvalidEvent(f"page keys are {key_bytes}-byte bytes, got {key!r:.80}")
 
 
 _new = tuple.__new__

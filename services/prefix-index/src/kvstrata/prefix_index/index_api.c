@@ -62,8 +62,8 @@ static int64_t ix_check(ix_t *x) {
    24, a bytes object's data at 32) is the one of CPython 3.11-3.13 default builds, and the
    Python side checks it on probe objects before it ever uses these calls (kvx_layout); on
    any other layout it joins the keys itself. Each item must be exactly a bytes object of the
-   key length (type pointer compared with bytes'). Calls hold the GIL (PyDLL): the objects
-   cannot change meanwhile. */
+   key length (type pointer compared with bytes'), else the call refuses the whole sequence
+   and Python joins it. Calls hold the GIL (PyDLL): the objects cannot change meanwhile. */
 
 static const void *type_bytes, *type_tuple, *type_list;
 
@@ -76,25 +76,26 @@ void kvx_layout(const void *bytes_type, const void *tuple_type, const void *list
 static const void *ob_type(const void *o) { return *(const void *const *)((const char *)o + 8); }
 static int64_t ob_size(const void *o) { return *(const int64_t *)((const char *)o + 16); }
 
-/* Copy the keys of sequence `seq` into x->gathered up to the first item that is not a bytes
-   object of key_len bytes; returns how many, or -1 (not a tuple / list, out of memory). */
-static int64_t gather(ix_t *x, const void *seq, int64_t *total) {
+/* Copy the keys of sequence `seq` into x->gathered; returns how many, or -1 when an item is
+   not exactly a bytes object of key_len bytes (a subclass of bytes included: the caller then
+   joins the keys in Python, where isinstance decides), `seq` is neither a tuple nor a list,
+   or memory runs out. */
+static int64_t gather(ix_t *x, const void *seq) {
     const void *const *items;
     if (!type_bytes) return -1;
     if (ob_type(seq) == type_tuple) items = (const void *const *)((const char *)seq + 24);
     else if (ob_type(seq) == type_list) items = *(const void *const *const *)((const char *)seq + 24);
     else return -1;
     int64_t n = ob_size(seq);
-    *total = n;
     if (n > x->gathered_cap) {
-        uint8_t *g = (uint8_t *)realloc(x->gathered, (size_t)(n * x->key_len));
+        uint8_t *g = (uint8_t *)ix_realloc(x->gathered, (size_t)(n * x->key_len));
         if (!g) return -1;
         x->gathered = g;
         x->gathered_cap = n;
     }
     for (int64_t i = 0; i < n; i++) {
         const void *o = items[i];
-        if (ob_type(o) != type_bytes || ob_size(o) != x->key_len) return i;
+        if (ob_type(o) != type_bytes || ob_size(o) != x->key_len) return -1;
         memcpy(x->gathered + i * x->key_len, (const char *)o + 32, (size_t)x->key_len);
     }
     return n;
@@ -156,20 +157,21 @@ int kvx_apply1(int id, int iid, int kind, int bits, const uint8_t *keys, int n) 
 }
 
 /* kvx_apply1 of the keys of the tuple / list whose address is args[0]: 0, -1 out of memory,
-   -4 a key that is not a bytes of key_len (or no tuple / list): nothing changed then. */
+   -4 when gather refuses the keys: nothing changed then. */
 int kvx_apply_seq(int id, int iid, int kind, int bits) {
     ix_t *x = reg[id];
-    int64_t total = 0, n = gather(x, (const void *)(intptr_t)x->args[0], &total);
-    if (n < 0 || n != total) return -4;
+    int64_t n = gather(x, (const void *)(intptr_t)x->args[0]);
+    if (n < 0) return -4;
     int64_t spec[3] = {kind, bits, n};
     return (int)ix_apply(x, iid, spec, 1, x->gathered);
 }
 
-/* kvx_match of the keys of the tuple / list at args[0], up to the first that is not a bytes
-   of key_len (no entry can have it: the runs stop there); -4 when args[0] is neither. */
+/* kvx_match of the keys of the tuple / list at args[0]; -4 when gather refuses them (the
+   caller then matches the keys joined in Python, up to the first that is no bytes of key_len:
+   no entry can have it, the runs stop there). */
 int kvx_match_seq(int id, int tiers) {
     ix_t *x = reg[id];
-    int64_t total = 0, n = gather(x, (const void *)(intptr_t)x->args[0], &total);
+    int64_t n = gather(x, (const void *)(intptr_t)x->args[0]);
     if (n < 0) return -4;
     return (int)ix_match(x, x->gathered, n, tiers);
 }
@@ -199,6 +201,14 @@ void kvx_hashes(int id, const uint8_t *keys, int64_t n, uint64_t *out) {
 
 /* out[0..3] = entries, (key, instance) pairs, entries evicted, bytes allocated. */
 void kvx_stats(int id, int64_t *out) { ix_stats(reg[id], out); }
+
+/* Tests only: the allocation after `after` more that succeed fails, once (-1: none fails).
+   Returns the setting it replaces: -1 once the failure has happened. */
+int64_t kvx_fail_alloc(int64_t after) {
+    int64_t was = fail_after;
+    fail_after = after;
+    return was;
+}
 
 /* 0 when every invariant holds, else the number of the first that does not. */
 int64_t kvx_check(int id) { return ix_check(reg[id]); }

@@ -31,6 +31,15 @@ extern "C" {
 #define KEY_MAX 32
 #define NIL UINT32_MAX
 
+/* Every allocation of an index goes through these: tests make one fail (kvx_fail_alloc) to
+   check that running out of memory leaves every structure consistent. fail_after: how many
+   more allocations succeed before one fails (once); -1, the default: none fails. */
+static int64_t fail_after = -1;
+static int failing(void) { return fail_after >= 0 && fail_after-- == 0; }
+static void *ix_malloc(size_t n) { return failing() ? 0 : malloc(n); }
+static void *ix_calloc(size_t n, size_t size) { return failing() ? 0 : calloc(n, size); }
+static void *ix_realloc(void *p, size_t n) { return failing() ? 0 : realloc(p, n); }
+
 typedef struct {
     uint32_t iid;
     uint32_t pos; /* index of this entry in I[iid].k */
@@ -128,7 +137,7 @@ static int grow_table(ix_t *x, uint64_t need) {
     uint64_t size = x->mask + 1;
     if (need * 2 <= size) return 0;
     while (need * 2 > size) size <<= 1;
-    uint64_t *slots = (uint64_t *)calloc(size, sizeof(uint64_t));
+    uint64_t *slots = (uint64_t *)ix_calloc(size, sizeof(uint64_t));
     if (!slots) return -1;
     for (uint64_t i = 0; i <= x->mask; i++) {
         uint64_t s = x->slots[i];
@@ -168,7 +177,7 @@ static int reserve_entries(ix_t *x, uint64_t more) {
     uint64_t need = (uint64_t)x->used + more - free_count;
     while (cap < need) cap += cap >> 1;
     if (cap >= NIL) return -1;
-    entry_t *e = (entry_t *)realloc(x->E, cap * sizeof(entry_t));
+    entry_t *e = (entry_t *)ix_realloc(x->E, cap * sizeof(entry_t));
     if (!e) return -1;
     x->E = e;
     x->ecap = (uint32_t)cap;
@@ -179,7 +188,7 @@ static int reserve_inst(ix_t *x, uint32_t iid, uint64_t more) {
     if (iid >= x->icap) {
         uint32_t cap = x->icap ? x->icap : 8;
         while (cap <= iid) cap *= 2;
-        inst_t *I = (inst_t *)realloc(x->I, cap * sizeof(inst_t));
+        inst_t *I = (inst_t *)ix_realloc(x->I, cap * sizeof(inst_t));
         if (!I) return -1;
         memset(I + x->icap, 0, (cap - x->icap) * sizeof(inst_t));
         x->I = I;
@@ -190,7 +199,7 @@ static int reserve_inst(ix_t *x, uint32_t iid, uint64_t more) {
     uint64_t cap = in->cap ? in->cap : 16;
     while (cap < in->n + more) cap *= 2;
     if (cap >= NIL) return -1;
-    uint32_t *k = (uint32_t *)realloc(in->k, cap * sizeof(uint32_t));
+    uint32_t *k = (uint32_t *)ix_realloc(in->k, cap * sizeof(uint32_t));
     if (!k) return -1;
     in->k = k;
     x->heap += ((int64_t)cap - in->cap) * 4;
@@ -281,16 +290,16 @@ static void drop_holder(ix_t *x, uint32_t idx, uint64_t slot, int64_t at) {
 
 static int scratch_for(ix_t *x, int64_t n, int64_t m) {
     if (n > x->scratch_cap) {
-        uint32_t *at = (uint32_t *)realloc(x->at, (size_t)n * sizeof(uint32_t));
+        uint32_t *at = (uint32_t *)ix_realloc(x->at, (size_t)n * sizeof(uint32_t));
         if (!at) return -1;
         x->at = at;
-        uint32_t *tags = (uint32_t *)realloc(x->tags, (size_t)n * sizeof(uint32_t));
+        uint32_t *tags = (uint32_t *)ix_realloc(x->tags, (size_t)n * sizeof(uint32_t));
         if (!tags) return -1;
         x->tags = tags;
         x->scratch_cap = n;
     }
     if (m > x->alive_cap) {
-        uint32_t *a = (uint32_t *)realloc(x->alive, (size_t)m * 2 * sizeof(uint32_t));
+        uint32_t *a = (uint32_t *)ix_realloc(x->alive, (size_t)m * 2 * sizeof(uint32_t));
         if (!a) return -1;
         x->alive = a;
         x->alive_cap = m;
@@ -331,6 +340,10 @@ static int store(ix_t *x, uint32_t iid, uint32_t bits, const uint8_t *keys, int6
         uint32_t idx = find_slot(x, key, tag, &where);
         entry_t *e;
         if (idx == NIL) {
+            /* Every allocation a new entry needs comes first (its slot in `iid`'s key list
+               here, an entry by reserve_entries: none once one is evicted): when one fails
+               the table is as it was, no entry without holders, nothing evicted. */
+            if (reserve_inst(x, iid, 1)) return -1;
             if (x->max_entries && x->live >= (uint64_t)x->max_entries) {
                 evict_front(x);
                 find_slot(x, key, tag, &where); /* the shift may have moved the empty slot */
@@ -359,14 +372,14 @@ static int store(ix_t *x, uint32_t iid, uint32_t bits, const uint8_t *keys, int6
             continue;
         }
         if (e->n == 1 && !e->cap) {
-            holder_t *many = (holder_t *)malloc(4 * sizeof(holder_t));
+            holder_t *many = (holder_t *)ix_malloc(4 * sizeof(holder_t));
             if (!many) return -1;
             many[0] = e->h.one;
             e->h.many = many;
             e->cap = 4;
             x->heap += 4 * (int64_t)sizeof(holder_t);
         } else if (e->cap && e->n == e->cap) {
-            holder_t *many = (holder_t *)realloc(e->h.many, 2 * e->cap * sizeof(holder_t));
+            holder_t *many = (holder_t *)ix_realloc(e->h.many, 2 * e->cap * sizeof(holder_t));
             if (!many) return -1;
             e->h.many = many;
             x->heap += e->cap * (int64_t)sizeof(holder_t);
@@ -421,12 +434,12 @@ static int64_t clear(ix_t *x, uint32_t iid, uint32_t bits) {
 
 static ix_t *ix_new(int64_t key_len, int64_t num_tiers, int64_t max_entries) {
     if (key_len < 1 || key_len > KEY_MAX || num_tiers < 1 || num_tiers > 31) return 0;
-    ix_t *x = (ix_t *)calloc(1, sizeof(ix_t));
+    ix_t *x = (ix_t *)ix_calloc(1, sizeof(ix_t));
     if (!x) return 0;
     x->key_len = key_len;
     x->all_tiers = ((int64_t)1 << num_tiers) - 1;
     x->max_entries = max_entries > 0 ? max_entries : 0;
-    x->slots = (uint64_t *)calloc(1024, sizeof(uint64_t));
+    x->slots = (uint64_t *)ix_calloc(1024, sizeof(uint64_t));
     if (!x->slots) {
         free(x);
         return 0;

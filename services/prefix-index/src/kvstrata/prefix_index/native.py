@@ -97,6 +97,7 @@ class _Library:
         self.hashes = typed("kvx_hashes", [_INT, ctypes.c_char_p, _I64, _PTR], None)
         self.stats = typed("kvx_stats", [_INT, _PTR], None)
         self.check = typed("kvx_check", [_INT], _I64)
+        self.fail_alloc = typed("kvx_fail_alloc", [_I64], _I64)
         self.apply1: Callable[..., int] = lib.kvx_apply1  # (id, iid, kind, bits, keys, n)
         self.match: Callable[..., int] = lib.kvx_match  # (id, keys, n, tiers)
         self.apply_seq: Callable[..., int] = lib.kvx_apply_seq  # (id, iid, kind, bits)
@@ -268,7 +269,7 @@ class NativeCore:
         if self._in_place:
             self._args[0] = id(keys)
             got = self._match_seq(self._id, tiers)
-            if got == -4:  # neither a tuple nor a list
+            if got == -4:  # not a tuple / list of exactly bytes of the key length
                 got = self._match_joined(keys, tiers)
         else:
             got = self._match_joined(keys, tiers)
@@ -328,6 +329,13 @@ class NativeCore:
         out = array("Q", bytes(8 * len(keys)))
         self._lib.hashes(self._id, b"".join(keys), len(keys), out.buffer_info()[0])
         return out
+
+    def fail_allocation(self, after: int) -> int:
+        """Tests only: the C allocation after `after` more that succeed fails, once, as if
+        memory ran out (-1: none fails). One setting for every index of the process. Returns
+        the setting it replaces: -1 when the failure set before has happened, else how many
+        allocations were still to succeed."""
+        return self._lib.fail_alloc(after)
 
     def check(self) -> None:
         code = self._lib.check(self._id)
