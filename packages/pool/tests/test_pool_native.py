@@ -256,3 +256,46 @@ def test_the_c_id_checks_accept_distinct_ids_and_refuse_a_repeat(n: int) -> None
     pool.read_pages(torch.cat((ids[:-1], torch.tensor([0]))), back, allow_dummy=True)
     assert torch.equal(flat_pages(pool, range(pool.num_pages)), before)
     assert pool.counters.pages_written == n and pool.counters.pages_read == 2 * n
+
+
+EXTENSION_C = """
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+static PyObject *twice(PyObject *self, PyObject *arg) {
+    long long v = PyLong_AsLongLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    return PyLong_FromLongLong(2 * v);
+}
+static PyMethodDef methods[] = {{"twice", twice, METH_O, NULL}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "kvs_twice", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_kvs_twice(void) { return PyModule_Create(&def); }
+"""
+
+
+def test_an_extension_module_is_built_once_imported_and_refused_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "twice.c"
+    source.write_text(EXTENSION_C)
+    made = native.build_extension(source, "kvs_twice", tmp_path / "cache")
+    if made.module is None:
+        pytest.skip(made.reason)
+    assert made.module.twice(21) == 42
+    with pytest.raises(TypeError):
+        made.module.twice("21")
+    assert made.path is not None and made.path.name.endswith(".so")
+    stamp = made.path.stat().st_mtime_ns
+    again = native.build_extension(source, "kvs_twice", tmp_path / "cache")
+    assert again.path == made.path and made.path.stat().st_mtime_ns == stamp
+    # A wrong module name is an import failure, reported and not raised.
+    wrong = native.build_extension(source, "kvs_thrice", tmp_path / "other")
+    assert wrong.module is None and "kvs_thrice" in wrong.reason
+    with native.disabled():
+        assert native.native_extension(source, "kvs_twice").module is None
+    monkeypatch.setattr(native.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    missing = native.build_extension(source, "kvs_twice", tmp_path / "cache")
+    assert missing.module is None and "Python.h" in missing.reason
+    monkeypatch.undo()
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    off = native.build_extension(source, "kvs_twice", tmp_path / "cache")
+    assert off.module is None and native.ENV_SWITCH in off.reason

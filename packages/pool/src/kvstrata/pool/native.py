@@ -20,24 +20,33 @@ calls release the GIL. `KVSTRATA_NATIVE=0` (or off / false / no) turns it off. W
 no compiler or the build fails, `native_copies()` is None, `native_status()` says why, and
 the pools keep their NumPy / torch paths (same bytes, slower at small pages).
 `native_library(source)` builds other packages' C the same way (the allocator's decode round).
+`native_extension(source, name)` builds a C source written against the Python C API into an
+extension module of this interpreter (its headers, `EXT_SUFFIX` and version are part of the
+cached name), for hot paths where a ctypes call and its argument conversion (about 1 us) cost
+more than the work; without the headers it returns the reason, and callers keep their other path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import platform
 import shlex
 import shutil
 import stat
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from types import ModuleType
+from typing import NamedTuple, TypeVar
 
 SOURCE = Path(__file__).with_name("page_copy.c")
 
@@ -60,6 +69,7 @@ _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
+_T = TypeVar("_T")
 
 
 class NativeCopies:
@@ -93,8 +103,17 @@ class NativeBuild(NamedTuple):
     reason: str
 
 
+class ExtensionBuild(NamedTuple):
+    """A compiled extension module: the module and its file, or None and why not."""
+
+    module: ModuleType | None
+    path: Path | None
+    reason: str
+
+
 _lock = threading.Lock()
 _builds: dict[Path, NativeBuild] = {}
+_extensions: dict[tuple[Path, str], ExtensionBuild] = {}
 _copies: NativeCopies | None = None
 _disabled = 0
 
@@ -109,6 +128,20 @@ def native_library(source: Path) -> NativeBuild:
         found = _builds.get(source)
         if found is None:
             found = _builds[source] = build(source)
+        return found
+
+
+def native_extension(source: Path, name: str) -> ExtensionBuild:
+    """`source` (C against the Python C API, defining `PyInit_<name>`) built as an extension
+    module of this interpreter, or found in the cache, and imported, once per process
+    (thread-safe); no module inside `disabled()`. The module is not put in `sys.modules`: the
+    caller holds it."""
+    with _lock:
+        if _disabled:
+            return ExtensionBuild(None, None, "inside native.disabled()")
+        found = _extensions.get((source, name))
+        if found is None:
+            found = _extensions[source, name] = build_extension(source, name)
         return found
 
 
@@ -170,25 +203,65 @@ def build(source: Path, cache_dir: Path | None = None) -> NativeBuild:
     the same source, compiler and machine is there, and load it. A cached file that will not
     load is rebuilt once. Never raises for a missing compiler, a failed build, a cache folder
     others can write to, or a library that will not load: the reason is returned."""
+    library, path, reason = _build_and_load(source, cache_dir, (), ".so", _load_library)
+    return NativeBuild(library, path, reason)
+
+
+def _load_library(path: Path) -> ctypes.CDLL:
+    return ctypes.CDLL(str(path))
+
+
+def build_extension(source: Path, name: str, cache_dir: Path | None = None) -> ExtensionBuild:
+    """Compile `source` into an extension module `name` of this interpreter in the cache folder
+    (unless built already) and import it; like `build`, never raises for a missing compiler or
+    Python headers, a failed build or a module that will not import: the reason is returned."""
+    include = sysconfig.get_paths().get("include", "")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    if not include or not os.path.exists(os.path.join(include, "Python.h")):
+        return ExtensionBuild(None, None, f"no Python headers (Python.h) in {include!r}")
+    if not isinstance(suffix, str) or not suffix:
+        return ExtensionBuild(None, None, "this interpreter names no extension suffix")
+
+    def load(path: Path) -> ModuleType:
+        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+        spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+        if spec is None:
+            raise OSError(f"no import spec for {path}")
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module
+
+    extra = ("-I", include, f"-DKVSTRATA_PYTHON={sys.hexversion:#x}")
+    module, path, reason = _build_and_load(source, cache_dir, extra, suffix, load)
+    return ExtensionBuild(module, path, reason)
+
+
+def _build_and_load(
+    source: Path,
+    cache_dir: Path | None,
+    extra: tuple[str, ...],
+    suffix: str,
+    load: Callable[[Path], _T],
+) -> tuple[_T | None, Path | None, str]:
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in _OFF:
-        return NativeBuild(None, None, f"turned off by {ENV_SWITCH}")
+        return None, None, f"turned off by {ENV_SWITCH}"
     compiler = _compiler()
     if compiler is None:
-        return NativeBuild(None, None, "no C compiler ($CC, cc, gcc or clang) on PATH")
+        return None, None, "no C compiler ($CC, cc, gcc or clang) on PATH"
     try:
         folder = cache_dir if cache_dir is not None else _cache_dir()
-        path = library_path(source, compiler, folder)
+        path = library_path(source, [*compiler, *extra], folder, suffix)
         _private_folder(path.parent)
         if path.exists():
             try:
-                return NativeBuild(ctypes.CDLL(str(path)), path, "")
-            except OSError:
+                return load(path), path, ""
+            except (OSError, ImportError):
                 path.unlink()  # corrupt or truncated: build it again
-        _compile(source, compiler, path)
-        return NativeBuild(ctypes.CDLL(str(path)), path, "")
-    except (OSError, subprocess.SubprocessError, ValueError, RuntimeError) as exc:
+        _compile(source, [*compiler, *extra], path, suffix)
+        return load(path), path, ""
+    except (OSError, ImportError, subprocess.SubprocessError, ValueError, RuntimeError) as exc:
         # RuntimeError: Path.home() with neither $HOME nor a passwd entry.
-        return NativeBuild(None, None, f"could not build or load {source.name}: {exc}")
+        return None, None, f"could not build or load {source.name}: {exc}"
 
 
 #: Values of KVSTRATA_NATIVE that turn the compiled paths off.
@@ -235,17 +308,17 @@ def _private_folder(folder: Path) -> None:
         )
 
 
-def library_path(source: Path, compiler: list[str], folder: Path) -> Path:
+def library_path(source: Path, compiler: list[str], folder: Path, suffix: str = ".so") -> Path:
     """Where the library built from `source` (as it reads now) by `compiler` lives."""
     digest = hashlib.sha256()
     for part in (source.read_bytes(), " ".join(compiler).encode(), " ".join(_FLAGS).encode()):
         digest.update(part)
     digest.update(f"{platform.system()}-{platform.machine()}".encode())
-    return folder / "native" / f"{source.stem}-{digest.hexdigest()[:20]}.so"
+    return folder / "native" / f"{source.stem}-{digest.hexdigest()[:20]}{suffix}"
 
 
-def _compile(source: Path, compiler: list[str], path: Path) -> None:
-    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=".building-", suffix=".so")
+def _compile(source: Path, compiler: list[str], path: Path, suffix: str = ".so") -> None:
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=".building-", suffix=suffix)
     os.close(fd)
     try:
         result = subprocess.run(
