@@ -12,9 +12,7 @@ from kvstrata.allocator import (
     SWAAllocator,
 )
 from kvstrata.allocator.engine import Backend
-from kvstrata.testkit.allocators import BACKENDS, idx, make_paged
-
-pytestmark = pytest.mark.parametrize("backend", BACKENDS)
+from kvstrata.testkit.allocators import idx, make_paged
 
 
 def test_paged_slots_in_handed_out_pages_pass_and_others_raise(backend: Backend) -> None:

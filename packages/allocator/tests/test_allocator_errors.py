@@ -20,9 +20,7 @@ from kvstrata.allocator import (
     TokenAllocator,
 )
 from kvstrata.allocator.engine import Backend
-from kvstrata.testkit.allocators import BACKENDS, idx, make_paged, make_token
-
-pytestmark = pytest.mark.parametrize("backend", BACKENDS)
+from kvstrata.testkit.allocators import idx, make_paged, make_token
 
 
 def snapshot(alloc: PagedAllocator) -> tuple[int, list[int], list[int]]:

@@ -12,9 +12,7 @@ from kvstrata.allocator import (
     SlotCopy,
 )
 from kvstrata.allocator.engine import Backend
-from kvstrata.testkit.allocators import BACKENDS, idx, make_mamba
-
-pytestmark = pytest.mark.parametrize("backend", BACKENDS)
+from kvstrata.testkit.allocators import idx, make_mamba
 
 
 def test_one_slot_per_request(backend: Backend) -> None:

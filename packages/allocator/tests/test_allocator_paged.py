@@ -11,9 +11,7 @@ import torch
 
 from kvstrata.allocator import InvalidRequest, PagedAllocator, PagedState
 from kvstrata.allocator.engine import Backend
-from kvstrata.testkit.allocators import BACKENDS, idx, make_paged, make_token
-
-pytestmark = pytest.mark.parametrize("backend", BACKENDS)
+from kvstrata.testkit.allocators import idx, make_paged, make_token
 
 
 def got(out: torch.Tensor | None) -> list[int]:

@@ -14,9 +14,7 @@ from kvstrata.allocator import (
     SWAAllocator,
 )
 from kvstrata.allocator.engine import Backend
-from kvstrata.testkit.allocators import BACKENDS, idx, make_swa
-
-pytestmark = pytest.mark.parametrize("backend", BACKENDS)
+from kvstrata.testkit.allocators import idx, make_swa
 
 
 def staggered(backend: Backend) -> tuple[SWAAllocator, torch.Tensor]:

@@ -17,7 +17,6 @@ from kvstrata.pool import (
     ReservedIndex,
 )
 from kvstrata.testkit.pools import (
-    DEVICES,
     POOL_DTYPES,
     fill_random_bytes,
     make_mamba_pool,
@@ -54,7 +53,6 @@ def test_geometry() -> None:
     pool.check_integrity()
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", POOL_DTYPES)
 def test_set_state_reads_back_bit_identical(dtype: torch.dtype, device: str) -> None:
     pool = make_mamba_pool(conv_dtype=dtype, ssm_dtype=dtype, device=device)
@@ -84,7 +82,6 @@ def test_set_state_casts_and_validates() -> None:
     assert all(torch.equal(a, b) for a, b in zip(pool.layer_buffers(), before, strict=True))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_copy_on_write_independence(device: str) -> None:
     pool = make_mamba_pool(device=device)
     fill_random_bytes(pool, seed=9)

@@ -16,10 +16,9 @@ from kvstrata.pool import (
     ReservedIndex,
     RowNotAllocated,
 )
-from kvstrata.testkit.pools import DEVICES, make_req_to_token_pool
+from kvstrata.testkit.pools import make_req_to_token_pool
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_alloc_free_cycle(device: str) -> None:
     pool = make_req_to_token_pool(size=4, device=device)
     assert pool.req_to_token.shape == (5, 16) and pool.req_to_token.dtype == torch.int32
@@ -64,7 +63,6 @@ def test_free_errors_change_nothing() -> None:
         pool.alloc(-1)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_write_single_batched_and_ragged(device: str) -> None:
     pool = make_req_to_token_pool(size=4, max_context_len=8, device=device)
     rows = pool.alloc(3)

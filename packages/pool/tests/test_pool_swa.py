@@ -16,7 +16,7 @@ from kvstrata.pool import (
     SWAKVPool,
     SWASpec,
 )
-from kvstrata.testkit.pools import DEVICES, POOL_DTYPES, make_swa_pool, raw_bytes
+from kvstrata.testkit.pools import POOL_DTYPES, make_swa_pool, raw_bytes
 
 
 def _page_map(pool: SWAKVPool, pairs: dict[int, int]) -> torch.Tensor:
@@ -125,7 +125,6 @@ def test_set_full_to_swa_validates() -> None:
     assert pool.full_to_swa is None
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", POOL_DTYPES)
 def test_set_kv_writes_swa_layers_at_translated_slots(dtype: torch.dtype, device: str) -> None:
     pool = make_swa_pool(dtype=dtype, page_size=2, device=device)

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
+
+from kvstrata.allocator.errors import InvalidRequest
 
 __all__ = ["AllocatorCounters", "AllocatorState", "PoolUsage", "SlotAllocator"]
 
@@ -61,33 +63,67 @@ class AllocatorState:
     owner: object
 
 
+StateT = TypeVar("StateT", bound=AllocatorState)
+
+
 class SlotAllocator(ABC):
     """Hands out free device slots as int64 index tensors on `device`.
 
     Validity of returned indices: an index is the caller's from the `alloc*` call that returned
     it until the caller frees it (or until `clear()`, or a `restore_state()` to a snapshot taken
     before it was handed out). The allocator never takes an index back on its own.
+
+    This base keeps what every family shares: its description (`size`, `page_size`, `device`),
+    its counters, the identity its states carry, and the check that an `alloc` size is whole
+    pages.
     """
 
+    def __init__(self, *, size: int, page_size: int, device: str | torch.device) -> None:
+        self._size = size
+        self._page_size = page_size
+        self._device = torch.device(device)
+        self._counters = AllocatorCounters()
+        self._owner = object()
+
     @property
-    @abstractmethod
     def size(self) -> int:
         """Usable slots (page 0 excluded)."""
+        return self._size
 
     @property
-    @abstractmethod
     def page_size(self) -> int:
         """Slots per page; indices are handed out and freed in whole pages."""
+        return self._page_size
 
     @property
-    @abstractmethod
     def device(self) -> torch.device:
         """Device of every index tensor this allocator returns."""
+        return self._device
 
     @property
-    @abstractmethod
     def counters(self) -> AllocatorCounters:
         """Live counters (the object itself, not a copy)."""
+        return self._counters
+
+    def _pages_for(self, need_size: int) -> int:
+        """The whole pages `alloc(need_size)` takes; `InvalidRequest` for a negative size or
+        one that is not whole pages."""
+        size = self._page_size
+        if need_size < 0 or need_size % size:
+            raise InvalidRequest(f"alloc({need_size}): need a non-negative multiple of {size}")
+        return need_size // size
+
+    def _fail(self) -> None:
+        """Count a failed allocation; returns None, which is what the failed `alloc*` returns."""
+        self._counters.alloc_calls += 1
+        self._counters.failed_allocs += 1
+
+    def _own_state(self, state: AllocatorState, kind: type[StateT]) -> StateT:
+        """`state` as this allocator's `kind`; `InvalidRequest` when another allocator (or
+        another family) made it."""
+        if not isinstance(state, kind) or state.owner is not self._owner:
+            raise InvalidRequest("restore_state: the state was not made by this allocator")
+        return state
 
     @abstractmethod
     def usage(self) -> list[PoolUsage]:

@@ -75,6 +75,10 @@ SAMPLE = 4
 #: per page, and the extra pass would cost more than it saves.
 RUN_COLLAPSE_MIN = 1024
 
+#: Page marks of a checked engine's `_marks` array (both backends; `engine_numpy.py` explains
+#: the array): on the free list, the padding page 0, the sentinel past the last page.
+FREE, RESERVED, BEYOND = -1, -2, -3
+
 
 class ExtendPlan(NamedTuple, Generic[A]):
     """A validated `alloc_extend`, ready to commit once `num_new_pages` pages are available."""

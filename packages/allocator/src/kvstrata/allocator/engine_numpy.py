@@ -37,6 +37,9 @@ import torch
 
 from kvstrata.allocator.base import AllocatorCounters
 from kvstrata.allocator.engine import (
+    BEYOND,
+    FREE,
+    RESERVED,
     RUN_COLLAPSE_MIN,
     DecodePlan,
     ExtendPlan,
@@ -54,8 +57,6 @@ __all__ = ["NumpyPageEngine"]
 
 Ints = npt.NDArray[np.int64]
 Bools = npt.NDArray[np.bool_]
-
-FREE, RESERVED, BEYOND = -1, -2, -3
 
 
 _INT64 = np.dtype(np.int64)

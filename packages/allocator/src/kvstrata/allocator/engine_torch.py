@@ -19,6 +19,9 @@ import numpy.typing as npt
 import torch
 
 from kvstrata.allocator.engine import (
+    BEYOND,
+    FREE,
+    RESERVED,
     DecodePlan,
     ExtendPlan,
     FreePlan,
@@ -31,7 +34,6 @@ from kvstrata.allocator.errors import IntegrityError
 __all__ = ["TorchPageEngine"]
 
 I64 = torch.int64
-FREE, RESERVED, BEYOND = -1, -2, -3
 
 
 class TorchPageEngine(PageEngine[torch.Tensor, torch.Tensor]):

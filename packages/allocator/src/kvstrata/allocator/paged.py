@@ -15,11 +15,11 @@ page size owns a partially filled last page. Extending it writes into that page 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
-from kvstrata.allocator.base import AllocatorCounters, AllocatorState, PoolUsage, SlotAllocator
+from kvstrata.allocator.base import AllocatorState, PoolUsage, SlotAllocator
 from kvstrata.allocator.engine import (
     Backend,
     DecodePlan,
@@ -31,7 +31,7 @@ from kvstrata.allocator.engine_numpy import NumpyPageEngine
 from kvstrata.allocator.engine_torch import TorchPageEngine
 from kvstrata.allocator.errors import InvalidRequest
 
-__all__ = ["PagedAllocator", "PagedState"]
+__all__ = ["PagedAllocator", "PagedOptions", "PagedState"]
 
 
 #: An engine of either backend. Its native array type (numpy or torch) is the engine's own
@@ -45,6 +45,16 @@ class PagedState(AllocatorState):
 
     free_pages: torch.Tensor
     released_pages: torch.Tensor
+
+
+class PagedOptions(TypedDict, total=False):
+    """The keyword options of `PagedAllocator` besides the sizes, for the families built on it
+    (defaults and meaning: `PagedAllocator`)."""
+
+    device: str | torch.device
+    sorted_reuse: bool
+    checked: bool
+    backend: Backend | None
 
 
 def make_engine(
@@ -100,9 +110,7 @@ class PagedAllocator(SlotAllocator):
             raise InvalidRequest(f"page_size must be >= 1, not {page_size}")
         if size < 0 or size % page_size:
             raise InvalidRequest(f"size {size} must be a non-negative multiple of {page_size}")
-        self._size = size
-        self._page_size = page_size
-        self._device = torch.device(device)
+        super().__init__(size=size, page_size=page_size, device=device)
         self._engine: Engine = make_engine(
             num_pages=size // page_size + 1,
             page_size=page_size,
@@ -111,22 +119,8 @@ class PagedAllocator(SlotAllocator):
             checked=checked,
             backend=backend,
         )
-        self._counters = AllocatorCounters()
-        self._owner = object()
 
     # ---- description ----------------------------------------------------------------------
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def page_size(self) -> int:
-        return self._page_size
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     @property
     def num_pages(self) -> int:
@@ -145,10 +139,6 @@ class PagedAllocator(SlotAllocator):
     def backend(self) -> Backend:
         return "numpy" if isinstance(self._engine, NumpyPageEngine) else "torch"
 
-    @property
-    def counters(self) -> AllocatorCounters:
-        return self._counters
-
     def usage(self) -> list[PoolUsage]:
         return [PoolUsage("kv", self._size, self.available_size())]
 
@@ -160,10 +150,7 @@ class PagedAllocator(SlotAllocator):
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """`need_size` slots in whole pages, page by page (slots of one page consecutive).
         See `SlotAllocator.alloc`. Cost: one slice of the free stack plus the expansion."""
-        size = self._page_size
-        if need_size < 0 or need_size % size:
-            raise InvalidRequest(f"alloc({need_size}): need a non-negative multiple of {size}")
-        num_pages = need_size // size
+        num_pages = self._pages_for(need_size)
         if not self._engine.can_take(num_pages):
             return self._fail()
         self._counters.alloc_calls += 1
@@ -212,29 +199,10 @@ class PagedAllocator(SlotAllocator):
         """
         return self._engine.alloc_decode(seq_lens, last_loc, self._counters)
 
-    def _fail(self) -> None:
-        self._counters.alloc_calls += 1
-        self._counters.failed_allocs += 1
-        return None
-
-    def _plan_extend(
-        self,
-        prefix_lens: torch.Tensor,
-        seq_lens: torch.Tensor,
-        last_loc: torch.Tensor | None,
-        num_extend_tokens: int | None,
-    ) -> ExtendPlan[Any]:
-        return self._engine.plan_extend(prefix_lens, seq_lens, last_loc, num_extend_tokens)
-
     def _commit_extend(self, plan: ExtendPlan[Any]) -> torch.Tensor:
         self._counters.alloc_calls += 1
         self._counters.allocated_slots += plan.num_tokens
         return self._engine.commit_extend(plan)
-
-    def _plan_decode(
-        self, seq_lens: torch.Tensor, last_loc: torch.Tensor | None
-    ) -> DecodePlan[Any]:
-        return self._engine.plan_decode(seq_lens, last_loc)
 
     def _commit_decode(self, plan: DecodePlan[Any]) -> torch.Tensor:
         self._counters.alloc_calls += 1
@@ -281,9 +249,8 @@ class PagedAllocator(SlotAllocator):
         return PagedState(owner=self._owner, free_pages=free_pages, released_pages=released)
 
     def restore_state(self, state: AllocatorState) -> None:
-        if not isinstance(state, PagedState) or state.owner is not self._owner:
-            raise InvalidRequest("restore_state: the state was not made by this allocator")
-        self._engine.restore(state.free_pages, state.released_pages)
+        own = self._own_state(state, PagedState)
+        self._engine.restore(own.free_pages, own.released_pages)
 
     def clear(self) -> None:
         self._engine.clear()

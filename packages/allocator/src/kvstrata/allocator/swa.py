@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstrata.allocator.base import AllocatorCounters, AllocatorState, PoolUsage, SlotAllocator
+from kvstrata.allocator.base import AllocatorState, PoolUsage, SlotAllocator
 from kvstrata.allocator.engine import Backend, DecodePlan, ExtendPlan, as_index_tensor, sample
 from kvstrata.allocator.errors import IntegrityError, InvalidRequest, NotAllocated
 from kvstrata.allocator.paged import PagedAllocator, PagedState
@@ -70,38 +70,20 @@ class SWAAllocator(SlotAllocator):
         self._swa = PagedAllocator(
             size=swa_size, page_size=page_size, device=device, checked=checked, backend=backend
         )
-        self._map = torch.zeros(size + page_size, dtype=torch.int64, device=self._full.device)
+        super().__init__(size=size, page_size=page_size, device=self._full.device)
+        self._map = torch.zeros(size + page_size, dtype=torch.int64, device=self.device)
         # One row per full page: clears a page's entries with one index_fill_.
         self._map_pages = self._map.view(-1, page_size)
-        self._offsets = torch.arange(page_size, dtype=torch.int64, device=self._full.device)
-        self._counters = AllocatorCounters()
-        self._owner = object()
+        self._offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
 
     # ---- description ----------------------------------------------------------------------
 
-    @property
-    def size(self) -> int:
-        return self._full.size
-
-    @property
-    def full_size(self) -> int:
-        return self._full.size
+    #: Full slots, as `size`.
+    full_size = SlotAllocator.size
 
     @property
     def swa_size(self) -> int:
         return self._swa.size
-
-    @property
-    def page_size(self) -> int:
-        return self._full.page_size
-
-    @property
-    def device(self) -> torch.device:
-        return self._full.device
-
-    @property
-    def counters(self) -> AllocatorCounters:
-        return self._counters
 
     @property
     def full_allocator(self) -> PagedAllocator:
@@ -139,10 +121,7 @@ class SWAAllocator(SlotAllocator):
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """`need_size` full slots, each with an SWA slot. See `SlotAllocator.alloc`."""
-        size = self.page_size
-        if need_size < 0 or need_size % size:
-            raise InvalidRequest(f"alloc({need_size}): need a non-negative multiple of {size}")
-        num_pages = need_size // size
+        num_pages = self._pages_for(need_size)
         if not (self._full._engine.can_take(num_pages) and self._swa._engine.can_take(num_pages)):
             return self._fail()
         full = self._full.alloc(need_size)
@@ -160,27 +139,28 @@ class SWAAllocator(SlotAllocator):
         """As `PagedAllocator.alloc_extend`, in both pools; `last_loc` holds FULL slots.
         Raises `NotAllocated` when a request must continue a partial page whose SWA slots
         were already released by `free_swa` (its window no longer covers its own tail)."""
-        full_plan = self._full._plan_extend(prefix_lens, seq_lens, last_loc, num_extend_tokens)
+        full_engine, swa_engine = self._full._engine, self._swa._engine
+        full_plan = full_engine.plan_extend(prefix_lens, seq_lens, last_loc, num_extend_tokens)
         swa_last = None
         if last_loc is not None and self.page_size > 1:
             prefix = as_index_tensor(prefix_lens, "prefix_lens").to(self.device)
             seq = as_index_tensor(seq_lens, "seq_lens").to(self.device)
             continues = (prefix % self.page_size != 0) & (seq > prefix)
             swa_last = self._translate_last(last_loc, continues, "alloc_extend")
-        swa_plan = self._swa._plan_extend(prefix_lens, seq_lens, swa_last, num_extend_tokens)
+        swa_plan = swa_engine.plan_extend(prefix_lens, seq_lens, swa_last, num_extend_tokens)
         return self._take_both(full_plan, swa_plan, PagedAllocator._commit_extend)
 
     def alloc_decode(
         self, seq_lens: torch.Tensor, last_loc: torch.Tensor | None
     ) -> torch.Tensor | None:
         """As `PagedAllocator.alloc_decode`, in both pools; `last_loc` holds FULL slots."""
-        full_plan = self._full._plan_decode(seq_lens, last_loc)
+        full_plan = self._full._engine.plan_decode(seq_lens, last_loc)
         swa_last = None
         if last_loc is not None and self.page_size > 1:
             seq = as_index_tensor(seq_lens, "seq_lens").to(self.device)
             continues = (seq - 1) % self.page_size != 0
             swa_last = self._translate_last(last_loc, continues, "alloc_decode")
-        swa_plan = self._swa._plan_decode(seq_lens, swa_last)
+        swa_plan = self._swa._engine.plan_decode(seq_lens, swa_last)
         return self._take_both(full_plan, swa_plan, PagedAllocator._commit_decode)
 
     def _take_both(
@@ -223,11 +203,6 @@ class SWAAllocator(SlotAllocator):
         self._counters.alloc_calls += 1
         self._counters.allocated_slots += len(full)
         return full
-
-    def _fail(self) -> None:
-        self._counters.alloc_calls += 1
-        self._counters.failed_allocs += 1
-        return None
 
     # ---- free -----------------------------------------------------------------------------
 
@@ -327,13 +302,12 @@ class SWAAllocator(SlotAllocator):
         )
 
     def restore_state(self, state: AllocatorState) -> None:
-        if not isinstance(state, SWAState) or state.owner is not self._owner:
-            raise InvalidRequest("restore_state: the state was not made by this allocator")
+        own = self._own_state(state, SWAState)
         if self._full._engine.group_open:
             raise InvalidRequest("restore_state inside a free group: end the group first")
-        self._full.restore_state(state.full)
-        self._swa.restore_state(state.swa)
-        self._map.copy_(state.full_to_swa)
+        self._full.restore_state(own.full)
+        self._swa.restore_state(own.swa)
+        self._map.copy_(own.full_to_swa)
 
     def clear(self) -> None:
         self._full.clear()

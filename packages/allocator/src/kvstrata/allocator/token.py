@@ -8,31 +8,16 @@ off the free stack and `free` pushes them back (both one slice copy plus the pag
 
 from __future__ import annotations
 
-import torch
+from typing import Unpack
 
-from kvstrata.allocator.engine import Backend
-from kvstrata.allocator.paged import PagedAllocator
+from kvstrata.allocator.paged import PagedAllocator, PagedOptions
 
 __all__ = ["TokenAllocator"]
 
 
 class TokenAllocator(PagedAllocator):
-    """Token slots 1 .. size; slot 0 is the padding target and never handed out."""
+    """Token slots 1 .. size; slot 0 is the padding target and never handed out. Takes the
+    options of `PagedAllocator` (`device`, `sorted_reuse`, `checked`, `backend`)."""
 
-    def __init__(
-        self,
-        *,
-        size: int,
-        device: str | torch.device = "cpu",
-        sorted_reuse: bool = False,
-        checked: bool = True,
-        backend: Backend | None = None,
-    ) -> None:
-        super().__init__(
-            size=size,
-            page_size=1,
-            device=device,
-            sorted_reuse=sorted_reuse,
-            checked=checked,
-            backend=backend,
-        )
+    def __init__(self, *, size: int, **options: Unpack[PagedOptions]) -> None:
+        super().__init__(size=size, page_size=1, **options)

@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Generic, TypeVar
 
 from kvstrata.hybrid_cache.errors import (
@@ -454,12 +453,8 @@ class TierController:
     def __enter__(self) -> TierController:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
+        """Close (waiting for the workers) whether or not the block raised."""
         self.close()
 
     # --- integrity and metrics -------------------------------------------------------------------
@@ -585,25 +580,21 @@ class TierController:
         ack = self._acks.get(op_id)
         if pending is not None and pending.prefetch is not None:
             task = pending.prefetch
+            num_pages, num_ready, finished = pending.num_pages, task.ready_pages, False
             ready = task.policy is PrefetchPolicy.BEST_EFFORT or (
                 task.deadline is not None and self._clock() >= task.deadline
             )
-            return PrefetchProgress(
-                op_id=op_id,
-                num_pages=pending.num_pages,
-                num_pages_ready=task.ready_pages,
-                finished=False,
-                ready_to_take=ready,
-            )
-        if ack is not None and ack.kind is OpKind.PREFETCH:
-            return PrefetchProgress(
-                op_id=op_id,
-                num_pages=ack.num_pages,
-                num_pages_ready=ack.num_pages_done,
-                finished=True,
-                ready_to_take=True,
-            )
-        raise UnknownOperation(f"op {op_id} is not a prefetch in flight or awaiting delivery")
+        elif ack is not None and ack.kind is OpKind.PREFETCH:
+            num_pages, num_ready, finished, ready = ack.num_pages, ack.num_pages_done, True, True
+        else:
+            raise UnknownOperation(f"op {op_id} is not a prefetch in flight or awaiting delivery")
+        return PrefetchProgress(
+            op_id=op_id,
+            num_pages=num_pages,
+            num_pages_ready=num_ready,
+            finished=finished,
+            ready_to_take=ready,
+        )
 
     def _storage_lane(self, lane: _Lane[TaskT] | None) -> _Lane[TaskT]:
         if lane is None:

@@ -87,29 +87,22 @@ class _Slot(NamedTuple):
     key: bytes
 
 
+@dataclass(kw_only=True, eq=False)
 class StorageRunner:
-    """Runs prefetch and backup tasks on their workers."""
+    """Runs prefetch and backup tasks on their workers, with what the controller hands it."""
 
-    def __init__(
-        self,
-        *,
-        group: PoolGroup,
-        storage: Storage,
-        stats: ControllerStats,
-        finish: Finish,
-        clock: Callable[[], float],
-        batch_pages: int,
-        call_timeout_s: float | None,
-        verify_checksums: bool,
-    ) -> None:
-        self._group = group
-        self._storage = storage
-        self._stats = stats
-        self._finish = finish
-        self._clock = clock
-        self._batch_pages = batch_pages
-        self._call_timeout_s = call_timeout_s
-        self._verify = verify_checksums
+    group: PoolGroup
+    storage: Storage
+    stats: ControllerStats
+    finish: Finish
+    clock: Callable[[], float]
+    batch_pages: int
+    call_timeout_s: float | None
+    verify_checksums: bool
+    _page_bytes: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        group = self.group
         self._page_bytes = {name: group.page_bytes(name) for name in group.member_names}
 
     # --- prefetch --------------------------------------------------------------------------------
@@ -120,12 +113,12 @@ class StorageRunner:
 
     def _prefetch(self, task: PrefetchTask) -> None:
         n = len(task.keys)
-        rules = self._group.rules
+        rules = self.group.rules
         if n == 0:
-            self._finish(task.op_id, AckStatus.DONE, 0, None)
+            self.finish(task.op_id, AckStatus.DONE, 0, None)
             return
         if self._should_stop(task):
-            self._finish(task.op_id, AckStatus.PARTIAL, 0, None)
+            self.finish(task.op_id, AckStatus.PARTIAL, 0, None)
             return
         listed = {name: self._listed(task, name) for name in rules}
         possible = {name: [False] * n for name in rules}
@@ -135,17 +128,17 @@ class StorageRunner:
                 found = self._exists(slots)
             except Exception as exc:  # a backend error ends this prefetch; the worker goes on
                 logger.warning("prefetch: batch_exists raised", exc_info=True)
-                self._stats.count_fault(FaultReason.ERROR)
+                self.stats.count_fault(FaultReason.ERROR)
                 error, found = exc, 0
             for s in slots[:found]:
                 possible[name][s.position] = True
         bound = restorable_pages(rules, possible, n).num_pages
 
         landed = {name: [False] * n for name in rules}
-        for lo in range(0, bound, self._batch_pages):
+        for lo in range(0, bound, self.batch_pages):
             if self._should_stop(task):
                 break
-            hi = min(lo + self._batch_pages, bound)
+            hi = min(lo + self.batch_pages, bound)
             ended = False
             for name, slots in listed.items():
                 batch = [s for s in slots if lo <= s.position < hi and possible[name][s.position]]
@@ -161,15 +154,15 @@ class StorageRunner:
         done = restorable_pages(rules, landed, n).num_pages
         task.ready_pages = done
         status = AckStatus.DONE if done == n else AckStatus.PARTIAL
-        self._finish(task.op_id, status, done, error)
+        self.finish(task.op_id, status, done, error)
 
     def _should_stop(self, task: PrefetchTask) -> bool:
         if task.stop.is_set():
             return True
-        return task.deadline is not None and self._clock() >= task.deadline
+        return task.deadline is not None and self.clock() >= task.deadline
 
     def _listed(self, task: PrefetchTask | BackupTask, name: str) -> list[_Slot]:
-        keys = self._group.storage_keys(name, task.keys)
+        keys = self.group.storage_keys(name, task.keys)
         return [
             _Slot(name, i, page, keys[i])
             for i, page in enumerate(task.pages[name])
@@ -180,36 +173,36 @@ class StorageRunner:
         """How many of `slots`, from the first, are stored (with their checksums)."""
         if not slots:
             return 0
-        if not self._verify:
-            return self._storage.batch_exists([s.key for s in slots])
+        if not self.verify_checksums:
+            return self.storage.batch_exists([s.key for s in slots])
         keys = [k for s in slots for k in (s.key, s.key + CHECKSUM_SUFFIX)]
-        return self._storage.batch_exists(keys) // 2
+        return self.storage.batch_exists(keys) // 2
 
     def _get(self, name: str, batch: list[_Slot]) -> tuple[list[bool], BaseException | None]:
         """Read `batch` into its host pages: per page whether it landed intact, as a run of
         True then only False (the prefetch ends at the first bad page)."""
         if not batch:
             return [], None
-        target = self._group.get_targets(name, [s.page for s in batch])
+        target = self.group.get_targets(name, [s.page for s in batch])
         keys = [s.key for s in batch]
         buffers: list[memoryview | bytearray] = list(target.buffers)
-        sums = [bytearray(_CRC_BYTES) for _ in batch] if self._verify else []
-        if self._verify:
+        sums = [bytearray(_CRC_BYTES) for _ in batch] if self.verify_checksums else []
+        if self.verify_checksums:
             keys += [s.key + CHECKSUM_SUFFIX for s in batch]
             buffers += sums
         start = time.perf_counter()
         try:
-            found = self._storage.batch_get(keys, buffers)
+            found = self.storage.batch_get(keys, buffers)
         except Exception as exc:  # a backend error ends this prefetch; the worker goes on
             logger.warning("prefetch: batch_get of %d pages raised", len(batch), exc_info=True)
-            self._stats.count_fault(FaultReason.ERROR)
+            self.stats.count_fault(FaultReason.ERROR)
             return [False] * len(batch), exc
         elapsed = time.perf_counter() - start
-        if self._call_timeout_s is not None and elapsed > self._call_timeout_s:
-            self._stats.count_fault(FaultReason.TIMEOUT)
+        if self.call_timeout_s is not None and elapsed > self.call_timeout_s:
+            self.stats.count_fault(FaultReason.TIMEOUT)
             return [False] * len(batch), None
         ok = found[: len(batch)]
-        if self._verify:
+        if self.verify_checksums:
             # A page without its checksum is a miss; one whose bytes disagree with it is corrupt.
             ok = [p and c for p, c in zip(ok, found[len(batch) :], strict=True)]
             intact = [
@@ -218,19 +211,19 @@ class StorageRunner:
             ]
             corrupt = sum(ok) - sum(intact)
             if corrupt:
-                self._stats.count_fault(FaultReason.CORRUPT, corrupt)
+                self.stats.count_fault(FaultReason.CORRUPT, corrupt)
             misses = len(batch) - sum(ok)
             ok = intact
         else:
             misses = len(batch) - sum(ok)
         if misses:
-            self._stats.count_fault(FaultReason.MISS, misses)
+            self.stats.count_fault(FaultReason.MISS, misses)
         good = 0
         while good < len(ok) and ok[good]:
             good += 1
         ok = [True] * good + [False] * (len(ok) - good)
         target.commit(ok)
-        self._stats.count_transfer(
+        self.stats.count_transfer(
             Direction.STORAGE_GET,
             num_pages=good,
             num_bytes=good * self._page_bytes[name],
@@ -241,8 +234,8 @@ class StorageRunner:
     # --- backup ----------------------------------------------------------------------------------
 
     def run_backups(self, tasks: list[BackupTask]) -> None:
-        self._stats.count_merged(OpKind.BACKUP, len(tasks) - 1)
-        rules = self._group.rules
+        self.stats.count_merged(OpKind.BACKUP, len(tasks) - 1)
+        rules = self.group.rules
         stored = {t.op_id: {name: [False] * len(t.keys) for name in rules} for t in tasks}
         errors: dict[int, BaseException] = {}
         to_set: list[tuple[BackupTask, _Slot]] = []
@@ -253,15 +246,15 @@ class StorageRunner:
                     found = self._exists(slots)
                 except Exception as exc:  # this op fails alone; the batch goes on
                     logger.warning("backup: batch_exists raised", exc_info=True)
-                    self._stats.count_fault(FaultReason.ERROR)
+                    self.stats.count_fault(FaultReason.ERROR)
                     errors[task.op_id] = exc
                     continue
-                self._stats.count_backup_skipped(found)
+                self.stats.count_backup_skipped(found)
                 for s in slots[:found]:
                     stored[task.op_id][name][s.position] = True
                 to_set.extend((task, s) for s in slots[found:])
-        for lo in range(0, len(to_set), self._batch_pages):
-            chunk = to_set[lo : lo + self._batch_pages]
+        for lo in range(0, len(to_set), self.batch_pages):
+            chunk = to_set[lo : lo + self.batch_pages]
             ok, error = self._set([s for _, s in chunk])
             for (task, s), good in zip(chunk, ok, strict=True):
                 stored[task.op_id][s.member][s.position] = good
@@ -271,17 +264,17 @@ class StorageRunner:
             done = restorable_pages(rules, stored[task.op_id], len(task.keys)).num_pages
             error = errors.get(task.op_id)
             if done == len(task.keys):
-                self._finish(task.op_id, AckStatus.DONE, done, None)
+                self.finish(task.op_id, AckStatus.DONE, done, None)
             elif error is not None and done == 0:
-                self._finish(task.op_id, AckStatus.FAILED, 0, error)
+                self.finish(task.op_id, AckStatus.FAILED, 0, error)
             else:
-                self._finish(task.op_id, AckStatus.PARTIAL, done, error)
+                self.finish(task.op_id, AckStatus.PARTIAL, done, error)
 
     def _set(self, slots: Sequence[_Slot]) -> tuple[list[bool], BaseException | None]:
         views = self._sources(slots)
         keys = [s.key for s in slots]
         buffers: list[memoryview | bytes] = list(views)
-        if self._verify:
+        if self.verify_checksums:
             # Pages first, then their checksums: a reader trusts a page only with its checksum,
             # and a page whose checksum write failed is reported not stored.
             keys += [k + CHECKSUM_SUFFIX for k in keys[: len(slots)]]
@@ -289,18 +282,18 @@ class StorageRunner:
             buffers += [crc(v).to_bytes(_CRC_BYTES, "little") for v in views]
         start = time.perf_counter()
         try:
-            results = self._storage.batch_set(keys, buffers)
+            results = self.storage.batch_set(keys, buffers)
         except Exception as exc:  # these pages fail; other chunks and ops go on
             logger.warning("backup: batch_set of %d pages raised", len(slots), exc_info=True)
-            self._stats.count_fault(FaultReason.ERROR)
+            self.stats.count_fault(FaultReason.ERROR)
             return [False] * len(slots), exc
         ok = results[: len(slots)]
-        if self._verify:
+        if self.verify_checksums:
             ok = [p and c for p, c in zip(ok, results[len(slots) :], strict=True)]
         failed = len(ok) - sum(ok)
         if failed:
-            self._stats.count_fault(FaultReason.WRITE_FAILED, failed)
-        self._stats.count_transfer(
+            self.stats.count_fault(FaultReason.WRITE_FAILED, failed)
+        self.stats.count_transfer(
             Direction.STORAGE_SET,
             num_pages=sum(ok),
             num_bytes=sum(
@@ -319,6 +312,6 @@ class StorageRunner:
             hi = lo + 1
             while hi < len(slots) and slots[hi].member == member:
                 hi += 1
-            views += self._group.set_sources(member, [s.page for s in slots[lo:hi]])
+            views += self.group.set_sources(member, [s.page for s in slots[lo:hi]])
             lo = hi
         return views
