@@ -7,7 +7,7 @@ from typing import ParamSpec, Protocol
 
 import pytest
 
-from kvstrata.testkit.tiers import Hierarchy, make_hierarchy
+from kvstrata.testkit.tiers import Hierarchy, Shape, make_hierarchy, serve
 
 _P = ParamSpec("_P")
 
@@ -52,3 +52,19 @@ def hierarchy(closing: list[_Built]) -> Callable[..., Hierarchy]:
     """testkit's `make_hierarchy` (same arguments: shape first, page size 4 by default) whose
     hierarchies are closed when the test ends (through `closing`)."""
     return _closed_at_teardown(make_hierarchy, closing)
+
+
+@pytest.fixture
+def offloaded(hierarchy: Callable[..., Hierarchy]) -> Callable[..., tuple[Hierarchy, list[int]]]:
+    """`offloaded(shape, pages, **make_hierarchy_kwargs)`: a hierarchy (through `hierarchy`)
+    that served the prefix of `pages` pages of tokens 1, 2, ... (written through to the host)
+    and then evicted every device page; returns it and that prefix, now on the host only."""
+
+    def build(shape: Shape, pages: int, **kwargs: object) -> tuple[Hierarchy, list[int]]:
+        h = hierarchy(shape, **kwargs)
+        prefix = list(range(1, pages * h.tiers.page_size + 1))
+        serve(h, prefix)
+        h.cache.evict_device(h.tree.evictable_size())
+        return h, prefix
+
+    return build

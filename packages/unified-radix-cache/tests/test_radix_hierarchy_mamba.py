@@ -70,12 +70,9 @@ def test_round_trips_are_bit_identical_through_write_evict_load(
 
 
 def test_host_hit_ends_only_where_a_state_is_restorable(
-    hierarchy: Callable[..., Hierarchy],
+    offloaded: Callable[..., tuple[Hierarchy, list[int]]],
 ) -> None:
-    h = hierarchy("mamba")
-    a = list(range(1, 4 * P + 1))
-    serve(h, a)
-    h.cache.evict_device(h.tree.evictable_size())
+    h, a = offloaded("mamba", 4)
     # A query ending inside a's node: the split head has pages on the host but no state.
     m = h.cache.match_prefix(RadixKey(a[: 3 * P]))
     assert m.device.prefix_len == 0 and m.host_hit_len == 0
@@ -102,29 +99,10 @@ def test_a_tombstoned_device_state_is_loaded_alone(hierarchy: Callable[..., Hier
     assert h.cache.counters.loaded_tokens == moved  # no page moved, only the state
 
 
-def test_no_host_state_slot_means_a_shorter_hit(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("mamba", host_pages=32)
-    allocator = h.cache.component_hosts["mamba"]
-    hoard = allocator.alloc(allocator.available_size())
-    assert hoard is not None
-    a = list(range(1, 3 * P + 1))
-    serve(h, a, check=False)  # pages go to the host, the state cannot
-    node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.host_value is not None and extra_host_copy(node) is None
-    h.cache.evict_device(h.tree.evictable_size())
-    m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
-    assert m.device.prefix_len == 0 and m.host_hit_len == 0
-    # Recomputed, never restored without its state.
-    assert serve(h, [*a, 5, 5, 5, 5], check=False) == 0
-    allocator.free(hoard)
-    h.cache.check_integrity()
-
-
-def test_no_device_state_slot_refuses_the_load(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("mamba")
-    a = list(range(1, 3 * P + 1))
-    serve(h, a)
-    h.cache.evict_device(h.tree.evictable_size())
+def test_no_device_state_slot_refuses_the_load(
+    offloaded: Callable[..., tuple[Hierarchy, list[int]]],
+) -> None:
+    h, a = offloaded("mamba", 3)
     hoard = h.states.alloc(h.states.available_size())
     assert hoard is not None
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
@@ -170,11 +148,10 @@ def test_refusals(hierarchy: Callable[..., Hierarchy]) -> None:
     assert TierParams().write_policy is WritePolicy.WRITE_THROUGH
 
 
-def test_layer_wise_load_brings_pages_and_state(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("mamba")
-    a = list(range(1, 3 * P + 1))
-    serve(h, a)
-    h.cache.evict_device(h.tree.evictable_size())
+def test_layer_wise_load_brings_pages_and_state(
+    offloaded: Callable[..., tuple[Hierarchy, list[int]]],
+) -> None:
+    h, a = offloaded("mamba", 3)
     node = node_at(h.tree, RadixKey(a))
     assert node is not None and not node.on_device
     load = h.cache.start_load_back(node)
@@ -195,11 +172,10 @@ def test_layer_wise_load_brings_pages_and_state(hierarchy: Callable[..., Hierarc
     h.cache.check_integrity()
 
 
-def test_a_failed_load_frees_the_state_slot_too(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("mamba")
-    a = list(range(1, 2 * P + 1))
-    serve(h, a)
-    h.cache.evict_device(h.tree.evictable_size())
+def test_a_failed_load_frees_the_state_slot_too(
+    offloaded: Callable[..., tuple[Hierarchy, list[int]]],
+) -> None:
+    h, a = offloaded("mamba", 2)
     node = node_at(h.tree, RadixKey(a))
     assert node is not None
     free_kv, free_states = h.allocator.available_size(), h.states.available_size()

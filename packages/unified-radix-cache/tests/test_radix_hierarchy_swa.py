@@ -73,11 +73,10 @@ def test_round_trips_are_bit_identical(hierarchy: Callable[..., Hierarchy]) -> N
     h.cache.check_integrity()
 
 
-def test_host_hit_ends_where_a_window_is_restorable(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("swa")
-    a = list(range(1, 6 * P + 1))
-    serve(h, a)
-    h.cache.evict_device(h.tree.evictable_size())
+def test_host_hit_ends_where_a_window_is_restorable(
+    offloaded: Callable[..., tuple[Hierarchy, list[int]]],
+) -> None:
+    h, a = offloaded("swa", 6)
     # Inside a, 4 pages in: the window before it was never copied to the host.
     m = h.cache.match_prefix(RadixKey([*a[: 4 * P], 5, 5, 5, 5]))
     assert m.device.prefix_len == 0 and m.host_hit_len == 0
@@ -115,27 +114,10 @@ def test_evictions_free_both_pools_on_both_tiers(hierarchy: Callable[..., Hierar
     h.cache.check_integrity()
 
 
-def test_no_host_swa_room_means_a_shorter_hit(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("swa")
-    allocator = h.cache.component_hosts["swa"]
-    hoard = allocator.alloc(allocator.available_size())
-    assert hoard is not None
-    a = list(range(1, 3 * P + 1))
-    serve(h, a, check=False)
-    node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.host_value is not None and extra_host_copy(node) is None
-    h.cache.evict_device(h.tree.evictable_size())
-    m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
-    assert m.prefix_len == 0
-    allocator.free(hoard)
-    h.cache.check_integrity()
-
-
-def test_layer_wise_load_brings_full_and_swa_layers(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("swa")
-    a = list(range(1, 3 * P + 1))
-    serve(h, a)
-    h.cache.evict_device(h.tree.evictable_size())
+def test_layer_wise_load_brings_full_and_swa_layers(
+    offloaded: Callable[..., tuple[Hierarchy, list[int]]],
+) -> None:
+    h, a = offloaded("swa", 3)
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
     assert m.host_hit_len == len(a)
     load = h.cache.start_load_back(m.host_node)
@@ -152,12 +134,9 @@ def test_layer_wise_load_brings_full_and_swa_layers(hierarchy: Callable[..., Hie
 
 
 def test_a_failed_load_frees_full_and_swa_slots(
-    hierarchy: Callable[..., Hierarchy], monkeypatch: pytest.MonkeyPatch
+    offloaded: Callable[..., tuple[Hierarchy, list[int]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    h = hierarchy("swa")
-    a = list(range(1, 3 * P + 1))
-    serve(h, a)
-    h.cache.evict_device(h.tree.evictable_size())
+    h, a = offloaded("swa", 3)
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
 
     def broken(*_args: object, **_kwargs: object) -> None:

@@ -204,24 +204,21 @@ def test_failed_allocation_changes_nothing(family: str) -> None:
     kit = make_tree(family, size=16, page_size=2)
     tree = kit.tree
     kit.put(list(range(8)))
-    before = (
-        tree.evictable_size(),
-        tree.protected_size(),
-        kit.full.available_size(),
-        tree.num_locked,
-        kit.mamba.available_size() if kit.mamba else None,
-    )
+
+    def state() -> tuple[int, int, int, int, int | None]:
+        return (
+            tree.evictable_size(),
+            tree.protected_size(),
+            kit.full.available_size(),
+            tree.num_locked,
+            kit.mamba.available_size() if kit.mamba else None,
+        )
+
+    before = state()
     req = tree.begin_request(RadixKey(list(range(40))), copy_state=True)
     assert kit.full.alloc(40 - req.cached_len) is None  # the pool cannot hold the rest
     tree.abort_request(req)
-    after = (
-        tree.evictable_size(),
-        tree.protected_size(),
-        kit.full.available_size(),
-        tree.num_locked,
-        kit.mamba.available_size() if kit.mamba else None,
-    )
-    assert after == before
+    assert state() == before
     kit.check()
 
 
