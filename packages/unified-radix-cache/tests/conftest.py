@@ -8,6 +8,8 @@ from typing import ParamSpec, Protocol
 import pytest
 
 from kvstrata.testkit.tiers import Hierarchy, Shape, make_hierarchy, serve
+from kvstrata.unified_radix_cache import RadixKey, TreeNode
+from kvstrata.unified_radix_cache.paths import node_at
 
 _P = ParamSpec("_P")
 
@@ -54,17 +56,39 @@ def hierarchy(closing: list[_Built]) -> Callable[..., Hierarchy]:
     return _closed_at_teardown(make_hierarchy, closing)
 
 
-@pytest.fixture
-def offloaded(hierarchy: Callable[..., Hierarchy]) -> Callable[..., tuple[Hierarchy, list[int]]]:
-    """`offloaded(shape, pages, **make_hierarchy_kwargs)`: a hierarchy (through `hierarchy`)
-    that served the prefix of `pages` pages of tokens 1, 2, ... (written through to the host)
-    and then evicted every device page; returns it and that prefix, now on the host only."""
+def _end_node(h: Hierarchy, tokens: list[int]) -> TreeNode:
+    node = node_at(h.tree, RadixKey(tokens))
+    assert node is not None, "no node ends at the served prefix"
+    return node
 
-    def build(shape: Shape, pages: int, **kwargs: object) -> tuple[Hierarchy, list[int]]:
+
+@pytest.fixture
+def served(
+    hierarchy: Callable[..., Hierarchy],
+) -> Callable[..., tuple[Hierarchy, list[int], TreeNode]]:
+    """`served(shape, pages, **make_hierarchy_kwargs)`: a hierarchy (through `hierarchy`) that
+    served one request for the prefix of `pages` pages of tokens 1, 2, ... (testkit's `serve`:
+    written through to the host); returns it, that prefix and the node its run ends at."""
+
+    def build(shape: Shape, pages: int, **kwargs: object) -> tuple[Hierarchy, list[int], TreeNode]:
         h = hierarchy(shape, **kwargs)
         prefix = list(range(1, pages * h.tiers.page_size + 1))
         serve(h, prefix)
+        return h, prefix, _end_node(h, prefix)
+
+    return build
+
+
+@pytest.fixture
+def offloaded(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> Callable[..., tuple[Hierarchy, list[int], TreeNode]]:
+    """`offloaded(shape, pages, **make_hierarchy_kwargs)`: `served`, then every device page
+    evicted; returns the hierarchy, the prefix (now on the host only) and its end node."""
+
+    def build(shape: Shape, pages: int, **kwargs: object) -> tuple[Hierarchy, list[int], TreeNode]:
+        h, prefix, _ = served(shape, pages, **kwargs)
         h.cache.evict_device(h.tree.evictable_size())
-        return h, prefix
+        return h, prefix, _end_node(h, prefix)
 
     return build

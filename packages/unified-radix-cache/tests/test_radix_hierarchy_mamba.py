@@ -25,6 +25,7 @@ from kvstrata.unified_radix_cache import (
     FullComponent,
     MambaComponent,
     RadixKey,
+    TreeNode,
     UnifiedRadixCache,
 )
 from kvstrata.unified_radix_cache.errors import InvalidConfig
@@ -33,13 +34,12 @@ from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 P = 4
+#: The `served` / `offloaded` fixtures (conftest.py): shape, pages -> hierarchy, prefix, end node.
+Scene = Callable[..., tuple[Hierarchy, list[int], TreeNode]]
 
 
-def test_write_through_carries_the_state_to_the_host(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("mamba")
-    serve(h, list(range(1, 3 * P + 1)))
-    node = node_at(h.tree, RadixKey(list(range(1, 3 * P + 1))))
-    assert node is not None
+def test_write_through_carries_the_state_to_the_host(served: Scene) -> None:
+    h, _, node = served("mamba", 3)
     assert node.host_value is not None and extra_host_copy(node) is not None
     mamba = h.tree.component("mamba")
     assert isinstance(mamba, MambaComponent) and mamba.slot(node) is not None
@@ -69,10 +69,8 @@ def test_round_trips_are_bit_identical_through_write_evict_load(
     assert h.cache.counters.host_hit_tokens >= 4 * len(b)
 
 
-def test_host_hit_ends_only_where_a_state_is_restorable(
-    offloaded: Callable[..., tuple[Hierarchy, list[int]]],
-) -> None:
-    h, a = offloaded("mamba", 4)
+def test_host_hit_ends_only_where_a_state_is_restorable(offloaded: Scene) -> None:
+    h, a, _ = offloaded("mamba", 4)
     # A query ending inside a's node: the split head has pages on the host but no state.
     m = h.cache.match_prefix(RadixKey(a[: 3 * P]))
     assert m.device.prefix_len == 0 and m.host_hit_len == 0
@@ -82,10 +80,8 @@ def test_host_hit_ends_only_where_a_state_is_restorable(
     h.cache.check_integrity()
 
 
-def test_a_tombstoned_device_state_is_loaded_alone(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("mamba")
-    a = list(range(1, 3 * P + 1))
-    serve(h, a)
+def test_a_tombstoned_device_state_is_loaded_alone(served: Scene) -> None:
+    h, a, _ = served("mamba", 3)
     moved = h.cache.counters.loaded_tokens
     # Mamba eviction drops the device state; the pages stay on the device (a leaf with a host
     # copy is kept, not removed).
@@ -99,10 +95,8 @@ def test_a_tombstoned_device_state_is_loaded_alone(hierarchy: Callable[..., Hier
     assert h.cache.counters.loaded_tokens == moved  # no page moved, only the state
 
 
-def test_no_device_state_slot_refuses_the_load(
-    offloaded: Callable[..., tuple[Hierarchy, list[int]]],
-) -> None:
-    h, a = offloaded("mamba", 3)
+def test_no_device_state_slot_refuses_the_load(offloaded: Scene) -> None:
+    h, a, _ = offloaded("mamba", 3)
     hoard = h.states.alloc(h.states.available_size())
     assert hoard is not None
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
@@ -115,9 +109,8 @@ def test_no_device_state_slot_refuses_the_load(
     assert serve(h, [*a, 5, 5, 5, 5]) == len(a)
 
 
-def test_host_eviction_frees_host_state_slots(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("mamba")
-    serve(h, list(range(1, 3 * P + 1)))
+def test_host_eviction_frees_host_state_slots(served: Scene) -> None:
+    h, _, _ = served("mamba", 3)
     serve(h, list(range(100, 100 + 2 * P)))
     assert h.cache.device_tree.component("mamba").host_held_size == 2
     h.cache.evict_device(h.tree.evictable_size())
@@ -148,12 +141,9 @@ def test_refusals(hierarchy: Callable[..., Hierarchy]) -> None:
     assert TierParams().write_policy is WritePolicy.WRITE_THROUGH
 
 
-def test_layer_wise_load_brings_pages_and_state(
-    offloaded: Callable[..., tuple[Hierarchy, list[int]]],
-) -> None:
-    h, a = offloaded("mamba", 3)
-    node = node_at(h.tree, RadixKey(a))
-    assert node is not None and not node.on_device
+def test_layer_wise_load_brings_pages_and_state(offloaded: Scene) -> None:
+    h, a, node = offloaded("mamba", 3)
+    assert not node.on_device
     load = h.cache.start_load_back(node)
     assert not load.done or load.result is not None
     for layer in h.tiers.pools.layer_ids:  # attention and Mamba layers, in model order
@@ -172,12 +162,8 @@ def test_layer_wise_load_brings_pages_and_state(
     h.cache.check_integrity()
 
 
-def test_a_failed_load_frees_the_state_slot_too(
-    offloaded: Callable[..., tuple[Hierarchy, list[int]]],
-) -> None:
-    h, a = offloaded("mamba", 2)
-    node = node_at(h.tree, RadixKey(a))
-    assert node is not None
+def test_a_failed_load_frees_the_state_slot_too(offloaded: Scene) -> None:
+    h, _, node = offloaded("mamba", 2)
     free_kv, free_states = h.allocator.available_size(), h.states.available_size()
 
     def broken(*args: object, **kwargs: object) -> None:
@@ -209,12 +195,8 @@ def test_a_failed_write_leaves_no_host_state(hierarchy: Callable[..., Hierarchy]
     assert h.cache.counters.failed_ops >= 1
 
 
-def test_the_device_tree_api_copies_the_state_on_a_tiered_tree(
-    hierarchy: Callable[..., Hierarchy],
-) -> None:
-    h = hierarchy("mamba")
-    a = list(range(1, 2 * P + 1))
-    serve(h, a)
+def test_the_device_tree_api_copies_the_state_on_a_tiered_tree(served: Scene) -> None:
+    h, a, _ = served("mamba", 2)
     ids = torch.tensor([*a, 3, 3, 3, 3], dtype=torch.int64)
     req = h.tree.begin_request(RadixKey(ids))
     assert req.cached_len == len(a) and req.state_slot is not None
