@@ -25,20 +25,20 @@ from kvstrata.unified_radix_cache import (
     FullComponent,
     MambaComponent,
     RadixKey,
-    TreeNode,
     UnifiedRadixCache,
 )
 from kvstrata.unified_radix_cache.errors import InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
+from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 P = 4
-#: The `served` / `offloaded` fixtures (conftest.py): shape, pages -> hierarchy, prefix, end node.
-Scene = Callable[..., tuple[Hierarchy, list[int], TreeNode]]
 
 
-def test_write_through_carries_the_state_to_the_host(served: Scene) -> None:
+def test_write_through_carries_the_state_to_the_host(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     h, _, node = served("mamba", 3)
     assert node.host_value is not None and extra_host_copy(node) is not None
     mamba = h.tree.component("mamba")
@@ -69,7 +69,9 @@ def test_round_trips_are_bit_identical_through_write_evict_load(
     assert h.cache.counters.host_hit_tokens >= 4 * len(b)
 
 
-def test_host_hit_ends_only_where_a_state_is_restorable(offloaded: Scene) -> None:
+def test_host_hit_ends_only_where_a_state_is_restorable(
+    offloaded: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     h, a, _ = offloaded("mamba", 4)
     # A query ending inside a's node: the split head has pages on the host but no state.
     m = h.cache.match_prefix(RadixKey(a[: 3 * P]))
@@ -80,7 +82,9 @@ def test_host_hit_ends_only_where_a_state_is_restorable(offloaded: Scene) -> Non
     h.cache.check_integrity()
 
 
-def test_a_tombstoned_device_state_is_loaded_alone(served: Scene) -> None:
+def test_a_tombstoned_device_state_is_loaded_alone(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     h, a, _ = served("mamba", 3)
     moved = h.cache.counters.loaded_tokens
     # Mamba eviction drops the device state; the pages stay on the device (a leaf with a host
@@ -95,7 +99,9 @@ def test_a_tombstoned_device_state_is_loaded_alone(served: Scene) -> None:
     assert h.cache.counters.loaded_tokens == moved  # no page moved, only the state
 
 
-def test_no_device_state_slot_refuses_the_load(offloaded: Scene) -> None:
+def test_no_device_state_slot_refuses_the_load(
+    offloaded: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     h, a, _ = offloaded("mamba", 3)
     hoard = h.states.alloc(h.states.available_size())
     assert hoard is not None
@@ -109,7 +115,9 @@ def test_no_device_state_slot_refuses_the_load(offloaded: Scene) -> None:
     assert serve(h, [*a, 5, 5, 5, 5]) == len(a)
 
 
-def test_host_eviction_frees_host_state_slots(served: Scene) -> None:
+def test_host_eviction_frees_host_state_slots(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     h, _, _ = served("mamba", 3)
     serve(h, list(range(100, 100 + 2 * P)))
     assert h.cache.device_tree.component("mamba").host_held_size == 2
@@ -141,7 +149,9 @@ def test_refusals(hierarchy: Callable[..., Hierarchy]) -> None:
     assert TierParams().write_policy is WritePolicy.WRITE_THROUGH
 
 
-def test_layer_wise_load_brings_pages_and_state(offloaded: Scene) -> None:
+def test_layer_wise_load_brings_pages_and_state(
+    offloaded: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     h, a, node = offloaded("mamba", 3)
     assert not node.on_device
     load = h.cache.start_load_back(node)
@@ -162,7 +172,9 @@ def test_layer_wise_load_brings_pages_and_state(offloaded: Scene) -> None:
     h.cache.check_integrity()
 
 
-def test_a_failed_load_frees_the_state_slot_too(offloaded: Scene) -> None:
+def test_a_failed_load_frees_the_state_slot_too(
+    offloaded: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     h, _, node = offloaded("mamba", 2)
     free_kv, free_states = h.allocator.available_size(), h.states.available_size()
 
@@ -195,7 +207,9 @@ def test_a_failed_write_leaves_no_host_state(hierarchy: Callable[..., Hierarchy]
     assert h.cache.counters.failed_ops >= 1
 
 
-def test_the_device_tree_api_copies_the_state_on_a_tiered_tree(served: Scene) -> None:
+def test_the_device_tree_api_copies_the_state_on_a_tiered_tree(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     h, a, _ = served("mamba", 2)
     ids = torch.tensor([*a, 3, 3, 3, 3], dtype=torch.int64)
     req = h.tree.begin_request(RadixKey(ids))

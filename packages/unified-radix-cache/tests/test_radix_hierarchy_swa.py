@@ -22,15 +22,13 @@ from kvstrata.unified_radix_cache import (
     FullComponent,
     RadixKey,
     SWAComponent,
-    TreeNode,
     UnifiedRadixCache,
 )
 from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
+from kvstrata.unified_radix_cache.node import TreeNode
 
 P = 4
-#: The `served` / `offloaded` fixtures (conftest.py): shape, pages -> hierarchy, prefix, end node.
-Scene = Callable[..., tuple[Hierarchy, list[int], TreeNode]]
 
 
 def _host_swa(h: Hierarchy) -> int:
@@ -38,7 +36,9 @@ def _host_swa(h: Hierarchy) -> int:
     return allocator.size - allocator.available_size()
 
 
-def test_a_write_copies_only_the_window_of_swa_pages(served: Scene) -> None:
+def test_a_write_copies_only_the_window_of_swa_pages(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     h, _, node = served("swa", 5)
     assert extra_host_copy(node) is not None
     # The write split the node at the window: the head has full pages on the host only.
@@ -72,7 +72,9 @@ def test_round_trips_are_bit_identical(hierarchy: Callable[..., Hierarchy]) -> N
     h.cache.check_integrity()
 
 
-def test_host_hit_ends_where_a_window_is_restorable(offloaded: Scene) -> None:
+def test_host_hit_ends_where_a_window_is_restorable(
+    offloaded: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     h, a, _ = offloaded("swa", 6)
     # Inside a, 4 pages in: the window before it was never copied to the host.
     m = h.cache.match_prefix(RadixKey([*a[: 4 * P], 5, 5, 5, 5]))
@@ -82,7 +84,9 @@ def test_host_hit_ends_where_a_window_is_restorable(offloaded: Scene) -> None:
     h.cache.check_integrity()
 
 
-def test_a_device_swa_tombstone_is_not_restored_from_the_host(served: Scene) -> None:
+def test_a_device_swa_tombstone_is_not_restored_from_the_host(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     h, a, _ = served("swa", 4)
     # SWA eviction tombstones the window node: full pages stay on the device, SWA slots go.
     h.tree.evict(EvictRequest(targets={"swa": 10**6}))
@@ -93,7 +97,9 @@ def test_a_device_swa_tombstone_is_not_restored_from_the_host(served: Scene) -> 
     h.cache.check_integrity()
 
 
-def test_evictions_free_both_pools_on_both_tiers(served: Scene) -> None:
+def test_evictions_free_both_pools_on_both_tiers(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     h, _, _ = served("swa", 3)
     serve(h, list(range(100, 100 + 4 * P)))
     assert _host_swa(h) == 2 * h.window
@@ -106,7 +112,9 @@ def test_evictions_free_both_pools_on_both_tiers(served: Scene) -> None:
     h.cache.check_integrity()
 
 
-def test_layer_wise_load_brings_full_and_swa_layers(offloaded: Scene) -> None:
+def test_layer_wise_load_brings_full_and_swa_layers(
+    offloaded: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     h, a, _ = offloaded("swa", 3)
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
     assert m.host_hit_len == len(a)
@@ -124,7 +132,7 @@ def test_layer_wise_load_brings_full_and_swa_layers(offloaded: Scene) -> None:
 
 
 def test_a_failed_load_frees_full_and_swa_slots(
-    offloaded: Scene, monkeypatch: pytest.MonkeyPatch
+    offloaded: Callable[..., tuple[Hierarchy, list[int], TreeNode]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     h, a, _ = offloaded("swa", 3)
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
@@ -162,7 +170,9 @@ def test_refusals(hierarchy: Callable[..., Hierarchy]) -> None:
         )
 
 
-def test_integrity_catches_a_leaked_host_swa_copy(served: Scene) -> None:
+def test_integrity_catches_a_leaked_host_swa_copy(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     h, _, node = served("swa", 3)
     assert extra_host_copy(node) is not None
     value = extra_host_copy(node)
@@ -174,7 +184,9 @@ def test_integrity_catches_a_leaked_host_swa_copy(served: Scene) -> None:
     h.cache.check_integrity()
 
 
-def test_collector_reports_host_swa_slots(served: Scene) -> None:
+def test_collector_reports_host_swa_slots(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     from prometheus_client import CollectorRegistry
 
     from kvstrata.unified_radix_cache.tier_metrics import TierCacheCollector
