@@ -8,6 +8,7 @@ from typing import ParamSpec, Protocol
 import pytest
 
 from kvstrata.testkit.tiers import Hierarchy, Shape, make_hierarchy, serve
+from kvstrata.testkit.trees import TREE_FAMILIES
 from kvstrata.unified_radix_cache import RadixKey, TreeNode
 from kvstrata.unified_radix_cache.paths import node_at
 
@@ -26,6 +27,13 @@ class _Cache(Protocol):
 class _Built(Protocol):
     @property
     def cache(self) -> _Cache: ...
+
+
+@pytest.fixture(params=TREE_FAMILIES)
+def family(request: pytest.FixtureRequest) -> str:
+    """Each device-tree family of testkit's `make_tree` in turn (Full, Full + SWA,
+    Full + Mamba): a test taking `family` runs once per family."""
+    return str(request.param)
 
 
 @pytest.fixture
