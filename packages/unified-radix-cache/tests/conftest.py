@@ -7,7 +7,10 @@ from typing import ParamSpec, Protocol
 
 import pytest
 
-from kvstrata.testkit.tiers import Hierarchy, make_hierarchy
+from kvstrata.testkit.tiers import Hierarchy, Shape, make_hierarchy, serve
+from kvstrata.testkit.trees import TREE_FAMILIES
+from kvstrata.unified_radix_cache import RadixKey, TreeNode
+from kvstrata.unified_radix_cache.paths import node_at
 
 _P = ParamSpec("_P")
 
@@ -24,6 +27,13 @@ class _Cache(Protocol):
 class _Built(Protocol):
     @property
     def cache(self) -> _Cache: ...
+
+
+@pytest.fixture(params=TREE_FAMILIES)
+def family(request: pytest.FixtureRequest) -> str:
+    """Each device-tree family of testkit's `make_tree` in turn (Full, Full + SWA,
+    Full + Mamba): a test taking `family` runs once per family."""
+    return str(request.param)
 
 
 @pytest.fixture
@@ -52,3 +62,41 @@ def hierarchy(closing: list[_Built]) -> Callable[..., Hierarchy]:
     """testkit's `make_hierarchy` (same arguments: shape first, page size 4 by default) whose
     hierarchies are closed when the test ends (through `closing`)."""
     return _closed_at_teardown(make_hierarchy, closing)
+
+
+def _end_node(h: Hierarchy, tokens: list[int]) -> TreeNode:
+    node = node_at(h.tree, RadixKey(tokens))
+    assert node is not None, "no node ends at the served prefix"
+    return node
+
+
+@pytest.fixture
+def served(
+    hierarchy: Callable[..., Hierarchy],
+) -> Callable[..., tuple[Hierarchy, list[int], TreeNode]]:
+    """`served(shape, pages, **make_hierarchy_kwargs)`: a hierarchy (through `hierarchy`) that
+    served one request for the prefix of `pages` pages of tokens 1, 2, ... (testkit's `serve`:
+    written through to the host); returns it, that prefix and the node its run ends at."""
+
+    def build(shape: Shape, pages: int, **kwargs: object) -> tuple[Hierarchy, list[int], TreeNode]:
+        h = hierarchy(shape, **kwargs)
+        prefix = list(range(1, pages * h.tiers.page_size + 1))
+        serve(h, prefix)
+        return h, prefix, _end_node(h, prefix)
+
+    return build
+
+
+@pytest.fixture
+def offloaded(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> Callable[..., tuple[Hierarchy, list[int], TreeNode]]:
+    """`offloaded(shape, pages, **make_hierarchy_kwargs)`: `served`, then every device page
+    evicted; returns the hierarchy, the prefix (now on the host only) and its end node."""
+
+    def build(shape: Shape, pages: int, **kwargs: object) -> tuple[Hierarchy, list[int], TreeNode]:
+        h, prefix, _ = served(shape, pages, **kwargs)
+        h.cache.evict_device(h.tree.evictable_size())
+        return h, prefix, _end_node(h, prefix)
+
+    return build

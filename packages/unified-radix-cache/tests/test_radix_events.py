@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from kvstrata.storage.keys import PageKeyer
-from kvstrata.testkit.trees import TREE_FAMILIES, make_tree
+from kvstrata.testkit.trees import make_tree
 from kvstrata.unified_radix_cache import (
     EVENT_FORMAT_VERSION,
     AllBlocksCleared,
@@ -25,7 +25,6 @@ from kvstrata.unified_radix_cache import (
 from kvstrata.unified_radix_cache.errors import EventDecodeError, InvalidConfig
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_block_stored_carries_chained_keys_parent_and_namespace(family: str) -> None:
     kit = make_tree(family, page_size=2, enable_events=True)
     tree = kit.tree

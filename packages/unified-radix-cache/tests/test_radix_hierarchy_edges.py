@@ -41,6 +41,23 @@ def _host_only(h: Hierarchy) -> tuple[RadixKey, TreeNode]:
     return key, match.host_node
 
 
+@pytest.fixture
+def host_only(hierarchy: Callable[..., Hierarchy]) -> tuple[Hierarchy, RadixKey, TreeNode]:
+    """A default hierarchy after `_host_only`: it, the key and the host node."""
+    h = hierarchy()
+    key, node = _host_only(h)
+    return h, key, node
+
+
+def _two_prefixes(h: Hierarchy) -> tuple[RadixKey, RadixKey]:
+    """Insert two unrelated two-page prefixes (tokens from 1 and from 500); their keys."""
+    a = RadixKey(list(range(1, 2 * P + 1)))
+    b = RadixKey(list(range(500, 500 + 2 * P)))
+    _insert(h, a)
+    _insert(h, b)
+    return a, b
+
+
 def _stall_acks(h: Hierarchy, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make every transfer look slow: waits time out, polls see nothing."""
 
@@ -82,11 +99,10 @@ def test_load_back_behind_a_slow_write_is_refused_and_leaks_no_lock(
 
 
 def test_load_back_releases_both_locks_when_allocation_raises(
-    hierarchy: Callable[..., Hierarchy], monkeypatch: pytest.MonkeyPatch
+    host_only: tuple[Hierarchy, RadixKey, TreeNode], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    h = hierarchy()
+    h, _, host_node = host_only
     c = h.cache
-    _, host_node = _host_only(h)
 
     def broken(num_tokens: int) -> object:
         raise RuntimeError("allocator broke")
@@ -108,10 +124,7 @@ def test_write_back_eviction_stops_at_a_slow_write(
         params=TierParams(write_policy=WritePolicy.WRITE_BACK),
     )
     c = h.cache
-    a = RadixKey(list(range(1, 2 * P + 1)))
-    b = RadixKey(list(range(500, 500 + 2 * P)))
-    _insert(h, a)
-    _insert(h, b)
+    a, b = _two_prefixes(h)
     with monkeypatch.context() as m:
         _stall_acks(h, m)
         freed = c.evict_device(4 * P)  # a's write times out: nothing unsaved may go
@@ -234,11 +247,10 @@ def test_a_request_counts_one_hit_per_node(hierarchy: Callable[..., Hierarchy]) 
 
 
 def test_a_timed_out_load_back_is_no_failure_when_its_late_ack_commits(
-    hierarchy: Callable[..., Hierarchy], monkeypatch: pytest.MonkeyPatch
+    host_only: tuple[Hierarchy, RadixKey, TreeNode], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    h = hierarchy()
+    h, key, host_node = host_only
     c = h.cache
-    key, host_node = _host_only(h)
     with monkeypatch.context() as m:
         _stall_acks(h, m)
         back = c.load_back(host_node)
@@ -256,10 +268,7 @@ def test_integrity_sees_a_host_slot_held_twice_and_a_foreign_receipt(
 ) -> None:
     h = hierarchy()
     c = h.cache
-    a = RadixKey(list(range(1, 2 * P + 1)))
-    b = RadixKey(list(range(500, 500 + 2 * P)))
-    _insert(h, a)
-    _insert(h, b)
+    a, b = _two_prefixes(h)
     c.drain()
     c.check_integrity()
     node_a, node_b = node_at(h.tree, a), node_at(h.tree, b)

@@ -7,7 +7,8 @@ write's end), the host state only at the end of the written key. A "non-holder" 
 the first node of a prefix whose second node was host-evicted: off the device, childless,
 host-unlocked, with a host Full copy but no host SWA copy (no host state). The rest of the
 component's host pool is hoarded by the test (a stand-in for copies held by nodes still on the
-device or by transfers), so the allocation depends on what eviction can free.
+device or by transfers), so the allocation depends on what eviction can free; with nothing to
+free, the pages go to the host without the component's copy and no host hit ends there.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvstrata.pool_host import HostSlotAllocator
 from kvstrata.testkit.tiers import Hierarchy, Shape, extra_host_copy, make_hierarchy, serve
 from kvstrata.unified_radix_cache import HierarchicalCache, RadixKey, TreeNode
 from kvstrata.unified_radix_cache.node import ComponentValue
+from kvstrata.unified_radix_cache.paths import node_at
 
 P = 4
 
@@ -89,6 +91,14 @@ class ComponentPool(NamedTuple):
     #: Tokens host-evicted with the holder (its whole host run).
     holder_tokens: int
 
+    def hoard(self, cache: HierarchicalCache) -> tuple[HostSlotAllocator, torch.Tensor]:
+        """Take every free slot of this pool (the test frees them): the allocator and slots."""
+        allocator = self.allocator(cache)
+        assert allocator is not None
+        held = allocator.alloc(allocator.available_size())
+        assert held is not None
+        return allocator, held
+
 
 POOLS = [
     ComponentPool(
@@ -125,10 +135,7 @@ def test_failed_host_component_allocation_evicts_nothing(pool: ComponentPool) ->
         assert pool.candidates(cache) == 0
         before = set(_host_nodes(cache))
         evicted = cache.counters.host_evicted_tokens
-        hoard = pool.allocator(cache)
-        assert hoard is not None
-        held = hoard.alloc(hoard.available_size())
-        assert held is not None
+        hoard, held = pool.hoard(cache)
         serve(h, _tokens(7000, 3 * P), check=False)  # write_through wants component slots
         assert cache.counters.host_evicted_tokens == evicted, "evicted for a hopeless allocation"
         assert before <= set(_host_nodes(cache)), "a host copy went for nothing"
@@ -155,10 +162,7 @@ def test_host_component_allocation_evicts_only_holders(pool: ComponentPool) -> N
         assert holder in cache.tier.heap
         assert pool.candidates(cache) == pool.held_by(holder)
         cache.check_integrity()
-        hoard = pool.allocator(cache)
-        assert hoard is not None
-        held = hoard.alloc(hoard.available_size())
-        assert held is not None
+        hoard, held = pool.hoard(cache)
         evicted = cache.counters.host_evicted_tokens
         serve(h, _tokens(7000, 3 * P), check=False)
         assert old.id in _host_nodes(cache), "a candidate without component slots was evicted"
@@ -170,6 +174,27 @@ def test_host_component_allocation_evicts_only_holders(pool: ComponentPool) -> N
         cache.check_integrity()
     finally:
         cache.controller.close()
+
+
+@pytest.mark.parametrize("pool", POOLS, ids=lambda p: p.shape)
+def test_no_host_component_room_means_a_shorter_hit(
+    pool: ComponentPool, hierarchy: Callable[..., Hierarchy]
+) -> None:
+    """The component's host pool is all taken: a write moves the pages without the
+    component's copy, so no host hit ends there (never a wrong one), and the prefix is
+    computed again, never restored without it."""
+    h = hierarchy(pool.shape)
+    hoard, held = pool.hoard(h.cache)
+    a = _tokens(1, 3 * P)
+    serve(h, a, check=False)  # pages go to the host, the component's copy cannot
+    node = node_at(h.tree, RadixKey(a))
+    assert node is not None and node.host_value is not None and pool.host_value(node) is None
+    h.cache.evict_device(h.tree.evictable_size())
+    m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
+    assert m.prefix_len == 0 and m.device.prefix_len == 0 and m.host_hit_len == 0
+    assert serve(h, [*a, 5, 5, 5, 5], check=False) == 0
+    hoard.free(held)
+    h.cache.check_integrity()
 
 
 def test_candidate_counts_follow_a_split_and_a_lock() -> None:

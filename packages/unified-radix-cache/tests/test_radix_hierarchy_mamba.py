@@ -29,17 +29,17 @@ from kvstrata.unified_radix_cache import (
 )
 from kvstrata.unified_radix_cache.errors import InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
+from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 P = 4
 
 
-def test_write_through_carries_the_state_to_the_host(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("mamba")
-    serve(h, list(range(1, 3 * P + 1)))
-    node = node_at(h.tree, RadixKey(list(range(1, 3 * P + 1))))
-    assert node is not None
+def test_write_through_carries_the_state_to_the_host(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
+    h, _, node = served("mamba", 3)
     assert node.host_value is not None and extra_host_copy(node) is not None
     mamba = h.tree.component("mamba")
     assert isinstance(mamba, MambaComponent) and mamba.slot(node) is not None
@@ -70,12 +70,9 @@ def test_round_trips_are_bit_identical_through_write_evict_load(
 
 
 def test_host_hit_ends_only_where_a_state_is_restorable(
-    hierarchy: Callable[..., Hierarchy],
+    offloaded: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
 ) -> None:
-    h = hierarchy("mamba")
-    a = list(range(1, 4 * P + 1))
-    serve(h, a)
-    h.cache.evict_device(h.tree.evictable_size())
+    h, a, _ = offloaded("mamba", 4)
     # A query ending inside a's node: the split head has pages on the host but no state.
     m = h.cache.match_prefix(RadixKey(a[: 3 * P]))
     assert m.device.prefix_len == 0 and m.host_hit_len == 0
@@ -85,10 +82,10 @@ def test_host_hit_ends_only_where_a_state_is_restorable(
     h.cache.check_integrity()
 
 
-def test_a_tombstoned_device_state_is_loaded_alone(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("mamba")
-    a = list(range(1, 3 * P + 1))
-    serve(h, a)
+def test_a_tombstoned_device_state_is_loaded_alone(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
+    h, a, _ = served("mamba", 3)
     moved = h.cache.counters.loaded_tokens
     # Mamba eviction drops the device state; the pages stay on the device (a leaf with a host
     # copy is kept, not removed).
@@ -102,29 +99,10 @@ def test_a_tombstoned_device_state_is_loaded_alone(hierarchy: Callable[..., Hier
     assert h.cache.counters.loaded_tokens == moved  # no page moved, only the state
 
 
-def test_no_host_state_slot_means_a_shorter_hit(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("mamba", host_pages=32)
-    allocator = h.cache.component_hosts["mamba"]
-    hoard = allocator.alloc(allocator.available_size())
-    assert hoard is not None
-    a = list(range(1, 3 * P + 1))
-    serve(h, a, check=False)  # pages go to the host, the state cannot
-    node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.host_value is not None and extra_host_copy(node) is None
-    h.cache.evict_device(h.tree.evictable_size())
-    m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
-    assert m.device.prefix_len == 0 and m.host_hit_len == 0
-    # Recomputed, never restored without its state.
-    assert serve(h, [*a, 5, 5, 5, 5], check=False) == 0
-    allocator.free(hoard)
-    h.cache.check_integrity()
-
-
-def test_no_device_state_slot_refuses_the_load(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("mamba")
-    a = list(range(1, 3 * P + 1))
-    serve(h, a)
-    h.cache.evict_device(h.tree.evictable_size())
+def test_no_device_state_slot_refuses_the_load(
+    offloaded: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
+    h, a, _ = offloaded("mamba", 3)
     hoard = h.states.alloc(h.states.available_size())
     assert hoard is not None
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
@@ -137,9 +115,10 @@ def test_no_device_state_slot_refuses_the_load(hierarchy: Callable[..., Hierarch
     assert serve(h, [*a, 5, 5, 5, 5]) == len(a)
 
 
-def test_host_eviction_frees_host_state_slots(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("mamba")
-    serve(h, list(range(1, 3 * P + 1)))
+def test_host_eviction_frees_host_state_slots(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
+    h, _, _ = served("mamba", 3)
     serve(h, list(range(100, 100 + 2 * P)))
     assert h.cache.device_tree.component("mamba").host_held_size == 2
     h.cache.evict_device(h.tree.evictable_size())
@@ -170,13 +149,11 @@ def test_refusals(hierarchy: Callable[..., Hierarchy]) -> None:
     assert TierParams().write_policy is WritePolicy.WRITE_THROUGH
 
 
-def test_layer_wise_load_brings_pages_and_state(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("mamba")
-    a = list(range(1, 3 * P + 1))
-    serve(h, a)
-    h.cache.evict_device(h.tree.evictable_size())
-    node = node_at(h.tree, RadixKey(a))
-    assert node is not None and not node.on_device
+def test_layer_wise_load_brings_pages_and_state(
+    offloaded: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
+    h, a, node = offloaded("mamba", 3)
+    assert not node.on_device
     load = h.cache.start_load_back(node)
     assert not load.done or load.result is not None
     for layer in h.tiers.pools.layer_ids:  # attention and Mamba layers, in model order
@@ -195,13 +172,10 @@ def test_layer_wise_load_brings_pages_and_state(hierarchy: Callable[..., Hierarc
     h.cache.check_integrity()
 
 
-def test_a_failed_load_frees_the_state_slot_too(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("mamba")
-    a = list(range(1, 2 * P + 1))
-    serve(h, a)
-    h.cache.evict_device(h.tree.evictable_size())
-    node = node_at(h.tree, RadixKey(a))
-    assert node is not None
+def test_a_failed_load_frees_the_state_slot_too(
+    offloaded: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
+    h, _, node = offloaded("mamba", 2)
     free_kv, free_states = h.allocator.available_size(), h.states.available_size()
 
     def broken(*args: object, **kwargs: object) -> None:
@@ -234,11 +208,9 @@ def test_a_failed_write_leaves_no_host_state(hierarchy: Callable[..., Hierarchy]
 
 
 def test_the_device_tree_api_copies_the_state_on_a_tiered_tree(
-    hierarchy: Callable[..., Hierarchy],
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
 ) -> None:
-    h = hierarchy("mamba")
-    a = list(range(1, 2 * P + 1))
-    serve(h, a)
+    h, a, _ = served("mamba", 2)
     ids = torch.tensor([*a, 3, 3, 3, 3], dtype=torch.int64)
     req = h.tree.begin_request(RadixKey(ids))
     assert req.cached_len == len(a) and req.state_slot is not None

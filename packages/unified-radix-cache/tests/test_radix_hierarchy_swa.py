@@ -26,7 +26,7 @@ from kvstrata.unified_radix_cache import (
 )
 from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
-from kvstrata.unified_radix_cache.paths import node_at
+from kvstrata.unified_radix_cache.node import TreeNode
 
 P = 4
 
@@ -36,12 +36,11 @@ def _host_swa(h: Hierarchy) -> int:
     return allocator.size - allocator.available_size()
 
 
-def test_a_write_copies_only_the_window_of_swa_pages(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("swa")
-    a = list(range(1, 5 * P + 1))
-    serve(h, a)
-    node = node_at(h.tree, RadixKey(a))
-    assert node is not None and extra_host_copy(node) is not None
+def test_a_write_copies_only_the_window_of_swa_pages(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
+    h, _, node = served("swa", 5)
+    assert extra_host_copy(node) is not None
     # The write split the node at the window: the head has full pages on the host only.
     assert node.num_tokens == h.window
     assert node.parent is not None and node.parent.host_value is not None
@@ -73,11 +72,10 @@ def test_round_trips_are_bit_identical(hierarchy: Callable[..., Hierarchy]) -> N
     h.cache.check_integrity()
 
 
-def test_host_hit_ends_where_a_window_is_restorable(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("swa")
-    a = list(range(1, 6 * P + 1))
-    serve(h, a)
-    h.cache.evict_device(h.tree.evictable_size())
+def test_host_hit_ends_where_a_window_is_restorable(
+    offloaded: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
+    h, a, _ = offloaded("swa", 6)
     # Inside a, 4 pages in: the window before it was never copied to the host.
     m = h.cache.match_prefix(RadixKey([*a[: 4 * P], 5, 5, 5, 5]))
     assert m.device.prefix_len == 0 and m.host_hit_len == 0
@@ -87,11 +85,9 @@ def test_host_hit_ends_where_a_window_is_restorable(hierarchy: Callable[..., Hie
 
 
 def test_a_device_swa_tombstone_is_not_restored_from_the_host(
-    hierarchy: Callable[..., Hierarchy],
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
 ) -> None:
-    h = hierarchy("swa")
-    a = list(range(1, 4 * P + 1))
-    serve(h, a)
+    h, a, _ = served("swa", 4)
     # SWA eviction tombstones the window node: full pages stay on the device, SWA slots go.
     h.tree.evict(EvictRequest(targets={"swa": 10**6}))
     assert h.tree.evictable_size("swa") == 0
@@ -101,9 +97,10 @@ def test_a_device_swa_tombstone_is_not_restored_from_the_host(
     h.cache.check_integrity()
 
 
-def test_evictions_free_both_pools_on_both_tiers(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("swa")
-    serve(h, list(range(1, 3 * P + 1)))
+def test_evictions_free_both_pools_on_both_tiers(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
+    h, _, _ = served("swa", 3)
     serve(h, list(range(100, 100 + 4 * P)))
     assert _host_swa(h) == 2 * h.window
     h.cache.evict_device(h.tree.evictable_size())
@@ -115,27 +112,10 @@ def test_evictions_free_both_pools_on_both_tiers(hierarchy: Callable[..., Hierar
     h.cache.check_integrity()
 
 
-def test_no_host_swa_room_means_a_shorter_hit(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("swa")
-    allocator = h.cache.component_hosts["swa"]
-    hoard = allocator.alloc(allocator.available_size())
-    assert hoard is not None
-    a = list(range(1, 3 * P + 1))
-    serve(h, a, check=False)
-    node = node_at(h.tree, RadixKey(a))
-    assert node is not None and node.host_value is not None and extra_host_copy(node) is None
-    h.cache.evict_device(h.tree.evictable_size())
-    m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
-    assert m.prefix_len == 0
-    allocator.free(hoard)
-    h.cache.check_integrity()
-
-
-def test_layer_wise_load_brings_full_and_swa_layers(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("swa")
-    a = list(range(1, 3 * P + 1))
-    serve(h, a)
-    h.cache.evict_device(h.tree.evictable_size())
+def test_layer_wise_load_brings_full_and_swa_layers(
+    offloaded: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
+    h, a, _ = offloaded("swa", 3)
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
     assert m.host_hit_len == len(a)
     load = h.cache.start_load_back(m.host_node)
@@ -152,12 +132,9 @@ def test_layer_wise_load_brings_full_and_swa_layers(hierarchy: Callable[..., Hie
 
 
 def test_a_failed_load_frees_full_and_swa_slots(
-    hierarchy: Callable[..., Hierarchy], monkeypatch: pytest.MonkeyPatch
+    offloaded: Callable[..., tuple[Hierarchy, list[int], TreeNode]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    h = hierarchy("swa")
-    a = list(range(1, 3 * P + 1))
-    serve(h, a)
-    h.cache.evict_device(h.tree.evictable_size())
+    h, a, _ = offloaded("swa", 3)
     m = h.cache.match_prefix(RadixKey([*a, 5, 5, 5, 5]))
 
     def broken(*_args: object, **_kwargs: object) -> None:
@@ -193,12 +170,11 @@ def test_refusals(hierarchy: Callable[..., Hierarchy]) -> None:
         )
 
 
-def test_integrity_catches_a_leaked_host_swa_copy(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy("swa")
-    a = list(range(1, 3 * P + 1))
-    serve(h, a)
-    node = node_at(h.tree, RadixKey(a))
-    assert node is not None and extra_host_copy(node) is not None
+def test_integrity_catches_a_leaked_host_swa_copy(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
+    h, _, node = served("swa", 3)
+    assert extra_host_copy(node) is not None
     value = extra_host_copy(node)
     assert node.comp_hosts is not None
     node.comp_hosts[1] = None  # the slots stay allocated, no node holds them
@@ -208,13 +184,14 @@ def test_integrity_catches_a_leaked_host_swa_copy(hierarchy: Callable[..., Hiera
     h.cache.check_integrity()
 
 
-def test_collector_reports_host_swa_slots(hierarchy: Callable[..., Hierarchy]) -> None:
+def test_collector_reports_host_swa_slots(
+    served: Callable[..., tuple[Hierarchy, list[int], TreeNode]],
+) -> None:
     from prometheus_client import CollectorRegistry
 
     from kvstrata.unified_radix_cache.tier_metrics import TierCacheCollector
 
-    h = hierarchy("swa")
-    serve(h, list(range(1, 3 * P + 1)))
+    h, _, _ = served("swa", 3)
     registry = CollectorRegistry()
     registry.register(TierCacheCollector(h.cache, labels={"instance": "s"}))
     labels = {"instance": "s"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.testkit.trees import TREE_FAMILIES, make_tree
+from kvstrata.testkit.trees import make_tree
 from kvstrata.unified_radix_cache import EvictRequest, RadixKey
 from kvstrata.unified_radix_cache.errors import (
     ForeignNode,
@@ -23,7 +23,6 @@ def _block(i: int, n: int) -> list[int]:
     return [1000 * (i + 1) + t for t in range(n)]
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 @pytest.mark.parametrize("page_size", (1, 4))
 def test_lock_moves_path_to_protected_and_back(family: str, page_size: int) -> None:
     """9. lock moves the path from evictable to protected; unlock moves it back."""
@@ -41,7 +40,6 @@ def test_lock_moves_path_to_protected_and_back(family: str, page_size: int) -> N
     kit.check()
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_second_unlock_and_foreign_receipts_fail_before_changing_anything(family: str) -> None:
     """9. A second unlock with the same receipt, or an unlock without a lock, is an error."""
     kit = make_tree(family)
@@ -72,7 +70,6 @@ def test_lock_refuses_an_evicted_node() -> None:
     kit.check()
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 @pytest.mark.parametrize("page_size", (1, 2))
 def test_evict_takes_unlocked_leaves_and_parents_follow(family: str, page_size: int) -> None:
     """10. Eviction frees at least what was asked, only unlocked leaves, returns slots to the
@@ -110,7 +107,6 @@ def test_eviction_is_page_granular_from_the_leaf_tail(page_size: int) -> None:
     kit.check()
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("page_size", (1, 4))
 def test_eviction_order_follows_the_policy(
@@ -178,7 +174,6 @@ def test_priority_propagates_up_as_the_max_of_descendants() -> None:
     kit.check()
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_matched_slots_survive_eviction_for_the_same_request(family: str) -> None:
     """11. A request's matched prefix, once locked, is not evicted to make room for it."""
     kit = make_tree(family, page_size=2, sliding_window=2)
@@ -198,34 +193,29 @@ def test_matched_slots_survive_eviction_for_the_same_request(family: str) -> Non
     kit.check()
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_failed_allocation_changes_nothing(family: str) -> None:
     """12. A request whose allocation fails leaves sizes, locks and free lists as before."""
     kit = make_tree(family, size=16, page_size=2)
     tree = kit.tree
     kit.put(list(range(8)))
-    before = (
-        tree.evictable_size(),
-        tree.protected_size(),
-        kit.full.available_size(),
-        tree.num_locked,
-        kit.mamba.available_size() if kit.mamba else None,
-    )
+
+    def state() -> tuple[int, int, int, int, int | None]:
+        return (
+            tree.evictable_size(),
+            tree.protected_size(),
+            kit.full.available_size(),
+            tree.num_locked,
+            kit.mamba.available_size() if kit.mamba else None,
+        )
+
+    before = state()
     req = tree.begin_request(RadixKey(list(range(40))), copy_state=True)
     assert kit.full.alloc(40 - req.cached_len) is None  # the pool cannot hold the rest
     tree.abort_request(req)
-    after = (
-        tree.evictable_size(),
-        tree.protected_size(),
-        kit.full.available_size(),
-        tree.num_locked,
-        kit.mamba.available_size() if kit.mamba else None,
-    )
-    assert after == before
+    assert state() == before
     kit.check()
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_reset_refused_while_locked_then_frees_everything(family: str) -> None:
     """13. reset refuses while anything is locked; afterwards the tree is empty, slots free."""
     kit = make_tree(family, page_size=2, enable_events=True)

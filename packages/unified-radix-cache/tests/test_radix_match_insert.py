@@ -6,15 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata.testkit.trees import TREE_FAMILIES, make_tree
+from kvstrata.testkit.trees import make_tree
 from kvstrata.unified_radix_cache import RadixKey
 from kvstrata.unified_radix_cache.errors import InvalidInsert, InvalidKey
 
-PAGE_SIZES = (1, 4)
+
+@pytest.fixture(params=(1, 4))
+def page_size(request: pytest.FixtureRequest) -> int:
+    """Page sizes 1 and 4 in turn (with `family`: every family at each)."""
+    return int(request.param)
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_empty_cache_and_first_insert(family: str, page_size: int) -> None:
     """1. An empty cache matches 0; insert returns what was present; sizes grow by new tokens."""
     kit = make_tree(family, page_size=page_size)
@@ -30,8 +32,6 @@ def test_empty_cache_and_first_insert(family: str, page_size: int) -> None:
     kit.check()
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_exact_and_shorter_match_return_exact_slots(family: str, page_size: int) -> None:
     """2. An exact match returns every stored slot; a shorter query exactly its own prefix."""
     kit = make_tree(family, page_size=page_size, sliding_window=1)
@@ -48,7 +48,6 @@ def test_exact_and_shorter_match_return_exact_slots(family: str, page_size: int)
     kit.check()
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_only_whole_pages_match(family: str) -> None:
     """3. With page size P only whole pages are stored and matched."""
     kit = make_tree(family, page_size=4)
@@ -65,8 +64,6 @@ def test_only_whole_pages_match(family: str) -> None:
     kit.check()
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_engine_computes_at_least_one_token(family: str, page_size: int) -> None:
     """4. begin_request matches at most N - 1 tokens, rounded down to a page."""
     kit = make_tree(family, page_size=page_size, sliding_window=1)
@@ -84,8 +81,6 @@ def test_engine_computes_at_least_one_token(family: str, page_size: int) -> None
     kit.check()
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_namespaces_never_share_a_node(family: str, page_size: int) -> None:
     """6. A different extra_key or cache_salt makes identical tokens miss."""
     kit = make_tree(family, page_size=page_size)
@@ -104,7 +99,6 @@ def test_namespaces_never_share_a_node(family: str, page_size: int) -> None:
     kit.check()
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_decode_fills_the_partial_page_then_shares_it(family: str) -> None:
     """7. Decode tokens fill the partial page; it becomes shareable once full."""
     kit = make_tree(family, page_size=4, sliding_window=1)
@@ -131,7 +125,6 @@ def test_decode_fills_the_partial_page_then_shares_it(family: str) -> None:
     kit.check()
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_disabled_cache_never_hits_and_stores_nothing(family: str) -> None:
     """8. A disabled cache never hits and adopts no slot (the caller keeps them all)."""
     kit = make_tree(family, page_size=2, disable=True, enable_events=True)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
 from prometheus_client import CollectorRegistry
 
-from kvstrata.testkit.trees import TREE_FAMILIES, make_tree
+from kvstrata.testkit.trees import make_tree
 from kvstrata.unified_radix_cache import EvictRequest, RadixCacheCollector, RadixKey
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_hit_and_query_counters_count_tokens_per_tier(family: str) -> None:
     kit = make_tree(family, page_size=2, sliding_window=2)
     tree = kit.tree

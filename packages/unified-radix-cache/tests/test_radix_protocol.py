@@ -9,7 +9,7 @@ import torch
 from kvstrata.hybrid_cache import PrefetchPolicy
 from kvstrata.storage import MemoryStorage
 from kvstrata.testkit.tiers import Hierarchy, make_hierarchy
-from kvstrata.testkit.trees import TREE_FAMILIES, make_tree
+from kvstrata.testkit.trees import make_tree
 from kvstrata.unified_radix_cache import DeviceCache, PrefixCache, RadixKey
 from kvstrata.unified_radix_cache.errors import InvalidConfig
 from kvstrata.unified_radix_cache.tiers import TierParams
@@ -43,7 +43,6 @@ def _kit_cache(family: str, size: int) -> tuple[DeviceCache, object]:
     return DeviceCache(kit.tree, kv_allocator=kit.full, state_allocator=kit.mamba), kit
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_device_cache_matches_at_most_n_minus_1_and_evicts_to_allocate(family: str) -> None:
     cache, _ = _kit_cache(family, 12 * P)
     a = list(range(1, 4 * P + 1))

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.testkit.trees import TREE_FAMILIES, make_tree
+from kvstrata.testkit.trees import make_tree
 from kvstrata.unified_radix_cache import RadixKey
 from kvstrata.unified_radix_cache.errors import InvalidInsert, RequestFinished
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 @pytest.mark.parametrize("page_size", (1, 4))
 def test_chunked_prefill_then_finish(family: str, page_size: int) -> None:
     kit = make_tree(family, page_size=page_size, sliding_window=2)
@@ -39,7 +38,6 @@ def test_chunked_prefill_then_finish(family: str, page_size: int) -> None:
         tree.cache_finished_request(req)
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
 def test_second_request_reuses_and_frees_its_duplicates(family: str) -> None:
     kit = make_tree(family, page_size=2, sliding_window=2)
     tree = kit.tree

@@ -37,15 +37,26 @@ class RadixCacheCollector(Collector):
     def _values(self, *extra: str) -> list[str]:
         return [*self._labels.values(), *extra]
 
+    def _plain(
+        self,
+        family: type[CounterMetricFamily | GaugeMetricFamily],
+        name: str,
+        doc: str,
+        value: float,
+    ) -> Metric:
+        """A family with only the collector's labels, holding one sample."""
+        metric = family(f"kvstrata_radix_{name}", doc, labels=self._names())
+        metric.add_metric(self._values(), value)
+        return metric
+
     def collect(self) -> Iterator[Metric]:
         tree = self._tree
-        queried = CounterMetricFamily(
-            "kvstrata_radix_queried_tokens",
+        yield self._plain(
+            CounterMetricFamily,
+            "queried_tokens",
             "Tokens looked up by match_prefix.",
-            labels=self._names(),
+            tree.queried_tokens,
         )
-        queried.add_metric(self._values(), tree.queried_tokens)
-        yield queried
         hits = CounterMetricFamily(
             "kvstrata_radix_hit_tokens",
             "Matched prefix tokens, per tier.",
@@ -54,11 +65,12 @@ class RadixCacheCollector(Collector):
         hits.add_metric(self._values("device"), tree.hit_tokens)
         hits.add_metric(self._values("host"), tree.host_hit_tokens)
         yield hits
-        inserted = CounterMetricFamily(
-            "kvstrata_radix_inserted_tokens", "Tokens adopted by inserts.", labels=self._names()
+        yield self._plain(
+            CounterMetricFamily,
+            "inserted_tokens",
+            "Tokens adopted by inserts.",
+            tree.inserted_tokens,
         )
-        inserted.add_metric(self._values(), tree.inserted_tokens)
-        yield inserted
         families: dict[str, tuple[CounterMetricFamily, GaugeMetricFamily]] = {}
         for unit in sorted({c.unit for c in tree.components}):
             families[unit] = (
@@ -81,32 +93,17 @@ class RadixCacheCollector(Collector):
         for evicted, cached in families.values():
             yield evicted
             yield cached
-        calls = CounterMetricFamily(
-            "kvstrata_radix_evict_calls", "evict() calls.", labels=self._names()
+        yield self._plain(CounterMetricFamily, "evict_calls", "evict() calls.", tree.evict_calls)
+        yield self._plain(
+            CounterMetricFamily, "evict_seconds", "Time spent in evict().", tree.evict_seconds
         )
-        calls.add_metric(self._values(), tree.evict_calls)
-        yield calls
-        seconds = CounterMetricFamily(
-            "kvstrata_radix_evict_seconds", "Time spent in evict().", labels=self._names()
+        yield self._plain(GaugeMetricFamily, "nodes", "Nodes in the tree.", tree.num_nodes)
+        yield self._plain(
+            GaugeMetricFamily, "lock_receipts", "Outstanding lock receipts.", tree.num_locked
         )
-        seconds.add_metric(self._values(), tree.evict_seconds)
-        yield seconds
-        nodes = GaugeMetricFamily(
-            "kvstrata_radix_nodes", "Nodes in the tree.", labels=self._names()
-        )
-        nodes.add_metric(self._values(), tree.num_nodes)
-        yield nodes
-        receipts = GaugeMetricFamily(
-            "kvstrata_radix_lock_receipts", "Outstanding lock receipts.", labels=self._names()
-        )
-        receipts.add_metric(self._values(), tree.num_locked)
-        yield receipts
-        copies = CounterMetricFamily(
-            "kvstrata_radix_state_copies",
+        yield self._plain(
+            CounterMetricFamily,
+            "state_copies",
             "Copy-on-write state copies made by matches.",
-            labels=self._names(),
+            sum(getattr(c, "copies_total", 0) for c in tree.components),
         )
-        copies.add_metric(
-            self._values(), sum(getattr(c, "copies_total", 0) for c in tree.components)
-        )
-        yield copies

@@ -367,9 +367,20 @@ class TreeComponent(ABC):
 
 class LRUListComponent(TreeComponent):
     """A component whose data is evicted from its own LRU list threaded through the nodes
-    (SWA and Mamba), so internal nodes can lose their data without touching the leaves."""
+    (SWA and Mamba), so internal nodes can lose their data without touching the leaves.
 
-    lru: LRUList
+    A node is on the list while it holds this component's data and no lock of it; the lock
+    helpers move a node's `size` between `evictable_size` and `protected_size` as its lock
+    count leaves or reaches zero."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.lru = LRUList()
+
+    def on_access(self, node: TreeNode) -> None:
+        if node in self.lru:
+            self.lru.touch(node)
 
     def evict(self, amount: int) -> int:
         """Release the least recently used unlocked data until `amount` is freed or the list is
@@ -382,3 +393,58 @@ class LRUListComponent(TreeComponent):
                 break
             freed += tree.evict_component(node, self)
         return freed
+
+    def flush(self) -> None:
+        """Hand the queued slots to `give_back` in one call (moved to the device first)."""
+        slots = self.take_pending()
+        if slots is not None and len(slots):
+            tensor = torch.from_numpy(slots)
+            self.give_back(tensor if self.device.type == "cpu" else tensor.to(self.device))
+
+    def lock_node(self, node: TreeNode, size: int) -> None:
+        """Add one lock of this component to `node` (holding `size` of its data)."""
+        locks = node.comp_locks
+        assert locks is not None
+        if locks[self.index] == 0:
+            self.evictable_size -= size
+            self.protected_size += size
+            self.lru.discard(node)
+        locks[self.index] += 1
+
+    def unlock_node(self, node: TreeNode, size: int) -> None:
+        """Drop one lock `lock_node(node, size)` added."""
+        locks = node.comp_locks
+        assert locks is not None and locks[self.index] > 0, (
+            f"{type(self).__name__}: unlock below zero at node {node.id}"
+        )
+        locks[self.index] -= 1
+        if locks[self.index] == 0:
+            self.evictable_size += size
+            self.protected_size -= size
+            self.lru.touch(node)
+
+    def check_listed(self, node: TreeNode, has_data: bool) -> None:
+        """A lock only where there is data; on the LRU list exactly when held and unlocked."""
+        assert node.comp_locks is not None
+        lock = node.comp_locks[self.index]
+        if not has_data and lock:
+            raise IntegrityError(f"node {node.id}: {self.name} lock {lock} without data")
+        listed = node in self.lru
+        if listed != (has_data and lock == 0):
+            raise IntegrityError(f"node {node.id}: {self.name} LRU membership {listed} is wrong")
+
+    def check_lock_counts(self, expected: dict[int, int]) -> None:
+        """Each node's lock count equals `expected[node.id]` (0 when absent), what the
+        outstanding receipts imply."""
+        i = self.index
+        for node in self.tree.iter_nodes():
+            assert node.comp_locks is not None
+            if node.comp_locks[i] != expected.get(node.id, 0):
+                raise IntegrityError(
+                    f"node {node.id}: {self.name} lock {node.comp_locks[i]}, "
+                    f"receipts say {expected.get(node.id, 0)}"
+                )
+
+    def reset(self) -> None:
+        super().reset()
+        self.lru.clear()

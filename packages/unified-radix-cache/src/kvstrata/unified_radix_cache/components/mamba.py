@@ -18,7 +18,11 @@ import numpy as np
 import torch
 
 from kvstrata.allocator.errors import NotAllocated
-from kvstrata.unified_radix_cache.components.base import ComponentInsert, LRUListComponent
+from kvstrata.unified_radix_cache.components.base import (
+    ComponentInsert,
+    LRUListComponent,
+    SlotSink,
+)
 from kvstrata.unified_radix_cache.components.transfer import (
     ComponentTransfer,
     TierAccess,
@@ -31,7 +35,6 @@ from kvstrata.unified_radix_cache.errors import (
     SlotNotAllocated,
     StateSlotsExhausted,
 )
-from kvstrata.unified_radix_cache.policies import LRUList
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -40,20 +43,11 @@ if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.results import LockReceipt
 
 
-class StateSlotSource(Protocol):
-    """What MambaComponent needs of `kvstrata.allocator.MambaSlotAllocator`."""
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def size(self) -> int: ...
+class StateSlotSource(SlotSink, Protocol):
+    """What MambaComponent needs of `kvstrata.allocator.MambaSlotAllocator`: a slot sink it
+    can also allocate from."""
 
     def alloc(self, need_size: int, /) -> torch.Tensor | None: ...
-
-    def free(self, indices: torch.Tensor, /) -> None: ...
-
-    def available_size(self) -> int: ...
 
 
 class StateCopier(Protocol):
@@ -78,11 +72,9 @@ class MambaComponent(LRUListComponent):
     unit = "states"
 
     def __init__(self, allocator: StateSlotSource, pool: StateCopier) -> None:
-        super().__init__()
+        super().__init__(allocator.device)
         self.allocator = allocator
         self.pool = pool
-        self.device = torch.device(allocator.device)
-        self.lru = LRUList()
         #: Copy-on-write copies made by matches (a counter for metrics).
         self.copies_total = 0
         self._transfer = MambaTransfer(self)
@@ -132,21 +124,17 @@ class MambaComponent(LRUListComponent):
         dst = self.allocator.alloc(1)
         if dst is None:
             # Keep the matched state out of reach while making room for its copy.
-            self._lock_node(node)
+            self.lock_node(node, 1)
             try:
                 self.evict(1)
                 self.tree.flush_pending()
             finally:
-                self._unlock_node(node)
+                self.unlock_node(node, 1)
             dst = self.allocator.alloc(1)
             assert dst is not None, "MambaComponent: eviction freed a slot but alloc failed"
         self.pool.copy(torch.tensor([src], dtype=torch.int64, device=self.device), dst)
         self.copies_total += 1
         return dst
-
-    def on_access(self, node: TreeNode) -> None:
-        if node in self.lru:
-            self.lru.touch(node)
 
     # -- structure ------------------------------------------------------------------------
     def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
@@ -208,55 +196,24 @@ class MambaComponent(LRUListComponent):
         self._pending.append(np.array([slot], dtype=np.int64))
         return 1
 
-    def flush(self) -> None:
-        slots = self.take_pending()
-        if slots is not None and len(slots):
-            tensor = torch.from_numpy(slots)
-            self.allocator.free(tensor if self.device.type == "cpu" else tensor.to(self.device))
-
     def give_back(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
 
     # -- locking ----------------------------------------------------------------------------
-    def _lock_node(self, node: TreeNode) -> None:
-        assert node.comp_locks is not None
-        if node.comp_locks[self.index] == 0:
-            self.evictable_size -= 1
-            self.protected_size += 1
-            self.lru.discard(node)
-        node.comp_locks[self.index] += 1
-
-    def _unlock_node(self, node: TreeNode) -> None:
-        assert node.comp_locks is not None and node.comp_locks[self.index] > 0, (
-            f"MambaComponent: unlock below zero at node {node.id}"
-        )
-        node.comp_locks[self.index] -= 1
-        if node.comp_locks[self.index] == 0:
-            self.evictable_size += 1
-            self.protected_size -= 1
-            self.lru.touch(node)
-
     def lock(self, anchor: TreeNode) -> int | None:
         """Lock the anchor's state only. Boundary: 1, or None when the anchor has no state."""
         if anchor.parent is None or self.slot(anchor) is None:
             return None
-        self._lock_node(anchor)
+        self.lock_node(anchor, 1)
         return 1
 
     def unlock(self, anchor: TreeNode, boundary: int | None) -> None:
         if boundary is not None:
-            self._unlock_node(anchor)
+            self.unlock_node(anchor, 1)
 
     # -- integrity ------------------------------------------------------------------------
     def check_node(self, node: TreeNode) -> None:
-        i = self.index
-        assert node.comp_values is not None and node.comp_locks is not None
-        slot = node.comp_values[i]
-        if slot is None and node.comp_locks[i]:
-            raise IntegrityError(f"node {node.id}: Mamba lock {node.comp_locks[i]} without a state")
-        listed = node in self.lru
-        if listed != (slot is not None and node.comp_locks[i] == 0):
-            raise IntegrityError(f"node {node.id}: Mamba LRU membership {listed} is wrong")
+        self.check_listed(node, self.slot(node) is not None)
 
     def check_locks(self, receipts: Iterable[LockReceipt]) -> None:
         i = self.index
@@ -264,20 +221,10 @@ class MambaComponent(LRUListComponent):
         for receipt in receipts:
             if receipt.boundaries[i] is not None:
                 expected[receipt.anchor.id] = expected.get(receipt.anchor.id, 0) + 1
-        for node in self.tree.iter_nodes():
-            assert node.comp_locks is not None
-            if node.comp_locks[i] != expected.get(node.id, 0):
-                raise IntegrityError(
-                    f"node {node.id}: Mamba lock {node.comp_locks[i]}, "
-                    f"receipts say {expected.get(node.id, 0)}"
-                )
+        self.check_lock_counts(expected)
         slots = [self.slot(n) for n in self.tree.iter_nodes() if self.slot(n) is not None]
         if len(slots) != len(set(slots)):
             raise IntegrityError("two nodes share one Mamba state slot")
-
-    def reset(self) -> None:
-        super().reset()
-        self.lru.clear()
 
 
 class MambaTransfer(ComponentTransfer):

@@ -38,15 +38,12 @@ from kvstrata.unified_radix_cache.components.transfer import (
     runs_back,
 )
 from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig, InvalidInsert
-from kvstrata.unified_radix_cache.policies import LRUList
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from kvstrata.unified_radix_cache.components.base import TreeComponent
     from kvstrata.unified_radix_cache.node import TreeNode
     from kvstrata.unified_radix_cache.results import LockReceipt
-    from kvstrata.unified_radix_cache.tree_view import TreeView
 
 
 class SWASlotSink(Protocol):
@@ -82,17 +79,12 @@ class SWAComponent(LRUListComponent):
     priority = 1
 
     def __init__(self, allocator: SWASlotSink, *, sliding_window: int) -> None:
-        super().__init__()
         if sliding_window < 1:
             raise InvalidConfig(f"sliding_window must be >= 1, got {sliding_window}")
+        super().__init__(allocator.device)
         self.allocator = allocator
         self.sliding_window = sliding_window
-        self.device = torch.device(allocator.device)
-        self.lru = LRUList()
         self._transfer = SWATransfer(self)
-
-    def bind(self, tree: TreeView[TreeComponent], index: int) -> None:
-        super().bind(tree, index)
 
     def capacity(self) -> int:
         return int(self.allocator.swa_size)
@@ -123,10 +115,6 @@ class SWAComponent(LRUListComponent):
             if live_run >= window:
                 best = k
         return best
-
-    def on_access(self, node: TreeNode) -> None:
-        if node in self.lru:
-            self.lru.touch(node)
 
     # -- structure ------------------------------------------------------------------------
     def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
@@ -272,12 +260,6 @@ class SWAComponent(LRUListComponent):
             self._pending.append(node.value)
         return size
 
-    def flush(self) -> None:
-        slots = self.take_pending()
-        if slots is not None and len(slots):
-            tensor = torch.from_numpy(slots)
-            self.allocator.free_swa(tensor if self.device.type == "cpu" else tensor.to(self.device))
-
     def give_back(self, slots: torch.Tensor) -> None:
         self.allocator.free_swa(slots)
 
@@ -294,11 +276,7 @@ class SWAComponent(LRUListComponent):
             if node.comp_values[i] is None:
                 break
             size = len(node.value)
-            if node.comp_locks[i] == 0:
-                self.evictable_size -= size
-                self.protected_size += size
-                self.lru.discard(node)
-            node.comp_locks[i] += 1
+            self.lock_node(node, size)
             locked += size
             node = node.parent
         return locked or None
@@ -306,36 +284,23 @@ class SWAComponent(LRUListComponent):
     def unlock(self, anchor: TreeNode, boundary: int | None) -> None:
         if boundary is None:
             return
-        i = self.index
         released = 0
         node = anchor
         while released < boundary:
             assert node.parent is not None, "SWAComponent: unlock ran past the root"
-            assert node.comp_locks is not None and node.comp_locks[i] > 0, (
-                f"SWAComponent: unlock below zero at node {node.id}"
-            )
             size = len(node.value)
-            node.comp_locks[i] -= 1
-            if node.comp_locks[i] == 0:
-                self.evictable_size += size
-                self.protected_size -= size
-                self.lru.touch(node)
+            self.unlock_node(node, size)
             released += size
             node = node.parent
         assert released == boundary, "SWAComponent: receipt boundary is not a node boundary"
 
     # -- integrity ------------------------------------------------------------------------
     def check_node(self, node: TreeNode) -> None:
-        i = self.index
-        assert node.comp_values is not None and node.comp_locks is not None
-        data = node.comp_values[i]
+        assert node.comp_values is not None
+        data = node.comp_values[self.index]
         if data is not None and data is not node.value:
             raise IntegrityError(f"node {node.id}: SWA data is not the node's full slots")
-        if data is None and node.comp_locks[i]:
-            raise IntegrityError(f"node {node.id}: SWA tombstone with lock {node.comp_locks[i]}")
-        listed = node in self.lru
-        if listed != (data is not None and node.comp_locks[i] == 0):
-            raise IntegrityError(f"node {node.id}: SWA LRU membership {listed} is wrong")
+        self.check_listed(node, data is not None)
 
     def check_locks(self, receipts: Iterable[LockReceipt]) -> None:
         i = self.index
@@ -354,17 +319,7 @@ class SWAComponent(LRUListComponent):
                 raise IntegrityError(
                     f"receipt {receipt.receipt_id}: SWA span {covered} != {boundary}"
                 )
-        for node in self.tree.iter_nodes():
-            assert node.comp_locks is not None
-            if node.comp_locks[i] != expected.get(node.id, 0):
-                raise IntegrityError(
-                    f"node {node.id}: SWA lock {node.comp_locks[i]}, "
-                    f"receipts say {expected.get(node.id, 0)}"
-                )
-
-    def reset(self) -> None:
-        super().reset()
-        self.lru.clear()
+        self.check_lock_counts(expected)
 
 
 class SWATransfer(ComponentTransfer):
