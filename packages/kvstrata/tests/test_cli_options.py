@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.cli.main import build_parser
+from kvstrata.cli.main import COMMANDS, build_parser
 from kvstrata.cli.options import (
     add_output_options,
     add_trace_option,
@@ -70,3 +70,14 @@ def test_load_requests_reads_the_trace_or_the_embedded_workload(tmp_path: Path) 
     requests, source = load_requests(embedded)
     assert source == "embedded workload (seed 5)"
     assert len(requests) == 3
+
+
+def test_every_command_is_registered_with_its_name_help_and_docstring() -> None:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command in COMMANDS:
+        assert command.__doc__ is not None
+        assert command.__doc__.startswith(f"`kvstrata {command.NAME}")
+        parser = sub.choices[command.NAME]
+        assert parser.description == command.__doc__
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    assert all(helps[command.NAME] == command.HELP for command in COMMANDS)
