@@ -153,7 +153,7 @@ def test_too_small_capacity_is_refused_before_any_request() -> None:
     with pytest.raises(CapacityTooSmall) as caught:
         engine.run(requests)
     assert caught.value.request_index == 0
-    assert engine.requests == 0
+    assert engine.counters.requests == 0
     _assert_all_free(system)
 
 
@@ -299,7 +299,7 @@ def test_failed_allocation_gives_everything_back(family: str) -> None:
         engine.step(ReplayRequest(token_ids=np.arange(300, dtype=np.int64)))
     assert system.tree.num_locked == 0
     system.check_integrity()
-    assert engine.requests == 1
+    assert engine.counters.requests == 1
     system.reset()
     _assert_all_free(system)
 

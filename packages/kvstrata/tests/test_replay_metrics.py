@@ -29,7 +29,7 @@ def test_collector_reports_the_counters_at_scrape_time() -> None:
     assert value("kvstrata_replay_hit_tokens_total", tier="host") is None
     assert value("kvstrata_replay_computed_tokens_total") == stats.computed_tokens
     assert value("kvstrata_replay_evicted_tokens_total") == stats.evicted_tokens > 0
-    assert value("kvstrata_replay_evict_calls_total") == engine.evict_calls > 0
+    assert value("kvstrata_replay_evict_calls_total") == engine.counters.evict_calls > 0
     assert value("kvstrata_replay_seconds_total", phase="cache") == stats.cache_seconds
     assert value("kvstrata_replay_seconds_total", phase="forward") == stats.kv_write_seconds
     assert b"kvstrata_replay_hit_tokens_total" in generate_latest(registry)

@@ -16,7 +16,7 @@ from typing import cast
 BenchMain = Callable[[list[str]], int]
 
 #: Modules of this package that are support code, not benchmarks.
-_SUPPORT = frozenset({"gather_ref", "l3_peer", "report"})
+_SUPPORT = frozenset({"gather_ref", "l3_peer", "report", "trace_input"})
 
 
 def available() -> list[str]:

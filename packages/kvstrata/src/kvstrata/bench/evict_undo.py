@@ -19,18 +19,16 @@ the ratios journal / plain.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from kvstrata.allocator import SWAAllocator
-from kvstrata.bench.radix import read_keys
 from kvstrata.bench.report import emit, environment, pin_threads, ratio
+from kvstrata.bench.trace_input import check_trace_options, read_keys, trace_replay_parser
 from kvstrata.unified_radix_cache import (
     EvictRequest,
     FullComponent,
@@ -120,24 +118,18 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvstrata bench evict_undo",
-        description="The evict undo journal's cost: a Full + SWA tree's replay with and without.",
+    parser = trace_replay_parser(
+        "evict_undo",
+        "The evict undo journal's cost: a Full + SWA tree's replay with and without.",
+        limit=3000,
     )
-    parser.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
-    parser.add_argument("--tokens-per-block", type=int, default=16)
-    parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--capacity-blocks", type=int, default=10000, help="pool size in blocks")
     parser.add_argument("--window", type=int, default=1024, help="SWA sliding window (tokens)")
-    parser.add_argument("--limit", type=int, default=3000, help="first N requests (0 = all)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    if min(args.tokens_per_block, args.page_size, args.capacity_blocks, args.repeats) < 1:
-        parser.error("--tokens-per-block, --page-size, --capacity-blocks, --repeats must be >= 1")
-    if args.window < 1 or args.limit < 0:
-        parser.error("--window must be >= 1 and --limit >= 0")
-    if not args.trace.is_file():
-        parser.error(f"no trace at {args.trace}")
+    check_trace_options(parser, args)
+    if min(args.capacity_blocks, args.window, args.repeats) < 1:
+        parser.error("--capacity-blocks, --window, --repeats must be >= 1")
     pin_threads(1)
     keys = read_keys(args.trace, args.tokens_per_block, args.limit)
     pool = args.capacity_blocks * args.tokens_per_block

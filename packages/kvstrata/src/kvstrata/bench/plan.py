@@ -15,44 +15,41 @@ capacity, as the stack algorithm promises for capacities >= the longest request)
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
-from kvstrata.bench.radix import read_keys, replay
+from kvstrata.bench.radix import replay
 from kvstrata.bench.report import emit, environment, pin_threads, ratio
+from kvstrata.bench.trace_input import check_trace_options, read_keys, trace_replay_parser
 from kvstrata.plan import BlockTrace, lru_curve
 from kvstrata.replay import read_trace
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvstrata bench plan",
-        description="Time the one-pass LRU curve beside direct tree replays at a few capacities.",
+    parser = trace_replay_parser(
+        "plan",
+        "Time the one-pass LRU curve beside direct tree replays at a few capacities (pages of "
+        "--tokens-per-block tokens).",
+        page_size=False,
     )
-    parser.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
     parser.add_argument(
         "--capacities",
         default="1000,10000,100000",
         help="capacities (blocks) of the direct replays, comma-separated",
     )
-    parser.add_argument("--tokens-per-block", type=int, default=16, help="T = P of the replays")
     parser.add_argument("--repeats", type=int, default=3, help="curve + replays rounds")
-    parser.add_argument("--limit", type=int, default=0, help="first N requests only (0 = all)")
     args = parser.parse_args(argv)
+    check_trace_options(parser, args)
     try:
         capacities = [int(c) for c in args.capacities.split(",") if c.strip()]
     except ValueError:
         parser.error(f"--capacities takes integers separated by commas, got {args.capacities!r}")
     if not capacities or min(capacities) < 1:
         parser.error("--capacities needs at least one capacity >= 1 block")
-    if args.tokens_per_block < 1 or args.repeats < 1 or args.limit < 0:
-        parser.error("--tokens-per-block and --repeats must be >= 1, --limit >= 0")
-    if not args.trace.is_file():
-        parser.error(f"no trace at {args.trace}")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     pin_threads(1)
     tpb = args.tokens_per_block
 

@@ -48,6 +48,7 @@ import torch
 
 from kvstrata.allocator import SlotCounter
 from kvstrata.bench.report import emit, environment, pin_threads, ratio
+from kvstrata.bench.trace_input import check_trace_options, read_keys, trace_replay_parser
 from kvstrata.unified_radix_cache import (
     POLICIES,
     EvictRequest,
@@ -57,21 +58,6 @@ from kvstrata.unified_radix_cache import (
 )
 
 _PEER_SCRIPT_PARTS = ("shared", "bench", "peer", "radix_replay.py")
-
-
-def read_keys(path: Path, tokens_per_block: int, limit: int) -> list[array]:
-    """One int64 token array per request (block h -> h*T .. h*T+T-1), as the peer builds them."""
-    t = tokens_per_block
-    keys: list[array] = []
-    with path.open() as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            ids = json.loads(line)["hash_ids"]
-            keys.append(array("q", [h * t + j for h in ids for j in range(t)]))
-            if limit and len(keys) >= limit:
-                break
-    return keys
 
 
 def replay(
@@ -208,13 +194,9 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvstrata bench radix",
-        description="Replay a Mooncake trace through the unified radix tree alone, beside SGLang.",
+    parser = trace_replay_parser(
+        "radix", "Replay a Mooncake trace through the unified radix tree alone, beside SGLang."
     )
-    parser.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
-    parser.add_argument("--tokens-per-block", type=int, default=16)
-    parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--capacity-blocks", type=int, default=0, help="0 = unbounded")
     parser.add_argument(
         "--policy",
@@ -222,7 +204,6 @@ def main(argv: list[str]) -> int:
         choices=sorted(POLICIES),
         help="eviction policy of our tree (the peers always run LRU)",
     )
-    parser.add_argument("--limit", type=int, default=0, help="first N requests only (0 = all)")
     parser.add_argument("--repeats", type=int, default=3, help="passes per implementation")
     parser.add_argument(
         "--values",
@@ -238,17 +219,9 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--no-peer", action="store_true", help="skip the SGLang peer runs")
     args = parser.parse_args(argv)
-    if (
-        args.tokens_per_block < 1
-        or args.page_size < 1
-        or args.capacity_blocks < 0
-        or args.repeats < 1
-    ):
-        parser.error(
-            "--tokens-per-block, --page-size, --repeats must be >= 1; --capacity-blocks >= 0"
-        )
-    if not args.trace.is_file():
-        parser.error(f"no trace at {args.trace}")
+    check_trace_options(parser, args)
+    if args.capacity_blocks < 0 or args.repeats < 1:
+        parser.error("--repeats must be >= 1 and --capacity-blocks >= 0")
     pin_threads(args.threads)
     keys = read_keys(args.trace, args.tokens_per_block, args.limit)
     peer_script = find_peer_script()

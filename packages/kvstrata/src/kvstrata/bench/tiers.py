@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from kvstrata.allocator import PagedAllocator
-from kvstrata.bench.radix import read_keys
 from kvstrata.bench.report import emit, environment, pin_threads, ratio
+from kvstrata.bench.trace_input import read_keys
 from kvstrata.hybrid_cache import HybridPool, PoolGroup, PrefetchPolicy, TierController
 from kvstrata.pool import MHAKVPool, MHASpec
 from kvstrata.pool_host import HostLayout, MHAHostPool

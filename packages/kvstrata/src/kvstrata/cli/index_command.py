@@ -1,7 +1,8 @@
 """`kvstrata index subscribe`: feed a prefix index from an engine's ZMQ KV-event stream.
 
-The index runs in this process; the command prints one JSON line of counters every
-`--report-every` seconds and at exit (the batches applied, gaps, replays, resyncs, entries).
+The index (kvstrata.prefix_index) runs in this process; the command prints one JSON line of
+counters every --report-every seconds and at exit (the batches applied, gaps, replays, resyncs,
+entries).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import sys
 import time
 from dataclasses import asdict
 
+NAME = "index"
+HELP = "the cluster prefix index (kvstrata.prefix_index)"
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register `index` (with its `subscribe` subcommand) on the `kvstrata` subparsers."""
-    parser = sub.add_parser("index", help="the cluster prefix index (kvstrata.prefix_index)")
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `subscribe` action of `kvstrata index` and its options."""
     actions = parser.add_subparsers(dest="index_command", required=True, metavar="ACTION")
     subscribe = actions.add_parser(
         "subscribe",

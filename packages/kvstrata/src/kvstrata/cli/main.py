@@ -1,7 +1,9 @@
 """Entry point of the `kvstrata` command.
 
-Each subcommand lives in its own module and registers itself through `add_parser`; this module
-only assembles the parser and dispatches, so adding a command never touches the others.
+Each subcommand lives in its own module, which names it (`NAME`), gives its one-line `HELP`, is
+its description (the module docstring, shown by `kvstrata NAME --help`) and declares its options
+and handler (`add_arguments`); this module only registers them all the same way and dispatches,
+so adding a command never touches the others.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ DISTRIBUTIONS: tuple[str, ...] = (
 )
 
 Handler = Callable[[argparse.Namespace], int]
+
+#: The command modules, in the order `kvstrata --help` lists them (after version and bench).
+COMMANDS = (replay_command, plan_command, size_command, services_command, index_command)
 
 
 def _version(_args: argparse.Namespace) -> int:
@@ -73,11 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", help="benchmark name (alloc, radix, l2, l3, ...)")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="options of that benchmark")
     bench.set_defaults(handler=_bench)
-    replay_command.add_parser(sub)
-    plan_command.add_parser(sub)
-    size_command.add_parser(sub)
-    services_command.add_parser(sub)
-    index_command.add_parser(sub)
+    for command in COMMANDS:
+        command.add_arguments(
+            sub.add_parser(
+                command.NAME,
+                help=command.HELP,
+                description=command.__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
+        )
     return parser
 
 

@@ -1,27 +1,33 @@
-"""`kvstrata plan`: the capacity planner's command line.
+"""`kvstrata plan`: size the device, host and storage tiers for a target hit rate from a trace.
 
-Reads a Mooncake trace, computes the leaf-first LRU hit rate at every capacity in one pass, and
-sizes the device, host and storage levels for a target hit rate. Prints the curve at a few
-capacities and the combinations with the recommended one marked; `--json FILE` writes the same
-figures, `--plot FILE.png` draws them.
-
-Only argparse is imported at module level (as for `replay`): the planner imports the trace
-reader of `kvstrata.replay`, which pulls in torch.
+One pass over the trace gives the leaf-first LRU block hit rate at every capacity (stack
+distances, Mattson's algorithm); device <= host <= storage are inclusive LRU levels read off
+that curve. Sizes: device = the longest request or what --device-target needs, host = what
+--host-target needs, storage = what --target needs; with prices the cheapest combination is
+recommended. Prints the curve at a few capacities and the combinations, the recommended one
+marked; --json FILE writes the same figures, --plot FILE.png draws them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from kvstrata.cli.errors import print_error
+from kvstrata.cli.json_output import write_json
+from kvstrata.cli.options import add_output_options, add_trace_option, check_plot_path
+
+# Only argparse is imported at module level (as for `replay`): the planner imports the trace
+# reader of `kvstrata.replay`, which pulls in torch.
 if TYPE_CHECKING:
     from rich.table import Table
 
     from kvstrata.plan import HitCurve, TierPlan, TierPrices
+
+NAME = "plan"
+HELP = "size the device, host and storage tiers for a target hit rate from a trace"
 
 #: Keys of the `--json` record, in order.
 JSON_KEYS: tuple[str, ...] = (
@@ -37,22 +43,9 @@ JSON_KEYS: tuple[str, ...] = (
 )
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register `plan` on the `kvstrata` command's subparsers."""
-    parser = sub.add_parser(
-        "plan",
-        help="size the device, host and storage tiers for a target hit rate from a trace",
-        description=(
-            "One pass over the trace gives the leaf-first LRU block hit rate at every capacity "
-            "(stack distances, Mattson's algorithm); device <= host <= storage are inclusive "
-            "LRU levels read off that curve. Sizes: device = the longest request or what "
-            "--device-target needs, host = what --host-target needs, storage = what --target "
-            "needs; with prices the cheapest combination is recommended."
-        ),
-    )
-    parser.add_argument(
-        "--trace", type=Path, required=True, help="Mooncake-format trace (JSON lines with hash_ids)"
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `kvstrata plan`."""
+    add_trace_option(parser)
     parser.add_argument(
         "--target", type=float, required=True, help="combined block hit rate to reach (0-1)"
     )
@@ -87,9 +80,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="comma-separated capacities (blocks) of the curve table (default 1-2-5 steps)",
     )
     parser.add_argument("--limit", type=int, help="plan from the first N requests only")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON")
-    parser.add_argument(
-        "--plot", type=Path, metavar="FILE.png", help="draw the curve and the combinations"
+    add_output_options(
+        parser,
+        json_help="also write the figures as JSON",
+        plot_help="draw the curve and the combinations",
     )
     parser.set_defaults(handler=run_plan)
 
@@ -103,7 +97,6 @@ def run_plan(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
     from kvstrata.replay import ReplayError
 
     out = stdout if stdout is not None else sys.stdout
-    err = Console(file=sys.stderr)
     try:
         if args.limit is not None and args.limit < 1:
             raise PlanOptionError(f"--limit must be >= 1, got {args.limit}")
@@ -116,8 +109,7 @@ def run_plan(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
             bytes_per_token=args.bytes_per_token,
             prices=_prices(args),
         )
-        if args.plot is not None and args.plot.suffix.lower() != ".png":
-            raise PlanOptionError(f"--plot writes a PNG: give a FILE.png, got {args.plot}")
+        check_plot_path(args.plot, PlanOptionError)
         trace = read(args.trace, limit=args.limit)
         started = time.perf_counter()
         curve = lru_curve(trace)
@@ -126,7 +118,7 @@ def run_plan(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
         if capacities is None:
             capacities = default_capacities(curve.num_distinct)
     except (PlanError, ReplayError, OSError) as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False)
+        print_error(str(exc))
         return 2
     record: dict[str, object] = {
         "source": str(args.trace),
@@ -152,16 +144,16 @@ def run_plan(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int:
     console = Console(file=out, width=max(120, Console(file=out).width))
     console.print(_curve_table(record, curve, spec.tokens_per_block, spec.bytes_per_block))
     console.print(_plan_table(plan))
-    try:
-        if args.json is not None:
-            args.json.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        if args.plot is not None:
-            from kvstrata.plan.plot import plot_plan
-
-            plot_plan(curve, plan, args.plot, title=f"kvstrata plan: {args.trace.name}")
-    except OSError as exc:
-        err.print(f"[red]error:[/] cannot write: {exc}", highlight=False)
+    if not write_json(args.json, record):
         return 2
+    if args.plot is not None:
+        from kvstrata.plan.plot import plot_plan
+
+        try:
+            plot_plan(curve, plan, args.plot, title=f"kvstrata plan: {args.trace.name}")
+        except OSError as exc:
+            print_error(f"cannot write {args.plot}: {exc}")
+            return 2
     return 0
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from kvstrata.cli.errors import print_error
 from kvstrata.cli.json_output import write_json
+from kvstrata.cli.options import check_plot_path, load_requests
 
 if TYPE_CHECKING:
     from kvstrata.replay import ReplayRequest
@@ -108,10 +109,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ReplayOptionError("--l3-bytes sizes the ray:// stores: it needs --storage ray://")
     if args.l3_bytes is not None and args.l3_bytes <= 0:
         raise ReplayOptionError(f"--l3-bytes must be > 0, got {args.l3_bytes}")
-    if args.plot is not None and args.plot.suffix.lower() != ".png":
-        raise ReplayOptionError(
-            f"--plot writes a PNG: the file name must end in .png, got {args.plot}"
-        )
+    check_plot_path(args.plot, ReplayOptionError)
     if args.limit is not None and args.limit < 0:
         raise ReplayOptionError(f"--limit must be >= 0, got {args.limit}")
 
@@ -121,7 +119,7 @@ def run_cluster_replay(args: argparse.Namespace, out: TextIO) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvstrata.replay import ReplayError, read_trace
+    from kvstrata.replay import ReplayError
 
     try:
         from kvstrata.replay.cluster import ClusterSpec, run_cluster
@@ -151,16 +149,7 @@ def run_cluster_replay(args: argparse.Namespace, out: TextIO) -> int:
             prefetch_policy=args.prefetch_policy,
             prefetch_threshold=args.prefetch_threshold,
         )
-        if args.trace is not None:
-            requests = read_trace(
-                args.trace, tokens_per_block=args.tokens_per_block, limit=args.limit
-            )
-            source = str(args.trace)
-        else:
-            from kvstrata.replay import WorkloadSpec, generate_workload
-
-            requests = generate_workload(WorkloadSpec(seed=args.seed))[: args.limit]
-            source = f"embedded workload (seed {args.seed})"
+        requests, source = load_requests(args)
         if args.ray:
             report = _run_on_ray(args, spec, requests)
         else:

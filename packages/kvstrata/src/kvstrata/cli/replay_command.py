@@ -1,12 +1,11 @@
-"""`kvstrata replay`: the main job's command line.
+"""`kvstrata replay`: replay a request trace (or the embedded workload) through the memory system.
 
-Builds a memory system for one model family, replays a Mooncake trace (or the embedded
-workload) through it, shows a progress bar on stderr, and prints a summary table (and, with
-`--json FILE`, the same figures as one JSON object).
-
-Only argparse is imported at module level: `kvstrata version` and `kvstrata --help` build this
-parser too, and should not pay for importing torch. The family and policy choices are therefore
-spelled out here; a test checks them against `kvstrata.build.FAMILIES` and `POLICIES`.
+Drives requests through the real allocator, pools and radix tree as an engine would (match,
+lock, allocate, write KV, insert, release) and reports the hit rate and the speed of the cache
+operations. Without --trace it runs the embedded workload (shared system prompts and multi-turn
+conversations). Without a capacity, tier, --unbounded or --model option it compares the default
+configurations side by side. Shows a progress bar on stderr and prints a summary table; --json
+FILE writes the same figures as one JSON object.
 """
 
 from __future__ import annotations
@@ -14,11 +13,16 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from kvstrata.cli.errors import print_error
 from kvstrata.cli.json_output import write_json
+from kvstrata.cli.options import (
+    add_output_options,
+    add_trace_option,
+    check_plot_path,
+    load_requests,
+)
 from kvstrata.cli.replay_cluster import add_cluster_arguments, run_cluster_replay
 from kvstrata.cli.replay_model import (
     add_model_arguments,
@@ -27,6 +31,10 @@ from kvstrata.cli.replay_model import (
     run_reference_replay,
 )
 
+# Only argparse is imported at module level: `kvstrata version` and `kvstrata --help` build this
+# parser too, and should not pay for importing torch. The family and policy choices are
+# therefore spelled out here; a test checks them against `kvstrata.build.FAMILIES` and
+# `POLICIES`.
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -37,6 +45,9 @@ if TYPE_CHECKING:
     from kvstrata.replay.compare import ConfigRun, TierConfig
     from kvstrata.replay.exporter import MetricsServer
     from kvstrata.replay.model import ModelBuild
+
+NAME = "replay"
+HELP = "replay a request trace (or the embedded workload) through the memory system"
 
 FAMILY_CHOICES: tuple[str, ...] = ("mha", "swa", "mamba")
 POLICY_CHOICES: tuple[str, ...] = ("lru", "lfu", "fifo", "mru", "filo", "priority")
@@ -90,21 +101,9 @@ TIER_JSON_KEYS: tuple[str, ...] = (
 )
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register `replay` on the `kvstrata` command's subparsers."""
-    parser = sub.add_parser(
-        "replay",
-        help="replay a request trace (or the embedded workload) through the memory system",
-        description=(
-            "Drive requests through the real allocator, pools and radix tree as an engine "
-            "would (match, lock, allocate, write KV, insert, release) and report the hit rate "
-            "and the speed of the cache operations. Without --trace it runs the embedded "
-            "workload (shared system prompts and multi-turn conversations)."
-        ),
-    )
-    parser.add_argument(
-        "--trace", type=Path, help="Mooncake-format trace (JSON lines with hash_ids)"
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `kvstrata replay` (with those of `--model` and `--instances`)."""
+    add_trace_option(parser, absent="the embedded workload")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     parser.add_argument(
         "--tokens-per-block",
@@ -173,12 +172,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="one run on a device with room for every prompt (no eviction, no tiers)",
     )
-    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the summary as JSON")
-    parser.add_argument(
-        "--plot",
-        type=Path,
-        metavar="FILE.png",
-        help="draw hit rate and capacity use per tier over the requests (one line per "
+    add_output_options(
+        parser,
+        json_help="also write the summary as JSON",
+        plot_help="draw hit rate and capacity use per tier over the requests (one line per "
         "configuration) into a PNG",
     )
     parser.add_argument(
@@ -233,7 +230,7 @@ def run_replay(args: argparse.Namespace, *, stdout: TextIO | None = None) -> int
         if args.engine == "reference":
             return run_reference_replay(args, out)
         torch.set_num_threads(args.threads)
-        requests, source = _requests(args)
+        requests, source = load_requests(args)
         model = None if args.model is None else model_build(args, requests)
         configs = _configs(args, requests)
         registry = None
@@ -296,8 +293,7 @@ def _check_options(args: argparse.Namespace) -> None:
         raise ReplayError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
     if args.metrics_hold > 0 and args.metrics_port is None:
         raise ReplayError("--metrics-hold needs --metrics-port")
-    if args.plot is not None and args.plot.suffix.lower() != ".png":
-        raise ReplayError(f"--plot writes a PNG: the file name must end in .png, got {args.plot}")
+    check_plot_path(args.plot, ReplayError)
     if args.unbounded and (_tier_options(args) or args.capacity_tokens is not None):
         raise ReplayError("--unbounded takes no --capacity-tokens, host or storage option")
 
@@ -314,16 +310,6 @@ def _comparing(args: argparse.Namespace) -> bool:
         or _tier_options(args)
         or args.model is not None
     )
-
-
-def _requests(args: argparse.Namespace) -> tuple[list[ReplayRequest], str]:
-    from kvstrata.replay import WorkloadSpec, generate_workload, read_trace
-
-    if args.trace is not None:
-        requests = read_trace(args.trace, tokens_per_block=args.tokens_per_block, limit=args.limit)
-        return requests, str(args.trace)
-    requests = generate_workload(WorkloadSpec(seed=args.seed))[: args.limit]
-    return requests, f"embedded workload (seed {args.seed})"
 
 
 def _configs(args: argparse.Namespace, requests: list[ReplayRequest]) -> list[TierConfig]:

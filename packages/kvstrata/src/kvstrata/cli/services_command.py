@@ -1,10 +1,11 @@
-"""`kvstrata services up|status|down`: the kvstrata services on a Ray cluster: one L3 store
-actor and one prefix index shard actor per node.
+"""`kvstrata services up|status|down`: the L3 store and prefix index actors on a Ray cluster.
 
-Needs `kvstrata[ray]` (the `kvstrata-l3-store` and `kvstrata-prefix-index` distributions);
-without them the command says so and exits 2. Every subcommand joins the cluster at `--address`
-(default "auto") as a driver. `up` is idempotent: every node may run it after joining (the Ray
-files in ops/ do), and it creates only what is missing.
+One L3 store actor and one prefix index shard actor per alive Ray node; see
+services/l3-store/README.md and services/prefix-index/README.md. Needs kvstrata[ray] (the
+kvstrata-l3-store and kvstrata-prefix-index distributions); without them the command says so and
+exits 2. Every subcommand joins the cluster at --address (default "auto") as a driver. `up` is
+idempotent: every node may run it after joining (the Ray files in ops/ do), and it creates only
+what is missing.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from kvstrata.storage.registry import StorageURL
 if TYPE_CHECKING:
     from kvstrata.l3_store.deploy import StoreStatus
 
+NAME = "services"
+HELP = "run the L3 store and prefix index actors on a Ray cluster (needs kvstrata[ray])"
+
 
 def _size(text: str) -> int:
     """A byte size as storage URLs write them (64GiB, 512MiB, 1_000_000)."""
@@ -31,15 +35,8 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a byte size (e.g. 64GiB)") from exc
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    services = sub.add_parser(
-        "services",
-        help="run the L3 store and prefix index actors on a Ray cluster (needs kvstrata[ray])",
-        description=(
-            "One L3 store actor and one prefix index shard per alive Ray node; see "
-            "services/l3-store/README.md and services/prefix-index/README.md."
-        ),
-    )
+def add_arguments(services: argparse.ArgumentParser) -> None:
+    """The actions of `kvstrata services` and their options."""
     actions = services.add_subparsers(dest="action", required=True, metavar="ACTION")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--address", default="auto", help="Ray cluster address (default auto)")

@@ -1,12 +1,11 @@
-"""`kvstrata size`: the KV-cache calculator people do by hand.
+"""`kvstrata size`: size the KV / state pools of a Hugging Face model for a device budget.
 
-Reads a model's `config.json`, prices its cache on one tensor-parallel rank
-(`ModelMemorySpec.from_hf_config`) and sizes every pool within a device budget
-(`plan_memory`, SGLang's rules): per-pool capacity in tokens and bytes, the request table, the
+Prices a model's KV cache and recurrent state from its config.json on one tensor-parallel rank
+and sizes every pool within a device budget, following SGLang's rules (Mamba carve-out by
+mamba_full_memory_ratio, SWA/full split by swa_full_tokens_ratio, page-aligned pools, a request
+table of SGLang's default size): per-pool capacity in tokens and bytes, the request table, the
 requests of one context length that run at once, and the host (L2) tier for a ratio or a size,
-with the bytes of one L3 page. `--json` prints the same figures as one JSON object.
-
-Only argparse is imported at module level (`kvstrata --help` builds this parser too).
+with the bytes of one L3 page. --json prints the same figures as one JSON object.
 """
 
 from __future__ import annotations
@@ -17,8 +16,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+# Only argparse is imported at module level (`kvstrata --help` builds this parser too); the
+# handler prices the model with `ModelMemorySpec.from_hf_config` and sizes it with `plan_memory`.
 if TYPE_CHECKING:
     from kvstrata.build.sizing import MemoryPlan
+
+NAME = "size"
+HELP = "size the KV / state pools of a Hugging Face model for a device budget"
 
 KV_DTYPE_CHOICES: tuple[str, ...] = (
     "auto",
@@ -31,18 +35,8 @@ KV_DTYPE_CHOICES: tuple[str, ...] = (
 SSM_DTYPE_CHOICES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register `size` on the `kvstrata` command's subparsers."""
-    parser = sub.add_parser(
-        "size",
-        help="size the KV / state pools of a Hugging Face model for a device budget",
-        description=(
-            "Price a model's KV cache and recurrent state from its config.json and size every "
-            "pool within a device budget, following SGLang's rules (Mamba carve-out by "
-            "mamba_full_memory_ratio, SWA/full split by swa_full_tokens_ratio, page-aligned "
-            "pools, a request table of SGLang's default size)."
-        ),
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `kvstrata size`."""
     parser.add_argument(
         "--model",
         type=Path,

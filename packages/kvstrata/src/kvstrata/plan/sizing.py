@@ -31,7 +31,7 @@ least in the faster levels.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from kvstrata.plan.curve import HitCurve
 from kvstrata.plan.errors import PlanOptionError, TargetUnreachable
@@ -112,6 +112,10 @@ class LevelPlan:
     hit_rate: float
     cost: float | None
 
+    def to_json(self) -> dict[str, object]:
+        """Every field, the rate and the cost rounded to 6 places."""
+        return {**asdict(self), "hit_rate": round(self.hit_rate, 6), "cost": _round(self.cost)}
+
 
 @dataclass(frozen=True, kw_only=True)
 class CombinationPlan:
@@ -125,6 +129,14 @@ class CombinationPlan:
     def level(self, name: str) -> LevelPlan | None:
         return next((lv for lv in self.levels if lv.name == name), None)
 
+    def to_json(self) -> dict[str, object]:
+        return {
+            "combination": self.combination,
+            "hit_rate": round(self.hit_rate, 6),
+            "cost": _round(self.cost),
+            "levels": [lv.to_json() for lv in self.levels],
+        }
+
 
 @dataclass(frozen=True, kw_only=True)
 class TierPlan:
@@ -135,39 +147,17 @@ class TierPlan:
     recommended: CombinationPlan
 
     def to_json(self) -> dict[str, object]:
-        spec = self.spec
-        prices = spec.prices
-        return {
-            "target": spec.target,
-            "device_target": spec.device_target,
-            "host_target": spec.host_target,
-            "tokens_per_block": spec.tokens_per_block,
-            "bytes_per_token": spec.bytes_per_token,
-            "prices_per_gb": None
-            if prices is None
-            else {"device": prices.device, "host": prices.host, "storage": prices.storage},
-            "recommended": self.recommended.combination,
-            "combinations": [
-                {
-                    "combination": c.combination,
-                    "hit_rate": round(c.hit_rate, 6),
-                    "cost": None if c.cost is None else round(c.cost, 6),
-                    "levels": [
-                        {
-                            "name": lv.name,
-                            "blocks": lv.blocks,
-                            "tokens": lv.tokens,
-                            "size_bytes": lv.size_bytes,
-                            "hit_blocks": lv.hit_blocks,
-                            "hit_rate": round(lv.hit_rate, 6),
-                            "cost": None if lv.cost is None else round(lv.cost, 6),
-                        }
-                        for lv in c.levels
-                    ],
-                }
-                for c in self.combinations
-            ],
-        }
+        """The spec's fields (its prices as `prices_per_gb`, per level or None), the recommended
+        combination's name and every combination with its levels."""
+        record: dict[str, object] = asdict(self.spec)
+        record["prices_per_gb"] = record.pop("prices")
+        record["recommended"] = self.recommended.combination
+        record["combinations"] = [c.to_json() for c in self.combinations]
+        return record
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
 
 
 def plan_tiers(curve: HitCurve, spec: PlanSpec) -> TierPlan:

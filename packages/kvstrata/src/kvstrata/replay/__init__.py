@@ -22,7 +22,7 @@ from kvstrata.replay.errors import (
 )
 from kvstrata.replay.metrics import ReplayCollector
 from kvstrata.replay.request import ReplayRequest
-from kvstrata.replay.stats import ReplayStats, TierStats
+from kvstrata.replay.stats import ReplayCounters, ReplayStats, TierStats
 from kvstrata.replay.trace import iter_trace, read_trace
 from kvstrata.replay.workload import WorkloadSpec, generate_workload
 
@@ -33,6 +33,7 @@ __all__ = [
     "ReferenceModelTooLarge",
     "ProgressCallback",
     "ReplayCollector",
+    "ReplayCounters",
     "ReplayEngine",
     "ReplayError",
     "ReplayOptionError",

@@ -132,9 +132,9 @@ class EngineInstance:
 
     def serve(self, request: ReplayRequest) -> Served:
         """Run `request` through the engine; the pages it hit, per tier. Mutates the caches."""
-        engine = self.engine
-        before = (engine.device_hit_tokens, engine.host_hit_tokens, engine.storage_hit_tokens)
-        engine.step(request)
+        counters = self.engine.counters
+        before = (counters.device_hit_tokens, counters.host_hit_tokens, counters.storage_hit_tokens)
+        self.engine.step(request)
         if self.tiers is not None:
             # The request's host writes and L3 backups land before the next request on any
             # instance: the L3 then holds the same pages whatever the transfers' timing (in
@@ -142,9 +142,9 @@ class EngineInstance:
             self.tiers.cache.drain()
         page = self.page_size
         return Served(
-            device_pages=(engine.device_hit_tokens - before[0]) // page,
-            host_pages=(engine.host_hit_tokens - before[1]) // page,
-            l3_pages=(engine.storage_hit_tokens - before[2]) // page,
+            device_pages=(counters.device_hit_tokens - before[0]) // page,
+            host_pages=(counters.host_hit_tokens - before[1]) // page,
+            l3_pages=(counters.storage_hit_tokens - before[2]) // page,
         )
 
     def take_events(self) -> list[KVEvent]:

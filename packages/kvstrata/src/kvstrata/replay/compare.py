@@ -295,13 +295,14 @@ def _tier_params(config: TierConfig) -> TierParams:
 def _sample(
     done: int, engine: ReplayEngine, system: MemorySystem, tiers: TieredSystem | None
 ) -> Sample:
+    counters = engine.counters
     if tiers is None:
-        hits = {"device": engine.hit_tokens}
+        hits = {"device": counters.hit_tokens}
     else:
         hits = {
-            "device": engine.device_hit_tokens,
-            "host": engine.host_hit_tokens,
-            "storage": engine.storage_hit_tokens,
+            "device": counters.device_hit_tokens,
+            "host": counters.host_hit_tokens,
+            "storage": counters.storage_hit_tokens,
         }
     usage = system.kv_allocator.usage()[0]  # the full-attention (or only) KV pool
     used: dict[str, float | None] = {
@@ -317,5 +318,5 @@ def _sample(
             cap = stored.capacity_bytes
             used["storage"] = stored.used_bytes / cap if cap else 0.0
     return Sample(
-        requests=done, prompt_tokens=engine.prompt_tokens, hit_tokens=hits, used_share=used
+        requests=done, prompt_tokens=counters.prompt_tokens, hit_tokens=hits, used_share=used
     )

@@ -48,7 +48,7 @@ from kvstrata.build.tiers import TieredSystem
 from kvstrata.replay.errors import CapacityTooSmall, ReplayOptionError
 from kvstrata.replay.forward import StandInForward
 from kvstrata.replay.request import ReplayRequest
-from kvstrata.replay.stats import ReplayStats, TierStats
+from kvstrata.replay.stats import ReplayCounters, ReplayStats, TierStats
 from kvstrata.unified_radix_cache import PrefixCache, RadixKey, TierCounters
 
 #: What `run` calls every `progress_every` requests and at the end: requests done so far.
@@ -90,9 +90,9 @@ def unbounded_capacity(requests: Sequence[ReplayRequest], *, page_size: int) -> 
 class ReplayEngine:
     """Replays requests through `system` (a `kvstrata.build.MemorySystem`) one at a time.
 
-    Counters (plain integers, read by `ReplayCollector` and `stats()`) accumulate across `run`
-    calls until `reset_counters()`. The tree keeps its contents between runs, so a second `run`
-    over the same requests measures a warm cache; `system.reset()` empties it.
+    Its `counters` (a `ReplayCounters`, read by `ReplayCollector` and `stats()`) accumulate
+    across `run` calls until `reset_counters()`. The tree keeps its contents between runs, so a
+    second `run` over the same requests measures a warm cache; `system.reset()` empties it.
     """
 
     def __init__(
@@ -121,30 +121,21 @@ class ReplayEngine:
     # ------------------------------------------------------------------------------------------
     def reset_counters(self) -> None:
         """Zero every counter (the tree and the pools are left as they are)."""
-        self.requests = 0
-        self.prompt_tokens = 0
-        self.hit_tokens = 0
-        self.computed_tokens = 0
-        self.evicted_tokens = 0
-        self.evict_calls = 0
-        self.cache_seconds = 0.0
-        self.kv_write_seconds = 0.0
-        self.device_hit_tokens = 0
-        self.host_hit_tokens = 0
-        self.storage_hit_tokens = 0
+        self.counters = ReplayCounters()
         counters = self.cache.transfer_counters()
         self._tier_base: TierCounters | None = None if counters is None else replace(counters)
 
     def stats(self) -> ReplayStats:
         """A snapshot of the counters. O(1); mutates nothing."""
+        c = self.counters
         return ReplayStats(
-            requests=self.requests,
-            prompt_tokens=self.prompt_tokens,
-            hit_tokens=self.hit_tokens,
-            computed_tokens=self.computed_tokens,
-            evicted_tokens=self.evicted_tokens,
-            cache_seconds=self.cache_seconds,
-            kv_write_seconds=self.kv_write_seconds,
+            requests=c.requests,
+            prompt_tokens=c.prompt_tokens,
+            hit_tokens=c.hit_tokens,
+            computed_tokens=c.computed_tokens,
+            evicted_tokens=c.evicted_tokens,
+            cache_seconds=c.cache_seconds,
+            kv_write_seconds=c.kv_write_seconds,
             tiers=self._tier_stats(),
         )
 
@@ -152,10 +143,11 @@ class ReplayEngine:
         now, base = self.cache.transfer_counters(), self._tier_base
         if now is None or base is None:
             return None
+        c = self.counters
         return TierStats(
-            device_hit_tokens=self.device_hit_tokens,
-            host_hit_tokens=self.host_hit_tokens,
-            storage_hit_tokens=self.storage_hit_tokens,
+            device_hit_tokens=c.device_hit_tokens,
+            host_hit_tokens=c.host_hit_tokens,
+            storage_hit_tokens=c.storage_hit_tokens,
             bytes_d2h=now.bytes_d2h - base.bytes_d2h,
             bytes_h2d=now.bytes_h2d - base.bytes_h2d,
             bytes_storage_get=now.bytes_storage_get - base.bytes_storage_get,
@@ -218,6 +210,7 @@ class ReplayEngine:
         back other KV than was written for its tokens.
         """
         cache = self.cache
+        counters = self.counters
         page = self._page_size
         tokens = request.token_ids
         n = int(tokens.size)
@@ -227,14 +220,14 @@ class ReplayEngine:
 
         start = time.perf_counter()
         req = cache.begin_request(RadixKey(tokens))
-        self.device_hit_tokens += req.hit.device_len
-        self.host_hit_tokens += req.hit.host_len
-        self.storage_hit_tokens += req.hit.storage_len
+        counters.device_hit_tokens += req.hit.device_len
+        counters.host_hit_tokens += req.hit.host_len
+        counters.storage_hit_tokens += req.hit.storage_len
         hit = req.cached_len  # <= usable <= stored
         new = n - hit
         need = -(-new // page) * page
         if self.system.kv_allocator.available_size() < need:
-            self.evict_calls += 1  # the allocation below evicts first
+            counters.evict_calls += 1  # the allocation below evicts first
         kv = cache.alloc_tokens(need)
         if kv is None:
             cache.abort_request(req)
@@ -256,7 +249,7 @@ class ReplayEngine:
                 for layer_id in self.system.attention_layer_ids:
                     load.wait_layer(layer_id)
             self.forward.verify_hit(
-                tokens, hit, req.kv_indices, req.state_slot, request_index=self.requests
+                tokens, hit, req.kv_indices, req.state_slot, request_index=counters.requests
             )
         self.forward.write_kv(tokens, hit, kv[:new])
         start = self._lap(start, forward=True)
@@ -292,11 +285,11 @@ class ReplayEngine:
         self._lap(start, forward=False)
 
         evicted = cache.evicted_tokens - evicted_before
-        self.requests += 1
-        self.prompt_tokens += n
-        self.hit_tokens += hit
-        self.computed_tokens += new
-        self.evicted_tokens += evicted
+        counters.requests += 1
+        counters.prompt_tokens += n
+        counters.hit_tokens += hit
+        counters.computed_tokens += new
+        counters.evicted_tokens += evicted
         return StepResult(
             prompt_tokens=n, hit_tokens=hit, computed_tokens=new, evicted_tokens=evicted
         )
@@ -305,18 +298,18 @@ class ReplayEngine:
         """Count the eviction the cache makes when the Mamba state pool is out."""
         mamba = self.system.mamba_allocator
         if mamba is not None and mamba.available_size() < 1:
-            self.evict_calls += 1
+            self.counters.evict_calls += 1
 
     def _too_small(self, capacity: int, needed: int) -> CapacityTooSmall:
         return CapacityTooSmall(
-            capacity_tokens=capacity, needed_tokens=needed, request_index=self.requests
+            capacity_tokens=capacity, needed_tokens=needed, request_index=self.counters.requests
         )
 
     def _lap(self, start: float, *, forward: bool) -> float:
         """Charge the time since `start` to the forward (KV writes) or to the cache; return now."""
         now = time.perf_counter()
         if forward:
-            self.kv_write_seconds += now - start
+            self.counters.kv_write_seconds += now - start
         else:
-            self.cache_seconds += now - start
+            self.counters.cache_seconds += now - start
         return now

@@ -38,14 +38,15 @@ class ReplayCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self._engine
+        counters = engine.counters
         names = list(self._labels)
         values = list(self._labels.values())
         for name, doc, value in (
-            ("requests", "Requests replayed.", engine.requests),
-            ("prompt_tokens", "Prompt tokens of the replayed requests.", engine.prompt_tokens),
-            ("computed_tokens", "Prompt tokens whose KV was written.", engine.computed_tokens),
-            ("evicted_tokens", "Full KV tokens evicted from the device.", engine.evicted_tokens),
-            ("evict_calls", "Evictions asked for by short allocations.", engine.evict_calls),
+            ("requests", "Requests replayed.", counters.requests),
+            ("prompt_tokens", "Prompt tokens of the replayed requests.", counters.prompt_tokens),
+            ("computed_tokens", "Prompt tokens whose KV was written.", counters.computed_tokens),
+            ("evicted_tokens", "Full KV tokens evicted from the device.", counters.evicted_tokens),
+            ("evict_calls", "Evictions asked for by short allocations.", counters.evict_calls),
         ):
             family = CounterMetricFamily(f"kvstrata_replay_{name}", doc, labels=names)
             family.add_metric(values, value)
@@ -55,8 +56,8 @@ class ReplayCollector(Collector):
             "Time spent per phase of the replay.",
             labels=[*names, "phase"],
         )
-        seconds.add_metric([*values, "cache"], engine.cache_seconds)
-        seconds.add_metric([*values, "forward"], engine.kv_write_seconds)
+        seconds.add_metric([*values, "cache"], counters.cache_seconds)
+        seconds.add_metric([*values, "forward"], counters.kv_write_seconds)
         yield seconds
         hits = CounterMetricFamily(
             "kvstrata_replay_hit_tokens",
@@ -64,9 +65,9 @@ class ReplayCollector(Collector):
             labels=[*names, "tier"],
         )
         if engine.tiers is None:
-            hits.add_metric([*values, "device"], engine.hit_tokens)
+            hits.add_metric([*values, "device"], counters.hit_tokens)
         else:
-            hits.add_metric([*values, "device"], engine.device_hit_tokens)
-            hits.add_metric([*values, "host"], engine.host_hit_tokens)
-            hits.add_metric([*values, "storage"], engine.storage_hit_tokens)
+            hits.add_metric([*values, "device"], counters.device_hit_tokens)
+            hits.add_metric([*values, "host"], counters.host_hit_tokens)
+            hits.add_metric([*values, "storage"], counters.storage_hit_tokens)
         yield hits

@@ -5,6 +5,26 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 
+@dataclass(kw_only=True)
+class ReplayCounters:
+    """The running counters of a `ReplayEngine` (`engine.counters`): plain numbers that only
+    grow, until `reset_counters()` starts a fresh set. `ReplayEngine.stats()` is their snapshot;
+    the fields mean what `ReplayStats` and `TierStats` say. `evict_calls`: evictions the engine
+    asked for when an allocation fell short; the per-tier hits count only with a host tier."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    computed_tokens: int = 0
+    evicted_tokens: int = 0
+    evict_calls: int = 0
+    cache_seconds: float = 0.0
+    kv_write_seconds: float = 0.0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class TierStats:
     """Where a tiered replay's hits came from and what moved between tiers.

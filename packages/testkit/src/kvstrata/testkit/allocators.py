@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TypedDict, Unpack
 
 import torch
 
@@ -20,6 +21,7 @@ from kvstrata.allocator.engine import Backend
 
 __all__ = [
     "BACKENDS",
+    "AllocatorOptions",
     "idx",
     "make_mamba",
     "make_paged",
@@ -41,37 +43,39 @@ def pages_of(indices: torch.Tensor, page_size: int) -> set[int]:
     return set((indices.cpu() // page_size).tolist())
 
 
+class AllocatorOptions(TypedDict, total=False):
+    """What every allocator takes besides its sizes, declared once for the factories below:
+    the allocators' own defaults, except the numpy backend when `backend` is not given."""
+
+    backend: Backend
+    checked: bool
+    device: str
+
+
+def _with_defaults(options: AllocatorOptions) -> AllocatorOptions:
+    return {"backend": "numpy", **options}
+
+
 def make_paged(
     *,
     page_size: int = 4,
     num_pages: int = 16,
-    backend: Backend = "numpy",
-    checked: bool = True,
     sorted_reuse: bool = False,
-    device: str = "cpu",
+    **options: Unpack[AllocatorOptions],
 ) -> PagedAllocator:
     """A paged allocator of `num_pages` usable pages."""
     return PagedAllocator(
         size=num_pages * page_size,
         page_size=page_size,
-        device=device,
         sorted_reuse=sorted_reuse,
-        checked=checked,
-        backend=backend,
+        **_with_defaults(options),
     )
 
 
 def make_token(
-    *,
-    size: int = 32,
-    backend: Backend = "numpy",
-    checked: bool = True,
-    sorted_reuse: bool = False,
-    device: str = "cpu",
+    *, size: int = 32, sorted_reuse: bool = False, **options: Unpack[AllocatorOptions]
 ) -> TokenAllocator:
-    return TokenAllocator(
-        size=size, device=device, sorted_reuse=sorted_reuse, checked=checked, backend=backend
-    )
+    return TokenAllocator(size=size, sorted_reuse=sorted_reuse, **_with_defaults(options))
 
 
 def make_swa(
@@ -79,21 +83,15 @@ def make_swa(
     page_size: int = 4,
     num_pages: int = 16,
     num_swa_pages: int = 8,
-    backend: Backend = "numpy",
-    checked: bool = True,
-    device: str = "cpu",
+    **options: Unpack[AllocatorOptions],
 ) -> SWAAllocator:
     return SWAAllocator(
         size=num_pages * page_size,
         swa_size=num_swa_pages * page_size,
         page_size=page_size,
-        device=device,
-        checked=checked,
-        backend=backend,
+        **_with_defaults(options),
     )
 
 
-def make_mamba(
-    *, size: int = 8, backend: Backend = "numpy", checked: bool = True, device: str = "cpu"
-) -> MambaSlotAllocator:
-    return MambaSlotAllocator(size=size, device=device, checked=checked, backend=backend)
+def make_mamba(*, size: int = 8, **options: Unpack[AllocatorOptions]) -> MambaSlotAllocator:
+    return MambaSlotAllocator(size=size, **_with_defaults(options))

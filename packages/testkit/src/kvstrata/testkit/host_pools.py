@@ -9,7 +9,7 @@ bf16 bit patterns compare exactly. `DTYPES` and `fill_random` are the device-poo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -24,7 +24,7 @@ from kvstrata.testkit.pools import (
 )
 
 Family = Literal["mha", "mla", "mamba"]
-FAMILIES: tuple[Family, ...] = ("mha", "mla", "mamba")
+FAMILIES: tuple[Family, ...] = get_args(Family)
 DTYPES: tuple[torch.dtype, ...] = POOL_DTYPES
 
 DevicePool = MHAKVPool | MLAKVPool | MambaPool

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, get_args
 
 import torch
 
@@ -44,7 +44,7 @@ from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 Shape = Literal["full", "swa", "mamba"]
-SHAPES: tuple[Shape, ...] = ("full", "swa", "mamba")
+SHAPES: tuple[Shape, ...] = get_args(Shape)
 T = TypeVar("T")
 
 #: The `kvstrata.build` family of each shape.
