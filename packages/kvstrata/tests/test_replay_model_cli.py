@@ -193,3 +193,28 @@ def test_bad_model_options_exit_2_with_one_line(
     assert len(lines) == 1, lines
     assert message in lines[0]
     assert captured.out == ""
+
+
+def test_the_reference_engine_takes_the_tier_policy_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reference engine's host tier gets --write-policy / --prefetch-policy /
+    --prefetch-threshold like the stand-in's (they were dropped for the defaults): a value the
+    tier refuses is refused, and a policy it takes runs with the cache-off check."""
+    base = ["replay", "--no-progress", "--model", str(_config(tmp_path, TINY_MODELS["mha"]))]
+    base += [
+        "--device-memory",
+        "2MiB",
+        "--engine",
+        "reference",
+        "--limit",
+        "2",
+        "--host-ratio",
+        "2",
+    ]
+    assert main([*base, "--prefetch-threshold", "0"]) == 2
+    assert "prefetch_threshold must be >= 1" in capsys.readouterr().err
+    out = tmp_path / "reference.json"
+    argv = [*base, "--write-policy", "write_back", "--verify", "--json", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text(encoding="utf-8"))["engine"] == "reference"

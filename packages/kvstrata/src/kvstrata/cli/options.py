@@ -1,6 +1,7 @@
 """The options and inputs several commands share, declared once so that a flag has the same
 name, meaning and help wherever it appears: the trace (`--trace`), the output files (`--json`,
-`--plot`) and the requests a replay runs (`replay`, and its cluster form)."""
+`--plot`), the requests a replay runs (`replay`, and its cluster form) and the tiers its flags
+ask for."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvstrata.replay import ReplayRequest
+    from kvstrata.replay.compare import TierConfig
 
 
 def add_trace_option(parser: argparse.ArgumentParser, *, absent: str | None = None) -> None:
@@ -44,3 +46,21 @@ def load_requests(args: argparse.Namespace) -> tuple[list[ReplayRequest], str]:
         return requests, str(args.trace)
     requests = generate_workload(WorkloadSpec(seed=args.seed))[: args.limit]
     return requests, f"embedded workload (seed {args.seed})"
+
+
+def tier_config(args: argparse.Namespace, *, name: str, capacity_tokens: int | None) -> TierConfig:
+    """The memory system `replay`'s tier flags ask for (`--host-ratio` / `--host-bytes`,
+    `--storage`, `--write-policy`, `--prefetch-policy`, `--prefetch-threshold`), for the
+    stand-in and the reference engine alike."""
+    from kvstrata.replay.compare import TierConfig
+
+    return TierConfig(
+        name=name,
+        capacity_tokens=capacity_tokens,
+        host_ratio=args.host_ratio,
+        host_bytes=args.host_bytes,
+        storage_url=args.storage,
+        write_policy=args.write_policy,
+        prefetch_policy=args.prefetch_policy,
+        prefetch_threshold=args.prefetch_threshold,
+    )

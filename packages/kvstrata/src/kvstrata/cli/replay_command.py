@@ -22,6 +22,7 @@ from kvstrata.cli.options import (
     add_trace_option,
     check_plot_path,
     load_requests,
+    tier_config,
 )
 from kvstrata.cli.replay_cluster import add_cluster_arguments, run_cluster_replay
 from kvstrata.cli.replay_model import (
@@ -313,25 +314,14 @@ def _comparing(args: argparse.Namespace) -> bool:
 
 
 def _configs(args: argparse.Namespace, requests: list[ReplayRequest]) -> list[TierConfig]:
-    from kvstrata.replay.compare import TierConfig, default_configs
+    from kvstrata.replay.compare import default_configs
 
     if _comparing(args):
         return default_configs(requests, page_size=args.page_size)
     tiers = "device"
     if _tier_options(args):
         tiers += "+host" + ("+storage" if args.storage is not None else "")
-    return [
-        TierConfig(
-            name=tiers,
-            capacity_tokens=args.capacity_tokens,
-            host_ratio=args.host_ratio,
-            host_bytes=args.host_bytes,
-            storage_url=args.storage,
-            write_policy=args.write_policy,
-            prefetch_policy=args.prefetch_policy,
-            prefetch_threshold=args.prefetch_threshold,
-        )
-    ]
+    return [tier_config(args, name=tiers, capacity_tokens=args.capacity_tokens)]
 
 
 def _close(server: MetricsServer | None, *, hold: float) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from kvstrata.cli.errors import print_error
 from kvstrata.cli.json_output import write_json
+from kvstrata.cli.options import tier_config
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -172,6 +173,7 @@ def run_reference_replay(args: argparse.Namespace, out: TextIO) -> int:
     from kvstrata.build import BuildError, ModelMemorySpec
     from kvstrata.pool_host.errors import HostPoolError
     from kvstrata.replay import KVMismatch, ReplayError, WorkloadSpec, generate_workload
+    from kvstrata.replay.compare import tier_params
     from kvstrata.replay.model import load_model_config, run_reference
     from kvstrata.replay.reference_engine import check_reference_model
     from kvstrata.storage.errors import StorageError
@@ -185,6 +187,7 @@ def run_reference_replay(args: argparse.Namespace, out: TextIO) -> int:
         requests = generate_workload(workload)[:limit]
         running = args.max_running_requests or 8
         build = model_build(args, requests, extra_tokens=args.max_new_tokens, rows=running)
+        tiers = tier_config(args, name="reference", capacity_tokens=None)
         result = run_reference(
             config,
             build,
@@ -198,6 +201,7 @@ def run_reference_replay(args: argparse.Namespace, out: TextIO) -> int:
             host_ratio=args.host_ratio,
             host_bytes=args.host_bytes,
             storage_url=args.storage,
+            tier_params=tier_params(tiers) if tiers.tiered else None,
         )
     except KVMismatch as exc:
         print_error(str(exc), label="verification failed")

@@ -42,6 +42,7 @@ __all__ = [
     "TierConfig",
     "default_configs",
     "run_configuration",
+    "tier_params",
 ]
 
 #: The tiers, top first.
@@ -194,7 +195,7 @@ def run_configuration(
             host_ratio=config.host_ratio,
             host_bytes=config.host_bytes,
             storage_url=config.storage_url,
-            tier_params=_tier_params(config) if config.tiered else None,
+            tier_params=tier_params(config) if config.tiered else None,
         )
         system = built.system
     else:
@@ -276,11 +277,11 @@ def _build_tiers(config: TierConfig, system: MemorySystem) -> TieredSystem | Non
         host_ratio=config.host_ratio,
         host_bytes=config.host_bytes,
         storage_url=config.storage_url,
-        params=_tier_params(config),
+        params=tier_params(config),
     )
 
 
-def _tier_params(config: TierConfig) -> TierParams:
+def tier_params(config: TierConfig) -> TierParams:
     """The hierarchical cache's parameters of `config` (ReplayOptionError when out of range)."""
     try:
         return TierParams(
