@@ -1,6 +1,7 @@
-/* The prefix index's entries in C (loaded by native.py, which compiles this file and
-   index_api.c as one source): page key -> holders (instance id, tier bits), the per-instance
-   key lists, and the least-recently-matched order of a bounded index.
+/* The prefix index's entries in C: page key -> holders (instance id, tier bits), the
+   per-instance key lists, and the least-recently-matched order of a bounded index. native.py
+   compiles this file and index_ext.c (the Python-facing type) as one source, an extension
+   module of the running interpreter: Python.h comes first, as the C API requires.
 
    Layout:
      slots:  open addressing, linear probing, power-of-two size, load <= 1/2. A slot is 64 bits:
@@ -14,24 +15,23 @@
              here: removal is a swap with the last, O(1)).
    Tier bits: bit t = tier rank t, best tier first, so the best tier held is the lowest bit.
 
-   Python validates every input before calling (keys of key_len bytes, known tiers, ids it
-   interned): the functions here do not check them again. They return -1 only when memory runs
+   index_ext.c validates every input before calling (keys of key_len bytes, known tiers, ids
+   the Python side interned): the functions here do not check them again. They return -1 only when memory runs
    out (a batch may then be applied in part: every structure stays consistent). Arrays grow
    when an insertion needs room, not by a batch's worst case (a batch of keys already held
    would otherwise double the entry array). */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __cplusplus
-extern "C" {
-#endif
-
 #define KEY_MAX 32
 #define NIL UINT32_MAX
 
-/* Every allocation of an index goes through these: tests make one fail (kvx_fail_alloc) to
+/* Every allocation of an index goes through these: tests make one fail (Core.fail_allocation) to
    check that running out of memory leaves every structure consistent. fail_after: how many
    more allocations succeed before one fails (once); -1, the default: none fails. */
 static int64_t fail_after = -1;
@@ -76,12 +76,11 @@ typedef struct {
     int64_t scratch_cap;
     uint32_t *alive;
     int64_t alive_cap;
-    int32_t *res; /* kvx_match's output buffers, the caller's (kvx_buffers) */
+    int32_t *res; /* ix_match's output buffers (index_ext.c owns and grows them) */
     int64_t res_cap;
     uint8_t *pages;
     int64_t page_cap;
-    int64_t *args; /* the caller's argument block of the *_seq calls (kvx_buffers) */
-    uint8_t *gathered; /* keys copied out of a sequence of bytes objects */
+    uint8_t *gathered; /* keys copied out of Python bytes objects (index_ext.c) */
     int64_t gathered_cap;
 } ix_t;
 
@@ -461,6 +460,8 @@ static void ix_free(ix_t *x) {
     free(x->tags);
     free(x->gathered);
     free(x->alive);
+    free(x->res);
+    free(x->pages);
     free(x);
 }
 
@@ -583,30 +584,16 @@ static int64_t ix_held(const ix_t *x, int64_t iid) {
     return (uint64_t)iid < x->icap ? x->I[iid].n : 0;
 }
 
-static int64_t ix_holdings(ix_t *x, int64_t iid, uint8_t *keys, int32_t *bits) {
-    int64_t held = ix_held(x, iid);
-    for (int64_t p = 0; p < held; p++) {
-        entry_t *e = &x->E[x->I[iid].k[p]];
-        holder_t *h = holders(e);
-        memcpy(keys + p * x->key_len, e->key, (size_t)x->key_len);
-        bits[p] = (int32_t)h[lower(h, e->n, (uint32_t)iid)].tiers;
-    }
-    return held;
-}
-
-static void ix_hashes(const ix_t *x, const uint8_t *keys, int64_t n, uint64_t *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = key_hash(x, keys + i * x->key_len);
-}
-
 static void ix_stats(const ix_t *x, int64_t *out) {
     int64_t bytes = (int64_t)sizeof(ix_t) + (int64_t)(x->mask + 1) * 8 +
                     (int64_t)x->ecap * (int64_t)sizeof(entry_t) +
                     (int64_t)x->icap * (int64_t)sizeof(inst_t) +
-                    (2 * x->scratch_cap + 2 * x->alive_cap) * 4 + x->heap;
+                    (2 * x->scratch_cap + 2 * x->alive_cap + x->res_cap) * 4 + x->page_cap +
+                    x->gathered_cap * x->key_len + x->heap;
     out[0] = x->live;
     out[1] = x->pairs;
     out[2] = x->evicted;
     out[3] = bytes;
 }
 
-/* continued in index_api.c (native.py compiles the two as one source) */
+/* continued in index_ext.c (native.py compiles the two as one source) */
