@@ -142,10 +142,19 @@ class PrefixIndex:
             max_entries,
             page_size=page_size,
             ids=self._ids,
+            intern=self._intern,
+            as_keys=self._as_keys,
         )
-        self._rank_tiers: tuple[str, ...] = tuple(ordered)
         self.gaps = 0
         self.unknown_engine_events = 0
+        if self._core is not None:
+            # The hot calls go straight to the C core's methods (same signatures, answers and
+            # errors as the methods below, which then only delegate): no Python frame per call.
+            self.__dict__.update(
+                apply=self._core.apply,
+                find_matches=self._core.find_matches,
+                match_lengths=self._core.lengths,
+            )
 
     # ------------------------------------------------------------------------------------------
     # Feeding
@@ -155,16 +164,8 @@ class PrefixIndex:
         bounded, may evict other keys). Raises InvalidInstance / InvalidEvent, before any
         change, for a bad name, an unknown event, a tier absent from the weights or a page size
         other than the index's."""
-        core = self._core
-        if core is not None:
-            # One C call validates the batch (the errors of the checks below, before any
-            # change) and applies it; False: a new instance, interned here, then applied.
-            if type(events) is not tuple and type(events) is not list:
-                self._check_instance(instance)
-                events = list(events)
-            if not core.apply(instance, events):
-                self._intern(instance)
-                core.apply(instance, events)
+        if self._core is not None:  # the C core validates and applies in one call
+            self._core.apply(instance, events)
             return
         iid = self._ids.get(instance) if type(instance) is str else None
         if iid is None:
@@ -293,15 +294,10 @@ class PrefixIndex:
         with the best tier of each page. Page keys (a sequence of bytes) are used as they are
         (they already fold in their namespace); token ids are keyed with `keyer` in the
         namespace (`extra_key`, `cache_salt`). Touches the matched keys (bounded mode)."""
-        core = self._core
-        if core is not None:
-            # One C call: the keys read in place, the result tuples built there. None: not
-            # page keys (token ids), keyed here first.
-            found = core.find(tokens_or_page_keys)
-            if found is None:
-                found = core.find(self._as_keys(tokens_or_page_keys, extra_key, cache_salt))
-            assert found is not None, "page keys are always a list of bytes"
-            return found
+        if self._core is not None:  # one C call, the result tuples built there
+            return self._core.find_matches(
+                tokens_or_page_keys, extra_key=extra_key, cache_salt=cache_salt
+            )
         keys = self._as_keys(tokens_or_page_keys, extra_key, cache_salt)
         vals, runs, uniform = self._runs(keys)
         if not uniform and not reduce(or_, vals, 0) & self._below_best:

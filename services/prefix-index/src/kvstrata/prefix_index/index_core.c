@@ -56,6 +56,8 @@ typedef struct {
     } h;
 } entry_t;
 
+_Static_assert(sizeof(entry_t) == 64, "an entry is one cache line");
+
 typedef struct {
     uint32_t *k;
     uint32_t n, cap;
@@ -176,8 +178,11 @@ static int reserve_entries(ix_t *x, uint64_t more) {
     uint64_t need = (uint64_t)x->used + more - free_count;
     while (cap < need) cap += cap >> 1;
     if (cap >= NIL) return -1;
-    entry_t *e = (entry_t *)ix_realloc(x->E, cap * sizeof(entry_t));
+    /* 64-byte aligned: an entry is one cache line, not two (malloc aligns to 16). */
+    entry_t *e = failing() ? 0 : (entry_t *)aligned_alloc(64, cap * sizeof(entry_t));
     if (!e) return -1;
+    if (x->used) memcpy(e, x->E, (size_t)x->used * sizeof(entry_t));
+    free(x->E);
     x->E = e;
     x->ecap = (uint32_t)cap;
     return 0;
@@ -321,7 +326,6 @@ static const uint32_t *hash_all(ix_t *x, const uint8_t *keys, int64_t n) {
         if (s) {
             const char *e = (const char *)&x->E[(uint32_t)s - 1];
             __builtin_prefetch(e);
-            __builtin_prefetch(e + sizeof(entry_t) - 1);
         }
     }
     return tags;

@@ -68,7 +68,7 @@ static int64_t ix_check(ix_t *x) {
 /* Largest instance id accepted (ids are small ints the Python side hands out). */
 #define MAX_IID (1 << 24)
 
-static PyObject *s_page_keys, *s_tier, *s_tokens_per_page;
+static PyObject *s_page_keys, *s_tier, *s_tokens_per_page, *s_extra_key, *s_cache_salt;
 
 typedef struct {
     PyObject_HEAD
@@ -81,6 +81,8 @@ typedef struct {
     PyTypeObject *stored, *removed, *cleared; /* the kvstrata event classes */
     PyTypeObject *matches_type, *match_type;  /* PrefixMatches, InstanceMatch */
     PyObject *invalid_event, *invalid_instance;
+    PyObject *intern;  /* intern(name) -> id: the index's, for a name with no id yet */
+    PyObject *as_keys; /* as_keys(query, extra_key, cache_salt) -> page keys of token ids */
     PyObject **names; /* id -> instance name (set_name), NULL when free */
     Py_ssize_t names_cap;
     PyObject **uniform; /* [tier * UNIFORM_RUNS + run]: (rank[tier],) * run, made on first use */
@@ -218,11 +220,11 @@ static int check_instance(CoreObject *c, PyObject *instance) {
     return -1;
 }
 
-/* apply(instance, events) -> bool: validate the instance name and every event (raising, before
-   any change, InvalidInstance / InvalidEvent as the Python core does), then apply the batch in
-   one go: True. False, having changed nothing, when the name has no id yet (the caller interns
-   it and calls again). MemoryError when memory runs out mid-batch (applied in part, every
-   structure consistent). */
+/* apply(instance, events): PrefixIndex.apply. Validates the instance name and every event
+   (raising, before any change, InvalidInstance / InvalidEvent as the Python core does); a name
+   with no id yet is interned (`intern`, then validated again: the callback may run any
+   Python code); then the batch is applied in one go. MemoryError when memory runs out
+   mid-batch (applied in part, every structure consistent). */
 static PyObject *Core_apply(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "apply(instance, events)");
@@ -246,6 +248,8 @@ static PyObject *Core_apply(CoreObject *c, PyObject *const *args, Py_ssize_t nar
         c->spec = spec;
         c->spec_cap = cap;
     }
+    int interned = 0;
+again:;
     int64_t keys = 0;
     for (Py_ssize_t i = 0; i < ne; i++) {
         if (take_event(c, items[i], c->spec + 3 * i, keys)) goto done;
@@ -253,8 +257,16 @@ static PyObject *Core_apply(CoreObject *c, PyObject *const *args, Py_ssize_t nar
     }
     PyObject *id = PyDict_GetItemWithError(c->ids, instance);
     if (!id) {
-        if (!PyErr_Occurred()) result = Py_NewRef(Py_False);
-        goto done;
+        if (PyErr_Occurred()) goto done;
+        if (interned || !c->intern) {
+            PyErr_Format(PyExc_LookupError, "instance %R has no id", instance);
+            goto done;
+        }
+        PyObject *got = PyObject_CallOneArg(c->intern, instance);
+        if (!got) goto done;
+        Py_DECREF(got);
+        interned = 1;
+        goto again;
     }
     long iid = PyLong_AsLong(id);
     if (iid < 0 || iid >= MAX_IID) {
@@ -265,7 +277,7 @@ static PyObject *Core_apply(CoreObject *c, PyObject *const *args, Py_ssize_t nar
         PyErr_NoMemory();
         goto done;
     }
-    result = Py_NewRef(Py_True);
+    result = Py_NewRef(Py_None);
 done:
     shrink(x);
     Py_DECREF(seq);
@@ -375,20 +387,52 @@ fail:
     return NULL;
 }
 
-/* find(query) -> PrefixMatches | None: None when `query` is not a list / tuple opening with a
-   bytes object (token ids: the caller keys them and calls again). Else the keys up to the
-   first that is no bytes of key_len (no entry can have it) are matched; num_pages is the
-   query's length, as in the Python core. */
-static PyObject *Core_find(CoreObject *c, PyObject *query) {
-    if (!PyList_Check(query) && !PyTuple_Check(query)) Py_RETURN_NONE;
+/* The PrefixMatches of `query`, a list / tuple: its keys up to the first that is no bytes of
+   key_len (no entry can have it) are matched; num_pages is its length, as in the Python core. */
+static PyObject *find_keys(CoreObject *c, PyObject *query) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(query);
-    PyObject **items = PySequence_Fast_ITEMS(query);
-    if (n && !PyBytes_Check(items[0])) Py_RETURN_NONE;
     ix_t *x = c->x;
-    int64_t m = gather_prefix(x, items, n);
+    int64_t m = gather_prefix(x, PySequence_Fast_ITEMS(query), n);
     int64_t got = m > 0 ? run_match(x, m, 1) : m;
     shrink(x);
     return got < 0 ? NULL : matches(c, n, got);
+}
+
+/* find_matches(query, *, extra_key=None, cache_salt=None): PrefixIndex.find_matches. A list /
+   tuple that is empty or opens with a bytes object is page keys; anything else is token ids,
+   keyed by `as_keys` (the index's keyer, in the namespace given). */
+static PyObject *Core_find_matches(CoreObject *c, PyObject *const *args, Py_ssize_t nargs,
+                                   PyObject *kwnames) {
+    PyObject *extra_key = Py_None, *cache_salt = Py_None;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "find_matches(query, *, extra_key=None, cache_salt=None)");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_Compare(k, s_extra_key) == 0) extra_key = args[1 + i];
+        else if (PyUnicode_Compare(k, s_cache_salt) == 0) cache_salt = args[1 + i];
+        else {
+            PyErr_Format(PyExc_TypeError, "find_matches() got an unexpected keyword argument %R", k);
+            return NULL;
+        }
+    }
+    PyObject *query = args[0];
+    if ((PyList_Check(query) || PyTuple_Check(query)) &&
+        (!PySequence_Fast_GET_SIZE(query) || PyBytes_Check(PySequence_Fast_ITEMS(query)[0])))
+        return find_keys(c, query);
+    if (!c->as_keys) {
+        PyErr_SetString(PyExc_TypeError, "this core keys no token ids: pass page keys");
+        return NULL;
+    }
+    PyObject *keys = PyObject_CallFunctionObjArgs(c->as_keys, query, extra_key, cache_salt, NULL);
+    if (!keys) return NULL;
+    PyObject *out = NULL;
+    if (PyList_Check(keys) || PyTuple_Check(keys)) out = find_keys(c, keys);
+    else PyErr_SetString(PyExc_TypeError, "as_keys must return a list or tuple of page keys");
+    Py_DECREF(keys);
+    return out;
 }
 
 /* lengths(keys) -> {name: pages matched}: the routing lookup, no tiers. */
@@ -574,20 +618,22 @@ static int named_tuple_type(PyTypeObject *t) {
 
 /* Core(key_len, page_size, max_entries, tier_bit, rank, known, ids,
         (BlockStored, BlockRemoved, AllBlocksCleared, PrefixMatches, InstanceMatch),
-        (InvalidEvent, InvalidInstance)) */
+        (InvalidEvent, InvalidInstance), intern | None, as_keys | None) */
 static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     Py_ssize_t key_len, max_entries;
     PyObject *page_size, *tier_bit, *rank, *known, *ids, *invalid_event, *invalid_instance;
+    PyObject *intern, *as_keys;
     PyTypeObject *stored, *removed, *cleared, *matches_type, *match_type;
     if (kwds && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Core takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "nO!nO!O!UO!(O!O!O!O!O!)(OO):Core", &key_len, &PyLong_Type,
+    if (!PyArg_ParseTuple(args, "nO!nO!O!UO!(O!O!O!O!O!)(OO)OO:Core", &key_len, &PyLong_Type,
                           &page_size, &max_entries, &PyDict_Type, &tier_bit, &PyTuple_Type, &rank,
                           &known, &PyDict_Type, &ids, &PyType_Type, &stored, &PyType_Type,
                           &removed, &PyType_Type, &cleared, &PyType_Type, &matches_type,
-                          &PyType_Type, &match_type, &invalid_event, &invalid_instance))
+                          &PyType_Type, &match_type, &invalid_event, &invalid_instance, &intern,
+                          &as_keys))
         return NULL;
     Py_ssize_t tiers = PyTuple_GET_SIZE(rank);
     if (!named_tuple_type(matches_type) || !named_tuple_type(match_type)) {
@@ -632,6 +678,8 @@ static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     c->match_type = (PyTypeObject *)Py_NewRef(match_type);
     c->invalid_event = Py_NewRef(invalid_event);
     c->invalid_instance = Py_NewRef(invalid_instance);
+    c->intern = intern == Py_None ? NULL : Py_NewRef(intern);
+    c->as_keys = as_keys == Py_None ? NULL : Py_NewRef(as_keys);
     if (!c->x || !c->uniform || !c->x->res || !c->x->pages) {
         Py_DECREF(c);
         if (key_len < 1 || key_len > KEY_MAX)
@@ -643,7 +691,24 @@ static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     return (PyObject *)c;
 }
 
+/* The callbacks are the index's bound methods, and the index holds this core: a cycle the
+   garbage collector must see. */
+static int Core_traverse(CoreObject *c, visitproc visit, void *arg) {
+    Py_VISIT(c->intern);
+    Py_VISIT(c->as_keys);
+    Py_VISIT(c->ids);
+    return 0;
+}
+
+static int Core_clear(CoreObject *c) {
+    Py_CLEAR(c->intern);
+    Py_CLEAR(c->as_keys);
+    return 0;
+}
+
 static void Core_dealloc(CoreObject *c) {
+    PyObject_GC_UnTrack(c);
+    Core_clear(c);
     ix_free(c->x);
     for (Py_ssize_t i = 0; i < c->names_cap; i++) Py_XDECREF(c->names[i]);
     PyMem_Free(c->names);
@@ -669,7 +734,8 @@ static void Core_dealloc(CoreObject *c) {
 
 static PyMethodDef Core_methods[] = {
     {"apply", (PyCFunction)(void (*)(void))Core_apply, METH_FASTCALL, NULL},
-    {"find", (PyCFunction)Core_find, METH_O, NULL},
+    {"find_matches", (PyCFunction)(void (*)(void))Core_find_matches,
+     METH_FASTCALL | METH_KEYWORDS, NULL},
     {"lengths", (PyCFunction)Core_lengths, METH_O, NULL},
     {"set_name", (PyCFunction)(void (*)(void))Core_set_name, METH_FASTCALL, NULL},
     {"drop", (PyCFunction)Core_drop, METH_O, NULL},
@@ -689,7 +755,10 @@ static PyTypeObject CoreType = {
     .tp_name = "kvstrata_prefix_index_core.Core",
     .tp_basicsize = sizeof(CoreObject),
     .tp_dealloc = (destructor)Core_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)Core_traverse,
+    .tp_clear = (inquiry)Core_clear,
+    .tp_free = PyObject_GC_Del,
     .tp_doc = "One prefix index's entries (see index_ext.c).",
     .tp_methods = Core_methods,
     .tp_new = Core_new,
@@ -706,7 +775,11 @@ PyMODINIT_FUNC PyInit_kvstrata_prefix_index_core(void) {
     s_page_keys = PyUnicode_InternFromString("page_keys");
     s_tier = PyUnicode_InternFromString("tier");
     s_tokens_per_page = PyUnicode_InternFromString("tokens_per_page");
-    if (!s_page_keys || !s_tier || !s_tokens_per_page || PyType_Ready(&CoreType) < 0) return NULL;
+    s_extra_key = PyUnicode_InternFromString("extra_key");
+    s_cache_salt = PyUnicode_InternFromString("cache_salt");
+    if (!s_page_keys || !s_tier || !s_tokens_per_page || !s_extra_key || !s_cache_salt ||
+        PyType_Ready(&CoreType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0) {

@@ -23,7 +23,7 @@ import atexit
 import shutil
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -76,15 +76,17 @@ class Core(Protocol):
     """The compiled `Core` of one index (`index_ext.c`). Instance ids are the index's interned
     ids; `set_name` tells the core the name its results give an id."""
 
-    def apply(self, instance: str, events: Sequence[object], /) -> bool:
-        """Validate `instance` and every event (InvalidInstance / InvalidEvent as the Python
-        core raises them, before any change), then apply the batch: True; False, nothing
-        changed, when `instance` has no id yet. MemoryError mid-batch: applied in part."""
+    def apply(self, instance: str, events: Iterable[object], /) -> None:
+        """`PrefixIndex.apply`: validate `instance` and every event (InvalidInstance /
+        InvalidEvent as the Python core raises them, before any change), intern a new name
+        (`intern`), apply the batch. MemoryError mid-batch: applied in part."""
         ...
 
-    def find(self, query: object, /) -> PrefixMatches | None:
-        """The `PrefixMatches` of a list / tuple opening with a bytes key; None for anything
-        else (token ids: key them, then call again)."""
+    def find_matches(
+        self, query: object, /, *, extra_key: str | None = None, cache_salt: str | None = None
+    ) -> PrefixMatches:
+        """`PrefixIndex.find_matches`: page keys (a list / tuple, empty or opening with a
+        bytes key) as they are, anything else keyed by `as_keys`."""
         ...
 
     def lengths(self, keys: Sequence[bytes], /) -> dict[str, int]: ...
@@ -149,11 +151,16 @@ def native_core(
     *,
     page_size: int = 1,
     ids: dict[str, int] | None = None,
+    intern: Callable[[str], int] | None = None,
+    as_keys: Callable[[object, str | None, str | None], Sequence[bytes]] | None = None,
 ) -> Core | None:
     """A C core for one index, or None (turned off, no compiler or headers, inside
     `disabled()`, keys longer than the C entries hold). `tier_bit`: tier name -> 1 << rank,
     best tier first; `page_size`: the tokens per page a BlockStored must have; `ids`: the
-    index's own dict instance name -> id, which `Core.apply` reads (a new one when None)."""
+    index's own dict instance name -> id, which `Core.apply` reads (a new one when None);
+    `intern(name) -> id`: gives a new name its id (None: `apply` of an unknown name raises
+    LookupError); `as_keys(query, extra_key, cache_salt)`: the page keys of token ids (None:
+    `find_matches` takes page keys only)."""
     if key_bytes > MAX_KEY_BYTES:
         return None
     make, _ = _module_core()
@@ -169,6 +176,8 @@ def native_core(
         {} if ids is None else ids,
         (BlockStored, BlockRemoved, AllBlocksCleared, PrefixMatches, InstanceMatch),
         (InvalidEvent, InvalidInstance),
+        intern,
+        as_keys,
     )
 
 
