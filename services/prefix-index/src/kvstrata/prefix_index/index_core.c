@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #define KEY_MAX 32
 #define NIL UINT32_MAX
@@ -38,6 +39,22 @@ static int64_t fail_after = -1;
 static int failing(void) { return fail_after >= 0 && fail_after-- == 0; }
 static void *ix_malloc(size_t n) { return failing() ? 0 : malloc(n); }
 static void *ix_calloc(size_t n, size_t size) { return failing() ? 0 : calloc(n, size); }
+
+/* The table's slots and entries: 64-byte aligned (an entry is one cache line, not two), and
+   from 2 MB on in whole 2 MB huge pages where the kernel gives them (madvise): every probe is
+   a random access, and on 4 KB pages each one also missed the TLB (a page walk per slot and
+   per entry, the largest stall of a lookup in a profile). */
+#define HUGE_PAGE ((size_t)2 << 20)
+static size_t big_size(size_t n) { return n < HUGE_PAGE ? n : (n + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1); }
+static void *big_alloc(size_t n) {
+    if (failing()) return 0;
+    size_t size = big_size(n);
+    void *p = aligned_alloc(size < HUGE_PAGE ? 64 : HUGE_PAGE, (size + 63) & ~(size_t)63);
+#ifdef MADV_HUGEPAGE
+    if (p && size >= HUGE_PAGE) madvise(p, size, MADV_HUGEPAGE);
+#endif
+    return p;
+}
 static void *ix_realloc(void *p, size_t n) { return failing() ? 0 : realloc(p, n); }
 
 typedef struct {
@@ -138,8 +155,9 @@ static int grow_table(ix_t *x, uint64_t need) {
     uint64_t size = x->mask + 1;
     if (need * 2 <= size) return 0;
     while (need * 2 > size) size <<= 1;
-    uint64_t *slots = (uint64_t *)ix_calloc(size, sizeof(uint64_t));
+    uint64_t *slots = (uint64_t *)big_alloc(size * sizeof(uint64_t));
     if (!slots) return -1;
+    memset(slots, 0, size * sizeof(uint64_t));
     for (uint64_t i = 0; i <= x->mask; i++) {
         uint64_t s = x->slots[i];
         if (!s) continue;
@@ -178,8 +196,7 @@ static int reserve_entries(ix_t *x, uint64_t more) {
     uint64_t need = (uint64_t)x->used + more - free_count;
     while (cap < need) cap += cap >> 1;
     if (cap >= NIL) return -1;
-    /* 64-byte aligned: an entry is one cache line, not two (malloc aligns to 16). */
-    entry_t *e = failing() ? 0 : (entry_t *)aligned_alloc(64, cap * sizeof(entry_t));
+    entry_t *e = (entry_t *)big_alloc(cap * sizeof(entry_t));
     if (!e) return -1;
     if (x->used) memcpy(e, x->E, (size_t)x->used * sizeof(entry_t));
     free(x->E);
@@ -589,8 +606,8 @@ static int64_t ix_held(const ix_t *x, int64_t iid) {
 }
 
 static void ix_stats(const ix_t *x, int64_t *out) {
-    int64_t bytes = (int64_t)sizeof(ix_t) + (int64_t)(x->mask + 1) * 8 +
-                    (int64_t)x->ecap * (int64_t)sizeof(entry_t) +
+    int64_t bytes = (int64_t)sizeof(ix_t) + (int64_t)big_size((x->mask + 1) * 8) +
+                    (int64_t)big_size(x->ecap * sizeof(entry_t)) +
                     (int64_t)x->icap * (int64_t)sizeof(inst_t) +
                     (2 * x->scratch_cap + 2 * x->alive_cap + x->res_cap) * 4 + x->page_cap +
                     x->gathered_cap * x->key_len + x->heap;

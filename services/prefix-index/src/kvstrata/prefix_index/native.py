@@ -152,7 +152,7 @@ def native_core(
     page_size: int = 1,
     ids: dict[str, int] | None = None,
     intern: Callable[[str], int] | None = None,
-    as_keys: Callable[[object, str | None, str | None], Sequence[bytes]] | None = None,
+    as_keys: Callable[..., Sequence[bytes]] | None = None,
 ) -> Core | None:
     """A C core for one index, or None (turned off, no compiler or headers, inside
     `disabled()`, keys longer than the C entries hold). `tier_bit`: tier name -> 1 << rank,
