@@ -103,6 +103,23 @@ typedef struct {
     int64_t gathered_cap;
 } ix_t;
 
+/* Key compare and copy: fixed-size for the 32-byte PageKeyer keys (a few inlined loads, not a
+   libc call per probe), any length else. */
+static int key_eq(const ix_t *x, const uint8_t *a, const uint8_t *b) {
+    if (x->key_len == 32) {
+        uint64_t u[4], v[4];
+        memcpy(u, a, 32);
+        memcpy(v, b, 32);
+        return !((u[0] ^ v[0]) | (u[1] ^ v[1]) | (u[2] ^ v[2]) | (u[3] ^ v[3]));
+    }
+    return memcmp(a, b, (size_t)x->key_len) == 0;
+}
+
+static void key_copy(const ix_t *x, uint8_t *to, const uint8_t *from) {
+    if (x->key_len == 32) memcpy(to, from, 32);
+    else memcpy(to, from, (size_t)x->key_len);
+}
+
 static uint64_t key_hash(const ix_t *x, const uint8_t *key) {
     uint64_t h = 0x9E3779B97F4A7C15ULL ^ (uint64_t)x->key_len;
     for (int64_t i = 0; i < x->key_len; i += 8) {
@@ -142,7 +159,7 @@ static uint32_t find_slot(const ix_t *x, const uint8_t *key, uint32_t tag, uint6
         }
         if ((uint32_t)(s >> 32) == tag) {
             uint32_t idx = (uint32_t)s - 1;
-            if (memcmp(x->E[idx].key, key, (size_t)x->key_len) == 0) {
+            if (key_eq(x, x->E[idx].key, key)) {
                 *where = i;
                 return idx;
             }
@@ -376,7 +393,7 @@ static int store(ix_t *x, uint32_t iid, uint32_t bits, const uint8_t *keys, int6
                 idx = x->used++;
             }
             e = &x->E[idx];
-            memcpy(e->key, key, (size_t)x->key_len);
+            key_copy(x, e->key, key);
             e->n = 0;
             e->cap = 0;
             x->slots[where] = ((uint64_t)tag << 32) | (idx + 1);
@@ -617,4 +634,58 @@ static void ix_stats(const ix_t *x, int64_t *out) {
     out[3] = bytes;
 }
 
-/* continued in index_ext.c (native.py compiles the two as one source) */
+/* 0 when every invariant holds, else the number of the first that does not (Core.check):
+   1 a slot names a bad or free entry, 2 a slot's hash bits or place are wrong, 3 slot count
+   != live entries, 4 holders unsorted / empty tiers / unknown tier bits, 5 a holder's position
+   disagrees with its instance list, 6 pairs disagree, 7 LRU order broken or incomplete,
+   8 entry bound exceeded, 9 free list broken. */
+static int64_t ix_check(ix_t *x) {
+    uint64_t filled = 0;
+    for (uint64_t i = 0; i <= x->mask; i++) {
+        uint64_t s = x->slots[i];
+        if (!s) continue;
+        filled++;
+        uint32_t idx = (uint32_t)s - 1;
+        if (idx >= x->used || !x->E[idx].n) return 1;
+        uint64_t where;
+        uint32_t tag = (uint32_t)key_hash(x, x->E[idx].key);
+        if ((uint32_t)(s >> 32) != tag || find_slot(x, x->E[idx].key, tag, &where) != idx ||
+            where != i)
+            return 2;
+    }
+    if (filled != x->live) return 3;
+    int64_t pairs = 0;
+    for (uint32_t idx = 0; idx < x->used; idx++) {
+        entry_t *e = &x->E[idx];
+        if (!e->n) continue;
+        holder_t *h = holders(e);
+        for (uint32_t j = 0; j < e->n; j++) {
+            if (!h[j].tiers || (h[j].tiers & ~(uint32_t)x->all_tiers) ||
+                (j && h[j - 1].iid >= h[j].iid) || h[j].iid >= x->icap)
+                return 4;
+            inst_t *in = &x->I[h[j].iid];
+            if (h[j].pos >= in->n || in->k[h[j].pos] != idx) return 5;
+        }
+        pairs += e->n;
+    }
+    int64_t listed = 0;
+    for (uint32_t i = 0; i < x->icap; i++) listed += x->I[i].n;
+    if (pairs != x->pairs || listed != pairs) return 6;
+    if (x->max_entries) {
+        uint64_t seen = 0;
+        uint32_t prev = NIL;
+        for (uint32_t i = x->lru_head; i != NIL; i = x->E[i].next) {
+            if (x->E[i].prev != prev || !x->E[i].n || ++seen > x->live) return 7;
+            prev = i;
+        }
+        if (seen != x->live || prev != x->lru_tail) return 7;
+        if (x->live > (uint64_t)x->max_entries) return 8;
+    }
+    uint64_t free_count = 0;
+    for (uint32_t i = x->free_head; i != NIL; i = x->E[i].next)
+        if (i >= x->used || x->E[i].n || ++free_count > x->used) return 9;
+    if (free_count + x->live != x->used) return 9;
+    return 0;
+}
+
+/* continued in index_convert.c, then index_ext.c (native.py compiles the three as one source) */

@@ -1,235 +1,10 @@
-/* The second half of the index module (after index_core.c: native.py compiles the two files as
-   one source, an extension module of this interpreter): the integrity check, then the Python
-   type `Core` that PrefixIndex calls. One call serves a whole event batch (`apply`) or a whole
-   lookup (`find`, `lengths`): the keys are read straight from the bytes objects
-   (PyBytes_AS_STRING), the events and instance name are validated here, before any change,
-   with the exceptions and messages of the Python core, and the results are built here as the
+/* The last part of the index module (after index_core.c and index_convert.c: native.py
+   compiles the three as one source, an extension module of this interpreter): the Python type
+   `Core` that PrefixIndex calls. One call serves a whole event batch (`apply`) or a whole
+   lookup (`find_matches`, `lengths`): the keys are read straight from the bytes objects
+   (PyBytes_AS_STRING), the events and instance name are validated before any change, with the
+   exceptions and messages of the Python core, and the results are built in C as the
    PrefixMatches / InstanceMatch tuples the Python core returns. Calls hold the GIL. */
-
-
-/* 0 when every invariant holds, else the number of the first that does not (Core.check):
-   1 a slot names a bad or free entry, 2 a slot's hash bits or place are wrong, 3 slot count
-   != live entries, 4 holders unsorted / empty tiers / unknown tier bits, 5 a holder's position
-   disagrees with its instance list, 6 pairs disagree, 7 LRU order broken or incomplete,
-   8 entry bound exceeded, 9 free list broken. */
-static int64_t ix_check(ix_t *x) {
-    uint64_t filled = 0;
-    for (uint64_t i = 0; i <= x->mask; i++) {
-        uint64_t s = x->slots[i];
-        if (!s) continue;
-        filled++;
-        uint32_t idx = (uint32_t)s - 1;
-        if (idx >= x->used || !x->E[idx].n) return 1;
-        uint64_t where;
-        uint32_t tag = (uint32_t)key_hash(x, x->E[idx].key);
-        if ((uint32_t)(s >> 32) != tag || find_slot(x, x->E[idx].key, tag, &where) != idx ||
-            where != i)
-            return 2;
-    }
-    if (filled != x->live) return 3;
-    int64_t pairs = 0;
-    for (uint32_t idx = 0; idx < x->used; idx++) {
-        entry_t *e = &x->E[idx];
-        if (!e->n) continue;
-        holder_t *h = holders(e);
-        for (uint32_t j = 0; j < e->n; j++) {
-            if (!h[j].tiers || (h[j].tiers & ~(uint32_t)x->all_tiers) ||
-                (j && h[j - 1].iid >= h[j].iid) || h[j].iid >= x->icap)
-                return 4;
-            inst_t *in = &x->I[h[j].iid];
-            if (h[j].pos >= in->n || in->k[h[j].pos] != idx) return 5;
-        }
-        pairs += e->n;
-    }
-    int64_t listed = 0;
-    for (uint32_t i = 0; i < x->icap; i++) listed += x->I[i].n;
-    if (pairs != x->pairs || listed != pairs) return 6;
-    if (x->max_entries) {
-        uint64_t seen = 0;
-        uint32_t prev = NIL;
-        for (uint32_t i = x->lru_head; i != NIL; i = x->E[i].next) {
-            if (x->E[i].prev != prev || !x->E[i].n || ++seen > x->live) return 7;
-            prev = i;
-        }
-        if (seen != x->live || prev != x->lru_tail) return 7;
-        if (x->live > (uint64_t)x->max_entries) return 8;
-    }
-    uint64_t free_count = 0;
-    for (uint32_t i = x->free_head; i != NIL; i = x->E[i].next)
-        if (i >= x->used || x->E[i].n || ++free_count > x->used) return 9;
-    if (free_count + x->live != x->used) return 9;
-    return 0;
-}
-
-/* ---- the Python type ------------------------------------------------------------------- */
-
-/* (tier name,) * run tuples for runs below this are made once per index and shared. */
-#define UNIFORM_RUNS 256
-/* Largest instance id accepted (ids are small ints the Python side hands out). */
-#define MAX_IID (1 << 24)
-
-static PyObject *s_page_keys, *s_tier, *s_tokens_per_page, *s_extra_key, *s_cache_salt;
-
-typedef struct {
-    PyObject_HEAD
-    ix_t *x;
-    PyObject *page_size;  /* int: BlockStored.tokens_per_page must equal it */
-    PyObject *ids;        /* the PrefixIndex's dict instance name -> id (shared, read here) */
-    PyObject *tier_bit;   /* tier name -> 1 << rank */
-    PyObject *rank;       /* tuple of tier names, rank order (best first) */
-    PyObject *known;      /* str of the sorted tier names, for the error message */
-    PyTypeObject *stored, *removed, *cleared; /* the kvstrata event classes */
-    PyTypeObject *matches_type, *match_type;  /* PrefixMatches, InstanceMatch */
-    PyObject *invalid_event, *invalid_instance;
-    PyObject *intern;  /* intern(name) -> id: the index's, for a name with no id yet */
-    PyObject *as_keys; /* as_keys(query, extra_key, cache_salt) -> page keys of token ids */
-    PyObject **names; /* id -> instance name (set_name), NULL when free */
-    Py_ssize_t names_cap;
-    PyObject **uniform; /* [tier * UNIFORM_RUNS + run]: (rank[tier],) * run, made on first use */
-    int64_t *spec;      /* (kind, tier bits, key count) per event of a batch */
-    Py_ssize_t spec_cap;
-} CoreObject;
-
-/* Room for `n` gathered keys; -1 with MemoryError set. */
-static int room(ix_t *x, int64_t n) {
-    if (n <= x->gathered_cap) return 0;
-    int64_t cap = x->gathered_cap ? x->gathered_cap : 256;
-    while (cap < n) cap *= 2;
-    uint8_t *g = (uint8_t *)ix_realloc(x->gathered, (size_t)(cap * x->key_len));
-    if (!g) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    x->gathered = g;
-    x->gathered_cap = cap;
-    return 0;
-}
-
-/* A batch of a million keys leaves no 32 MB buffer behind: the gathered keys go after it. */
-static void shrink(ix_t *x) {
-    if (x->gathered_cap > 65536) {
-        free(x->gathered);
-        x->gathered = 0;
-        x->gathered_cap = 0;
-    }
-}
-
-/* Copy the leading keys of `items` that are bytes (or a subclass) of key_len bytes into
-   x->gathered; returns how many (the first other item ends them), -1 with MemoryError set. */
-/* Start loading every key object (header and bytes: two lines at most) before reading any:
-   a batch's keys are scattered objects, and their misses then overlap. */
-static void prefetch_keys(PyObject *const *items, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        __builtin_prefetch(items[i]);
-        __builtin_prefetch((const char *)items[i] + 63);
-    }
-}
-
-static int64_t gather_prefix(ix_t *x, PyObject *const *items, Py_ssize_t n) {
-    if (room(x, n)) return -1;
-    int64_t kl = x->key_len;
-    prefetch_keys(items, n);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = items[i];
-        if (!PyBytes_Check(o) || PyBytes_GET_SIZE(o) != kl) return i;
-        memcpy(x->gathered + i * kl, PyBytes_AS_STRING(o), (size_t)kl);
-    }
-    return n;
-}
-
-/* The keys of one event, appended at x->gathered[at..]; InvalidEvent as the Python core words
-   it for a key that is no bytes of key_len. Returns the count, or -1 with an exception set. */
-static Py_ssize_t gather_event(CoreObject *c, PyObject *keys, int64_t at) {
-    ix_t *x = c->x;
-    PyObject *seq = PySequence_Fast(keys, "page_keys must be a sequence of bytes");
-    if (!seq) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    if (room(x, at + n)) {
-        Py_DECREF(seq);
-        return -1;
-    }
-    prefetch_keys(items, n);
-    int64_t kl = x->key_len;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = items[i];
-        if (!PyBytes_Check(o) || PyBytes_GET_SIZE(o) != kl) {
-            PyObject *r = PyObject_Repr(o);
-            PyObject *cut = r ? PyUnicode_Substring(r, 0, 80) : NULL;
-            if (cut)
-                PyErr_Format(c->invalid_event, "page keys are %lld-byte bytes, got %U",
-                             (long long)kl, cut);
-            Py_XDECREF(cut);
-            Py_XDECREF(r);
-            Py_DECREF(seq);
-            return -1;
-        }
-        memcpy(x->gathered + (at + i) * kl, PyBytes_AS_STRING(o), (size_t)kl);
-    }
-    Py_DECREF(seq);
-    return n;
-}
-
-/* The tier bits of `tier`, or -1 with InvalidEvent (an unknown tier) or another error set. */
-static int64_t tier_bits(CoreObject *c, PyObject *tier) {
-    PyObject *bit = PyDict_GetItemWithError(c->tier_bit, tier);
-    if (!bit) {
-        if (!PyErr_Occurred())
-            PyErr_Format(c->invalid_event, "tier %R has no weight; known: %U", tier, c->known);
-        return -1;
-    }
-    return PyLong_AsLongLong(bit);
-}
-
-/* Validate one event (the checks and messages of PrefixIndex._check_events, in its order) and
-   gather its keys; spec[0..2] = (kind, bits, count). 0, or -1 with an exception set. */
-static int take_event(CoreObject *c, PyObject *event, int64_t *spec, int64_t at) {
-    int64_t kind;
-    if (PyObject_TypeCheck(event, c->stored)) kind = 0;
-    else if (PyObject_TypeCheck(event, c->removed)) kind = 1;
-    else if (PyObject_TypeCheck(event, c->cleared)) kind = 2;
-    else {
-        PyObject *name = PyType_GetName(Py_TYPE(event));
-        if (name) {
-            PyErr_Format(c->invalid_event, "not a kvstrata KV event: %U", name);
-            Py_DECREF(name);
-        }
-        return -1;
-    }
-    if (kind == 0) {
-        PyObject *tpp = PyObject_GetAttr(event, s_tokens_per_page);
-        if (!tpp) return -1;
-        int other = PyObject_RichCompareBool(tpp, c->page_size, Py_NE);
-        if (other > 0)
-            PyErr_Format(c->invalid_event, "BlockStored of %S-token pages on an index of %S-token pages",
-                         tpp, c->page_size);
-        Py_DECREF(tpp);
-        if (other) return -1;
-    }
-    PyObject *tier = PyObject_GetAttr(event, s_tier);
-    if (!tier) return -1;
-    int64_t bits = kind == 2 && tier == Py_None ? c->x->all_tiers : tier_bits(c, tier);
-    Py_DECREF(tier);
-    if (bits < 0) return -1;
-    Py_ssize_t n = 0;
-    if (kind != 2) {
-        PyObject *keys = PyObject_GetAttr(event, s_page_keys);
-        if (!keys) return -1;
-        n = gather_event(c, keys, at);
-        Py_DECREF(keys);
-        if (n < 0) return -1;
-    }
-    spec[0] = kind;
-    spec[1] = bits;
-    spec[2] = n;
-    return 0;
-}
-
-static int check_instance(CoreObject *c, PyObject *instance) {
-    if (PyUnicode_Check(instance) && PyUnicode_GET_LENGTH(instance)) return 0;
-    PyErr_Format(c->invalid_instance, "an instance is named by a non-empty str, got %R", instance);
-    return -1;
-}
 
 /* apply(instance, events): PrefixIndex.apply. Validates the instance name and every event
    (raising, before any change, InvalidInstance / InvalidEvent as the Python core does); a name
@@ -293,109 +68,6 @@ done:
     shrink(x);
     Py_DECREF(seq);
     return result;
-}
-
-/* ix_match over the first `n` gathered keys, growing the output buffers it asks for. */
-static int64_t run_match(ix_t *x, int64_t n, int tiers) {
-    for (;;) {
-        int64_t got = ix_match(x, x->gathered, n, tiers);
-        if (got >= 0) return got;
-        if (got == -2) {
-            int64_t cap = 2 * x->res_cap;
-            int32_t *res = (int32_t *)ix_realloc(x->res, (size_t)cap * sizeof(int32_t));
-            if (!res) break;
-            x->res = res;
-            x->res_cap = cap;
-        } else if (got < -2) {
-            int64_t cap = 2 * (-3 - got);
-            uint8_t *pages = (uint8_t *)ix_realloc(x->pages, (size_t)cap);
-            if (!pages) break;
-            x->pages = pages;
-            x->page_cap = cap;
-        } else {
-            break;
-        }
-    }
-    PyErr_NoMemory();
-    return -1;
-}
-
-static PyObject *name_of(CoreObject *c, int32_t iid) {
-    if (iid < 0 || iid >= c->names_cap || !c->names[iid]) {
-        PyErr_Format(PyExc_SystemError, "the index holds keys of instance id %d, which has no name",
-                     (int)iid);
-        return NULL;
-    }
-    return c->names[iid];
-}
-
-/* A tuple of the exact subclass `type` (a NamedTuple: no dict, no extra slots, checked at
-   construction) holding `n` new references. */
-static PyObject *new_named(PyTypeObject *type, Py_ssize_t n, PyObject **items) {
-    PyObject *t = type->tp_alloc(type, n);
-    if (!t) {
-        for (Py_ssize_t i = 0; i < n; i++) Py_DECREF(items[i]);
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(t, i, items[i]);
-    return t;
-}
-
-static PyObject *repeated(PyObject *item, int64_t run) {
-    PyObject *t = PyTuple_New((Py_ssize_t)run);
-    if (!t) return NULL;
-    for (int64_t d = 0; d < run; d++) PyTuple_SET_ITEM(t, d, Py_NewRef(item));
-    return t;
-}
-
-/* (rank[tier],) * run, shared for short runs. New reference. */
-static PyObject *uniform_tiers(CoreObject *c, int32_t tier, int64_t run) {
-    PyObject *name = PyTuple_GET_ITEM(c->rank, tier);
-    if (run >= UNIFORM_RUNS) return repeated(name, run);
-    PyObject **slot = &c->uniform[(int64_t)tier * UNIFORM_RUNS + run];
-    if (!*slot) *slot = repeated(name, run);
-    return Py_XNewRef(*slot);
-}
-
-/* PrefixMatches(num_pages, {name: InstanceMatch(run, tiers)}, False) of the `got` instances
-   ix_match wrote. */
-static PyObject *matches(CoreObject *c, Py_ssize_t num_pages, int64_t got) {
-    ix_t *x = c->x;
-    PyObject *by = PyDict_New();
-    if (!by) return NULL;
-    for (int64_t j = 0; j < got; j++) {
-        int32_t run = x->res[3 * j + 1], tier = x->res[3 * j + 2];
-        PyObject *name = name_of(c, x->res[3 * j]);
-        if (!name) goto fail;
-        PyObject *tiers;
-        if (tier >= 0) {
-            tiers = uniform_tiers(c, tier, run);
-        } else {
-            const uint8_t *p = x->pages + (-1 - tier);
-            tiers = PyTuple_New(run);
-            for (int32_t d = 0; tiers && d < run; d++)
-                PyTuple_SET_ITEM(tiers, d, Py_NewRef(PyTuple_GET_ITEM(c->rank, p[d])));
-        }
-        if (!tiers) goto fail;
-        PyObject *count = PyLong_FromLong(run);
-        if (!count) {
-            Py_DECREF(tiers);
-            goto fail;
-        }
-        PyObject *pair[2] = {count, tiers};
-        PyObject *m = new_named(c->match_type, 2, pair);
-        if (!m) goto fail;
-        int bad = PyDict_SetItem(by, name, m);
-        Py_DECREF(m);
-        if (bad) goto fail;
-    }
-    PyObject *num = PyLong_FromSsize_t(num_pages);
-    if (!num) goto fail;
-    PyObject *three[3] = {num, by, Py_NewRef(Py_False)};
-    return new_named(c->matches_type, 3, three);
-fail:
-    Py_DECREF(by);
-    return NULL;
 }
 
 /* The PrefixMatches of `query`, a list / tuple: its keys up to the first that is no bytes of
@@ -466,17 +138,6 @@ static PyObject *Core_lengths(CoreObject *c, PyObject *keys) {
     return out;
 }
 
-/* An id argument: -1 with ValueError set when out of range. */
-static long iid_arg(PyObject *arg) {
-    long iid = PyLong_AsLong(arg);
-    if (iid == -1 && PyErr_Occurred()) return -1;
-    if (iid < 0 || iid >= MAX_IID) {
-        PyErr_Format(PyExc_ValueError, "instance id %ld out of range", iid);
-        return -1;
-    }
-    return iid;
-}
-
 /* set_name(id, name | None): the name results give instance `id` (None: the id is free). */
 static PyObject *Core_set_name(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
@@ -506,12 +167,6 @@ static PyObject *Core_drop(CoreObject *c, PyObject *arg) {
     long iid = iid_arg(arg);
     if (iid < 0) return NULL;
     return PyLong_FromLongLong(clear(c->x, (uint32_t)iid, (uint32_t)c->x->all_tiers));
-}
-
-static PyObject *Core_held(CoreObject *c, PyObject *arg) {
-    long iid = iid_arg(arg);
-    if (iid < 0) return NULL;
-    return PyLong_FromLongLong(ix_held(c->x, iid));
 }
 
 /* holdings(id) -> [(key, tier bits)] of instance `id`. */
@@ -545,21 +200,6 @@ static PyObject *Core_stats(CoreObject *c, PyObject *Py_UNUSED(ignored)) {
 /* check() -> 0 when every invariant of the C structures holds, else the first broken one. */
 static PyObject *Core_check(CoreObject *c, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromLongLong(ix_check(c->x));
-}
-
-/* Exactly bytes of key_len, every one (hashes, the raw calls); -1 with ValueError set. */
-static int64_t gather_all(ix_t *x, PyObject *keys) {
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence of bytes");
-    if (!seq) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    int64_t m = gather_prefix(x, PySequence_Fast_ITEMS(seq), n);
-    Py_DECREF(seq);
-    if (m >= 0 && m < n) {
-        PyErr_Format(PyExc_ValueError, "key %lld is no bytes of %lld bytes", (long long)m,
-                     (long long)x->key_len);
-        return -1;
-    }
-    return m;
 }
 
 /* hashes(keys) -> [64-bit hash of each key] (tests: keys whose slot bits collide). */
@@ -750,7 +390,6 @@ static PyMethodDef Core_methods[] = {
     {"lengths", (PyCFunction)Core_lengths, METH_O, NULL},
     {"set_name", (PyCFunction)(void (*)(void))Core_set_name, METH_FASTCALL, NULL},
     {"drop", (PyCFunction)Core_drop, METH_O, NULL},
-    {"held", (PyCFunction)Core_held, METH_O, NULL},
     {"holdings", (PyCFunction)Core_holdings, METH_O, NULL},
     {"stats", (PyCFunction)Core_stats, METH_NOARGS, NULL},
     {"check", (PyCFunction)Core_check, METH_NOARGS, NULL},
@@ -799,3 +438,4 @@ PyMODINIT_FUNC PyInit_kvstrata_prefix_index_core(void) {
     }
     return m;
 }
+

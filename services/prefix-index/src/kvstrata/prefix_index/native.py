@@ -1,6 +1,6 @@
-"""The index's entries in C: `index_core.c` (the table) and `index_ext.c` (the Python type
-`Core` over it), compiled as one source into an extension module of this interpreter at first
-use (`kvstrata.pool.native.native_extension`: system C compiler, the interpreter's headers,
+"""The index's entries in C: `index_core.c` (the table), `index_convert.c` (Python objects in
+and out) and `index_ext.c` (the Python type `Core`), compiled as one source into an extension
+module of this interpreter at first use (`kvstrata.pool.native.native_extension`: system C compiler, the interpreter's headers,
 per-machine cache; `KVSTRATA_NATIVE=0` turns it off, `kvstrata.pool.native.disabled()` keeps
 indexes made inside it off it). Without it (no compiler, no Python headers, turned off)
 `PrefixIndex` keeps its entries in Python dicts: same answers and errors, ~3-5x slower;
@@ -32,9 +32,11 @@ from kvstrata.prefix_index.errors import InvalidEvent, InvalidInstance
 from kvstrata.prefix_index.results import InstanceMatch, PrefixMatches
 from kvstrata.unified_radix_cache import AllBlocksCleared, BlockRemoved, BlockStored
 
-#: The C sources, compiled as one translation unit (`source()`): the table, entries and
-#: operations, then the integrity check and the Python type.
-SOURCES = (Path(__file__).with_name("index_core.c"), Path(__file__).with_name("index_ext.c"))
+#: The C sources, compiled as one translation unit (`source()`): the table, entries,
+#: operations and integrity check; the conversions from and to Python objects; the type.
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("index_core.c", "index_convert.c", "index_ext.c")
+)
 #: The extension module's name (its `PyInit_` function).
 MODULE = "kvstrata_prefix_index_core"
 
@@ -43,7 +45,7 @@ _lock = threading.Lock()
 
 
 def source() -> Path:
-    """The two C files as one, written once per process into a private temporary folder
+    """The C files as one, written once per process into a private temporary folder
     (removed at exit). `native_extension` caches the build by the text it compiles, so an edit
     of either file makes a new module, and the same text on the same machine builds once."""
     with _lock:
