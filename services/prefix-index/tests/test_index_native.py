@@ -364,3 +364,61 @@ def test_a_batch_cut_short_by_a_failed_allocation_stays_consistent() -> None:
     else:
         pytest.fail("the store failed for every allocation")
     assert failures >= 5
+
+
+def test_a_dropped_native_index_is_collected() -> None:
+    """The C core holds the index's bound methods (interning, keying): a cycle the garbage
+    collector must see and break."""
+    import gc
+    import weakref
+
+    index = PrefixIndex(1)
+    index.apply("a", [BlockStored(page_keys=KEYS[:3], parent_key=None, tokens_per_page=1)])
+    gone = weakref.ref(index)
+    del index
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_new_instance_fed_a_generator_gets_every_event() -> None:
+    fast, slow = twins()
+    batch = [
+        BlockStored(page_keys=KEYS[:4], parent_key=None, tokens_per_page=1),
+        BlockRemoved(page_keys=KEYS[2:3]),
+    ]
+    for index in (fast, slow):
+        index.apply("new", (event for event in batch))
+        index.check_integrity()
+    assert fast.holdings("new") == slow.holdings("new") and len(fast.holdings("new")) == 3
+    assert fast.find_matches(list(KEYS[:4])) == slow.find_matches(list(KEYS[:4]))
+
+
+def test_the_core_refuses_bad_arguments_without_changing_anything() -> None:
+    fast, _ = twins()
+    fast.apply("a", [BlockStored(page_keys=KEYS[:2], parent_key=None, tokens_per_page=1)])
+    core = core_of(fast)
+    before = core.stats()
+    with pytest.raises(TypeError, match="keyword"):
+        fast.find_matches(list(KEYS), extra=1)  # pyright: ignore[reportCallIssue]
+    with pytest.raises(ValueError, match="key 1"):
+        core.apply_keys(0, 0, 1, [KEYS[3], b"short"])
+    with pytest.raises(ValueError, match="kind 0 or 1"):
+        core.apply_keys(0, 2, 1, [KEYS[3]])
+    with pytest.raises(ValueError, match="tier bits"):
+        core.apply_keys(0, 0, 64, [KEYS[3]])
+    with pytest.raises(ValueError, match="out of range"):
+        core.apply_keys(-1, 0, 1, [KEYS[3]])
+    with pytest.raises(ValueError, match="out of range"):
+        core.set_name(1 << 30, "x")
+    with pytest.raises(ValueError, match="key 0"):
+        core.hashes(["text"])  # pyright: ignore[reportArgumentType]
+    assert core.stats() == before
+    bare = native_core(32, {"device": 1}, None)
+    assert bare is not None
+    stored = BlockStored(page_keys=KEYS[:1], parent_key=None, tokens_per_page=1)
+    with pytest.raises(LookupError, match="no id"):
+        bare.apply("a", [stored])  # no interning callback: an unknown name is an error
+    with pytest.raises(TypeError, match="page keys"):
+        bare.find_matches([1, 2, 3])  # no keyer: token ids are refused
+    bare.apply_keys(0, 0, 1, list(KEYS[:3]))
+    assert bare.match_count(list(KEYS[:2])) == 1 and bare.stats()[:2] == (3, 3)
