@@ -1,17 +1,18 @@
 """The index's entries in C: `index_core.c` (the table), `index_convert.c` (Python objects in
 and out) and `index_ext.c` (the Python type `Core`), compiled as one source into an extension
-module of this interpreter at first use (`kvstrata.pool.native.native_extension`: system C compiler, the interpreter's headers,
-per-machine cache; `KVSTRATA_NATIVE=0` turns it off, `kvstrata.pool.native.disabled()` keeps
-indexes made inside it off it). Without it (no compiler, no Python headers, turned off)
-`PrefixIndex` keeps its entries in Python dicts: same answers and errors, ~3-5x slower;
-`native_status()` says which and why.
+module of this interpreter at first use (`kvstrata.pool.native.native_extension`: system C
+compiler, the interpreter's headers, per-machine cache; `KVSTRATA_NATIVE=0` turns it off,
+`kvstrata.pool.native.disabled()` keeps indexes made inside it off it). Without it (no
+compiler, no Python headers, turned off) `PrefixIndex` keeps its entries in Python dicts:
+same answers and errors, ~5x slower; `native_status()` says which and why.
 
 Why an extension module: with the table in C the index's cost was the Python around each call
 (argument checks, instance lookup, result objects) and ctypes' argument conversion (~1 us a
 call, as much as the table work). `Core.apply(instance, events)` validates a whole event batch
 (raising the Python core's exceptions, with its messages, before any change) and applies it in
-one call; `Core.find(keys)` matches a lookup and builds the `PrefixMatches` result in C; both
-read the keys straight from the bytes objects.
+one call; `Core.find_matches(keys)` matches a lookup and builds the `PrefixMatches` result in
+C; both read the keys straight from the bytes objects. On a native index these are the
+index's own `apply` / `find_matches` / `match_lengths` (no Python frame per call).
 
 Hash collisions: a slot stores 32 bits of the key's 64-bit hash to skip most non-matches, but
 every match compares the full key bytes, so two keys with one hash are two entries.
