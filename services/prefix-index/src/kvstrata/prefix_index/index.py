@@ -1,9 +1,11 @@
 """`PrefixIndex`: page key -> which instances hold it, on which tiers.
 
-Two cores hold the entries, with the same API and answers: the compiled one (`native`,
-`index_core.c`: the default where a C compiler exists; `KVSTRATA_NATIVE=0` turns it off) and the
-Python one below (whose dict, key sets and packed ints then stay empty). Validation, instance
-names and ids, sequences and dumps stay here for both.
+Two cores hold the entries, with the same API, answers and errors: the compiled one (`native`:
+a CPython extension module built from `index_core.c`, `index_convert.c` and `index_ext.c`, the
+default where a C compiler and the Python headers exist; `KVSTRATA_NATIVE=0` turns it off) and
+the Python one below (whose dict, key sets and packed ints then stay empty). On the native core
+`apply`, `find_matches` and `match_lengths` are the C type's methods (validation included);
+instance names and ids, sequences and dumps stay here for both.
 
 Keys are the chained page keys of `kvstrata.storage.PageKeyer` (key_i names the whole prefix up
 to page i), so the index is a flat map, not a tree: the longest cached prefix of a prompt on an
@@ -364,7 +366,8 @@ class PrefixIndex:
 
     @property
     def core(self) -> str:
-        """Which core holds the entries: "native" (C, `index_core.c`) or "python"."""
+        """Which core holds the entries: "native" (the C extension) or "python"
+        (`native.native_status()` says why)."""
         return "python" if self._core is None else "native"
 
     @property
@@ -399,7 +402,7 @@ class PrefixIndex:
     def check_integrity(self) -> None:
         """Every entry's groups are valid (holds bit set exactly when a tier bit is) and name
         live instances whose key sets hold the key, and nothing else is in those sets; the id
-        maps agree; the bound holds. On the native core: its own invariants (`kvx_check`) and
+        maps agree; the bound holds. On the native core: its own invariants (`Core.check`) and
         no entry held by an id not in use."""
         assert set(self._ids.values()) == set(self._names), "instance id maps disagree"
         assert not set(self._free_ids) & set(self._names), "a free id is in use"

@@ -20,9 +20,10 @@ import time
 import tracemalloc
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat, takewhile
+from typing import Protocol
 
 import numpy as np
 
@@ -107,7 +108,26 @@ def build_op_stream(
     return OpStream(page_size=page_size, requests=tuple(out))
 
 
-def replay_ops(index: PrefixIndex, stream: OpStream) -> OpTiming:
+class Replayable(Protocol):
+    """What a replay calls: a `PrefixIndex`, or `NullIndex` (the harness alone)."""
+
+    def find_matches(self, tokens_or_page_keys: Sequence[bytes], /) -> object: ...
+
+    def apply(self, instance: str, events: Iterable[KVEvent], /) -> None: ...
+
+
+class NullIndex:
+    """Does nothing: a replay into it costs what the replay loop and its per-op clock reads
+    cost (`harness_ns_per_op`), the part of a timed replay's CPU that is not the index."""
+
+    def find_matches(self, tokens_or_page_keys: Sequence[bytes], /) -> object:
+        return None
+
+    def apply(self, instance: str, events: Iterable[KVEvent], /) -> None:
+        return None
+
+
+def replay_ops(index: Replayable, stream: OpStream) -> OpTiming:
     """Replay `stream` into `index`, timing every op (perf_counter_ns around each call). The
     garbage collector is collected before and left on."""
     lookups = array("q")
@@ -149,7 +169,7 @@ def replay_ops(index: PrefixIndex, stream: OpStream) -> OpTiming:
     )
 
 
-def replay_untimed(index: PrefixIndex, stream: OpStream) -> float:
+def replay_untimed(index: Replayable, stream: OpStream) -> float:
     """Replay `stream` into `index` with no per-op clock; returns this process's CPU seconds."""
     find, apply = index.find_matches, index.apply
     gc.collect()
