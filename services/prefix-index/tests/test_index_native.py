@@ -422,3 +422,29 @@ def test_the_core_refuses_bad_arguments_without_changing_anything() -> None:
         bare.find_matches([1, 2, 3])  # no keyer: token ids are refused
     bare.apply_keys(0, 0, 1, list(KEYS[:3]))
     assert bare.match_count(list(KEYS[:2])) == 1 and bare.stats()[:2] == (3, 3)
+
+
+def test_a_call_that_re_enters_the_core_is_refused_and_changes_nothing() -> None:
+    """Python code can run inside a native call (here an event's attribute read): a call of
+    the same core from there would move its scratch buffers under the outer call, so it
+    raises RuntimeError, and the outer call, which then fails, has changed nothing."""
+    index = PrefixIndex(1)
+    index.apply("a", [BlockStored(page_keys=KEYS[:2], parent_key=None, tokens_per_page=1)])
+    seen: list[BaseException] = []
+
+    class Sneaky(BlockStored):
+        def __getattribute__(self, name: str) -> object:
+            if name == "page_keys":
+                try:
+                    index.find_matches(list(KEYS))
+                except RuntimeError as exc:
+                    seen.append(exc)
+                    raise
+            return super().__getattribute__(name)
+
+    before = index.stats(), index.holdings("a")
+    with pytest.raises(RuntimeError, match="called again"):
+        index.apply("a", [Sneaky(page_keys=KEYS[2:4], parent_key=None, tokens_per_page=1)])
+    assert seen and (index.stats(), index.holdings("a")) == before
+    index.check_integrity()
+    assert index.find_matches(list(KEYS)).by_instance["a"].num_pages == 2

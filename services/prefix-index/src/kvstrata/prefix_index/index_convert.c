@@ -28,6 +28,7 @@ typedef struct {
     Py_ssize_t names_cap;
     PyObject **uniform; /* [tier * UNIFORM_RUNS + run]: (rank[tier],) * run, made on first use */
     int64_t *spec;      /* (kind, tier bits, key count) per event of a batch */
+    int busy;           /* a call is using the scratch buffers (see `guarded`, index_ext.c) */
     Py_ssize_t spec_cap;
 } CoreObject;
 

@@ -11,7 +11,7 @@
    with no id yet is interned (`intern`, then validated again: the callback may run any
    Python code); then the batch is applied in one go. MemoryError when memory runs out
    mid-batch (applied in part, every structure consistent). */
-static PyObject *Core_apply(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *Core_apply_body(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "apply(instance, events)");
         return NULL;
@@ -84,7 +84,7 @@ static PyObject *find_keys(CoreObject *c, PyObject *query) {
 /* find_matches(query, *, extra_key=None, cache_salt=None): PrefixIndex.find_matches. A list /
    tuple that is empty or opens with a bytes object is page keys; anything else is token ids,
    keyed by `as_keys` (the index's keyer, in the namespace given). */
-static PyObject *Core_find_matches(CoreObject *c, PyObject *const *args, Py_ssize_t nargs,
+static PyObject *Core_find_matches_body(CoreObject *c, PyObject *const *args, Py_ssize_t nargs,
                                    PyObject *kwnames) {
     PyObject *extra_key = Py_None, *cache_salt = Py_None;
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
@@ -119,7 +119,7 @@ static PyObject *Core_find_matches(CoreObject *c, PyObject *const *args, Py_ssiz
 }
 
 /* lengths(keys) -> {name: pages matched}: the routing lookup, no tiers. */
-static PyObject *Core_lengths(CoreObject *c, PyObject *keys) {
+static PyObject *Core_lengths_body(CoreObject *c, PyObject *keys) {
     PyObject *seq = PySequence_Fast(keys, "page keys must be a sequence");
     if (!seq) return NULL;
     ix_t *x = c->x;
@@ -203,7 +203,7 @@ static PyObject *Core_check(CoreObject *c, PyObject *Py_UNUSED(ignored)) {
 }
 
 /* hashes(keys) -> [64-bit hash of each key] (tests: keys whose slot bits collide). */
-static PyObject *Core_hashes(CoreObject *c, PyObject *keys) {
+static PyObject *Core_hashes_body(CoreObject *c, PyObject *keys) {
     ix_t *x = c->x;
     int64_t n = gather_all(x, keys);
     if (n < 0) return NULL;
@@ -219,7 +219,7 @@ static PyObject *Core_hashes(CoreObject *c, PyObject *keys) {
 
 /* match_count(keys) -> instances matched: the lookup without names or result objects
    (opstream.native_floor: what the index cannot go below). */
-static PyObject *Core_match_count(CoreObject *c, PyObject *keys) {
+static PyObject *Core_match_count_body(CoreObject *c, PyObject *keys) {
     int64_t n = gather_all(c->x, keys);
     int64_t got = n > 0 ? run_match(c->x, n, 1) : n;
     shrink(c->x);
@@ -228,7 +228,7 @@ static PyObject *Core_match_count(CoreObject *c, PyObject *keys) {
 
 /* apply_keys(id, kind, bits, keys): one store (kind 0) or removal (1) of `keys` on tier `bits`
    for instance `id`, without events or names (opstream.native_floor). */
-static PyObject *Core_apply_keys(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *Core_apply_keys_body(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "apply_keys(id, kind, bits, keys)");
         return NULL;
@@ -260,6 +260,39 @@ static PyObject *Core_fail_allocation(CoreObject *Py_UNUSED(c), PyObject *arg) {
     int64_t was = fail_after;
     fail_after = after < 0 ? -1 : after;
     return PyLong_FromLongLong(was);
+}
+
+/* The calls that use the scratch buffers (keys gathered, event specs, match output) refuse to
+   run inside one another: Python code can run in the middle of one (an event subclass's
+   attribute, the interning or keying callback, a finalizer run by the garbage collector), and
+   a nested call would move the buffers under the outer one. */
+static int enter(CoreObject *c) {
+    if (!c->busy) return c->busy = 1, 0;
+    PyErr_SetString(PyExc_RuntimeError,
+                    "the index's core was called again from inside one of its calls");
+    return -1;
+}
+
+#define GUARD(call) \
+    if (enter(c)) return NULL; \
+    PyObject *out = call; \
+    c->busy = 0; \
+    return out;
+
+static PyObject *Core_apply(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
+    GUARD(Core_apply_body(c, args, nargs))
+}
+static PyObject *Core_find_matches(CoreObject *c, PyObject *const *args, Py_ssize_t nargs,
+                                   PyObject *kwnames) {
+    GUARD(Core_find_matches_body(c, args, nargs, kwnames))
+}
+static PyObject *Core_lengths(CoreObject *c, PyObject *keys) { GUARD(Core_lengths_body(c, keys)) }
+static PyObject *Core_hashes(CoreObject *c, PyObject *keys) { GUARD(Core_hashes_body(c, keys)) }
+static PyObject *Core_match_count(CoreObject *c, PyObject *keys) {
+    GUARD(Core_match_count_body(c, keys))
+}
+static PyObject *Core_apply_keys(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
+    GUARD(Core_apply_keys_body(c, args, nargs))
 }
 
 static int named_tuple_type(PyTypeObject *t) {
