@@ -448,3 +448,20 @@ def test_a_call_that_re_enters_the_core_is_refused_and_changes_nothing() -> None
     assert seen and (index.stats(), index.holdings("a")) == before
     index.check_integrity()
     assert index.find_matches(list(KEYS)).by_instance["a"].num_pages == 2
+
+
+def test_without_python_headers_the_python_core_runs_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvstrata.pool.native import ExtensionBuild
+    from kvstrata.prefix_index import native as index_native
+
+    reason = "no Python headers (Python.h) in '/nowhere'"
+    monkeypatch.setattr(
+        index_native, "native_extension", lambda *_: ExtensionBuild(None, None, reason)
+    )
+    assert index_native.native_status() == f"python: {reason}"
+    index = PrefixIndex(1)
+    assert index.core == "python"
+    index.apply("a", [BlockStored(page_keys=KEYS[:2], parent_key=None, tokens_per_page=1)])
+    assert index.match_lengths(list(KEYS)) == {"a": 2}
