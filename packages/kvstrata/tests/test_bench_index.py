@@ -45,6 +45,7 @@ def test_bench_names_the_core_and_compares_with_python(
     assert ("python_core" in ops) == native
     assert ("native_floor_ops_per_cpu_s" in ops) == native
     assert ops["unbounded"]["ops"] == ops["requests"] + ops["events"]  # type: ignore[index]
+    assert int(ops["harness_ns_per_op"]) > 0  # pyright: ignore[reportArgumentType]
     assert memory["entries"] == 9
 
 

@@ -1,13 +1,15 @@
-"""The compiled core (`index_core.c` via `kvstrata.prefix_index.native`) against the Python
-entries it replaces: twin indexes, one made inside `kvstrata.pool.native.disabled()`, fed the
-same random event streams (stores, removals per tier, clears, multi-event batches, drops with
-ids reused, bad events), bounded and unbounded, must give the same find_matches, match_lengths,
-score, holdings, len and stats after every step, and pass check_integrity. Keys whose hashes
-collide in the C table's slot bits stay distinct entries."""
+"""The compiled core (`index_core.c` + `index_ext.c`, an extension module built by
+`kvstrata.prefix_index.native`) against the Python entries it replaces: twin indexes, one made
+inside `kvstrata.pool.native.disabled()`, fed the same random event streams (stores, removals
+per tier, clears, multi-event batches, drops with ids reused, bad events and bad instance
+names, events as lists, tuples and generators, queries as lists, tuples and token ids),
+bounded and unbounded, must give the same find_matches, match_lengths, score, holdings, len and
+stats (and the same errors, type and message) after every step, and pass check_integrity. Keys
+whose hashes collide in the C table's slot bits stay distinct entries."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstrata.pool import native
 from kvstrata.prefix_index import PrefixIndex
-from kvstrata.prefix_index.native import NativeCore, native_core
+from kvstrata.prefix_index.native import Core, native_core
 from kvstrata.prefix_index.opstream import build_op_stream
 from kvstrata.unified_radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -32,18 +34,19 @@ runs = st.tuples(st.integers(0, 13), st.integers(1, 7)).map(lambda t: KEYS[t[0] 
 queries = st.lists(st.sampled_from(KEYS), max_size=9) | runs.map(list)
 
 
-def twins(*, in_place: bool = True, **kwargs: object) -> tuple[PrefixIndex, PrefixIndex]:
-    """A native index and a Python one; `in_place=False`: the native one joins keys in Python
-    instead of reading the tuples in place (the path of interpreters with another layout)."""
+def twins(**kwargs: object) -> tuple[PrefixIndex, PrefixIndex]:
+    """A native index and a Python one."""
     fast = PrefixIndex(1, **kwargs)  # pyright: ignore[reportArgumentType]
     with native.disabled():
         slow = PrefixIndex(1, **kwargs)  # pyright: ignore[reportArgumentType]
     assert fast.core == "native" and slow.core == "python"
-    core = fast._core  # pyright: ignore[reportPrivateUsage]
-    assert core is not None
-    if not in_place:
-        core._in_place = False  # pyright: ignore[reportPrivateUsage]
     return fast, slow
+
+
+def core_of(index: PrefixIndex) -> Core:
+    core = index._core
+    assert core is not None
+    return core
 
 
 def both(fast: PrefixIndex, slow: PrefixIndex, op: Callable[[PrefixIndex], object]) -> object:
@@ -83,38 +86,59 @@ bad_events = st.sampled_from(
 )
 
 
-class NativeVersusPython(RuleBasedStateMachine):
-    in_place = True
+def shaped(batch: list[KVEvent], form: str) -> Iterable[KVEvent]:
+    """The batch as a list, a tuple or a one-shot generator (apply reads each once)."""
+    if form == "tuple":
+        return tuple(batch)
+    if form == "iter":
+        return (event for event in batch)
+    return batch
 
+
+forms = st.sampled_from(("list", "tuple", "iter"))
+
+
+class NativeVersusPython(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.fast, self.slow = twins(in_place=self.in_place)
+        self.fast, self.slow = twins()
 
     @rule(bound=st.sampled_from((None, 3, 6, 10)))
     def restart(self, bound: int | None) -> None:
         """Start over with a bound (small ones evict on most stores)."""
-        self.fast, self.slow = twins(in_place=self.in_place, max_entries=bound)
+        self.fast, self.slow = twins(max_entries=bound)
 
-    @rule(name=st.sampled_from(NAMES), batch=st.lists(events, min_size=1, max_size=4))
-    def apply(self, name: str, batch: list[KVEvent]) -> None:
-        both(self.fast, self.slow, lambda ix: ix.apply(name, batch))
+    @rule(name=st.sampled_from(NAMES), batch=st.lists(events, max_size=4), form=forms)
+    def apply(self, name: str, batch: list[KVEvent], form: str) -> None:
+        both(self.fast, self.slow, lambda ix: ix.apply(name, shaped(batch, form)))
 
     @rule(
         name=st.sampled_from(NAMES),
         good=st.lists(events, max_size=2),
         bad=bad_events,
+        form=forms,
     )
-    def apply_bad(self, name: str, good: list[KVEvent], bad: KVEvent) -> None:
-        err = both(self.fast, self.slow, lambda ix: ix.apply(name, [*good, bad]))
+    def apply_bad(self, name: str, good: list[KVEvent], bad: KVEvent, form: str) -> None:
+        err = both(self.fast, self.slow, lambda ix: ix.apply(name, shaped([*good, bad], form)))
         assert isinstance(err, str), "a bad event must be refused"
+
+    @rule(name=st.sampled_from(("", None, 7, b"a")), batch=st.lists(events, max_size=2))
+    def apply_bad_name(self, name: object, batch: list[KVEvent]) -> None:
+        err = both(self.fast, self.slow, lambda ix: ix.apply(name, batch))  # pyright: ignore[reportArgumentType]
+        assert isinstance(err, str), "a bad instance name must be refused"
 
     @rule(name=st.sampled_from(NAMES))
     def drop(self, name: str) -> None:
         both(self.fast, self.slow, lambda ix: ix.drop_instance(name))
 
-    @rule(query=queries)
-    def find(self, query: list[bytes]) -> None:
-        both(self.fast, self.slow, lambda ix: ix.find_matches(query))
+    @rule(query=queries, as_tuple=st.booleans())
+    def find(self, query: list[bytes], as_tuple: bool) -> None:
+        asked = tuple(query) if as_tuple else query
+        both(self.fast, self.slow, lambda ix: ix.find_matches(asked))
+
+    @rule(tokens=st.lists(st.integers(0, 3), max_size=6))
+    def find_tokens(self, tokens: list[int]) -> None:
+        both(self.fast, self.slow, lambda ix: ix.find_matches(np.asarray(tokens, np.int64)))
 
     @rule(query=queries)
     def lengths(self, query: list[bytes]) -> None:
@@ -143,19 +167,8 @@ TestNativeVersusPython = NativeVersusPython.TestCase
 TestNativeVersusPython.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
 
 
-class JoinedKeysVersusPython(NativeVersusPython):
-    in_place = False
-
-
-TestJoinedKeysVersusPython = JoinedKeysVersusPython.TestCase
-TestJoinedKeysVersusPython.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None
-)
-
-
-@pytest.mark.parametrize("in_place", [True, False])
-def test_queries_with_odd_keys_stop_where_the_python_index_stops(in_place: bool) -> None:
-    fast, slow = twins(in_place=in_place)
+def test_queries_with_odd_keys_stop_where_the_python_index_stops() -> None:
+    fast, slow = twins()
     for index in (fast, slow):
         index.apply("a", [BlockStored(page_keys=KEYS[:4], parent_key=None, tokens_per_page=1)])
     # A 33-byte key then a 31-byte one: joined they are 64 bytes, as two keys would be.
@@ -167,13 +180,13 @@ def test_queries_with_odd_keys_stop_where_the_python_index_stops(in_place: bool)
     assert fast.find_matches(spliced).by_instance["a"].num_pages == 1
 
 
-def _colliding_keys(core: NativeCore) -> tuple[bytes, bytes]:
+def _colliding_keys(core: Core) -> tuple[bytes, bytes]:
     """Two distinct keys whose hashes agree in the 32 bits a slot keeps (same home slot, same
     tag): only the full key comparison tells them apart. Birthday search, fixed seed."""
     rng = np.random.default_rng(7)
     raw = rng.integers(0, 256, size=(300_000, 32), dtype=np.uint8)
     keys = [row.tobytes() for row in raw]
-    low = np.frombuffer(core.hashes(keys), dtype=np.uint64) & np.uint64(0xFFFFFFFF)
+    low = np.array(core.hashes(keys), dtype=np.uint64) & np.uint64(0xFFFFFFFF)
     order = np.argsort(low, kind="stable")
     same = np.flatnonzero(low[order][1:] == low[order][:-1])
     assert same.size, "no 32-bit collision among 300k keys (probability ~3e-5)"
@@ -184,8 +197,7 @@ def _colliding_keys(core: NativeCore) -> tuple[bytes, bytes]:
 
 def test_keys_that_collide_in_the_table_stay_distinct() -> None:
     fast, slow = twins(max_entries=4)
-    core = fast._core  # pyright: ignore[reportPrivateUsage]
-    assert core is not None
+    core = core_of(fast)
     a, b = _colliding_keys(core)
     hashes = core.hashes([a, b])
     assert hashes[0] & 0xFFFFFFFF == hashes[1] & 0xFFFFFFFF
@@ -212,8 +224,8 @@ def test_twins_agree_on_every_lookup_of_an_op_stream() -> None:
         [int(t) for t in rng.integers(0, 4, size=int(rng.integers(2, 30)))] for _ in range(300)
     ]
     stream = build_op_stream(prompts, num_instances=3, capacity_pages=120)
-    for bound, in_place in ((None, True), (150, True), (150, False)):
-        fast, slow = twins(max_entries=bound, in_place=in_place)
+    for bound in (None, 150, 40):
+        fast, slow = twins(max_entries=bound)
         for req in stream.requests:
             assert fast.find_matches(req.page_keys) == slow.find_matches(req.page_keys)
             fast.apply(req.instance, req.events)
@@ -224,21 +236,20 @@ def test_twins_agree_on_every_lookup_of_an_op_stream() -> None:
 
 
 def test_kvstrata_native_0_keeps_the_python_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvstrata.pool.native import build
-    from kvstrata.prefix_index.native import source
+    from kvstrata.pool.native import build_extension
+    from kvstrata.prefix_index.native import MODULE, source
 
     monkeypatch.setenv("KVSTRATA_NATIVE", "0")
-    made = build(source())
-    assert made.library is None and "KVSTRATA_NATIVE" in made.reason
+    made = build_extension(source(), MODULE)
+    assert made.module is None and "KVSTRATA_NATIVE" in made.reason
 
 
 class _Key(bytes):
     """A bytes subclass: hashed and compared as its bytes, so the Python entries take it."""
 
 
-@pytest.mark.parametrize("in_place", [True, False])
-def test_keys_of_a_bytes_subclass_count_as_their_bytes(in_place: bool) -> None:
-    fast, slow = twins(in_place=in_place)
+def test_keys_of_a_bytes_subclass_count_as_their_bytes() -> None:
+    fast, slow = twins()
     for index in (fast, slow):
         index.apply("a", [BlockStored(page_keys=KEYS[:4], parent_key=None, tokens_per_page=1)])
     odd = [KEYS[0], _Key(KEYS[1]), KEYS[2]]
@@ -285,18 +296,16 @@ def _state(index: PrefixIndex) -> object:
     )
 
 
-@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("bound", [None, 17])
-def test_a_failed_allocation_changes_nothing(bound: int | None, in_place: bool) -> None:
+def test_a_failed_allocation_changes_nothing(bound: int | None) -> None:
     """`a` holds 16 keys (its key list full): storing a 17th grows the list. Each allocation
     in turn fails: MemoryError, and the index is as before (no entry without holders, no
     eviction on a bounded index); once none fails, the twins agree."""
     new = bytes([99]) * 32
     failures = 0
     for after in range(40):
-        fast, slow = twins(in_place=in_place, max_entries=bound)
-        core = fast._core  # pyright: ignore[reportPrivateUsage]
-        assert core is not None
+        fast, slow = twins(max_entries=bound)
+        core = core_of(fast)
         owned = tuple(bytes([i]) * 32 for i in range(100, 116))
         for index in (fast, slow):
             index.apply(
@@ -315,8 +324,7 @@ def test_a_failed_allocation_changes_nothing(bound: int | None, in_place: bool) 
             continue
         finally:
             left = core.fail_allocation(-1)
-        # No error: the failure did not happen, or a path that copes with it was taken (the
-        # keys joined in Python when their in-place copy could not grow its buffer).
+        # No error: the failure did not happen.
         slow.apply("a", [event])
         fast.check_integrity()
         assert _state(fast) == _state(slow)
@@ -337,8 +345,7 @@ def test_a_batch_cut_short_by_a_failed_allocation_stays_consistent() -> None:
     failures = 0
     for after in range(80):
         fast, slow = twins(max_entries=2500)
-        core = fast._core  # pyright: ignore[reportPrivateUsage]
-        assert core is not None
+        core = core_of(fast)
         core.fail_allocation(after)
         try:
             fast.apply("a", [event])
@@ -357,3 +364,104 @@ def test_a_batch_cut_short_by_a_failed_allocation_stays_consistent() -> None:
     else:
         pytest.fail("the store failed for every allocation")
     assert failures >= 5
+
+
+def test_a_dropped_native_index_is_collected() -> None:
+    """The C core holds the index's bound methods (interning, keying): a cycle the garbage
+    collector must see and break."""
+    import gc
+    import weakref
+
+    index = PrefixIndex(1)
+    index.apply("a", [BlockStored(page_keys=KEYS[:3], parent_key=None, tokens_per_page=1)])
+    gone = weakref.ref(index)
+    del index
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_new_instance_fed_a_generator_gets_every_event() -> None:
+    fast, slow = twins()
+    batch = [
+        BlockStored(page_keys=KEYS[:4], parent_key=None, tokens_per_page=1),
+        BlockRemoved(page_keys=KEYS[2:3]),
+    ]
+    for index in (fast, slow):
+        index.apply("new", (event for event in batch))
+        index.check_integrity()
+    assert fast.holdings("new") == slow.holdings("new") and len(fast.holdings("new")) == 3
+    assert fast.find_matches(list(KEYS[:4])) == slow.find_matches(list(KEYS[:4]))
+
+
+def test_the_core_refuses_bad_arguments_without_changing_anything() -> None:
+    fast, _ = twins()
+    fast.apply("a", [BlockStored(page_keys=KEYS[:2], parent_key=None, tokens_per_page=1)])
+    core = core_of(fast)
+    before = core.stats()
+    with pytest.raises(TypeError, match="keyword"):
+        fast.find_matches(list(KEYS), extra=1)  # pyright: ignore[reportCallIssue]
+    with pytest.raises(ValueError, match="key 1"):
+        core.apply_keys(0, 0, 1, [KEYS[3], b"short"])
+    with pytest.raises(ValueError, match="kind 0 or 1"):
+        core.apply_keys(0, 2, 1, [KEYS[3]])
+    with pytest.raises(ValueError, match="tier bits"):
+        core.apply_keys(0, 0, 64, [KEYS[3]])
+    with pytest.raises(ValueError, match="out of range"):
+        core.apply_keys(-1, 0, 1, [KEYS[3]])
+    with pytest.raises(ValueError, match="out of range"):
+        core.set_name(1 << 30, "x")
+    with pytest.raises(ValueError, match="key 0"):
+        core.hashes(["text"])  # pyright: ignore[reportArgumentType]
+    assert core.stats() == before
+    bare = native_core(32, {"device": 1}, None)
+    assert bare is not None
+    stored = BlockStored(page_keys=KEYS[:1], parent_key=None, tokens_per_page=1)
+    with pytest.raises(LookupError, match="no id"):
+        bare.apply("a", [stored])  # no interning callback: an unknown name is an error
+    with pytest.raises(TypeError, match="page keys"):
+        bare.find_matches([1, 2, 3])  # no keyer: token ids are refused
+    bare.apply_keys(0, 0, 1, list(KEYS[:3]))
+    assert bare.match_count(list(KEYS[:2])) == 1 and bare.stats()[:2] == (3, 3)
+
+
+def test_a_call_that_re_enters_the_core_is_refused_and_changes_nothing() -> None:
+    """Python code can run inside a native call (here an event's attribute read): a call of
+    the same core from there would move its scratch buffers under the outer call, so it
+    raises RuntimeError, and the outer call, which then fails, has changed nothing."""
+    index = PrefixIndex(1)
+    index.apply("a", [BlockStored(page_keys=KEYS[:2], parent_key=None, tokens_per_page=1)])
+    seen: list[BaseException] = []
+
+    class Sneaky(BlockStored):
+        def __getattribute__(self, name: str) -> object:
+            if name == "page_keys":
+                try:
+                    index.find_matches(list(KEYS))
+                except RuntimeError as exc:
+                    seen.append(exc)
+                    raise
+            return super().__getattribute__(name)
+
+    before = index.stats(), index.holdings("a")
+    with pytest.raises(RuntimeError, match="called again"):
+        index.apply("a", [Sneaky(page_keys=KEYS[2:4], parent_key=None, tokens_per_page=1)])
+    assert seen and (index.stats(), index.holdings("a")) == before
+    index.check_integrity()
+    assert index.find_matches(list(KEYS)).by_instance["a"].num_pages == 2
+
+
+def test_without_python_headers_the_python_core_runs_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvstrata.pool.native import ExtensionBuild
+    from kvstrata.prefix_index import native as index_native
+
+    reason = "no Python headers (Python.h) in '/nowhere'"
+    monkeypatch.setattr(
+        index_native, "native_extension", lambda *_: ExtensionBuild(None, None, reason)
+    )
+    assert index_native.native_status() == f"python: {reason}"
+    index = PrefixIndex(1)
+    assert index.core == "python"
+    index.apply("a", [BlockStored(page_keys=KEYS[:2], parent_key=None, tokens_per_page=1)])
+    assert index.match_lengths(list(KEYS)) == {"a": 2}

@@ -3,18 +3,20 @@
 Three records (JSON lines):
 
 - `index_ops`: Dynamo's INDEXER_BENCH method in process, on the index core `PrefixIndex` picks
-  (`core`: "native", the compiled `index_core.c`, unless there is no C compiler or
-  `KVSTRATA_NATIVE=0`; `native_status` says which library or why not) and, when that is the
-  native one, on the Python core too (`python`, the same figures, measured alternately in the
-  same run; `ratio_native_vs_python_*`). The trace is served (untimed) by one
+  (`core`: "native", the compiled extension module, unless there is no C compiler or Python
+  headers or `KVSTRATA_NATIVE=0`; `native_status` says which module or why not) and, when
+  that is the native one, on the Python core too (`python`, the same figures, measured
+  alternately in the same run; `ratio_native_vs_python_*`). The trace is served (untimed) by one
   LRU-bounded simulated instance (`--capacity-pages`, default 8 x 5,860); each request gives one
   lookup (`find_matches` of its page keys) and its KV events (stored pages, evicted pages). The
   stream is replayed into a fresh index with every op timed: ops/s by wall clock and by this
   process's CPU time (the machine is shared), p50/p99 per op, pages per second. Baseline: the
   same stream on an unbounded index, measured in the same run; the bounded index
   (`--max-entries`, default half the distinct keys) is reported beside it with the ratio.
-  Beside them: the unbounded replay untimed (no per-op clock), the same stream as bare C calls
-  of the compiled core (`native_floor`: no index API around them), the same stream as bare dict
+  Beside them: the unbounded replay untimed (no per-op clock), the timed replay into an index
+  that does nothing (`harness_ns_per_op`: the loop and per-op clock reads, CPU ns per op: part
+  of every timed figure), the same stream as bare calls of the compiled core (`native_floor`:
+  no events, names or result objects around them), the same stream as bare dict
   probes (`bare_dict`: the floor of any CPython dict-keyed index on this machine, and the
   index's ratio to it), and the CPU ns of one dict probe on a 256-key and on a full-size dict
   (`dict_probe_ns`: on a shared machine the large one is cache misses, not bytecode).
@@ -47,6 +49,7 @@ from kvstrata.pool.native import disabled
 from kvstrata.prefix_index import PrefixIndex, read_trace, simulate
 from kvstrata.prefix_index.native import native_status
 from kvstrata.prefix_index.opstream import (
+    NullIndex,
     OpStream,
     OpTiming,
     bare_dict_floor,
@@ -272,10 +275,12 @@ def main(argv: list[str]) -> int:
     python = _CoreRuns("python") if core == "native" else None
     floor: list[float] = []
     c_floor: list[float] = []
+    harness: list[float] = []
     for _ in range(args.repeats):
         main.run(stream, bound)
         if python is not None:
             python.run(stream, bound)
+        harness.append(replay_ops(NullIndex(), stream).cpu_seconds)
         floor.append(bare_dict_floor(stream))
         calls = native_floor(stream) if core == "native" else None
         if calls is not None:
@@ -305,6 +310,7 @@ def main(argv: list[str]) -> int:
             "capacity_pages": args.capacity_pages,
             **figures,
             **versus,
+            "harness_ns_per_op": round(statistics.median(harness) / stream.num_ops * 1e9),
             "bare_dict_ops_per_cpu_s": round(floor_rate),
             "ratio_untimed_vs_bare_dict": ratio(untimed_rate, floor_rate),
             **(

@@ -1,9 +1,11 @@
 """`PrefixIndex`: page key -> which instances hold it, on which tiers.
 
-Two cores hold the entries, with the same API and answers: the compiled one (`native`,
-`index_core.c`: the default where a C compiler exists; `KVSTRATA_NATIVE=0` turns it off) and the
-Python one below (whose dict, key sets and packed ints then stay empty). Validation, instance
-names and ids, sequences and dumps stay here for both.
+Two cores hold the entries, with the same API, answers and errors: the compiled one (`native`:
+a CPython extension module built from `index_core.c`, `index_convert.c` and `index_ext.c`, the
+default where a C compiler and the Python headers exist; `KVSTRATA_NATIVE=0` turns it off) and
+the Python one below (whose dict, key sets and packed ints then stay empty). On the native core
+`apply`, `find_matches` and `match_lengths` are the C type's methods (validation included);
+instance names and ids, sequences and dumps stay here for both.
 
 Keys are the chained page keys of `kvstrata.storage.PageKeyer` (key_i names the whole prefix up
 to page i), so the index is a flat map, not a tree: the longest cached prefix of a prompt on an
@@ -41,38 +43,16 @@ from dataclasses import dataclass
 from functools import reduce
 from itertools import accumulate, compress, repeat, takewhile
 from operator import and_, not_, or_, rshift
-from typing import NamedTuple, cast
 
 import numpy.typing as npt
 
 from kvstrata.prefix_index.engines import EngineKeyMap, decode_engine_batch
 from kvstrata.prefix_index.errors import InvalidEvent, InvalidInstance, InvalidParameter
-from kvstrata.prefix_index.native import NativeCore, native_core
+from kvstrata.prefix_index.native import Core, check_core, native_core
+from kvstrata.prefix_index.results import InstanceMatch, PrefixMatches
 from kvstrata.prefix_index.tiers import DEFAULT_TIER_WEIGHTS
 from kvstrata.storage import PageKeyer
 from kvstrata.unified_radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-
-
-class InstanceMatch(NamedTuple):
-    """One instance's longest run of held pages from the first page of the query, and the best
-    tier (highest weight) it holds each page on."""
-
-    num_pages: int
-    tiers: tuple[str, ...]
-
-
-class PrefixMatches(NamedTuple):
-    """`find_matches` result: the query's page count and, per instance holding at least its
-    first page, that instance's match. `partial` is True while the index answers from an
-    incomplete state (a shard still rebuilding from dumps)."""
-
-    num_pages: int
-    by_instance: Mapping[str, InstanceMatch]
-    partial: bool = False
-
-    def longest(self) -> int:
-        """Pages of the longest match over all instances (0 when none holds the first page)."""
-        return max((m.num_pages for m in self.by_instance.values()), default=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,12 +138,25 @@ class PrefixIndex:
         self._evicted = 0
         # The entries in C when the compiled core is available (see `native`): the dict, the
         # key sets and the packed ints above then stay empty.
-        self._core: NativeCore | None = native_core(
-            self.keyer.key_bytes, {t: 1 << i for i, t in enumerate(ordered)}, max_entries
+        self._core: Core | None = native_core(
+            self.keyer.key_bytes,
+            {t: 1 << i for i, t in enumerate(ordered)},
+            max_entries,
+            page_size=page_size,
+            ids=self._ids,
+            intern=self._intern,
+            as_keys=self._as_keys,
         )
-        self._rank_tiers: tuple[str, ...] = tuple(ordered)
         self.gaps = 0
         self.unknown_engine_events = 0
+        if self._core is not None:
+            # The hot calls go straight to the C core's methods (same signatures, answers and
+            # errors as the methods below, which then only delegate): no Python frame per call.
+            self.__dict__.update(
+                apply=self._core.apply,
+                find_matches=self._core.find_matches,
+                match_lengths=self._core.lengths,
+            )
 
     # ------------------------------------------------------------------------------------------
     # Feeding
@@ -173,22 +166,9 @@ class PrefixIndex:
         bounded, may evict other keys). Raises InvalidInstance / InvalidEvent, before any
         change, for a bad name, an unknown event, a tier absent from the weights or a page size
         other than the index's."""
-        core = self._core
-        if core is not None and type(events) in (tuple, list):
-            # The common batch on the C core: one store or removal by a known instance, checked
-            # here (`apply_one` checks the keys); anything else, and anything these checks
-            # refuse, takes the full path below, which raises the specific error.
-            one: Sequence[KVEvent] = events  # pyright: ignore[reportAssignmentType]
-            event = one[0] if len(one) == 1 else None
-            iid = self._ids.get(instance) if type(instance) is str else None
-            if iid is not None and (
-                type(event) is BlockRemoved
-                or (type(event) is BlockStored and event.tokens_per_page == self.page_size)
-            ):
-                bit = core.tier_bit.get(event.tier)
-                removed = type(event) is BlockRemoved
-                if bit is not None and core.apply_one(iid, removed, bit, event.page_keys):
-                    return
+        if self._core is not None:  # the C core validates and applies in one call
+            self._core.apply(instance, events)
+            return
         iid = self._ids.get(instance) if type(instance) is str else None
         if iid is None:
             self._check_instance(instance)
@@ -196,9 +176,6 @@ class PrefixIndex:
         self._check_events(batch)
         if iid is None:
             iid = self._intern(instance)
-        if core is not None:
-            core.apply(iid, batch)
-            return
         tier_bit = self._tier_bit
         for event in batch:
             if isinstance(event, BlockStored):
@@ -290,6 +267,8 @@ class PrefixIndex:
         if iid is not None:
             del self._names[iid]
             del self._by_inst[iid]
+            if self._core is not None:
+                self._core.set_name(iid, None)
             heapq.heappush(self._free_ids, iid)  # its bits are clear in every entry now
         return removed
 
@@ -317,15 +296,10 @@ class PrefixIndex:
         with the best tier of each page. Page keys (a sequence of bytes) are used as they are
         (they already fold in their namespace); token ids are keyed with `keyer` in the
         namespace (`extra_key`, `cache_salt`). Touches the matched keys (bounded mode)."""
-        core = self._core
-        if core is not None:
-            query = tokens_or_page_keys
-            kind = type(query)
-            if (kind is tuple or kind is list) and query:
-                keys = cast("Sequence[bytes]", query)
-                if type(keys[0]) is bytes:
-                    return self._native_matches(core, keys)
-            return self._native_matches(core, self._as_keys(query, extra_key, cache_salt))
+        if self._core is not None:  # one C call, the result tuples built there
+            return self._core.find_matches(
+                tokens_or_page_keys, extra_key=extra_key, cache_salt=cache_salt
+            )
         keys = self._as_keys(tokens_or_page_keys, extra_key, cache_salt)
         vals, runs, uniform = self._runs(keys)
         if not uniform and not reduce(or_, vals, 0) & self._below_best:
@@ -352,12 +326,10 @@ class PrefixIndex:
 
     def match_lengths(self, page_keys: Sequence[bytes]) -> dict[str, int]:
         """Per instance, pages matched from the first (the hot path of routing: no tiers)."""
-        names = self._names
         core = self._core
         if core is not None:
-            got = core.match(page_keys, False)
-            res = core.res
-            return {names[res[3 * j]]: res[3 * j + 1] for j in range(got)}
+            return core.lengths(page_keys)
+        names = self._names
         return {names[iid]: run for iid, run in self._runs(page_keys)[1].items()}
 
     def score(
@@ -394,7 +366,8 @@ class PrefixIndex:
 
     @property
     def core(self) -> str:
-        """Which core holds the entries: "native" (C, `index_core.c`) or "python"."""
+        """Which core holds the entries: "native" (the C extension) or "python"
+        (`native.native_status()` says why)."""
         return "python" if self._core is None else "native"
 
     @property
@@ -429,15 +402,15 @@ class PrefixIndex:
     def check_integrity(self) -> None:
         """Every entry's groups are valid (holds bit set exactly when a tier bit is) and name
         live instances whose key sets hold the key, and nothing else is in those sets; the id
-        maps agree; the bound holds. On the native core: its own invariants (`kvx_check`) and
+        maps agree; the bound holds. On the native core: its own invariants (`Core.check`) and
         no entry held by an id not in use."""
         assert set(self._ids.values()) == set(self._names), "instance id maps disagree"
         assert not set(self._free_ids) & set(self._names), "a free id is in use"
         if self._core is not None:
-            self._core.check()
+            check_core(self._core)
             for iid in range(self._next_id):
                 if iid not in self._names:
-                    assert not self._core.held(iid), f"free id {iid} still holds keys"
+                    assert not self._core.holdings(iid), f"free id {iid} still holds keys"
             return
         width, group = self._width, self._group
         pairs = 0
@@ -528,7 +501,7 @@ class PrefixIndex:
             self._names[iid] = instance
             self._by_inst[iid] = set()
             if self._core is not None:
-                self._core.ensure_instances(self._next_id)
+                self._core.set_name(iid, instance)
         return iid
 
     def _store(self, iid: int, keys: Sequence[bytes], bit: int) -> None:
@@ -607,31 +580,6 @@ class PrefixIndex:
             self._by_inst[iid].discard(key)
         self._evicted += 1
 
-    def _native_matches(self, core: NativeCore, keys: Sequence[bytes]) -> PrefixMatches:
-        # The result tuples are made with tuple.__new__ (what NamedTuple._make does, without
-        # its Python-level frame): a third of a lookup's Python time went to the two __new__.
-        got = core.match(keys, True)
-        if not got:
-            return _new(PrefixMatches, (len(keys), {}, False))
-        names = self._names
-        rank = self._rank_tiers
-        res = core.res
-        if got == 1 and res[2] >= 0:  # one holder, one tier: the common answer
-            run = res[1]
-            match = _new(InstanceMatch, (run, (rank[res[2]],) * run))
-            return _new(PrefixMatches, (len(keys), {names[res[0]]: match}, False))
-        pages = core.pages
-        out: dict[str, InstanceMatch] = {}
-        for j in range(0, 3 * got, 3):
-            run, tier = res[j + 1], res[j + 2]
-            if tier >= 0:
-                tiers = (rank[tier],) * run
-            else:
-                start = -1 - tier
-                tiers = tuple(map(rank.__getitem__, pages[start : start + run]))
-            out[names[res[j]]] = InstanceMatch(run, tiers)
-        return PrefixMatches(len(keys), out)
-
     def _check_instance(self, instance: str) -> None:
         if not isinstance(instance, str) or not instance:
             raise InvalidInstance(f"an instance is named by a non-empty str, got {instance!r}")
@@ -668,9 +616,6 @@ class PrefixIndex:
             for key in keys:
                 if not isinstance(key, bytes) or len(key) != key_bytes:
                     raise InvalidEvent(f"page keys are {key_bytes}-byte bytes, got {key!r:.80}")
-
-
-_new = tuple.__new__
 
 
 def _ids_of(holds: int, width: int) -> list[int]:

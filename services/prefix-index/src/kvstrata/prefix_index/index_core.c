@@ -1,6 +1,7 @@
-/* The prefix index's entries in C (loaded by native.py, which compiles this file and
-   index_api.c as one source): page key -> holders (instance id, tier bits), the per-instance
-   key lists, and the least-recently-matched order of a bounded index.
+/* The prefix index's entries in C: page key -> holders (instance id, tier bits), the
+   per-instance key lists, and the least-recently-matched order of a bounded index. native.py
+   compiles this file and index_ext.c (the Python-facing type) as one source, an extension
+   module of the running interpreter: Python.h comes first, as the C API requires.
 
    Layout:
      slots:  open addressing, linear probing, power-of-two size, load <= 1/2. A slot is 64 bits:
@@ -14,30 +15,46 @@
              here: removal is a swap with the last, O(1)).
    Tier bits: bit t = tier rank t, best tier first, so the best tier held is the lowest bit.
 
-   Python validates every input before calling (keys of key_len bytes, known tiers, ids it
-   interned): the functions here do not check them again. They return -1 only when memory runs
+   index_ext.c validates every input before calling (keys of key_len bytes, known tiers, ids
+   the Python side interned): the functions here do not check them again. They return -1 only when memory runs
    out (a batch may then be applied in part: every structure stays consistent). Arrays grow
    when an insertion needs room, not by a batch's worst case (a batch of keys already held
    would otherwise double the entry array). */
 
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-#ifdef __cplusplus
-extern "C" {
-#endif
+#include <sys/mman.h>
 
 #define KEY_MAX 32
 #define NIL UINT32_MAX
 
-/* Every allocation of an index goes through these: tests make one fail (kvx_fail_alloc) to
+/* Every allocation of an index goes through these: tests make one fail (Core.fail_allocation) to
    check that running out of memory leaves every structure consistent. fail_after: how many
    more allocations succeed before one fails (once); -1, the default: none fails. */
 static int64_t fail_after = -1;
 static int failing(void) { return fail_after >= 0 && fail_after-- == 0; }
 static void *ix_malloc(size_t n) { return failing() ? 0 : malloc(n); }
 static void *ix_calloc(size_t n, size_t size) { return failing() ? 0 : calloc(n, size); }
+
+/* The table's slots and entries: 64-byte aligned (an entry is one cache line, not two), and
+   from 2 MB on in whole 2 MB huge pages where the kernel gives them (madvise): every probe is
+   a random access, and on 4 KB pages each one also missed the TLB (a page walk per slot and
+   per entry, the largest stall of a lookup in a profile). */
+#define HUGE_PAGE ((size_t)2 << 20)
+static size_t big_size(size_t n) { return n < HUGE_PAGE ? n : (n + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1); }
+static void *big_alloc(size_t n) {
+    if (failing()) return 0;
+    size_t size = big_size(n);
+    void *p = aligned_alloc(size < HUGE_PAGE ? 64 : HUGE_PAGE, (size + 63) & ~(size_t)63);
+#ifdef MADV_HUGEPAGE
+    if (p && size >= HUGE_PAGE) madvise(p, size, MADV_HUGEPAGE);
+#endif
+    return p;
+}
 static void *ix_realloc(void *p, size_t n) { return failing() ? 0 : realloc(p, n); }
 
 typedef struct {
@@ -55,6 +72,8 @@ typedef struct {
         holder_t *many;
     } h;
 } entry_t;
+
+_Static_assert(sizeof(entry_t) == 64, "an entry is one cache line");
 
 typedef struct {
     uint32_t *k;
@@ -76,14 +95,30 @@ typedef struct {
     int64_t scratch_cap;
     uint32_t *alive;
     int64_t alive_cap;
-    int32_t *res; /* kvx_match's output buffers, the caller's (kvx_buffers) */
+    int32_t *res; /* ix_match's output buffers (index_ext.c owns and grows them) */
     int64_t res_cap;
     uint8_t *pages;
     int64_t page_cap;
-    int64_t *args; /* the caller's argument block of the *_seq calls (kvx_buffers) */
-    uint8_t *gathered; /* keys copied out of a sequence of bytes objects */
+    uint8_t *gathered; /* keys copied out of Python bytes objects (index_ext.c) */
     int64_t gathered_cap;
 } ix_t;
+
+/* Key compare and copy: fixed-size for the 32-byte PageKeyer keys (a few inlined loads, not a
+   libc call per probe), any length else. */
+static int key_eq(const ix_t *x, const uint8_t *a, const uint8_t *b) {
+    if (x->key_len == 32) {
+        uint64_t u[4], v[4];
+        memcpy(u, a, 32);
+        memcpy(v, b, 32);
+        return !((u[0] ^ v[0]) | (u[1] ^ v[1]) | (u[2] ^ v[2]) | (u[3] ^ v[3]));
+    }
+    return memcmp(a, b, (size_t)x->key_len) == 0;
+}
+
+static void key_copy(const ix_t *x, uint8_t *to, const uint8_t *from) {
+    if (x->key_len == 32) memcpy(to, from, 32);
+    else memcpy(to, from, (size_t)x->key_len);
+}
 
 static uint64_t key_hash(const ix_t *x, const uint8_t *key) {
     uint64_t h = 0x9E3779B97F4A7C15ULL ^ (uint64_t)x->key_len;
@@ -124,7 +159,7 @@ static uint32_t find_slot(const ix_t *x, const uint8_t *key, uint32_t tag, uint6
         }
         if ((uint32_t)(s >> 32) == tag) {
             uint32_t idx = (uint32_t)s - 1;
-            if (memcmp(x->E[idx].key, key, (size_t)x->key_len) == 0) {
+            if (key_eq(x, x->E[idx].key, key)) {
                 *where = i;
                 return idx;
             }
@@ -137,8 +172,9 @@ static int grow_table(ix_t *x, uint64_t need) {
     uint64_t size = x->mask + 1;
     if (need * 2 <= size) return 0;
     while (need * 2 > size) size <<= 1;
-    uint64_t *slots = (uint64_t *)ix_calloc(size, sizeof(uint64_t));
+    uint64_t *slots = (uint64_t *)big_alloc(size * sizeof(uint64_t));
     if (!slots) return -1;
+    memset(slots, 0, size * sizeof(uint64_t));
     for (uint64_t i = 0; i <= x->mask; i++) {
         uint64_t s = x->slots[i];
         if (!s) continue;
@@ -177,8 +213,10 @@ static int reserve_entries(ix_t *x, uint64_t more) {
     uint64_t need = (uint64_t)x->used + more - free_count;
     while (cap < need) cap += cap >> 1;
     if (cap >= NIL) return -1;
-    entry_t *e = (entry_t *)ix_realloc(x->E, cap * sizeof(entry_t));
+    entry_t *e = (entry_t *)big_alloc(cap * sizeof(entry_t));
     if (!e) return -1;
+    if (x->used) memcpy(e, x->E, (size_t)x->used * sizeof(entry_t));
+    free(x->E);
     x->E = e;
     x->ecap = (uint32_t)cap;
     return 0;
@@ -322,7 +360,6 @@ static const uint32_t *hash_all(ix_t *x, const uint8_t *keys, int64_t n) {
         if (s) {
             const char *e = (const char *)&x->E[(uint32_t)s - 1];
             __builtin_prefetch(e);
-            __builtin_prefetch(e + sizeof(entry_t) - 1);
         }
     }
     return tags;
@@ -356,7 +393,7 @@ static int store(ix_t *x, uint32_t iid, uint32_t bits, const uint8_t *keys, int6
                 idx = x->used++;
             }
             e = &x->E[idx];
-            memcpy(e->key, key, (size_t)x->key_len);
+            key_copy(x, e->key, key);
             e->n = 0;
             e->cap = 0;
             x->slots[where] = ((uint64_t)tag << 32) | (idx + 1);
@@ -461,6 +498,8 @@ static void ix_free(ix_t *x) {
     free(x->tags);
     free(x->gathered);
     free(x->alive);
+    free(x->res);
+    free(x->pages);
     free(x);
 }
 
@@ -583,30 +622,70 @@ static int64_t ix_held(const ix_t *x, int64_t iid) {
     return (uint64_t)iid < x->icap ? x->I[iid].n : 0;
 }
 
-static int64_t ix_holdings(ix_t *x, int64_t iid, uint8_t *keys, int32_t *bits) {
-    int64_t held = ix_held(x, iid);
-    for (int64_t p = 0; p < held; p++) {
-        entry_t *e = &x->E[x->I[iid].k[p]];
-        holder_t *h = holders(e);
-        memcpy(keys + p * x->key_len, e->key, (size_t)x->key_len);
-        bits[p] = (int32_t)h[lower(h, e->n, (uint32_t)iid)].tiers;
-    }
-    return held;
-}
-
-static void ix_hashes(const ix_t *x, const uint8_t *keys, int64_t n, uint64_t *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = key_hash(x, keys + i * x->key_len);
-}
-
 static void ix_stats(const ix_t *x, int64_t *out) {
-    int64_t bytes = (int64_t)sizeof(ix_t) + (int64_t)(x->mask + 1) * 8 +
-                    (int64_t)x->ecap * (int64_t)sizeof(entry_t) +
+    int64_t bytes = (int64_t)sizeof(ix_t) + (int64_t)big_size((x->mask + 1) * 8) +
+                    (int64_t)big_size(x->ecap * sizeof(entry_t)) +
                     (int64_t)x->icap * (int64_t)sizeof(inst_t) +
-                    (2 * x->scratch_cap + 2 * x->alive_cap) * 4 + x->heap;
+                    (2 * x->scratch_cap + 2 * x->alive_cap + x->res_cap) * 4 + x->page_cap +
+                    x->gathered_cap * x->key_len + x->heap;
     out[0] = x->live;
     out[1] = x->pairs;
     out[2] = x->evicted;
     out[3] = bytes;
 }
 
-/* continued in index_api.c (native.py compiles the two as one source) */
+/* 0 when every invariant holds, else the number of the first that does not (Core.check):
+   1 a slot names a bad or free entry, 2 a slot's hash bits or place are wrong, 3 slot count
+   != live entries, 4 holders unsorted / empty tiers / unknown tier bits, 5 a holder's position
+   disagrees with its instance list, 6 pairs disagree, 7 LRU order broken or incomplete,
+   8 entry bound exceeded, 9 free list broken. */
+static int64_t ix_check(ix_t *x) {
+    uint64_t filled = 0;
+    for (uint64_t i = 0; i <= x->mask; i++) {
+        uint64_t s = x->slots[i];
+        if (!s) continue;
+        filled++;
+        uint32_t idx = (uint32_t)s - 1;
+        if (idx >= x->used || !x->E[idx].n) return 1;
+        uint64_t where;
+        uint32_t tag = (uint32_t)key_hash(x, x->E[idx].key);
+        if ((uint32_t)(s >> 32) != tag || find_slot(x, x->E[idx].key, tag, &where) != idx ||
+            where != i)
+            return 2;
+    }
+    if (filled != x->live) return 3;
+    int64_t pairs = 0;
+    for (uint32_t idx = 0; idx < x->used; idx++) {
+        entry_t *e = &x->E[idx];
+        if (!e->n) continue;
+        holder_t *h = holders(e);
+        for (uint32_t j = 0; j < e->n; j++) {
+            if (!h[j].tiers || (h[j].tiers & ~(uint32_t)x->all_tiers) ||
+                (j && h[j - 1].iid >= h[j].iid) || h[j].iid >= x->icap)
+                return 4;
+            inst_t *in = &x->I[h[j].iid];
+            if (h[j].pos >= in->n || in->k[h[j].pos] != idx) return 5;
+        }
+        pairs += e->n;
+    }
+    int64_t listed = 0;
+    for (uint32_t i = 0; i < x->icap; i++) listed += x->I[i].n;
+    if (pairs != x->pairs || listed != pairs) return 6;
+    if (x->max_entries) {
+        uint64_t seen = 0;
+        uint32_t prev = NIL;
+        for (uint32_t i = x->lru_head; i != NIL; i = x->E[i].next) {
+            if (x->E[i].prev != prev || !x->E[i].n || ++seen > x->live) return 7;
+            prev = i;
+        }
+        if (seen != x->live || prev != x->lru_tail) return 7;
+        if (x->live > (uint64_t)x->max_entries) return 8;
+    }
+    uint64_t free_count = 0;
+    for (uint32_t i = x->free_head; i != NIL; i = x->E[i].next)
+        if (i >= x->used || x->E[i].n || ++free_count > x->used) return 9;
+    if (free_count + x->live != x->used) return 9;
+    return 0;
+}
+
+/* continued in index_convert.c, then index_ext.c (native.py compiles the three as one source) */

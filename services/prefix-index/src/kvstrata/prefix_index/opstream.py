@@ -10,7 +10,7 @@ with every op timed (`replay_ops`); and the index's memory per entry measured
 Besides the timed replay: the same replay untimed (`replay_untimed`: the per-op clock reads are a
 tenth of an op here), the floor any CPython dict-based index pays on this machine
 (`bare_dict_floor`: the same stream as the bare dict probes it needs, nothing else), and the
-floor of the compiled core (`native_floor`: the same stream as bare C calls).
+floor of the compiled core (`native_floor`: the same stream as bare calls of its C type).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import time
 import tracemalloc
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat, takewhile
+from typing import Protocol
 
 import numpy as np
 
@@ -107,7 +108,26 @@ def build_op_stream(
     return OpStream(page_size=page_size, requests=tuple(out))
 
 
-def replay_ops(index: PrefixIndex, stream: OpStream) -> OpTiming:
+class Replayable(Protocol):
+    """What a replay calls: a `PrefixIndex`, or `NullIndex` (the harness alone)."""
+
+    def find_matches(self, tokens_or_page_keys: Sequence[bytes], /) -> object: ...
+
+    def apply(self, instance: str, events: Iterable[KVEvent], /) -> None: ...
+
+
+class NullIndex:
+    """Does nothing: a replay into it costs what the replay loop and its per-op clock reads
+    cost (`harness_ns_per_op`), the part of a timed replay's CPU that is not the index."""
+
+    def find_matches(self, tokens_or_page_keys: Sequence[bytes], /) -> object:
+        return None
+
+    def apply(self, instance: str, events: Iterable[KVEvent], /) -> None:
+        return None
+
+
+def replay_ops(index: Replayable, stream: OpStream) -> OpTiming:
     """Replay `stream` into `index`, timing every op (perf_counter_ns around each call). The
     garbage collector is collected before and left on."""
     lookups = array("q")
@@ -149,7 +169,7 @@ def replay_ops(index: PrefixIndex, stream: OpStream) -> OpTiming:
     )
 
 
-def replay_untimed(index: PrefixIndex, stream: OpStream) -> float:
+def replay_untimed(index: Replayable, stream: OpStream) -> float:
     """Replay `stream` into `index` with no per-op clock; returns this process's CPU seconds."""
     find, apply = index.find_matches, index.apply
     gc.collect()
@@ -182,30 +202,30 @@ def bare_dict_floor(stream: OpStream) -> float:
 
 
 def native_floor(stream: OpStream) -> tuple[int, float] | None:
-    """(ops, CPU seconds) of the stream as bare calls of the compiled core: each lookup and
-    each event one untyped ctypes call on keys joined beforehand, no index API around them (no
-    checks, no instance names, no result objects): what the native index cannot go below on
+    """(ops, CPU seconds) of the stream as bare calls of the compiled core: each lookup one
+    `match_count` (no result objects) and each event one `apply_keys` (no event objects, no
+    validation but the keys', no instance names): what the native index cannot go below on
     this machine. None without the compiled core."""
     first = next((k for r in stream.requests for k in r.page_keys), None)
     core = native_core(len(first), {"device": 1}, None) if first is not None else None
     if core is None:
         return None
-    core.ensure_instances(1)
-    match, apply1, number = core.raw_calls()
-    ops: list[tuple[int, bytes, int]] = []
+    ops: list[tuple[int, tuple[bytes, ...]]] = []
     for req in stream.requests:
-        ops.append((-1, b"".join(req.page_keys), len(req.page_keys)))
-        for event in req.events:
-            if isinstance(event, BlockStored | BlockRemoved):
-                kind = int(isinstance(event, BlockRemoved))
-                ops.append((kind, b"".join(event.page_keys), len(event.page_keys)))
+        ops.append((-1, req.page_keys))
+        ops.extend(
+            (int(isinstance(e, BlockRemoved)), e.page_keys)
+            for e in req.events
+            if isinstance(e, BlockStored | BlockRemoved)
+        )
+    match, apply_keys = core.match_count, core.apply_keys
     gc.collect()
     cpu_start = time.process_time()
-    for kind, joined, num in ops:
+    for kind, keys in ops:
         if kind < 0:
-            match(number, joined, num, 1)
+            match(keys)
         else:
-            apply1(number, 0, kind, 1, joined, num)
+            apply_keys(0, kind, 1, keys)
     return len(ops), time.process_time() - cpu_start
 
 
