@@ -486,19 +486,34 @@ class ShardedPublisher:
         return list(self.cluster.names) if branch is None else [self.cluster.owner(branch)]
 
     def _split(self, events: Sequence[KVEvent]) -> dict[str, list[KVEvent]]:
-        out: dict[str, list[KVEvent]] = {}
+        """`events` by owning shard. Per shard, consecutive parts of one kind, tier, namespace
+        and page size are merged into one event (the index applies an event's keys in order,
+        so [a, b] then [c] is [a, b, c]): a batch carries a few events, not one per part."""
+        runs: dict[str, list[_Run]] = {}
+
+        def add(name: str, kind: type, tier: Any, namespace: Any, tpp: int, keys: Any) -> None:
+            got = runs.get(name)
+            if got is None:
+                runs[name] = [(kind, tier, namespace, tpp, list(keys))]
+                return
+            last = got[-1]
+            if last[0] is kind and last[1] == tier and last[2] == namespace and last[3] == tpp:
+                last[4].extend(keys)
+            else:
+                got.append((kind, tier, namespace, tpp, list(keys)))
+
         for event in events:
             if isinstance(event, BlockStored):
                 for branch, keys in self._assign(event):
-                    part = BlockStored(
-                        page_keys=keys,
-                        parent_key=None,
-                        tokens_per_page=event.tokens_per_page,
-                        tier=event.tier,
-                        namespace=event.namespace,
-                    )
                     for name in self._targets(branch):
-                        out.setdefault(name, []).append(part)
+                        add(
+                            name,
+                            BlockStored,
+                            event.tier,
+                            event.namespace,
+                            event.tokens_per_page,
+                            keys,
+                        )
             elif isinstance(event, BlockRemoved):
                 keys = event.page_keys
                 branches: list[bytes | None] = list(map(self._branch.pop, keys, repeat(_UNKNOWN)))
@@ -521,13 +536,30 @@ class ShardedPublisher:
                         for name in self._targets(branch):
                             removed.setdefault(name, []).append(key)
                 for name, part in removed.items():
-                    out.setdefault(name, []).append(
-                        BlockRemoved(page_keys=tuple(part), tier=event.tier)
-                    )
+                    add(name, BlockRemoved, event.tier, None, 0, part)
             elif isinstance(event, AllBlocksCleared):
                 if event.tier is None or event.tier == "device":
                     self._branch.clear()
                     self._trunk.clear()
                 for name in self.cluster.names:
-                    out.setdefault(name, []).append(event)
-        return out
+                    add(name, AllBlocksCleared, event.tier, None, 0, ())
+        return {name: [_event(run) for run in got] for name, got in runs.items()}
+
+
+# (kind, tier, namespace, tokens per page, keys): consecutive parts of one shard's batch.
+_Run = tuple[type, Any, Any, int, list[bytes]]
+
+
+def _event(run: _Run) -> KVEvent:
+    kind, tier, namespace, tpp, keys = run
+    if kind is BlockStored:
+        return BlockStored(
+            page_keys=tuple(keys),
+            parent_key=None,
+            tokens_per_page=tpp,
+            tier=tier,
+            namespace=namespace,
+        )
+    if kind is BlockRemoved:
+        return BlockRemoved(page_keys=tuple(keys), tier=tier)
+    return AllBlocksCleared(tier=tier)
