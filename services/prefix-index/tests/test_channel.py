@@ -125,6 +125,8 @@ def test_unserved_methods_are_refused_before_sending(
         ShardChannel("s", server.address, timeout_s=0)
     with pytest.raises(InvalidParameter, match="methods"):
         ChannelServer(object())
+    with pytest.raises(InvalidParameter, match="send_timeout_s"):
+        ChannelServer(IndexShard(1), send_timeout_s=0)
 
 
 def raw_client(server: ChannelServer) -> socket.socket:
