@@ -164,6 +164,8 @@ def test_a_dead_shard_process_fails_the_waiting_receive_at_once() -> None:
     finally:
         proc.kill()
         proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def test_a_silent_server_times_out() -> None:
