@@ -22,7 +22,7 @@ Three records (JSON lines):
   core (the native core's C allocations counted beside tracemalloc's Python ones).
 - `index_ray` (with `--ray`): the same stream through shard actors on a local 2-node loopback
   Ray cluster, one `round` call per shard per round (its lookups and its event batches), over
-  each `--transport` (Ray actor calls; `direct`: the shards' ZMQ channels, placed and found
+  each `--transport` (Ray actor calls; `direct`: the shards' TCP channels, placed and found
   through Ray), for every `--batch` (requests per round) x `--in-flight` (rounds outstanding);
   `--ray-repeats` passes over all configs, medians per config. Each op's latency is its round's
   time from submission to answer. Per config: ops/s, p50/p99, the driver's and the shards' CPU
@@ -258,7 +258,7 @@ def main(argv: list[str]) -> int:
         "--transport",
         type=_transports,
         default=["ray", "direct"],
-        help="--ray: Ray actor calls and/or the shards' direct ZMQ channel (list)",
+        help="--ray: Ray actor calls and/or the shards' direct TCP channel (list)",
     )
     parser.add_argument(
         "--branch-depth",

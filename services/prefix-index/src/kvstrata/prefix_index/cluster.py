@@ -23,7 +23,7 @@ Failure:
   (`__ray_ready__`) every period and drops the instance once Ray answers ActorDiedError;
   registered with a lease (`ttl_s`), every batch, dump or `renew` from the instance extends it,
   and the shard drops an instance whose lease ran out (engines outside Ray, hung engines).
-Transport: Ray actor calls, or (`ClusterIndex(direct=True)`) each shard's ZMQ channel.
+Transport: Ray actor calls, or (`ClusterIndex(direct=True)`) each shard's direct TCP channel.
 """
 
 from __future__ import annotations
@@ -251,9 +251,9 @@ class ClusterIndex:
     its whole prefix there. d = 1 shards by the first page; on a trace where every request
     opens with the same page (the Mooncake trace), d = 1 puts everything on one shard.
     `timeout_s` bounds every Ray call; a shard that does not answer raises ShardUnavailable.
-    `direct`: data-plane calls (`channel.METHODS`) go over each shard's ZMQ channel, found
+    `direct`: data-plane calls (`channel.METHODS`) go over each shard's TCP channel, found
     through Ray (which keeps registration); a failed channel is dropped and found again.
-    Use a direct ClusterIndex from one thread (ZMQ sockets are not thread-safe)."""
+    Use a direct ClusterIndex from one thread (a channel's replies are read by its caller)."""
 
     def __init__(
         self,

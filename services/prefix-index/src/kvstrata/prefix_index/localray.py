@@ -127,7 +127,7 @@ class RoundTrips:
 
 @dataclass(frozen=True, kw_only=True)
 class ReplayConfig:
-    """One Ray replay: `direct` (ZMQ channel) or Ray calls, requests per round, rounds out."""
+    """One Ray replay: `direct` (TCP channel) or Ray calls, requests per round, rounds out."""
 
     direct: bool
     batch_requests: int
