@@ -1,23 +1,28 @@
-"""The direct shard channel (ZMQ on loopback) without Ray: a `ChannelServer` over an in-process
+"""The direct shard channel (TCP on loopback) without Ray: a `ChannelServer` over an in-process
 `IndexShard`, and its failures (a dead server, a silent one, a method that raises, a method not
 served), each bounded in time."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import struct
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 
 import pytest
-import zmq
 
 from kvstrata.prefix_index.channel import (
+    MAGIC,
+    MAX_BODY,
     METHODS,
     ChannelPool,
     ChannelServer,
     ShardChannel,
     is_loopback,
+    request_frame,
 )
 from kvstrata.prefix_index.cluster import IndexShard
 from kvstrata.prefix_index.errors import InvalidParameter, ShardCallFailed, ShardUnavailable
@@ -107,15 +112,11 @@ def test_unserved_methods_are_refused_before_sending(
         with pytest.raises(InvalidParameter, match="drop_instance"):
             channel.send("drop_instance", ("a",))
         # A raw client sending one anyway gets an error reply, and nothing ran.
-        ctx = zmq.Context.instance()
-        raw = ctx.socket(zmq.DEALER)
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.connect(server.address)
-        raw.send_multipart([b"\0" * 8, b"drop_instance", b"\x91\xa1a"])
-        assert raw.poll(5000)
-        _, status, _ = raw.recv_multipart()
-        assert status == b"err"
-        raw.close()
+        with raw_client(server) as raw:
+            raw.sendall(b"".join(request_frame(9, b"drop_instance", b"\x91\xa1a")))
+            magic, rid, status, size = struct.unpack("<4sQBI", raw.recv(17, socket.MSG_WAITALL))
+            assert (magic, rid, status) == (MAGIC, 9, 1)
+            assert b"not served" in raw.recv(size, socket.MSG_WAITALL)
         assert channel.call("echo", 1) == 1
     finally:
         channel.close()
@@ -124,18 +125,23 @@ def test_unserved_methods_are_refused_before_sending(
         ShardChannel("s", server.address, timeout_s=0)
     with pytest.raises(InvalidParameter, match="methods"):
         ChannelServer(object())
+    with pytest.raises(InvalidParameter, match="send_timeout_s"):
+        ChannelServer(IndexShard(1), send_timeout_s=0)
+
+
+def raw_client(server: ChannelServer) -> socket.socket:
+    host, _, port = server.address.removeprefix("tcp://").rpartition(":")
+    return socket.create_connection((host, int(port)), timeout=5)
 
 
 # A shard process that takes requests and never answers, until it is killed.
 _MUTE_SHARD = """
-import sys, time, zmq
-sock = zmq.Context.instance().socket(zmq.ROUTER)
-port = sock.bind_to_random_port("tcp://127.0.0.1")
-print(port, flush=True)
-while True:
-    if sock.poll(100):
-        sock.recv_multipart()
-        print("got", flush=True)
+import socket
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+conn, _ = listener.accept()
+while conn.recv(1 << 16):
+    print("got", flush=True)
 """
 
 
@@ -158,14 +164,14 @@ def test_a_dead_shard_process_fails_the_waiting_receive_at_once() -> None:
     finally:
         proc.kill()
         proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def test_a_silent_server_times_out() -> None:
-    # A ROUTER that accepts the connection and never answers (a hung shard).
-    ctx = zmq.Context.instance()
-    mute = ctx.socket(zmq.ROUTER)
-    mute.setsockopt(zmq.LINGER, 0)
-    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    # A listener whose backlog takes the connection and that never answers (a hung shard).
+    mute = socket.create_server(("127.0.0.1", 0))
+    port = mute.getsockname()[1]
     channel = ShardChannel("s", f"tcp://127.0.0.1:{port}", timeout_s=0.3)
     try:
         start = time.monotonic()
@@ -177,14 +183,14 @@ def test_a_silent_server_times_out() -> None:
         mute.close()
 
 
-def test_nobody_listening_times_out() -> None:
-    ctx = zmq.Context.instance()
-    probe = ctx.socket(zmq.ROUTER)
-    port = probe.bind_to_random_port("tcp://127.0.0.1")
-    probe.close(linger=0)  # a port nobody listens on now
-    channel = ShardChannel("s", f"tcp://127.0.0.1:{port}", timeout_s=0.3)
-    with pytest.raises(ShardUnavailable):
-        channel.call("stats")
+def test_nobody_listening_fails_at_once() -> None:
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # a port nobody listens on now: the connect is refused
+    start = time.monotonic()
+    with pytest.raises(ShardUnavailable, match="cannot connect"):
+        ShardChannel("s", f"tcp://127.0.0.1:{port}", timeout_s=30)
+    assert time.monotonic() - start < 10
 
 
 def test_is_loopback() -> None:
@@ -255,4 +261,81 @@ def test_a_result_the_channel_cannot_encode_is_an_error_and_the_server_keeps_ser
         assert channel.call("echo", 3) == 3
     finally:
         channel.close()
+        server.close()
+
+
+def test_frames_split_anywhere_and_large_frames_arrive_whole(
+    served: tuple[IndexShard, ChannelServer],
+) -> None:
+    """TCP is a stream: a request written a few bytes at a time is served once whole, and a
+    frame larger than the socket buffers (partial sends both ways) arrives intact."""
+    _, server = served
+    with raw_client(server) as raw:
+        frame = b"".join(request_frame(4, b"echo", b"\x91\xa2hi"))
+        for i in range(0, len(frame), 3):
+            raw.sendall(frame[i : i + 3])
+            time.sleep(0.002)
+        magic, rid, status, size = struct.unpack("<4sQBI", raw.recv(17, socket.MSG_WAITALL))
+        assert (magic, rid, status) == (MAGIC, 4, 0)
+        assert raw.recv(size, socket.MSG_WAITALL) == b"\xa2hi"
+    channel = ShardChannel("s", server.address, timeout_s=30)
+    try:
+        big = bytes(range(256)) * (48 * 1024)  # 12 MiB
+        assert channel.call("echo", big) == big
+        assert channel.call("echo", 2) == 2
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"JUNK" + bytes(13), struct.pack("<4sQBI", MAGIC, 1, 4, MAX_BODY + 1)],
+    ids=["bad-magic", "body-too-large"],
+)
+def test_a_peer_not_speaking_the_protocol_is_disconnected(
+    served: tuple[IndexShard, ChannelServer], header: bytes
+) -> None:
+    _, server = served
+    with raw_client(server) as raw:
+        raw.sendall(header + b"echo")
+        assert raw.recv(1) == b""  # closed by the server, nothing answered
+    channel = ShardChannel("s", server.address, timeout_s=5)
+    try:
+        assert channel.call("echo", 5) == 5  # the others are still served
+    finally:
+        channel.close()
+
+
+def test_a_client_that_reads_nothing_blocks_no_one_and_is_dropped() -> None:
+    """Replies a client does not read wait in its connection's buffer (its further requests
+    are not read meanwhile); other clients are served; after `send_timeout_s` without the
+    client reading, the server drops it."""
+    server = ChannelServer(IndexShard(1), send_timeout_s=0.5, poll_ms=20)
+    try:
+        with raw_client(server) as greedy:
+            big = b"\xc6" + struct.pack(">I", 4 << 20) + bytes(4 << 20)  # msgpack bin32
+            frame = b"".join(request_frame(0, b"echo", b"\x91" + big))
+            greedy.settimeout(0.2)
+            for _ in range(16):  # 64 MiB of replies: more than the socket buffers hold
+                try:
+                    greedy.sendall(frame)
+                except TimeoutError:
+                    break  # the server stopped reading this client: backpressure
+            channel = ShardChannel("s", server.address, timeout_s=5)
+            try:
+                start = time.monotonic()
+                assert channel.call("echo", 1) == 1
+                assert time.monotonic() - start < 2
+            finally:
+                channel.close()
+            time.sleep(1.0)  # past send_timeout_s: dropped
+            greedy.settimeout(5)
+            got = 0
+            # What the kernel held, then the end (EOF, or a reset: the server closed with
+            # unread requests); a server still holding the connection times this out.
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := greedy.recv(1 << 20):
+                    got += len(chunk)
+            assert got < 16 * len(frame)
+    finally:
         server.close()

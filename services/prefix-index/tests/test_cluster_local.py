@@ -3,10 +3,13 @@ branch sharding, routing, lost batches and shard restarts rebuilt from dumps, no
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvstrata.prefix_index import InvalidParameter, Router, SimInstance
 from kvstrata.prefix_index.cluster import ClusterIndex, IndexShard, ShardedPublisher
+from kvstrata.unified_radix_cache import BlockRemoved, BlockStored, decode_events
 
 PAGE = 4
 
@@ -253,3 +256,41 @@ def test_evictions_of_trunk_and_branch_keys_keep_the_shards_equal_to_the_tree(de
 def test_direct_channels_need_ray_shard_actors() -> None:
     with pytest.raises(InvalidParameter, match="direct"):
         ClusterIndex({"s0": IndexShard(PAGE)}, page_size=PAGE, direct=True)
+
+
+def test_a_batch_merges_consecutive_parts_of_one_kind() -> None:
+    """A shard's batch carries one event per run of parts of one kind and tier (not one per
+    part), and the shards still hold exactly the tree's keys after each batch."""
+    cluster = make(2)
+    big = SimInstance("big", capacity_pages=10_000, page_size=PAGE)
+    pub = ShardedPublisher("big", cluster, big.tree, node_id="n0")
+    for branch in range(12):  # 12 stores, no evictions: one BlockStored per shard
+        big.serve(prompt(branch, 3))
+    events = big.take_events()
+    assert len(events) == 12
+    batches = pub.batches(events)
+    assert len(batches) == 2
+    for name, (instance, seq, payload) in batches.items():
+        (got,) = decode_events(payload)
+        assert isinstance(got, BlockStored)
+        shard = cluster.shards[name]
+        assert isinstance(shard, IndexShard)
+        assert shard.apply_batches([(instance, seq, payload)]) == [True]
+    assert held_by(cluster, "big") == tree_keys(big)
+
+    small = SimInstance("small", capacity_pages=30, page_size=PAGE)
+    pub = ShardedPublisher("small", cluster, small.tree, node_id="n0")
+    for rnd in range(6):  # stores and evictions interleaved
+        for branch in range(12):
+            small.serve(prompt(branch, 2 + rnd, tail=rnd))
+        events = small.take_events()
+        assert any(isinstance(e, BlockRemoved) for e in events)
+        for name, (instance, seq, payload) in pub.batches(events).items():
+            got = decode_events(payload)
+            assert len(got) < len(events)
+            for a, b in itertools.pairwise(got):
+                assert (type(a), getattr(a, "tier", None)) != (type(b), getattr(b, "tier", None))
+            shard = cluster.shards[name]
+            assert isinstance(shard, IndexShard)
+            assert shard.apply_batches([(instance, seq, payload)]) == [True]
+        assert held_by(cluster, "small") == tree_keys(small)

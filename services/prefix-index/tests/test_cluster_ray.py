@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import ray
 
-from kvstrata.prefix_index import Router, SimInstance
+from kvstrata.prefix_index import PrefixIndex, Router, SimInstance
 from kvstrata.prefix_index.cluster import (
     ClusterIndex,
     ShardedPublisher,
@@ -18,7 +18,9 @@ from kvstrata.prefix_index.cluster import (
     remove_shards,
 )
 from kvstrata.prefix_index.errors import ShardUnavailable
-from kvstrata.prefix_index.localray import loopback_cluster
+from kvstrata.prefix_index.localray import loopback_cluster, replay_ops_on_cluster
+from kvstrata.prefix_index.opstream import build_op_stream
+from kvstrata.unified_radix_cache import BlockRemoved
 
 PAGE = 4
 PURGE_PERIOD_S = 0.2
@@ -76,6 +78,40 @@ def test_branch_sharded_routing(shards: dict[str, Any]) -> None:
     assert all(s["entries"] > 0 for s in stats.values()), stats  # both shards hold branches
     assert 1.0 <= cluster.skew() < 2.0
     assert not any(m.partial for m in cluster.match_batch([keyer.page_keys(prompt(0, 6))]))
+
+
+def test_the_bench_replay_over_both_transports_matches_the_index_in_process(
+    shards: dict[str, Any],
+) -> None:
+    """`replay_ops_on_cluster` (merged batches, rounds in flight) over Ray calls and over the
+    direct channel leaves the shards answering as one in-process index fed the same stream."""
+    prompts = [prompt(b % 9, 2 + b % 4, tail=b) for b in range(120)]
+    stream = build_op_stream(prompts, capacity_pages=60, page_size=PAGE)
+    assert any(isinstance(e, BlockRemoved) for r in stream.requests for e in r.events)
+    want = PrefixIndex(PAGE)
+    for r in stream.requests:
+        want.apply(r.instance, r.events)
+    queries = [r.page_keys for r in stream.requests[:60]]
+    node = ray.get_runtime_context().get_node_id()
+    instances = sorted({r.instance for r in stream.requests})
+    for direct in (False, True):
+        cluster = ClusterIndex(shards, page_size=PAGE, direct=direct, timeout_s=30, branch_depth=2)
+        try:
+            cluster.call_many({n: ("purge_instances", (instances,)) for n in cluster.names})
+            got = replay_ops_on_cluster(
+                cluster, stream, batch_requests=7, node_id=node, in_flight=2
+            )
+            assert got.timing.ops == stream.num_ops
+            assert 0 < got.publish_cpu_s <= got.timing.cpu_seconds
+            # (other tests' instances hold some of these prompts too: not compared)
+            answers = [
+                {i: n for i, n in m.lengths.items() if i in instances}
+                for m in cluster.match_batch(queries)
+            ]
+            assert answers == [want.match_lengths(q) for q in queries]
+            assert any(answers)
+        finally:
+            cluster.close()
 
 
 def test_shard_restart_rebuilds_from_dumps(shards: dict[str, Any]) -> None:

@@ -24,12 +24,15 @@ Three records (JSON lines):
   core (the native core's C allocations counted beside tracemalloc's Python ones).
 - `index_ray` (with `--ray`): the same stream through shard actors on a local 2-node loopback
   Ray cluster, one `round` call per shard per round (its lookups and its event batches), over
-  each `--transport` (Ray actor calls; `direct`: the shards' ZMQ channels, placed and found
+  each `--transport` (Ray actor calls; `direct`: the shards' TCP channels, placed and found
   through Ray), for every `--batch` (requests per round) x `--in-flight` (rounds outstanding);
   `--ray-repeats` passes over all configs, medians per config. Each op's latency is its round's
   time from submission to answer. Per config: ops/s, p50/p99, the driver's and the shards' CPU
-  per op, and the rate those CPU costs allow on 2 idle cores. Beside the curve: bare round
-  trips (`echo`) on both transports, timed in the same session. Baseline: the in-process rate.
+  per op (and the driver's publishing part: splitting and encoding the events, which each engine
+  instance pays in a deployment), and the rates those CPU costs allow on 2 idle cores (with and
+  without publishing). Beside the curve: bare round trips (`echo`, an empty handler) on both
+  transports and on an async actor, timed in the same session, and the load average before and
+  after. Baseline: the in-process rate.
 - `routing` (unless `--no-routing`): 8 simulated device-only LRU instances of 5,860 pages, the
   trace routed round-robin (baseline) and cache-aware; block hit rate and the busiest
   instance's routed pages over the mean.
@@ -152,18 +155,20 @@ def _ray_figures(
         for f in in_flights
     ]
     # Every config once per pass, passes one after another: noise spreads over all configs.
-    timings, shard_cpu, trips, num_shards, skew = replay_on_local_cluster(
-        stream, configs * repeats, branch_depth=depth
-    )
+    load_before = os.getloadavg()
+    run = replay_on_local_cluster(stream, configs * repeats, branch_depth=depth)
+    load_after = os.getloadavg()
+    trips = run.trips
     curve: list[dict[str, Any]] = []
     for i, c in enumerate(configs):
-        runs = timings[i :: len(configs)]
-        cpus = shard_cpu[i :: len(configs)]
+        replays = run.replays[i :: len(configs)]
+        runs = [r.timing for r in replays]
         ops = runs[0].ops
         rate = statistics.median(t.ops_per_s for t in runs)
         p99 = statistics.median(t.p99_us for t in runs)
         driver = statistics.median(t.cpu_seconds for t in runs)
-        shards = statistics.median(cpus)
+        publish = statistics.median(r.publish_cpu_s for r in replays)
+        shards = statistics.median(r.shard_cpu_s for r in replays)
         curve.append(
             {
                 "transport": "direct" if c.direct else "ray",
@@ -175,17 +180,24 @@ def _ray_figures(
                 "p99_us": round(p99),
                 "p99_us_all": [round(t.p99_us) for t in runs],
                 "driver_cpu_us_per_op": round(driver / ops * 1e6, 1),
+                # Of which publishing (events split by shard and encoded): in a deployment
+                # each engine instance pays it, the router does not.
+                "driver_publish_cpu_us_per_op": round(publish / ops * 1e6, 1),
                 "shards_cpu_us_per_op": round(shards / ops * 1e6, 1),
                 # The rate if driver and shards shared 2 idle cores perfectly: the CPU bound.
                 "cpu_bound_ops_per_s_2_cores": round(2 * ops / (driver + shards)),
+                "cpu_bound_ops_per_s_2_cores_without_publish": round(
+                    2 * ops / (driver - publish + shards)
+                ),
                 "ratio_vs_in_process_ops": ratio(rate, in_process.ops_per_s),
                 "meets_target": rate >= 30_000 and p99 <= 3_200,
             }
         )
     return {
-        "shards": num_shards,
+        "shards": run.num_shards,
         "branch_depth": depth,
         "ops": stream.num_ops,
+        "load_average_1m_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "round_trip_us": {
             name: {
                 "p50": round(rt.p50_us, 1),
@@ -200,7 +212,7 @@ def _ray_figures(
         ),
         "ray_repeats": repeats,
         "curve": curve,
-        "shard_skew": round(skew, 4),
+        "shard_skew": round(run.skew, 4),
         "in_process_ops_per_s": round(in_process.ops_per_s),
         "target_ops_per_s": 30_000,
         "target_p99_us": 3_200,
@@ -249,7 +261,7 @@ def main(argv: list[str]) -> int:
         "--transport",
         type=_transports,
         default=["ray", "direct"],
-        help="--ray: Ray actor calls and/or the shards' direct ZMQ channel (list)",
+        help="--ray: Ray actor calls and/or the shards' direct TCP channel (list)",
     )
     parser.add_argument(
         "--branch-depth",

@@ -127,7 +127,7 @@ class RoundTrips:
 
 @dataclass(frozen=True, kw_only=True)
 class ReplayConfig:
-    """One Ray replay: `direct` (ZMQ channel) or Ray calls, requests per round, rounds out."""
+    """One Ray replay: `direct` (TCP channel) or Ray calls, requests per round, rounds out."""
 
     direct: bool
     batch_requests: int
@@ -182,6 +182,29 @@ def _timed(call: Callable[[], object], calls: int) -> RoundTrips:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class ClusterReplay:
+    """One replay through the shards: the op timing (the driver's CPU in `cpu_seconds`), the
+    part of that CPU spent publishing (splitting events by shard and encoding them: in a
+    deployment each engine instance pays it, not the router), and the shards' CPU (all shard
+    processes, all their threads, during the replay)."""
+
+    timing: OpTiming
+    publish_cpu_s: float
+    shard_cpu_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalClusterRun:
+    """`replay_on_local_cluster`'s results: one `ClusterReplay` per config (in order), the bare
+    round trips ("ray", "direct", "ray_async_actor"), the shards and the last replay's skew."""
+
+    replays: list[ClusterReplay]
+    trips: dict[str, RoundTrips]
+    num_shards: int
+    skew: float
+
+
 def replay_on_local_cluster(
     stream: OpStream,
     configs: Sequence[ReplayConfig],
@@ -189,14 +212,11 @@ def replay_on_local_cluster(
     num_workers: int = 1,
     branch_depth: int = 2,
     ping_calls: int = 300,
-) -> tuple[list[OpTiming], list[float], dict[str, RoundTrips], int, float]:
+) -> LocalClusterRun:
     """Start a loopback cluster of 1 + `num_workers` nodes, deploy one shard per node, and in
     that one session: time `ping_calls` bare round trips on Ray and on the direct channel,
     then replay `stream` once per config (`replay_ops_on_cluster`; the instances are dropped
-    from every shard between replays). Returns the timings (in `configs` order), the CPU
-    seconds the shard processes spent in each replay (all shards, all their threads), the
-    round trips ("ray", "direct", "ray_async_actor"), the number of shards and the last
-    replay's shard skew.
+    from every shard between replays), with the CPU the shard processes spent in each.
     Everything is shut down on return."""
     with loopback_cluster(num_workers=num_workers):
         shards = deploy_shards(stream.page_size)
@@ -222,25 +242,29 @@ def replay_on_local_cluster(
                 ),
             }
             instances = sorted({r.instance for r in stream.requests})
-            timings: list[OpTiming] = []
-            shard_cpu: list[float] = []
+            replays: list[ClusterReplay] = []
             for config in configs:
                 clusters[False].call_many(
                     {n: ("purge_instances", (instances,)) for n in clusters[False].names}
                 )
                 before = clusters[False].stats()
-                timings.append(
-                    replay_ops_on_cluster(
-                        clusters[config.direct],
-                        stream,
-                        batch_requests=config.batch_requests,
-                        node_id=node,
-                        in_flight=config.in_flight,
-                    )
+                got = replay_ops_on_cluster(
+                    clusters[config.direct],
+                    stream,
+                    batch_requests=config.batch_requests,
+                    node_id=node,
+                    in_flight=config.in_flight,
                 )
                 after = clusters[False].stats()
-                shard_cpu.append(sum(after[n]["cpu_s"] - before[n]["cpu_s"] for n in after))
-            return timings, shard_cpu, trips, len(shards), clusters[False].skew()
+                shard_cpu = sum(after[n]["cpu_s"] - before[n]["cpu_s"] for n in after)
+                replays.append(
+                    ClusterReplay(
+                        timing=got.timing, publish_cpu_s=got.publish_cpu_s, shard_cpu_s=shard_cpu
+                    )
+                )
+            return LocalClusterRun(
+                replays=replays, trips=trips, num_shards=len(shards), skew=clusters[False].skew()
+            )
         finally:
             clusters[True].close()
 
@@ -252,13 +276,14 @@ def replay_ops_on_cluster(
     batch_requests: int,
     node_id: str,
     in_flight: int = 1,
-) -> OpTiming:
+) -> ClusterReplay:
     """The INDEXER_BENCH stream through the shards, `batch_requests` requests a round: one
     `round` call per shard carrying the round's lookups owned by that shard and the round's
     event batches for it; up to `in_flight` rounds outstanding (Ray runs one caller's calls to
     an actor in order, and a direct channel serves them in order, so every shard still sees
     the stream in order). Each op's latency is its round's time from submission to answer.
-    Shard-side gaps cannot happen here (no batch is lost): one is an error."""
+    Shard-side gaps cannot happen here (no batch is lost): one is an error. The shards' CPU is
+    not measured here (`shard_cpu_s` 0: see `replay_on_local_cluster`)."""
     if batch_requests < 1 or in_flight < 1:
         raise InvalidParameter(
             f"batch_requests and in_flight must be >= 1, got {batch_requests}, {in_flight}"
@@ -272,6 +297,13 @@ def replay_ops_on_cluster(
                 req.instance, cluster, None, node_id=node_id
             )
     depth = cluster.branch_depth
+    requests = stream.requests
+    # Counted before the clock starts: the replay's own bookkeeping is not the index's cost.
+    chunks = [requests[lo : lo + batch_requests] for lo in range(0, len(requests), batch_requests)]
+    chunk_ops = [sum(1 + len(r.events) for r in chunk) for chunk in chunks]
+    pages = sum(
+        len(r.page_keys) + sum(len(getattr(e, "page_keys", ())) for e in r.events) for r in requests
+    )
     latencies: list[float] = []
     pending: deque[tuple[float, int, list[Pending]]] = deque()
 
@@ -282,12 +314,13 @@ def replay_ops_on_cluster(
                 raise ShardUnavailable("a shard reported a gap in a lossless replay")
         latencies.extend(repeat(time.perf_counter() - t0, ops))
 
+    # Publishing runs in this thread: its thread CPU clock (process_time sums every thread of
+    # the process, Ray's included, at a cost that grows with their number).
+    thread_cpu = time.thread_time
+    publish_cpu = 0.0
     start = time.perf_counter()
     cpu_start = time.process_time()
-    requests = stream.requests
-    pages = 0
-    for lo in range(0, len(requests), batch_requests):
-        chunk = requests[lo : lo + batch_requests]
+    for chunk, ops in zip(chunks, chunk_ops, strict=True):
         t0 = time.perf_counter()
         queries: dict[str, list[Sequence[bytes]]] = {}
         items: dict[str, list[tuple[str, int, bytes]]] = {}
@@ -297,22 +330,19 @@ def replay_ops_on_cluster(
             if q:
                 queries.setdefault(cluster.owner(q[min(depth, len(q)) - 1]), []).append(q)
             by_instance.setdefault(r.instance, []).extend(r.events)
+        c0 = thread_cpu()
         for name, events in by_instance.items():
             for shard, item in publishers[name].batches(events).items():
                 items.setdefault(shard, []).append(item)
+        publish_cpu += thread_cpu() - c0
         answers = [
             cluster.submit(n, "round", (queries.get(n, []), items.get(n, [])))
             for n in cluster.names
             if n in queries or n in items
         ]
-        ops = sum(1 + len(r.events) for r in chunk)
         pending.append((t0, ops, answers))
         while len(pending) >= in_flight:
             settle()
-        pages += sum(
-            len(r.page_keys) + sum(len(getattr(e, "page_keys", ())) for e in r.events)
-            for r in chunk
-        )
     while pending:
         settle()
     seconds = time.perf_counter() - start
@@ -321,7 +351,7 @@ def replay_ops_on_cluster(
     def pct(q: float) -> float:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
 
-    return OpTiming(
+    timing = OpTiming(
         ops=len(latencies),
         pages=pages,
         seconds=seconds,
@@ -332,3 +362,4 @@ def replay_ops_on_cluster(
         lookup_p99_us=pct(0.99),
         event_p99_us=pct(0.99),
     )
+    return ClusterReplay(timing=timing, publish_cpu_s=publish_cpu)
