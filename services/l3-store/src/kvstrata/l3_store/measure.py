@@ -31,6 +31,7 @@ from kvstrata.l3_store import deploy
 from kvstrata.l3_store.actor import StoreConfig
 from kvstrata.l3_store.client import RayStorage
 from kvstrata.l3_store.core import StoreParams, copy_checksum
+from kvstrata.l3_store.loopback import loopback_ray
 from kvstrata.l3_store.routing import home
 
 NAMESPACE = "kvstrata-bench"
@@ -83,11 +84,12 @@ def _p99(fn: Callable[[], object], n: int) -> float:
     return float(np.percentile(times, 99))
 
 
+@loopback_ray()
 def run(*, page_bytes: int, num_pages: int, repeats: int) -> list[dict[str, Any]]:
-    """Start the cluster, measure, shut it down; one dict per figure."""
+    """Start the cluster (on 127.0.0.1 whenever Ray was imported), measure, shut it down; one
+    dict per figure."""
     from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # workers share this venv

@@ -2,11 +2,13 @@
 (RAY_NOTES.md: loopback and quiet settings in the environment before Ray starts, small object
 stores, no dashboard, health checks fast enough to notice a killed node in ~1.5 s).
 
-Set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before `import ray` anywhere in the process (Ray reads
-it at import): that is what keeps every socket on 127.0.0.1. Set RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
-there too: a driver started by `uv run` otherwise gets a runtime env that uploads the working
-tree and starts every worker with `uv run` in a fresh copy of it (a new venv, no bytecode), so an
-actor took over 60 s to start here and the cluster looked like it had not come up.
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps every socket on 127.0.0.1. Ray reads it at import, and
+the package imports Ray before this module runs, so `loopback_cluster` sets the variable for
+the node processes and Ray's flag in this process for the cluster's lifetime. It does the same
+with RAY_ENABLE_UV_RUN_RUNTIME_ENV=0: a driver started by `uv run` otherwise gets a runtime env
+that uploads the working tree and starts every worker with `uv run` in a fresh copy of it (a
+new venv, no bytecode), so an actor took over 60 s to start here and the cluster looked like it
+had not come up.
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ def loopback_cluster(num_workers: int, attempts: int = 2) -> Iterator[Cluster]:
     # another module): switch the hook off where `ray.init` reads it, for this cluster only.
     saved_uv_hook = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV
     ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+    # Likewise the loopback switch: this process picks each new node's address from the flag
+    # Ray set at import; left True, the nodes listened on `*` at the interface address.
+    saved_loopback = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
     cluster: Cluster | None = None
     try:
         errors: list[str] = []
@@ -102,6 +108,7 @@ def loopback_cluster(num_workers: int, attempts: int = 2) -> Iterator[Cluster]:
             ray.shutdown()
         finally:
             ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = saved_uv_hook
+            ray_constants.ENABLE_RAY_CLUSTER = saved_loopback
             try:
                 if cluster is not None:
                     cluster.shutdown()

@@ -35,6 +35,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from kvstrata.l3_store import deploy
 from kvstrata.l3_store.actor import StoreConfig
 from kvstrata.l3_store.core import StoreParams
+from kvstrata.l3_store.loopback import loopback_ray
 from kvstrata.prefix_index.cluster import (
     NAME_PREFIX,
     NAMESPACE,
@@ -70,13 +71,14 @@ def local_ray(
         errors: list[str] = []
         for _ in range(attempts):
             try:
-                ray.init(
-                    num_cpus=num_cpus,
-                    object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    namespace=namespace,
-                )
+                with loopback_ray():  # whatever imported Ray first (the CLI's imports do)
+                    ray.init(
+                        num_cpus=num_cpus,
+                        object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                        include_dashboard=False,
+                        log_to_driver=False,
+                        namespace=namespace,
+                    )
                 break
             except Exception as exc:  # noqa: BLE001 (Ray raises a bare Exception on a timeout)
                 errors.append(str(exc))
