@@ -488,8 +488,9 @@ class HierarchicalCache:
         self.counters.transfer_wait_seconds += time.perf_counter() - began
 
     def take_events(self) -> list[KVEvent]:
-        """Drain the events of every tier, each carrying its tier: the device tree's (when it
-        was built with events), the host tier's (`host`), storage backups (`storage`)."""
+        """Drain the events of every tier, each carrying its tier: the device tree's, the host
+        tier's (`host`), storage backups (`storage`). All are queued only when the device tree
+        was built with events (`enable_events`); otherwise this returns []."""
         out = list(self.device_tree.take_events())
         out.extend(self.tier.take_events())
         out.extend(self.core.events)

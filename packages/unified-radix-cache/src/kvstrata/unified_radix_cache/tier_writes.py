@@ -283,7 +283,7 @@ class TierWriter:
                 moved += len(stored) * core.comp_page_bytes[name]
             core.counters.backed_up_tokens += (done - fresh) * core.page_size
             core.counters.bytes_storage_set += moved
-        if done > fresh:
+        if done > fresh and self._core.tier.events_on:
             self._core.events.append(
                 BlockStored(
                     page_keys=tuple(pending.keys[fresh:done]),
