@@ -90,6 +90,7 @@ from kvstrata.unified_radix_cache.tier_core import (
     PendingWrite,
     TierCore,
     prefix_len,
+    run_above,
 )
 from kvstrata.unified_radix_cache.tier_loads import TierLoader
 from kvstrata.unified_radix_cache.tier_prefetch import TierPrefetcher
@@ -247,7 +248,7 @@ class HierarchicalCache:
         last_host = device.last_host_node
         host_node = last_host if last_host is not None else device.last_node
         if last_host is not None:
-            host_indices = self.tier.host_slots(last_host)[device.prefix_len :]
+            host_indices = torch.from_numpy(run_above(last_host, extra, host=True))
         else:
             host_indices = NO_SLOTS  # shared and empty: a torch op per match costs more
         prefetch_id = None

@@ -318,7 +318,7 @@ class HostTier(HostWalks):
             self._add_candidate(node)
         if not used.all():
             self.host.free(torch.from_numpy(new[~used]))
-        moved = self.lock(node)
+        moved = self._lock(node)
         self.unlock(receipt)
         return moved
 
@@ -357,7 +357,7 @@ class HostTier(HostWalks):
             lo += n
         if pos > base:  # slots for pages that got a host copy meanwhile: not needed
             self.host.free(torch.from_numpy(new[: pos - base].copy()))
-        moved = self.lock(node)
+        moved = self._lock(node)
         self.unlock(receipt)
         return moved
 
@@ -465,6 +465,10 @@ class HostTier(HostWalks):
         self._check_in_tree(anchor)
         if anchor.parent is not None and anchor.host_value is None:
             raise NoHostCopy(f"node {anchor.id} has no host value to lock")
+        return self._lock(anchor)
+
+    def _lock(self, anchor: TreeNode) -> HostReceipt:
+        """`lock` of a node known to be in the tree with a host value (a commit's own node)."""
         probe = anchor
         while probe.parent is not None:
             value = probe.host_value

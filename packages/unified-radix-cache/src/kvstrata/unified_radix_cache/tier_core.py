@@ -120,6 +120,26 @@ Pending = PendingWrite | PendingBackup | PendingPrefetch | PendingLoad
 P = TypeVar("P", PendingWrite, PendingBackup, PendingPrefetch, PendingLoad)
 
 
+def run_above(node: TreeNode, num_tokens: int, *, host: bool = False) -> npt.NDArray[np.int64]:
+    """The last `num_tokens` Full slots of the prefix ending at `node`: its device slots, or
+    with `host` its host slots (every node walked must then have a host value). One NumPy
+    array (a view when one node holds them all); the walk stops as soon as they are covered,
+    and no tensor is made (a torch slice of the whole prefix costs more than the walk)."""
+    parts: list[npt.NDArray[np.int64]] = []
+    got = 0
+    probe = node
+    while got < num_tokens:
+        value = probe.host_value if host else probe.value
+        assert value is not None and probe.parent is not None, "the prefix is shorter"
+        parts.append(value)
+        got += len(value)
+        probe = probe.parent
+    if not parts:
+        return NO_SLOTS.numpy()
+    run = parts[0] if len(parts) == 1 else np.concatenate(parts[::-1])
+    return run[got - num_tokens :]
+
+
 def prefix_len(node: TreeNode) -> int:
     total = 0
     probe = node

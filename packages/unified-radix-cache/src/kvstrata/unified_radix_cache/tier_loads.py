@@ -31,6 +31,7 @@ from kvstrata.unified_radix_cache.tier_core import (
     PendingLoad,
     TierCore,
     prefix_len,
+    run_above,
 )
 from kvstrata.unified_radix_cache.tier_room import DeviceRoom
 from kvstrata.unified_radix_cache.tier_writes import TierWriter
@@ -99,7 +100,7 @@ class TierLoader:
         if slots is not None and not refused:
             moves: dict[str, PageMove] = {}
             if end > start:
-                host_slots = core.tier.host_slots(node)[start:end]
+                host_slots = torch.from_numpy(run_above(node, end - start, host=True))
                 moves[FULL] = PageMove(device=slots, host=host_slots)
             for leg in legs:
                 move = core.transfers[leg.name].load_move(core, leg, node, slots, start)
@@ -170,9 +171,10 @@ class TierLoader:
         tree = self._core.device_tree
         anchor = pending.device_receipt.anchor
         if ack.ok:
-            value = torch.cat(
-                [tree.prefix_slots(anchor), pending.device_slots.to(tree.full_device)]
-            )
+            loaded = pending.device_slots
+            if loaded.device != tree.full_device:
+                loaded = loaded.to(tree.full_device)
+            value = torch.cat([tree.prefix_slots(anchor), loaded])
             core = self._core
             inputs: dict[str, ComponentInsert] = {}
             for leg in pending.legs:

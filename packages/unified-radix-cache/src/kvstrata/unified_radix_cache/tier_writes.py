@@ -32,6 +32,7 @@ from kvstrata.unified_radix_cache.tier_core import (
     PendingWrite,
     TierCore,
     prefix_len,
+    run_above,
 )
 from kvstrata.unified_radix_cache.tiers import (
     STORAGE_TIER,
@@ -86,7 +87,8 @@ class TierWriter:
         if start >= end and not plans:
             return None
         host_receipt = core.tier.lock(anchor)
-        slots = core.alloc_host(end - start) if end > start else NO_SLOTS
+        num = end - start if end > start else 0
+        slots = core.alloc_host(num) if num else NO_SLOTS
         if slots is None:
             core.tier.unlock(host_receipt)
             return None
@@ -97,13 +99,13 @@ class TierWriter:
             leg.host = core.alloc_component_host(leg.name, leg.size)
             if leg.host is not None:
                 legs.append(leg)
-        if not len(slots) and not legs:
+        if not num and not legs:
             core.tier.unlock(host_receipt)
             return None
         device_receipt = core.device_tree.lock(node)
         moves: dict[str, PageMove] = {}
-        if len(slots):
-            device_slots = core.device_tree.prefix_slots(node)[start:end]
+        if num:
+            device_slots = core.device_full.to_device(run_above(node, num))
             moves[FULL] = PageMove(device=device_slots, host=slots)
         for leg in legs:
             assert leg.host is not None
