@@ -86,11 +86,11 @@ class TierWriter:
         ]
         if start >= end and not plans:
             return None
-        host_receipt = core.tier.lock(anchor)
+        locks = core.lock_move(node, anchor)
         num = end - start if end > start else 0
         slots = core.alloc_host(num) if num else NO_SLOTS
         if slots is None:
-            core.tier.unlock(host_receipt)
+            core.unlock_move(locks)
             return None
         # A component whose host slots cannot be had is left out: the pages still go (the
         # host hit then ends earlier, e.g. where a state or window is not restorable).
@@ -100,9 +100,8 @@ class TierWriter:
             if leg.host is not None:
                 legs.append(leg)
         if not num and not legs:
-            core.tier.unlock(host_receipt)
+            core.unlock_move(locks)
             return None
-        device_receipt = core.device_tree.lock(node)
         moves: dict[str, PageMove] = {}
         if num:
             device_slots = core.device_full.to_device(run_above(node, num))
@@ -112,12 +111,7 @@ class TierWriter:
             device = core.transfers[leg.name].write_source(core, node, leg)
             moves[leg.name] = PageMove(device=device, host=leg.host)
         pending = PendingWrite(
-            key=key,
-            start=start,
-            host_slots=slots,
-            device_receipt=device_receipt,
-            host_receipt=host_receipt,
-            legs=tuple(legs),
+            key=key, start=start, locks=locks, legs=tuple(legs), host_slots=slots
         )
         # Queued, not yet submitted: a temporary negative id until `_flush_writes` hands the
         # batch to the controller (one wake-up of its worker for the whole batch).
@@ -153,8 +147,8 @@ class TierWriter:
         return submitted
 
     def _roll_back_write(self, pending: PendingWrite) -> None:
-        self._core.device_tree.unlock(pending.device_receipt)
-        self._core.tier.unlock(pending.host_receipt)
+        """Release what a write that moved nothing held: both locks, its host slots."""
+        self._core.unlock_move(pending.locks)
         if len(pending.host_slots):
             self._core.host_allocator.free(pending.host_slots)
         self._core.free_legs(pending.legs)
@@ -193,13 +187,10 @@ class TierWriter:
 
     def commit_write(self, pending: PendingWrite, ack: Ack) -> None:
         core = self._core
-        core.device_tree.unlock(pending.device_receipt)
         if not ack.ok:
-            core.tier.unlock(pending.host_receipt)
-            if len(pending.host_slots):
-                core.host_allocator.free(pending.host_slots)
-            core.free_legs(pending.legs)
+            self._roll_back_write(pending)
             return
+        core.device_tree.unlock(pending.device_receipt)
         num = len(pending.host_slots)
         receipt = core.tier.commit_path(
             pending.host_receipt, pending.device_receipt.anchor, pending.key, pending.host_slots
