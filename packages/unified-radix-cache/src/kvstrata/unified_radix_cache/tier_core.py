@@ -275,7 +275,9 @@ class TierCore:
         queue has no room for is dropped (its host lock released), as `_backup` does."""
         if not held:
             return
-        op_ids = self.controller.submit_backups([op for op, _ in held])
+        # A CPU controller runs them on this thread: a backup worker's GIL hand-offs cost more
+        # than the copies (`TierController.runs_inline`).
+        op_ids = self.controller.submit_backups([op for op, _ in held], inline=True)
         for (_, pending), op_id in zip(held, op_ids, strict=True):
             if op_id is None:
                 self.tier.unlock(pending.host_receipt)

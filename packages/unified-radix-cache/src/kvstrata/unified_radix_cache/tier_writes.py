@@ -253,7 +253,7 @@ class TierWriter:
             held.append((op, pending))
             return
         try:
-            op_id = self._core.controller.submit_backup(op)
+            op_id = self._core.controller.submit_backup(op, inline=True)
         except QueueFull:
             self._core.tier.unlock(receipt)
             return
