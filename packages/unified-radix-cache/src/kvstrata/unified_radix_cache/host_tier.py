@@ -546,6 +546,11 @@ class HostTier(HostWalks):
             probe = probe.parent
         return [k for part in reversed(parts) for k in part]
 
+    def last_page_key(self, node: TreeNode) -> bytes:
+        """The chained key of the last page of the prefix ending at `node` (not the root):
+        `page_keys(node)[-1]` without building the whole prefix's list."""
+        return self._log.page_keys(self.tree, node)[-1]
+
     def take_events(self) -> list[KVEvent]:
         """Drain the host-tier events (BlockStored / BlockRemoved with tier `host`)."""
         return [replace(event, tier=HOST_TIER) for event in self._log.drain()]

@@ -230,8 +230,8 @@ class TierWriter:
         keys = self._core.tier.page_keys(node)
         first = start // self._core.page_size
         page = self._core.page_size
-        # NumPy on the host slots (a view): a torch floor_divide per backup costs more.
-        pages = self._core.tier.host_slots(node).numpy()[start::page] // page
+        # NumPy on the host slots of the pages from `start` on (the nodes they span only).
+        pages = run_above(node, len(keys) * page - start, host=True)[::page] // page
         host_pages: dict[str, list[int | None]] = {FULL: list[int | None](pages.tolist())}
         comp_pages: list[tuple[str, tuple[int, ...]]] = []
         for name, transfer in self._core.transfers.items():
