@@ -4,12 +4,14 @@ the same bytes and acks as a worker's, no hand-off; queued as before when asked 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import pytest
 import torch
 
 from kvstrata.hybrid_cache import (
     AckStatus,
+    BackupOp,
     ControllerClosed,
     ControllerParams,
     InvalidOperation,
@@ -20,6 +22,8 @@ from kvstrata.hybrid_cache import (
     WriteOp,
 )
 from kvstrata.pool_host import HostLayout
+from kvstrata.storage import MemoryStorage, PageKeyer
+from kvstrata.storage.base import WriteResult
 from kvstrata.testkit.tiers import (
     assert_pages_equal,
     device_pools,
@@ -225,3 +229,55 @@ def test_storage_keys_of_a_secondary_member_carry_its_name() -> None:
             bytes(group.set_source(name, 1))
         ]
     assert len({group.storage_key(n, b"k1") for n in group.member_names}) == 2
+
+
+class _ThreadNoting(MemoryStorage):
+    """A memory storage that notes the thread of each set."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity_bytes=1 << 24)
+        self.threads: list[str] = []
+
+    def _set_from(self, keys: Sequence[bytes], views: list[memoryview]) -> list[WriteResult]:
+        self.threads.append(threading.current_thread().name)
+        return super()._set_from(keys, views)
+
+
+@pytest.mark.parametrize("run_inline", [True, False])
+def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(run_inline: bool) -> None:
+    tiers = make_tiers("full")
+    page = tiers.member_page_size("full")
+    storage = _ThreadNoting()
+    keyer = PageKeyer(page_size=tiers.page_size, namespace=b"inline-backups")
+    keys = keyer.page_keys((torch.arange(3 * tiers.page_size) + 7).numpy())
+    params = ControllerParams(run_inline=run_inline)
+    with TierController(tiers.group, storage=storage, params=params) as controller:
+        (write,) = controller.submit_writes(
+            [WriteOp(moves=full_move(page, [1, 2, 3], [4, 5, 6]))], inline=True
+        )
+        assert write is not None
+        ack = controller.wait(write, TIMEOUT_S)
+        assert ack is not None and ack.ok
+        pages: dict[str, list[int | None]] = {"full": [4, 5, 6]}
+        one = controller.submit_backup(
+            BackupOp(keys=keys[:1], host_pages={"full": [4]}), inline=True
+        )
+        ids = controller.submit_backups(
+            [
+                BackupOp(keys=keys, host_pages=pages),
+                BackupOp(keys=keys[1:], host_pages={"full": [5, 6]}),
+            ],
+            inline=True,
+        )
+        assert all(i is not None for i in ids)
+        if run_inline:  # done before the calls returned: the acks wait without a worker
+            acks = controller.poll_acks()
+            assert sorted(a.op_id for a in acks) == sorted([one, *ids])  # type: ignore[type-var]
+        else:
+            acks = [controller.wait(i, TIMEOUT_S) for i in (one, *ids)]  # type: ignore[arg-type]
+        assert all(a is not None and a.status is AckStatus.DONE for a in acks)
+        assert storage.batch_exists(keys) == 3
+        controller.check_integrity()
+    me = threading.current_thread().name
+    assert storage.threads
+    assert all((t == me) == run_inline for t in storage.threads), storage.threads

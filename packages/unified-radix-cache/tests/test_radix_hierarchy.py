@@ -168,10 +168,10 @@ def test_host_eviction_spares_locked_host_pages(hierarchy: Callable[..., Hierarc
 
 
 def test_events_carry_the_tier(hierarchy: Callable[..., Hierarchy]) -> None:
-    h = hierarchy(storage=MemoryStorage(capacity_bytes=1 << 24))
+    h = hierarchy(storage=MemoryStorage(capacity_bytes=1 << 24), enable_events=True)
     _run(h, list(range(1, 2 * P + 1)))
     h.cache.drain()
-    events = h.cache.take_events()
+    events = [e for e in h.cache.take_events() if e.tier != "device"]
     tiers = {e.tier for e in events if isinstance(e, BlockStored)}
     assert tiers == {"host", "storage"}
     stored = [e for e in events if isinstance(e, BlockStored)]
@@ -179,8 +179,29 @@ def test_events_carry_the_tier(hierarchy: Callable[..., Hierarchy]) -> None:
     assert h.cache.take_events() == []
     h.cache.evict_device(2 * P)
     h.cache.evict_host(2 * P)
-    removed = h.cache.take_events()
+    removed = [e for e in h.cache.take_events() if e.tier != "device"]
     assert removed and all(e.tier == "host" for e in removed)
+
+
+@pytest.mark.parametrize("with_storage", [False, True])
+def test_no_events_queued_or_hashed_when_the_tree_has_events_off(
+    hierarchy: Callable[..., Hierarchy], with_storage: bool
+) -> None:
+    storage = MemoryStorage(capacity_bytes=1 << 24) if with_storage else None
+    h = hierarchy(storage=storage)
+    key = list(range(1, 2 * P + 1))
+    _run(h, key)
+    h.cache.drain()
+    node = h.cache.match_prefix(RadixKey(key)).device.last_node
+    assert node.host_value is not None
+    # A host tier alone never hashes a page; storage keys the pages it backs up.
+    assert (node.page_keys is not None) == with_storage
+    h.cache.evict_device(2 * P)
+    h.cache.evict_host(2 * P)
+    assert h.cache.evict_host(1) == 0 and h.cache.tier.evicted_total == 2 * P
+    h.cache.reset()
+    assert h.cache.take_events() == []
+    h.cache.check_integrity()
 
 
 def _prefetch_setup(

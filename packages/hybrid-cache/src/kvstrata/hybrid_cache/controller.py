@@ -71,10 +71,11 @@ class ControllerParams:
     """Store a CRC-32 beside each page on backup and check it on prefetch (storage_io.py)."""
     run_inline: bool | None = None
     """Run a load or prefetch submitted with `inline=True` (the caller waits for it at once)
-    and a batch of writes given to `submit_writes(..., inline=True)` on the caller's thread
-    instead of handing it to a worker. None: when every device pool of the group is on the CPU
-    (a copy there is a memcpy under the GIL: a thread round trip buys no overlap and costs a
-    GIL hand-off); False: always queue (CUDA streams overlap with the forward)."""
+    and a batch of writes or backups given to `submit_writes` / `submit_backup(s)` with
+    `inline=True` on the caller's thread instead of handing it to a worker. None: when every
+    device pool of the group is on the CPU (a copy there is a memcpy under the GIL: a thread
+    round trip buys no overlap and costs a GIL hand-off); False: always queue (CUDA streams
+    overlap with the forward)."""
 
     def __post_init__(self) -> None:
         if self.queue_capacity < 1 or self.max_merge_ops < 1 or self.storage_batch_pages < 1:
@@ -248,8 +249,7 @@ class TierController:
             if tasks and not now:
                 queue.put_all(tasks)
         if tasks and now:
-            for lo in range(0, len(tasks), self.params.max_merge_ops):
-                self._run_inline(self._write, tasks[lo : lo + self.params.max_merge_ops])
+            self._run_inline_batches(self._write, tasks)
         return ids
 
     @property
@@ -324,24 +324,33 @@ class TierController:
             self._run_inline(lane, [task])
         return op_id
 
-    def submit_backup(self, op: BackupOp) -> int:
+    def submit_backup(self, op: BackupOp, *, inline: bool = False) -> int:
         """Queue a host -> storage backup of `op.keys`; keys already stored are skipped. Raises
         StorageNotConfigured, InvalidOperation, QueueFull or ControllerClosed before anything
-        changes. The listed host pages must stay unchanged until the ack."""
+        changes. The listed host pages must stay unchanged until the ack. `inline=True` on a
+        controller that `runs_inline`: the backup runs on this thread before the call returns
+        (its ack waits for `wait` / `poll_acks` like a worker's)."""
         lane = self._storage_lane(self._backup)
         pages = self.group.check_keyed_pages(op.keys, op.host_pages)
+        now = inline and self._inline
         with self._lock:
-            op_id = self._admit(OpKind.BACKUP, len(op.keys), lane.queue)
-            lane.queue.put(BackupTask(op_id=op_id, keys=tuple(op.keys), pages=pages))
+            op_id = self._admit(OpKind.BACKUP, len(op.keys), None if now else lane.queue)
+            task = BackupTask(op_id=op_id, keys=tuple(op.keys), pages=pages)
+            if not now:
+                lane.queue.put(task)
+        if now:
+            self._run_inline(lane, [task])
         return op_id
 
-    def submit_backups(self, ops: Sequence[BackupOp]) -> list[int | None]:
+    def submit_backups(self, ops: Sequence[BackupOp], *, inline: bool = False) -> list[int | None]:
         """`submit_backup` for each of `ops`, oldest first, with one wake-up of the backup
         worker for the whole batch. Returns the op ids; None for an op the queue had no room
         for (nothing of it changed). StorageNotConfigured, InvalidOperation (any op) or
-        ControllerClosed before anything changes."""
+        ControllerClosed before anything changes. `inline=True` on a controller that
+        `runs_inline`: the batch runs (merged) on this thread before the call returns."""
         lane = self._storage_lane(self._backup)
         checked = [self.group.check_keyed_pages(op.keys, op.host_pages) for op in ops]
+        now = inline and self._inline
         ids: list[int | None] = []
         tasks: list[BackupTask] = []
         with self._lock:
@@ -349,14 +358,16 @@ class TierController:
                 raise ControllerClosed(f"{OpKind.BACKUP} submitted after close()")
             room = lane.queue.capacity - len(lane.queue)
             for op, pages in zip(ops, checked, strict=True):
-                if len(tasks) >= room:
+                if not now and len(tasks) >= room:
                     ids.append(None)
                     continue
                 op_id = self._admit(OpKind.BACKUP, len(op.keys), None)
                 tasks.append(BackupTask(op_id=op_id, keys=tuple(op.keys), pages=pages))
                 ids.append(op_id)
-            if tasks:
+            if tasks and not now:
                 lane.queue.put_all(tasks)
+        if tasks and now:
+            self._run_inline_batches(lane, tasks)
         return ids
 
     # --- prefetch progress -----------------------------------------------------------------------
@@ -544,6 +555,12 @@ class TierController:
             self._acks[op_id] = ack
             self.stats.count_finished(ack.kind, status)
             self._acked.notify_all()
+
+    def _run_inline_batches(self, lane: _Lane[TaskT], tasks: list[TaskT]) -> None:
+        """`_run_inline` over `tasks` in batches of at most `max_merge_ops` (a worker's)."""
+        step = self.params.max_merge_ops
+        for lo in range(0, len(tasks), step):
+            self._run_inline(lane, tasks[lo : lo + step])
 
     def _run_inline(self, lane: _Lane[TaskT], tasks: list[TaskT]) -> None:
         """Run admitted tasks as one batch on the caller's thread, exactly as their worker

@@ -199,8 +199,7 @@ class PoolGroup:
             _check_range(move.host, lo=0, hi=host.size, what=f"{name} host")
             # Copies: the caller may reuse its index tensors as soon as the submit returns.
             checked[name] = PageMove(
-                device=move.device.to(torch.int64, copy=copy),
-                host=move.host.to(torch.int64, copy=copy),
+                device=_as_int64(move.device, copy), host=_as_int64(move.host, copy)
             )
             num_pages += move.device.numel() // host.page_size
         return checked, num_pages
@@ -295,6 +294,14 @@ class PoolGroup:
         if host.layout is HostLayout.layer_first:
             return [self.set_source(name, page) for page in pages]
         return host.page_views(pages)
+
+
+def _as_int64(indices: torch.Tensor, copy: bool) -> torch.Tensor:
+    """`indices` as int64: a copy with `copy`, else the tensor itself when it already is one
+    (what the tiers pass: no torch call on the hot path)."""
+    if not copy and indices.dtype == torch.int64:
+        return indices
+    return indices.to(torch.int64, copy=copy)
 
 
 def _check_range(indices: torch.Tensor, *, lo: int, hi: int, what: str) -> None:

@@ -65,6 +65,7 @@ from kvstrata.hybrid_cache import (
 )
 from kvstrata.pool_host import HostSlotAllocator
 from kvstrata.storage.keys import PageKeyer
+from kvstrata.unified_radix_cache import tiers
 from kvstrata.unified_radix_cache.components.base import ComponentInsert
 from kvstrata.unified_radix_cache.components.transfer import TransferLeg
 from kvstrata.unified_radix_cache.device_cache import STATES
@@ -89,19 +90,13 @@ from kvstrata.unified_radix_cache.tier_core import (
     PendingWrite,
     TierCore,
     prefix_len,
+    run_above,
 )
 from kvstrata.unified_radix_cache.tier_loads import TierLoader
 from kvstrata.unified_radix_cache.tier_prefetch import TierPrefetcher
 from kvstrata.unified_radix_cache.tier_room import DeviceRoom
 from kvstrata.unified_radix_cache.tier_writes import TierWriter
-from kvstrata.unified_radix_cache.tiers import (
-    LoadBack,
-    TierCounters,
-    TieredMatch,
-    TierLoad,
-    TierParams,
-    WritePolicy,
-)
+from kvstrata.unified_radix_cache.tiers import WritePolicy
 from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 
@@ -150,7 +145,7 @@ class HierarchicalCache:
         *,
         controller: TierController,
         host_allocator: HostSlotAllocator,
-        params: TierParams | None = None,
+        params: tiers.TierParams | None = None,
         keyer: PageKeyer | None = None,
         component_hosts: Mapping[str, HostSlotAllocator] | None = None,
     ) -> None:
@@ -190,7 +185,7 @@ class HierarchicalCache:
             raise InvalidConfig(f"keyer page size {keyer.page_size} != tree page size {page}")
         if device_tree.host_tier is not None or device_tree.num_nodes:
             raise InvalidConfig("the device tree must be empty and have no host tier yet")
-        self.params = params or TierParams()
+        self.params = params or tiers.TierParams()
         self.device_tree = device_tree
         self.controller = controller
         self.host_allocator = host_allocator
@@ -226,7 +221,7 @@ class HierarchicalCache:
 
     def match_prefix(
         self, key: RadixKey, *, max_len: int | None = None, wait_now: bool = False
-    ) -> TieredMatch:
+    ) -> tiers.TieredMatch:
         """Match `key` (at most `max_len` tokens) over both tiers in one walk of the tree.
 
         Mutates: access times and hit counts on the path, the tree's and the cache's query and
@@ -253,7 +248,7 @@ class HierarchicalCache:
         last_host = device.last_host_node
         host_node = last_host if last_host is not None else device.last_node
         if last_host is not None:
-            host_indices = self.tier.host_slots(last_host)[device.prefix_len :]
+            host_indices = torch.from_numpy(run_above(last_host, extra, host=True))
         else:
             host_indices = NO_SLOTS  # shared and empty: a torch op per match costs more
         prefetch_id = None
@@ -271,7 +266,7 @@ class HierarchicalCache:
             and not self.writer.in_flight(node)
         ):
             self.writer.write(key[: device.prefix_len], node)
-        return TieredMatch(device, extra, host_indices, host_node, prefetch_id)
+        return tiers.TieredMatch(device, extra, host_indices, host_node, prefetch_id)
 
     def _prefetch_beyond(
         self, key: RadixKey, device: MatchResult, end: int, *, wait_now: bool = False
@@ -318,7 +313,7 @@ class HierarchicalCache:
             self.finish_prefetch(match.prefetch_id)
             final = self.tier.match_key(key, usable)
         host_node = final.last_host_node
-        load: TierLoad | None = None
+        load: tiers.TierLoad | None = None
         if host_node is not None:
             load = self.start_load_back(host_node, wait_now=True)
             back = load.wait(self.params.transfer_timeout_s)
@@ -404,7 +399,7 @@ class HierarchicalCache:
         """Give back KV slots from `alloc_tokens` that no request holds."""
         self.core.device_full.give_back(slots)
 
-    def transfer_counters(self) -> TierCounters:
+    def transfer_counters(self) -> tiers.TierCounters:
         return self.counters
 
     def _written(self, key: RadixKey, node: TreeNode) -> None:
@@ -445,12 +440,12 @@ class HierarchicalCache:
         Returns the tokens committed now."""
         return self.prefetcher.finish(op_id)
 
-    def start_load_back(self, node: TreeNode, *, wait_now: bool = False) -> TierLoad:
+    def start_load_back(self, node: TreeNode, *, wait_now: bool = False) -> tiers.TierLoad:
         """Start bringing the prefix ending at `node` back to the device, layer by layer
         (`TierLoader.start`)."""
         return self.loader.start(node, wait_now=wait_now)
 
-    def load_back(self, node: TreeNode) -> LoadBack:
+    def load_back(self, node: TreeNode) -> tiers.LoadBack:
         """Blocking load-back of the prefix ending at `node` (`TierLoader.load_back`)."""
         return self.loader.load_back(node)
 
@@ -488,8 +483,9 @@ class HierarchicalCache:
         self.counters.transfer_wait_seconds += time.perf_counter() - began
 
     def take_events(self) -> list[KVEvent]:
-        """Drain the events of every tier, each carrying its tier: the device tree's (when it
-        was built with events), the host tier's (`host`), storage backups (`storage`)."""
+        """Drain the events of every tier, each carrying its tier: the device tree's, the host
+        tier's (`host`), storage backups (`storage`). All are queued only when the device tree
+        was built with events (`enable_events`); otherwise this returns []."""
         out = list(self.device_tree.take_events())
         out.extend(self.tier.take_events())
         out.extend(self.core.events)

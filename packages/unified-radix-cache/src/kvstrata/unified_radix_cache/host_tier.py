@@ -101,6 +101,9 @@ class HostTier(HostWalks):
     `host`: the host slot allocator (as a `SlotSink`; its indices are CPU token slots).
     `eviction_policy`: order of host eviction (lru, lfu, fifo, mru, filo, priority).
     `keyer`: names pages for host events and storage (the tree's own when it has events).
+    Host events are queued only when the tree was built with events (`enable_events`): with
+    them off no host page is hashed for an event (storage backups still key their pages), and
+    nothing queues up for a `take_events` nobody calls.
     `component_hosts`: per component other than Full (by name), the host slot sink of its host
     copies; every such component of the tree needs one, and no other name is accepted.
     Building one attaches it to `tree` (which must be empty) and gives each component its sink.
@@ -132,6 +135,8 @@ class HostTier(HostWalks):
         self.host = host
         self.keyer = keyer
         self._log = EventLog(keyer)
+        #: Whether host events are queued (the tree's events are on).
+        self.events_on = tree.keyer is not None
         self._receipts: dict[int, HostReceipt] = {}
         self._ids = itertools.count(1)
         #: Host tokens not locked / locked by a transfer, and tokens host eviction freed.
@@ -313,7 +318,7 @@ class HostTier(HostWalks):
             self._add_candidate(node)
         if not used.all():
             self.host.free(torch.from_numpy(new[~used]))
-        moved = self.lock(node)
+        moved = self._lock(node)
         self.unlock(receipt)
         return moved
 
@@ -352,7 +357,7 @@ class HostTier(HostWalks):
             lo += n
         if pos > base:  # slots for pages that got a host copy meanwhile: not needed
             self.host.free(torch.from_numpy(new[: pos - base].copy()))
-        moved = self.lock(node)
+        moved = self._lock(node)
         self.unlock(receipt)
         return moved
 
@@ -360,7 +365,8 @@ class HostTier(HostWalks):
         assert node.host_lock_ref == 0, f"node {node.id} host-locked without a host value"
         node.host_value = value
         self.evictable_size += len(value)
-        self._log.stored(self.tree, node)
+        if self.events_on:
+            self._log.stored(self.tree, node)
 
     def evict(self, amount: int) -> int:
         """Free at least `amount` host tokens (or all that may go): whole off-device, childless,
@@ -416,7 +422,8 @@ class HostTier(HostWalks):
         `batch` (freed by `_finish`). Its parent may become a candidate."""
         value = node.host_value
         assert value is not None, f"host candidate {node.id} without a host value"
-        self._log.removed(self.tree, node)
+        if self.events_on:
+            self._log.removed(self.tree, node)
         node.host_value = None
         self.evictable_size -= len(value)
         self.evicted_total += len(value)
@@ -458,6 +465,10 @@ class HostTier(HostWalks):
         self._check_in_tree(anchor)
         if anchor.parent is not None and anchor.host_value is None:
             raise NoHostCopy(f"node {anchor.id} has no host value to lock")
+        return self._lock(anchor)
+
+    def _lock(self, anchor: TreeNode) -> HostReceipt:
+        """`lock` of a node known to be in the tree with a host value (a commit's own node)."""
         probe = anchor
         while probe.parent is not None:
             value = probe.host_value
@@ -535,6 +546,11 @@ class HostTier(HostWalks):
             probe = probe.parent
         return [k for part in reversed(parts) for k in part]
 
+    def last_page_key(self, node: TreeNode) -> bytes:
+        """The chained key of the last page of the prefix ending at `node` (not the root):
+        `page_keys(node)[-1]` without building the whole prefix's list."""
+        return self._log.page_keys(self.tree, node)[-1]
+
     def take_events(self) -> list[KVEvent]:
         """Drain the host-tier events (BlockStored / BlockRemoved with tier `host`)."""
         return [replace(event, tier=HOST_TIER) for event in self._log.drain()]
@@ -562,7 +578,8 @@ class HostTier(HostWalks):
             self.host.free(torch.from_numpy(np.concatenate(values)))
         self.evictable_size = self.protected_size = 0
         self._log.drain()
-        self._log.cleared()
+        if self.events_on:
+            self._log.cleared()
 
     def check_integrity(
         self, in_flight: int, components_in_flight: Mapping[str, int] | None = None

@@ -20,16 +20,16 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstrata.unified_radix_cache.components.full import FullComponent
+from kvstrata.unified_radix_cache.hybrid import insert_walk
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.policies import LeafHeap
-from kvstrata.unified_radix_cache.results import InsertResult, MatchResult
-from kvstrata.unified_radix_cache.walk import descend
+from kvstrata.unified_radix_cache.results import InsertCall, InsertResult, MatchResult
 
 if TYPE_CHECKING:
     import torch
 
-    from kvstrata.unified_radix_cache.components.base import ComponentInsert, TreeComponent
+    from kvstrata.unified_radix_cache.components.base import TreeComponent
     from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 _NO_SLOTS = np.empty(0, dtype=np.int64)
@@ -176,71 +176,24 @@ class HostWalks:
             return MatchResult(0, self._full.to_device(_NO_SLOTS), self.tree.root)
         return self.match(key, data, end, count=False, touch=False)
 
-    def insert(
-        self,
-        key: RadixKey,
-        data: bytes,
-        end: int,
-        slots: npt.NDArray[np.int64],
-        cached_len: int,
-        priority: int,
-        inputs: Mapping[str, ComponentInsert] | None = None,
-    ) -> InsertResult:
-        """The tree's insert: off-device nodes the key runs over take the caller's slots again
-        (revive; listed in `adopted`; each component's `on_revive` with its input), a new leaf
-        takes the rest; on the nodes still on the device the components run their overlap
-        hooks, on the new leaf `on_insert_new`, and on the node ending at the key
-        `on_insert_commit` (the names of those that adopted their input are in the result).
-        O(K + depth x components)."""
-        tree = self.tree
-        extras = self._extras
-        tick = tree.next_tick()
-        namespace = key.namespace
-        adopted: list[tuple[int, int]] = []
+    def insert(self, call: InsertCall) -> InsertResult:
+        """The tree's insert (`hybrid.insert_walk`, the one component walk): off-device nodes
+        the key runs over take the caller's slots again (revive; listed in `adopted`; each
+        component's `on_revive` with its input), a new leaf takes the rest; on the nodes still
+        on the device the components run their overlap hooks, on the new leaf `on_insert_new`,
+        and on the node ending at the key `on_insert_commit` (the names of those that adopted
+        their input are in the result). O(K + depth x components)."""
+        return insert_walk(self.tree, call, self._revive_on_insert)
 
-        def visit(node: TreeNode, at: int) -> None:
-            node.last_access = tick
-            if priority > node.priority:
-                node.priority = priority
-            start = at // TOKEN_BYTES
-            if not len(node.value):
-                assert start >= cached_len, (
-                    f"insert: node {node.id} is off the device inside the caller's cached prefix"
-                )
-                self._revive(node, slots[start : start + node.num_tokens].copy())
-                adopted.append((start, start + node.num_tokens))
-                for component in extras:
-                    inp = inputs.get(component.name) if inputs else None
-                    component.on_revive(node, start, inp)
-                return
-            for component in extras:
-                component.on_access(node)
-                inp = inputs.get(component.name) if inputs else None
-                if component.on_insert_overlap(node, start, slots, inp, cached_len):
-                    adopted.append((start, start + node.num_tokens))
-
-        path, pos, _ = descend(
-            tree.root, self._page_bytes, namespace, data, end, tree.split_node, visit
+    def _revive_on_insert(self, node: TreeNode, start: int, call: InsertCall) -> None:
+        """Off-device `node`, at token `start` of an insert's key, takes the caller's slots."""
+        assert start >= call.cached_len, (
+            f"insert: node {node.id} is off the device inside the caller's cached prefix"
         )
-        node = path[-1] if path else tree.root
-        prefix_len = pos // TOKEN_BYTES
-        inserted = 0
-        if pos < end:
-            node = tree.add_leaf(node, data, pos, end, slots, namespace, tick, priority)
-            inserted = (end - pos) // TOKEN_BYTES
-            # A component may split the new leaf (e.g. at a window boundary); `node` keeps the
-            # tail, so it still ends at the key's end.
-            for component in extras:
-                inp = inputs.get(component.name) if inputs else None
-                component.on_insert_new(node, prefix_len, inp)
-        elif node in self._device_heap:
-            self._device_heap.push(node)
-        if extras:
-            tree.flush_pending()
-        took: tuple[str, ...] = ()
-        if inputs and node.parent is not None:
-            took = tuple(c.name for c in extras if c.on_insert_commit(node, inputs.get(c.name)))
-        return InsertResult(prefix_len, inserted, node, tuple(adopted), took, cached_len)
+        self._revive(node, call.slots[start : start + node.num_tokens].copy())
+        inputs = call.inputs
+        for component in self._extras:
+            component.on_revive(node, start, inputs.get(component.name) if inputs else None)
 
     def _revive(self, node: TreeNode, value: npt.NDArray[np.int64]) -> None:
         """Off-device `node` takes device slots `value` (its parent is on the device now)."""

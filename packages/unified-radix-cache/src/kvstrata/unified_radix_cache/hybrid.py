@@ -7,21 +7,19 @@ Full-only fast paths in tree.py: the same descent, plus the component hooks
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
-import numpy.typing as npt
 
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
-from kvstrata.unified_radix_cache.results import InsertResult, MatchResult
+from kvstrata.unified_radix_cache.results import InsertCall, InsertResult, MatchResult
 from kvstrata.unified_radix_cache.walk import descend
 
 if TYPE_CHECKING:
     import torch
 
-    from kvstrata.unified_radix_cache.components.base import ComponentInsert
     from kvstrata.unified_radix_cache.tree_internals import TreeInternals
 
 # An empty match's slots: no element to write, and numpy's storage cannot be resized.
@@ -66,18 +64,20 @@ def touch_path(tree: TreeInternals, path: list[TreeNode]) -> None:
         tree._heap.push(path[-1])
 
 
-def insert_hybrid(
-    tree: TreeInternals,
-    key: RadixKey,
-    data: bytes,
-    end: int,
-    slots: npt.NDArray[np.int64],
-    cached_len: int,
-    priority: int,
-    comp_inputs: Mapping[str, ComponentInsert] | None,
+#: What an insert does with a node off the device its key runs over (a tree with a host tier:
+#: `HostWalks._revive_on_insert`): `(node, start, call)`, `start` the token of the key where
+#: the node begins; the node's tokens are reported adopted.
+Revive = Callable[[TreeNode, int, InsertCall], None]
+
+
+def insert_walk(
+    tree: TreeInternals, call: InsertCall, revive: Revive | None = None
 ) -> InsertResult:
-    """`insert` with the component hooks: overlap on each existing node, new leaf, commit."""
+    """`insert` with the component hooks: overlap on each existing node, new leaf, commit. The
+    one insert walk of a tree with components or a host tier: with `revive`, a node off the
+    device the key runs over goes to it (instead of the overlap hooks)."""
     extras = tree._extras
+    slots, cached_len, priority, inputs = call.slots, call.cached_len, call.priority, call.inputs
     tree._tick += 1
     tick = tree._tick
     adopted: list[tuple[int, int]] = []
@@ -87,36 +87,42 @@ def insert_hybrid(
         if priority > node.priority:
             node.priority = priority
         start = at // TOKEN_BYTES
+        if revive is not None and not len(node.value):
+            revive(node, start, call)
+            adopted.append((start, start + node.num_tokens))
+            return
         for component in extras:
             component.on_access(node)
-            inp = comp_inputs.get(component.name) if comp_inputs else None
+            inp = inputs.get(component.name) if inputs else None
             if component.on_insert_overlap(node, start, slots, inp, cached_len):
                 adopted.append((start, start + len(node.value)))
 
-    root = tree._root
-    path, pos, _ = descend(root, tree._page_bytes, key.namespace, data, end, tree.split_node, visit)
+    namespace, end, root = call.key.namespace, call.end, tree.root
+    path, pos, _ = descend(
+        root, tree._page_bytes, namespace, call.data, end, tree.split_node, visit
+    )
     node = path[-1] if path else root
     prefix_len = pos // TOKEN_BYTES
-    last = node
     if pos < end:
-        last = tree.add_leaf(node, data, pos, end, slots, key.namespace, tick, priority)
-        # A component may split the new leaf (SWA window boundary); `last` keeps the tail,
+        node = tree.add_leaf(node, call.data, pos, end, slots, namespace, tick, priority)
+        # A component may split the new leaf (SWA window boundary); `node` keeps the tail,
         # so it still ends at the key's end.
         for component in extras:
-            inp = comp_inputs.get(component.name) if comp_inputs else None
-            component.on_insert_new(last, prefix_len, inp)
-    elif node.heap_entry is not None:
+            inp = inputs.get(component.name) if inputs else None
+            component.on_insert_new(node, prefix_len, inp)
+    elif node in tree._heap:
         tree._heap.push(node)
+    if extras:
+        tree.flush_pending()
     adopted_states: tuple[str, ...] = ()
-    if comp_inputs:
+    if inputs:
         adopted_states = tuple(
-            c.name for c in extras if c.on_insert_commit(last, comp_inputs.get(c.name))
+            c.name for c in extras if c.on_insert_commit(node, inputs.get(c.name))
         )
-    tree.flush_pending()
     return InsertResult(
         prefix_len,
         (end // TOKEN_BYTES) - prefix_len,
-        last,
+        node,
         tuple(adopted),
         adopted_states,
         cached_len,

@@ -1,5 +1,6 @@
 """What the tree's operations return. The per-request results are NamedTuples (built on every
 match and insert, so they must be cheap); the eviction request and result are frozen dataclasses.
+`InsertCall` is the other way round: a checked insert the tree hands to its component walk.
 """
 
 from __future__ import annotations
@@ -7,12 +8,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvstrata.unified_radix_cache.errors import InvalidEvictRequest
 from kvstrata.unified_radix_cache.node import TreeNode
+
+if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.components.transfer import ComponentInsert
+    from kvstrata.unified_radix_cache.key import RadixKey
 
 _NO_STATES: Mapping[str, torch.Tensor] = MappingProxyType({})
 
@@ -152,3 +159,17 @@ class PrefixHit(NamedTuple):
     @property
     def total_len(self) -> int:
         return self.device_len + self.host_len + self.storage_len
+
+
+class InsertCall(NamedTuple):
+    """One checked `UnifiedRadixCache.insert`: `data[:end]` are the whole pages of `key`'s
+    token bytes to store, `slots` the Full slot of each token, `inputs` the checked
+    per-component inputs (None when there are none)."""
+
+    key: RadixKey
+    data: bytes
+    end: int
+    slots: npt.NDArray[np.int64]
+    cached_len: int
+    priority: int
+    inputs: Mapping[str, ComponentInsert] | None

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import NamedTuple, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -66,15 +66,43 @@ NO_SLOTS = torch.empty(0, dtype=torch.int64)
 UNTAKEN_PREFETCHES = 1024
 
 
+class MoveLocks(NamedTuple):
+    """The two locks a write or a load holds until its ack (`TierCore.lock_move`): the device
+    prefix ending at the node the pages move from or to (`device`) and the host prefix they
+    extend or are read from (`host`)."""
+
+    device: LockReceipt
+    host: HostReceipt
+
+
 @dataclass(kw_only=True, eq=False)
-class PendingWrite:
+class PendingMove:
+    """What a write and a load in flight share: `key[start:]` moves between the device and
+    the host, both prefixes locked (`locks`) until the ack, with the other components' parts
+    (`legs`, in tree order: the host slots each took for a write, the device slots for a
+    load)."""
+
     key: RadixKey
-    start: int  # tokens already on the host when submitted
-    host_slots: torch.Tensor  # host token slots of key[start:]
-    device_receipt: LockReceipt
-    host_receipt: HostReceipt
-    #: The other components' parts (host slots each took), in tree order.
+    start: int  # tokens of the key already at the destination when submitted
+    locks: MoveLocks
     legs: tuple[TransferLeg, ...] = ()
+
+    @property
+    def device_receipt(self) -> LockReceipt:
+        return self.locks.device
+
+    @property
+    def host_receipt(self) -> HostReceipt:
+        return self.locks.host
+
+    @host_receipt.setter
+    def host_receipt(self, receipt: HostReceipt) -> None:
+        self.locks = self.locks._replace(host=receipt)
+
+
+@dataclass(kw_only=True, eq=False)
+class PendingWrite(PendingMove):
+    host_slots: torch.Tensor  # host token slots of key[start:]
 
 
 @dataclass(kw_only=True, eq=False)
@@ -102,22 +130,36 @@ class PendingPrefetch:
 
 
 @dataclass(kw_only=True, eq=False)
-class PendingLoad:
+class PendingLoad(PendingMove):
     """A load-back in flight: its device slots are outside the tree until the ack commits them;
     the device prefix it extends and the host pages it reads stay locked until then."""
 
-    key: RadixKey
-    start: int
     device_slots: torch.Tensor
-    device_receipt: LockReceipt
-    host_receipt: HostReceipt
     load: TierLoad
-    #: The other components' parts (device slots each took, where its data comes back).
-    legs: tuple[TransferLeg, ...] = ()
 
 
 Pending = PendingWrite | PendingBackup | PendingPrefetch | PendingLoad
 P = TypeVar("P", PendingWrite, PendingBackup, PendingPrefetch, PendingLoad)
+
+
+def run_above(node: TreeNode, num_tokens: int, *, host: bool = False) -> npt.NDArray[np.int64]:
+    """The last `num_tokens` Full slots of the prefix ending at `node`: its device slots, or
+    with `host` its host slots (every node walked must then have a host value). One NumPy
+    array (a view when one node holds them all); the walk stops as soon as they are covered,
+    and no tensor is made (a torch slice of the whole prefix costs more than the walk)."""
+    parts: list[npt.NDArray[np.int64]] = []
+    got = 0
+    probe = node
+    while got < num_tokens:
+        value = probe.host_value if host else probe.value
+        assert value is not None and probe.parent is not None, "the prefix is shorter"
+        parts.append(value)
+        got += len(value)
+        probe = probe.parent
+    if not parts:
+        return NO_SLOTS.numpy()
+    run = parts[0] if len(parts) == 1 else np.concatenate(parts[::-1])
+    return run[got - num_tokens :]
 
 
 def prefix_len(node: TreeNode) -> int:
@@ -233,7 +275,9 @@ class TierCore:
         queue has no room for is dropped (its host lock released), as `_backup` does."""
         if not held:
             return
-        op_ids = self.controller.submit_backups([op for op, _ in held])
+        # A CPU controller runs them on this thread: a backup worker's GIL hand-offs cost more
+        # than the copies (`TierController.runs_inline`).
+        op_ids = self.controller.submit_backups([op for op, _ in held], inline=True)
         for (_, pending), op_id in zip(held, op_ids, strict=True):
             if op_id is None:
                 self.tier.unlock(pending.host_receipt)
@@ -297,6 +341,23 @@ class TierCore:
             if leg.host is not None:
                 self.free_component_host(leg.name, leg.host)
                 leg.host = None
+
+    def lock_move(self, device_node: TreeNode, host_node: TreeNode) -> MoveLocks:
+        """Lock the device prefix ending at `device_node` and the host prefix ending at
+        `host_node` (a write's source and the host prefix it extends, a load's device prefix
+        and the host node it reads up to). Raises as the locks do, holding neither then."""
+        device = self.device_tree.lock(device_node)
+        try:
+            host = self.tier.lock(host_node)
+        except BaseException:
+            self.device_tree.unlock(device)
+            raise
+        return MoveLocks(device, host)
+
+    def unlock_move(self, locks: MoveLocks) -> None:
+        """Release both locks of `lock_move`."""
+        self.tier.unlock(locks.host)
+        self.device_tree.unlock(locks.device)
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least `num_tokens` host tokens (or all that may go), in the host policy's

@@ -6,18 +6,13 @@ The tree knows its tier only through this protocol, so tree.py does not import t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    import numpy as np
-    import numpy.typing as npt
-
-    from kvstrata.unified_radix_cache.components.base import ComponentInsert
     from kvstrata.unified_radix_cache.key import RadixKey
     from kvstrata.unified_radix_cache.node import TreeNode
     from kvstrata.unified_radix_cache.policies import LeafHeap
-    from kvstrata.unified_radix_cache.results import InsertResult, MatchResult
+    from kvstrata.unified_radix_cache.results import InsertCall, InsertResult, MatchResult
 
 
 class TreeTier(Protocol):
@@ -34,16 +29,7 @@ class TreeTier(Protocol):
         self, key: RadixKey, data: bytes, end: int, *, copy_state: bool = False
     ) -> MatchResult: ...
 
-    def insert(
-        self,
-        key: RadixKey,
-        data: bytes,
-        end: int,
-        slots: npt.NDArray[np.int64],
-        cached_len: int,
-        priority: int,
-        inputs: Mapping[str, ComponentInsert] | None = None,
-    ) -> InsertResult: ...
+    def insert(self, call: InsertCall) -> InsertResult: ...
 
     def evict_device(self, amount: int) -> int: ...
 

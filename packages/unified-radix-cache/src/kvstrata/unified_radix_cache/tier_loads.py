@@ -31,6 +31,7 @@ from kvstrata.unified_radix_cache.tier_core import (
     PendingLoad,
     TierCore,
     prefix_len,
+    run_above,
 )
 from kvstrata.unified_radix_cache.tier_room import DeviceRoom
 from kvstrata.unified_radix_cache.tier_writes import TierWriter
@@ -74,8 +75,7 @@ class TierLoader:
         legs = [t.plan_load(core, node, start, end) for t in core.transfers.values()]
         if start >= end and not any(leg.size for leg in legs):
             return self._done_load(LoadBack(0, device))
-        device_receipt = tree.lock(anchor)
-        host_receipt = core.tier.lock(node)
+        locks = core.lock_move(anchor, node)
         slots: torch.Tensor | None = None
         refused = False
         try:
@@ -92,14 +92,13 @@ class TierLoader:
             if slots is not None and len(slots):
                 core.device_full.give_back(slots)
             self._give_back_legs(legs)
-            core.tier.unlock(host_receipt)
-            tree.unlock(device_receipt)
+            core.unlock_move(locks)
             raise
         handle = None
         if slots is not None and not refused:
             moves: dict[str, PageMove] = {}
             if end > start:
-                host_slots = core.tier.host_slots(node)[start:end]
+                host_slots = torch.from_numpy(run_above(node, end - start, host=True))
                 moves[FULL] = PageMove(device=slots, host=host_slots)
             for leg in legs:
                 move = core.transfers[leg.name].load_move(core, leg, node, slots, start)
@@ -116,18 +115,11 @@ class TierLoader:
                 core.device_full.give_back(slots)
             self._give_back_legs(legs)
             core.counters.load_backs_refused += 1
-            core.tier.unlock(host_receipt)
-            tree.unlock(device_receipt)
+            core.unlock_move(locks)
             return self._done_load(LoadBack(0, device))
         load = TierLoad(num_tokens=end - start, handle=handle, finish=self._finish_load)
         self._core.pending[handle.op_id] = PendingLoad(
-            key=key,
-            start=start,
-            device_slots=slots,
-            device_receipt=device_receipt,
-            host_receipt=host_receipt,
-            load=load,
-            legs=tuple(legs),
+            key=key, start=start, locks=locks, legs=tuple(legs), device_slots=slots, load=load
         )
         return load
 
@@ -170,9 +162,10 @@ class TierLoader:
         tree = self._core.device_tree
         anchor = pending.device_receipt.anchor
         if ack.ok:
-            value = torch.cat(
-                [tree.prefix_slots(anchor), pending.device_slots.to(tree.full_device)]
-            )
+            loaded = pending.device_slots
+            if loaded.device != tree.full_device:
+                loaded = loaded.to(tree.full_device)
+            value = torch.cat([tree.prefix_slots(anchor), loaded])
             core = self._core
             inputs: dict[str, ComponentInsert] = {}
             for leg in pending.legs:
@@ -207,5 +200,4 @@ class TierLoader:
             pending.load.result = LoadBack(
                 0, MatchResult(pending.start, tree.prefix_slots(anchor), anchor)
             )
-        self._core.tier.unlock(pending.host_receipt)
-        tree.unlock(pending.device_receipt)
+        self._core.unlock_move(pending.locks)

@@ -106,7 +106,7 @@ class TierPrefetcher:
         if num_pages <= 0:
             self._core.counters.prefetches_skipped += 1
             return None
-        parent = self._core.tier.page_keys(anchor)[-1] if start else None
+        parent = self._core.tier.last_page_key(anchor) if start else None
         tokens = key.tokens()[start : start + num_pages * page]
         if self._probe_first_page(key, tokens[:page], parent):
             self._core.counters.prefetches_skipped += 1

@@ -32,6 +32,7 @@ from kvstrata.unified_radix_cache.tier_core import (
     PendingWrite,
     TierCore,
     prefix_len,
+    run_above,
 )
 from kvstrata.unified_radix_cache.tiers import (
     STORAGE_TIER,
@@ -85,10 +86,11 @@ class TierWriter:
         ]
         if start >= end and not plans:
             return None
-        host_receipt = core.tier.lock(anchor)
-        slots = core.alloc_host(end - start) if end > start else NO_SLOTS
+        locks = core.lock_move(node, anchor)
+        num = end - start if end > start else 0
+        slots = core.alloc_host(num) if num else NO_SLOTS
         if slots is None:
-            core.tier.unlock(host_receipt)
+            core.unlock_move(locks)
             return None
         # A component whose host slots cannot be had is left out: the pages still go (the
         # host hit then ends earlier, e.g. where a state or window is not restorable).
@@ -97,25 +99,19 @@ class TierWriter:
             leg.host = core.alloc_component_host(leg.name, leg.size)
             if leg.host is not None:
                 legs.append(leg)
-        if not len(slots) and not legs:
-            core.tier.unlock(host_receipt)
+        if not num and not legs:
+            core.unlock_move(locks)
             return None
-        device_receipt = core.device_tree.lock(node)
         moves: dict[str, PageMove] = {}
-        if len(slots):
-            device_slots = core.device_tree.prefix_slots(node)[start:end]
+        if num:
+            device_slots = core.device_full.to_device(run_above(node, num))
             moves[FULL] = PageMove(device=device_slots, host=slots)
         for leg in legs:
             assert leg.host is not None
             device = core.transfers[leg.name].write_source(core, node, leg)
             moves[leg.name] = PageMove(device=device, host=leg.host)
         pending = PendingWrite(
-            key=key,
-            start=start,
-            host_slots=slots,
-            device_receipt=device_receipt,
-            host_receipt=host_receipt,
-            legs=tuple(legs),
+            key=key, start=start, locks=locks, legs=tuple(legs), host_slots=slots
         )
         # Queued, not yet submitted: a temporary negative id until `_flush_writes` hands the
         # batch to the controller (one wake-up of its worker for the whole batch).
@@ -151,8 +147,8 @@ class TierWriter:
         return submitted
 
     def _roll_back_write(self, pending: PendingWrite) -> None:
-        self._core.device_tree.unlock(pending.device_receipt)
-        self._core.tier.unlock(pending.host_receipt)
+        """Release what a write that moved nothing held: both locks, its host slots."""
+        self._core.unlock_move(pending.locks)
         if len(pending.host_slots):
             self._core.host_allocator.free(pending.host_slots)
         self._core.free_legs(pending.legs)
@@ -191,13 +187,10 @@ class TierWriter:
 
     def commit_write(self, pending: PendingWrite, ack: Ack) -> None:
         core = self._core
-        core.device_tree.unlock(pending.device_receipt)
         if not ack.ok:
-            core.tier.unlock(pending.host_receipt)
-            if len(pending.host_slots):
-                core.host_allocator.free(pending.host_slots)
-            core.free_legs(pending.legs)
+            self._roll_back_write(pending)
             return
+        core.device_tree.unlock(pending.device_receipt)
         num = len(pending.host_slots)
         receipt = core.tier.commit_path(
             pending.host_receipt, pending.device_receipt.anchor, pending.key, pending.host_slots
@@ -237,8 +230,8 @@ class TierWriter:
         keys = self._core.tier.page_keys(node)
         first = start // self._core.page_size
         page = self._core.page_size
-        # NumPy on the host slots (a view): a torch floor_divide per backup costs more.
-        pages = self._core.tier.host_slots(node).numpy()[start::page] // page
+        # NumPy on the host slots of the pages from `start` on (the nodes they span only).
+        pages = run_above(node, len(keys) * page - start, host=True)[::page] // page
         host_pages: dict[str, list[int | None]] = {FULL: list[int | None](pages.tolist())}
         comp_pages: list[tuple[str, tuple[int, ...]]] = []
         for name, transfer in self._core.transfers.items():
@@ -260,7 +253,7 @@ class TierWriter:
             held.append((op, pending))
             return
         try:
-            op_id = self._core.controller.submit_backup(op)
+            op_id = self._core.controller.submit_backup(op, inline=True)
         except QueueFull:
             self._core.tier.unlock(receipt)
             return
@@ -283,7 +276,7 @@ class TierWriter:
                 moved += len(stored) * core.comp_page_bytes[name]
             core.counters.backed_up_tokens += (done - fresh) * core.page_size
             core.counters.bytes_storage_set += moved
-        if done > fresh:
+        if done > fresh and self._core.tier.events_on:
             self._core.events.append(
                 BlockStored(
                     page_keys=tuple(pending.keys[fresh:done]),

@@ -35,7 +35,7 @@ from kvstrata.unified_radix_cache.errors import (
 )
 from kvstrata.unified_radix_cache.events import EventLog, KVEvent
 from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_components
-from kvstrata.unified_radix_cache.hybrid import insert_hybrid, match_hybrid
+from kvstrata.unified_radix_cache.hybrid import insert_walk, match_hybrid
 from kvstrata.unified_radix_cache.insert_inputs import check_inputs, slots_of
 from kvstrata.unified_radix_cache.integrity import check_tree
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, Namespace, RadixKey
@@ -46,6 +46,7 @@ from kvstrata.unified_radix_cache.request import CacheRequest
 from kvstrata.unified_radix_cache.results import (
     EvictRequest,
     EvictResult,
+    InsertCall,
     InsertResult,
     LockReceipt,
     MatchResult,
@@ -329,14 +330,9 @@ class UnifiedRadixCache:
         if self._slow:
             if checker is not None:  # hybrid and tiered trees may adopt inside the held part
                 checker.check(slots, cached_len, end // TOKEN_BYTES)
-            if self.host_tier is not None:
-                result = self.host_tier.insert(
-                    key, data, end, slots, cached_len, priority, comp_inputs
-                )
-            else:
-                result = insert_hybrid(
-                    self, key, data, end, slots, cached_len, priority, comp_inputs
-                )
+            call = InsertCall(key, data, end, slots, cached_len, priority, comp_inputs)
+            tier = self.host_tier
+            result = tier.insert(call) if tier is not None else insert_walk(self, call)
             if checker is not None:
                 checker.hold_path(result.last_node)
             return result
