@@ -243,11 +243,18 @@ class _ThreadNoting(MemoryStorage):
         return super()._set_from(keys, views)
 
 
+@pytest.mark.parametrize("memory", [True, False], ids=["in-process", "io-store"])
 @pytest.mark.parametrize("run_inline", [True, False])
-def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(run_inline: bool) -> None:
+def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(
+    run_inline: bool, memory: bool
+) -> None:
+    """Inline only on an inline controller over in-process memory storage: a store with I/O
+    (file, Ray) keeps its backups on the worker, where the I/O overlaps the caller."""
     tiers = make_tiers("full")
     page = tiers.member_page_size("full")
     storage = _ThreadNoting()
+    storage.in_process_memory = memory
+    inline_here = run_inline and memory
     keyer = PageKeyer(page_size=tiers.page_size, namespace=b"inline-backups")
     keys = keyer.page_keys((torch.arange(3 * tiers.page_size) + 7).numpy())
     params = ControllerParams(run_inline=run_inline)
@@ -270,7 +277,7 @@ def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(run_inline
             inline=True,
         )
         assert all(i is not None for i in ids)
-        if run_inline:  # done before the calls returned: the acks wait without a worker
+        if inline_here:  # done before the calls returned: the acks wait without a worker
             acks = controller.poll_acks()
             assert sorted(a.op_id for a in acks) == sorted([one, *ids])  # type: ignore[type-var]
         else:
@@ -280,4 +287,4 @@ def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(run_inline
         controller.check_integrity()
     me = threading.current_thread().name
     assert storage.threads
-    assert all((t == me) == run_inline for t in storage.threads), storage.threads
+    assert all((t == me) == inline_here for t in storage.threads), storage.threads

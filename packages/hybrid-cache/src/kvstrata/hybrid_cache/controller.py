@@ -72,7 +72,8 @@ class ControllerParams:
     run_inline: bool | None = None
     """Run a load or prefetch submitted with `inline=True` (the caller waits for it at once)
     and a batch of writes or backups given to `submit_writes` / `submit_backup(s)` with
-    `inline=True` on the caller's thread instead of handing it to a worker. None: when every
+    `inline=True` on the caller's thread instead of handing it to a worker (backups only over
+    storage that is `in_process_memory`: a file or remote store's I/O overlaps on a worker). None: when every
     device pool of the group is on the CPU (a copy there is a memcpy under the GIL: a thread
     round trip buys no overlap and costs a GIL hand-off); False: always queue (CUDA streams
     overlap with the forward)."""
@@ -161,6 +162,7 @@ class TierController:
                 group.member(name).device.device.type == "cpu" for name in group.member_names
             )
         self._inline = inline
+        self._inline_backups = inline and storage is not None and storage.in_process_memory
         self._inflight_limit: dict[str, int] = {
             name: int(self.params.prefetch_host_share * group.num_host_pages(name))
             for name in group.member_names
@@ -328,11 +330,12 @@ class TierController:
         """Queue a host -> storage backup of `op.keys`; keys already stored are skipped. Raises
         StorageNotConfigured, InvalidOperation, QueueFull or ControllerClosed before anything
         changes. The listed host pages must stay unchanged until the ack. `inline=True` on a
-        controller that `runs_inline`: the backup runs on this thread before the call returns
-        (its ack waits for `wait` / `poll_acks` like a worker's)."""
+        controller that `runs_inline`, over storage that is `in_process_memory`: the backup
+        runs on this thread before the call returns (its ack waits for `wait` / `poll_acks`
+        like a worker's); a file or remote store keeps its worker, whose I/O overlaps."""
         lane = self._storage_lane(self._backup)
         pages = self.group.check_keyed_pages(op.keys, op.host_pages)
-        now = inline and self._inline
+        now = inline and self._inline_backups
         with self._lock:
             op_id = self._admit(OpKind.BACKUP, len(op.keys), None if now else lane.queue)
             task = BackupTask(op_id=op_id, keys=tuple(op.keys), pages=pages)
@@ -346,11 +349,11 @@ class TierController:
         """`submit_backup` for each of `ops`, oldest first, with one wake-up of the backup
         worker for the whole batch. Returns the op ids; None for an op the queue had no room
         for (nothing of it changed). StorageNotConfigured, InvalidOperation (any op) or
-        ControllerClosed before anything changes. `inline=True` on a controller that
-        `runs_inline`: the batch runs (merged) on this thread before the call returns."""
+        ControllerClosed before anything changes. `inline=True` as for `submit_backup`: the
+        batch runs (merged) on this thread before the call returns."""
         lane = self._storage_lane(self._backup)
         checked = [self.group.check_keyed_pages(op.keys, op.host_pages) for op in ops]
-        now = inline and self._inline
+        now = inline and self._inline_backups
         ids: list[int | None] = []
         tasks: list[BackupTask] = []
         with self._lock:

@@ -165,6 +165,10 @@ class Storage(ABC):
 
     #: Longest key the backend accepts (None: no limit).
     max_key_bytes: int | None = None
+    #: True when every call is memory work in this process, with no I/O or remote call to wait
+    #: on: a caller with nothing to overlap (a tier controller on the CPU) may then run its
+    #: backups on its own thread. False (the default, and for any wrapper) keeps them queued.
+    in_process_memory: bool = False
 
     def __init__(self) -> None:
         self._counters_lock = threading.Lock()

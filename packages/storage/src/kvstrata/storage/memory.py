@@ -23,6 +23,8 @@ class MemoryStorage(Storage):
     plus O(pages evicted). A page larger than the capacity is refused.
     """
 
+    in_process_memory = True
+
     def __init__(self, *, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
             raise InvalidParameter(f"capacity_bytes must be >= 0, got {capacity_bytes}")
