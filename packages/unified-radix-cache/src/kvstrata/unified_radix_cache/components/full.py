@@ -157,7 +157,7 @@ class FullComponent(TreeComponent):
         slots."""
         check = self._check_allocated
         if check is None and not repeats:
-            self.evict(amount)
+            self._evict(amount, None, None)
             self.flush()
             return
         removed: list[tuple[TreeNode, TreeNode]] = []
@@ -226,9 +226,13 @@ class FullComponent(TreeComponent):
         return size
 
     def flush(self) -> None:
-        slots = self.take_pending()
-        if slots is not None and len(slots):
-            self.allocator.free(self.to_device(slots))
+        pending = self._pending
+        if not pending:
+            return
+        slots = pending[0] if len(pending) == 1 else np.concatenate(pending)
+        pending.clear()
+        if len(slots):
+            self.allocator.free(torch.from_numpy(slots) if self._on_cpu else self.to_device(slots))
             held = self.held
             if held is not None:
                 try:
