@@ -7,6 +7,7 @@ exception, never a crash) and the insert-after-match walk reuse on the compiled 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstrata.pool.native import disabled
+from kvstrata.testkit.refusals import tree_state
 from kvstrata.testkit.trees import TreeKit, make_tree
 from kvstrata.unified_radix_cache import EvictRequest, LockReceipt, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache.errors import (
@@ -36,32 +38,19 @@ NAMESPACES = st.sampled_from([None, "lora"])
 
 
 def picture(tree: UnifiedRadixCache) -> tuple[object, ...]:
-    """Everything the operations change, by node id."""
-    nodes = []
-    for n in sorted(tree.iter_nodes(), key=lambda n: n.id):
-        assert n.parent is not None
-        nodes.append(
-            (
-                n.id,
-                n.parent.id,
-                n.key,
-                n.value.tolist(),
-                n.last_access,
-                n.hit_count,
-                n.lock_ref,
-                n.priority,
-                n.heap_entry,
-                n.namespace,
-                sorted(c.id for c in n.children.values()),
-            )
-        )
-    full = tree.components[0]
-    return (
-        nodes,
-        tree.num_nodes,
-        (full.evictable_size, full.protected_size, full.evicted_total),
-        (tree.queried_tokens, tree.hit_tokens, tree.inserted_tokens),
-    )
+    """Everything the operations change: every node field, sizes, heap entries, pools (the
+    testkit's `tree_state`, less its metrics: they include evict seconds), the node count and
+    the query counters."""
+    counters = (tree.num_nodes, tree.queried_tokens, tree.hit_tokens, tree.inserted_tokens)
+    return (dataclasses.replace(tree_state(tree), metrics=()), counters)
+
+
+def kit_for(off: bool, **kwargs: Any) -> TreeKit:
+    """A `make_tree` kit, with the Python paths when `off` (made inside `disabled()`)."""
+    if not off:
+        return make_tree(**kwargs)
+    with disabled():
+        return make_tree(**kwargs)
 
 
 @needs_core
@@ -81,14 +70,11 @@ class NativeMatchesPython(RuleBasedStateMachine):
     )
     @precondition(lambda self: self.kits is None)
     def build(self, page: int, policy: str, check: bool, events: bool) -> None:
-        def kit() -> TreeKit:
-            made = make_tree("full", size=256, page_size=page, policy=policy, enable_events=events)
-            made.tree.check_slots = check
-            return made
-
-        fast = kit()
-        with disabled():
-            slow = kit()
+        fast, slow = (
+            kit_for(off, size=256, page_size=page, policy=policy, enable_events=events)
+            for off in (False, True)
+        )
+        fast.tree.check_slots = slow.tree.check_slots = check
         assert fast.tree._native is not None and slow.tree._native is None
         # Without events the compiled eviction loop runs; with them the Python one (events).
         assert (fast.tree._full.leaf_evictor is not None) is (not events)
@@ -172,7 +158,7 @@ class NativeMatchesPython(RuleBasedStateMachine):
 NativeMatchesPython.TestCase.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None
 )
-TestNativeMatchesPython = NativeMatchesPython.TestCase
+TestNativeMatchesPython = needs_core(NativeMatchesPython.TestCase)
 
 
 def _counting(core: RadixCore, calls: list[str]) -> Any:
@@ -218,11 +204,7 @@ def test_the_compiled_slot_check_refuses_what_the_python_one_refuses(
 ) -> None:
     messages = []
     for off in (False, True):
-        if off:
-            with disabled():
-                kit = make_tree("full", size=64)
-        else:
-            kit = make_tree("full", size=64)
+        kit = kit_for(off, size=64)
         kit.alloc(4)  # slots 1..4 handed out (slot 0 is reserved)
         before = picture(kit.tree)
         with pytest.raises(error) as caught:
@@ -236,11 +218,7 @@ def test_the_compiled_slot_check_refuses_what_the_python_one_refuses(
 @needs_core
 def test_a_slot_held_by_the_tree_is_refused_on_both_paths() -> None:
     for off in (False, True):
-        if off:
-            with disabled():
-                kit = make_tree("full", size=64)
-        else:
-            kit = make_tree("full", size=64)
+        kit = kit_for(off, size=64)
         _, slots = kit.put([1, 2, 3])
         with pytest.raises(SlotInTree):
             kit.tree.insert(RadixKey([7, 8, 9]), slots)
@@ -307,11 +285,7 @@ def test_a_compiled_split_in_the_walk_matches_the_python_one() -> None:
     """`walk(.., split)` splits where the match ends inside a node, as `descend` does."""
     pictures = []
     for off in (False, True):
-        if off:
-            with disabled():
-                kit = make_tree("full", page_size=2)
-        else:
-            kit = make_tree("full", page_size=2)
+        kit = kit_for(off, page_size=2)
         kit.put([1, 2, 3, 4, 5, 6])
         path = kit.tree.walk(None, RadixKey([1, 2, 3, 4, 9, 9]).token_bytes(), 48)
         assert [n.num_tokens for n in path] == [4]

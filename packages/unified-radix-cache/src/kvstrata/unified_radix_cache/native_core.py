@@ -25,6 +25,7 @@ answers; tests/test_radix_native.py compares both paths on random operations):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -40,59 +41,37 @@ if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.policies import LeafHeap
     from kvstrata.unified_radix_cache.tree_internals import TreeInternals
 
+Slots = npt.NDArray[np.int64]
+#: Undo records of an evict (`FullComponent.evict_checked`): removed (node, parent) pairs and
+#: cut leaves (node, value, key, page keys) as they were.
+Removed = list[tuple[TreeNode, TreeNode]]
+Cut = list[tuple[TreeNode, Slots, bytes, list[bytes] | None]]
+
 SOURCE = Path(__file__).with_name("radix_core.c")
 MODULE_NAME = "_kvstrata_radix_core"
 
 
 class RadixCore(Protocol):
-    """The functions of the compiled module (see the module docstring)."""
+    """The functions of the compiled module (see the module docstring), positional only."""
 
-    def walk(
-        self,
-        root: TreeNode,
-        page_bytes: int,
-        namespace: Namespace | None,
-        data: bytes,
-        end: int,
-        split: SplitFn | None,
-        /,
-    ) -> tuple[list[TreeNode], int, int]: ...
-
-    def match(
-        self,
-        root: TreeNode,
-        page_bytes: int,
-        namespace: Namespace | None,
-        data: bytes,
-        end: int,
-        split: SplitFn,
-        tick: int,
-        /,
-    ) -> tuple[list[TreeNode], int, bytearray | None]: ...
-
-    def evict(
-        self,
-        heap: LeafHeap,
-        amount: int,
-        page: int,
-        page_bytes: int,
-        root: TreeNode,
-        no_children: object,
-        pending: list[npt.NDArray[np.int64]],
-        removed: list[tuple[TreeNode, TreeNode]] | None,
-        cut: list[tuple[TreeNode, npt.NDArray[np.int64], bytes, list[bytes] | None]] | None,
-        /,
-    ) -> tuple[int, int]: ...
-
-    def check_slots(
-        self,
-        slots: npt.NDArray[np.int64],
-        lo: int,
-        hi: int,
-        held: npt.NDArray[np.int32],
-        keep: bool,
-        /,
-    ) -> bool: ...
+    #: (root, page_bytes, namespace, data, end, split) -> (path, pos, partial)
+    walk: Callable[
+        [TreeNode, int, Namespace | None, bytes, int, SplitFn | None],
+        tuple[list[TreeNode], int, int],
+    ]
+    #: (root, page_bytes, namespace, data, end, split, tick) -> (path, pos, joined slots)
+    match: Callable[
+        [TreeNode, int, Namespace | None, bytes, int, SplitFn, int],
+        tuple[list[TreeNode], int, bytearray | None],
+    ]
+    #: (heap, amount, page, page_bytes, root, no_children, pending, removed, cut)
+    #: -> (tokens freed, nodes removed)
+    evict: Callable[
+        [LeafHeap, int, int, int, TreeNode, object, list[Slots], Removed | None, Cut | None],
+        tuple[int, int],
+    ]
+    #: (slots, lo, hi, held, keep) -> whether they passed (and were marked when keep)
+    check_slots: Callable[[Slots, int, int, npt.NDArray[np.int32], bool], bool]
 
 
 def native_core() -> RadixCore | None:
@@ -104,8 +83,8 @@ def evict_leaves(
     core: RadixCore,
     tree: TreeInternals,
     amount: int,
-    removed: list[tuple[TreeNode, TreeNode]] | None,
-    cut: list[tuple[TreeNode, npt.NDArray[np.int64], bytes, list[bytes] | None]] | None,
+    removed: Removed | None,
+    cut: Cut | None,
 ) -> int:
     """`FullComponent._evict` of a Full-only device tree without events, compiled: the same
     leaves go, in the same order, with the same undo records. Returns the tokens freed."""

@@ -169,16 +169,18 @@ fail:
     return NULL;
 }
 
-static int parse_walk_args(PyObject *const *args, Py_ssize_t *pb, Py_ssize_t *end)
+/* args[i] for each index in `which` (ending with -1) as Py_ssize_t into out[...]. */
+static int ssize_args(PyObject *const *args, const int *which, Py_ssize_t *out)
 {
-    *pb = PyLong_AsSsize_t(args[1]);
-    if (*pb == -1 && PyErr_Occurred())
-        return -1;
-    *end = PyLong_AsSsize_t(args[4]);
-    if (*end == -1 && PyErr_Occurred())
-        return -1;
+    for (int k = 0; which[k] >= 0; k++) {
+        out[k] = PyLong_AsSsize_t(args[which[k]]);
+        if (out[k] == -1 && PyErr_Occurred())
+            return -1;
+    }
     return 0;
 }
+
+static const int WALK_INTS[] = {1, 4, -1};
 
 static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -186,9 +188,10 @@ static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "walk(root, page_bytes, namespace, data, end, split)");
         return NULL;
     }
-    Py_ssize_t pb, end, pos, partial;
-    if (parse_walk_args(args, &pb, &end) < 0)
+    Py_ssize_t ints[2], pos, partial;
+    if (ssize_args(args, WALK_INTS, ints) < 0)
         return NULL;
+    Py_ssize_t pb = ints[0], end = ints[1];
     PyObject *path = descend(args[0], pb, args[2], args[3], end, args[5], &pos, &partial);
     if (path == NULL)
         return NULL;
@@ -245,9 +248,10 @@ static PyObject *match(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                         "match(root, page_bytes, namespace, data, end, split, tick)");
         return NULL;
     }
-    Py_ssize_t pb, end, pos, partial;
-    if (parse_walk_args(args, &pb, &end) < 0)
+    Py_ssize_t ints[2], pos, partial;
+    if (ssize_args(args, WALK_INTS, ints) < 0)
         return NULL;
+    Py_ssize_t pb = ints[0], end = ints[1];
     if (!PyLong_Check(args[6])) {
         PyErr_SetString(PyExc_TypeError, "tick must be an int");
         return NULL;
@@ -314,12 +318,11 @@ static PyObject *check_slots(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_TypeError, "check_slots(slots, lo, hi, held, keep)");
         return NULL;
     }
-    Py_ssize_t lo = PyLong_AsSsize_t(args[1]);
-    if (lo == -1 && PyErr_Occurred())
+    static const int which[] = {1, 2, -1};
+    Py_ssize_t ints[2];
+    if (ssize_args(args, which, ints) < 0)
         return NULL;
-    Py_ssize_t hi = PyLong_AsSsize_t(args[2]);
-    if (hi == -1 && PyErr_Occurred())
-        return NULL;
+    Py_ssize_t lo = ints[0], hi = ints[1];
     int keep = PyObject_IsTrue(args[4]);
     if (keep < 0)
         return NULL;
@@ -595,15 +598,11 @@ static PyObject *evict(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *heap = args[0], *root = args[4], *no_children = args[5], *pending = args[6];
     PyObject *removed = args[7], *cut = args[8];
-    Py_ssize_t amount = PyLong_AsSsize_t(args[1]);
-    if (amount == -1 && PyErr_Occurred())
+    static const int which[] = {1, 2, 3, -1};
+    Py_ssize_t ints[3];
+    if (ssize_args(args, which, ints) < 0)
         return NULL;
-    Py_ssize_t page = PyLong_AsSsize_t(args[2]);
-    if (page == -1 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t pb = PyLong_AsSsize_t(args[3]);
-    if (pb == -1 && PyErr_Occurred())
-        return NULL;
+    Py_ssize_t amount = ints[0], page = ints[1], pb = ints[2];
     if (page <= 0 || pb != page * 8 || !PyList_CheckExact(pending) ||
         (removed != Py_None && !PyList_CheckExact(removed)) ||
         (cut != Py_None && !PyList_CheckExact(cut))) {
@@ -671,23 +670,21 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__kvstrata_radix_core(void)
 {
-    s_children = PyUnicode_InternFromString("children");
-    s_key = PyUnicode_InternFromString("key");
-    s_value = PyUnicode_InternFromString("value");
-    s_last_access = PyUnicode_InternFromString("last_access");
-    s_hit_count = PyUnicode_InternFromString("hit_count");
-    s_heap = PyUnicode_InternFromString("_heap");
-    s_members = PyUnicode_InternFromString("_members");
-    s_heap_entry = PyUnicode_InternFromString("heap_entry");
-    s_parent = PyUnicode_InternFromString("parent");
-    s_namespace = PyUnicode_InternFromString("namespace");
-    s_lock_ref = PyUnicode_InternFromString("lock_ref");
-    s_push = PyUnicode_InternFromString("push");
-    s_page_keys = PyUnicode_InternFromString("page_keys");
-    if (!s_children || !s_key || !s_value || !s_last_access || !s_hit_count || !s_heap ||
-        !s_members || !s_heap_entry || !s_parent || !s_namespace || !s_lock_ref || !s_push ||
-        !s_page_keys)
-        return NULL;
+    struct {
+        PyObject **at;
+        const char *name;
+    } names[] = {
+        {&s_children, "children"},   {&s_key, "key"},           {&s_value, "value"},
+        {&s_last_access, "last_access"}, {&s_hit_count, "hit_count"}, {&s_heap, "_heap"},
+        {&s_members, "_members"},    {&s_heap_entry, "heap_entry"}, {&s_parent, "parent"},
+        {&s_namespace, "namespace"}, {&s_lock_ref, "lock_ref"}, {&s_push, "push"},
+        {&s_page_keys, "page_keys"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        *names[i].at = PyUnicode_InternFromString(names[i].name);
+        if (*names[i].at == NULL)
+            return NULL;
+    }
     PyObject *heapq = PyImport_ImportModule("heapq");
     if (heapq == NULL)
         return NULL;
