@@ -73,10 +73,10 @@ class ControllerParams:
     """Run a load or prefetch submitted with `inline=True` (the caller waits for it at once)
     and a batch of writes or backups given to `submit_writes` / `submit_backup(s)` with
     `inline=True` on the caller's thread instead of handing it to a worker (backups only over
-    storage that is `in_process_memory`: a file or remote store's I/O overlaps on a worker). None: when every
-    device pool of the group is on the CPU (a copy there is a memcpy under the GIL: a thread
-    round trip buys no overlap and costs a GIL hand-off); False: always queue (CUDA streams
-    overlap with the forward)."""
+    storage that is `in_process_memory`: a file or remote store's I/O overlaps on a worker).
+    None: when every device pool of the group is on the CPU (a copy there is a memcpy under the
+    GIL: a thread round trip buys no overlap and costs a GIL hand-off); False: always queue
+    (CUDA streams overlap with the forward)."""
 
     def __post_init__(self) -> None:
         if self.queue_capacity < 1 or self.max_merge_ops < 1 or self.storage_batch_pages < 1:
