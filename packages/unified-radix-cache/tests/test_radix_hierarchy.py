@@ -125,6 +125,9 @@ def test_match_reports_host_hit_and_load_back_commits(hierarchy: Callable[..., H
     m = h.cache.match_prefix(key)
     assert (m.device.prefix_len, m.host_hit_len, m.prefix_len) == (2 * P, P, 3 * P)
     assert len(m.host_indices) == P
+    m.host_indices.fill_(-1)  # the caller's copy: the tree's host slots are not touched
+    h.cache.check_integrity()
+    assert (h.cache.match_prefix(key).host_indices >= 0).all()
     back = h.cache.load_back(m.host_node)
     assert back.loaded_len == P and back.match.prefix_len == 3 * P
     assert_pages_equal(h.device_pool, back.match.device_indices, expected, what="load_back")

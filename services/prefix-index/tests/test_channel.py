@@ -339,3 +339,87 @@ def test_a_client_that_reads_nothing_blocks_no_one_and_is_dropped() -> None:
             assert got < 16 * len(frame)
     finally:
         server.close()
+
+
+def test_the_server_outlives_a_failed_accept_and_a_connection_that_breaks_its_loop(
+    served: tuple[IndexShard, ChannelServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of descriptors at accept() (EMFILE) and an unexpected error while serving one
+    connection: the one server thread goes on (it died on both, leaving the shard advertising
+    a dead address), and new clients are served."""
+    import errno
+
+    _, server = served
+    listener = server._listener  # pyright: ignore[reportPrivateUsage]
+    real_accept = listener.accept
+    failures = [OSError(errno.EMFILE, "Too many open files")]
+
+    class Flaky:
+        def __getattr__(self, name: str) -> object:
+            return getattr(listener, name)
+
+        def accept(self) -> tuple[socket.socket, object]:
+            if failures:
+                raise failures.pop()
+            return real_accept()
+
+    monkeypatch.setattr(server, "_listener", Flaky())
+    channel = ShardChannel("s", server.address, timeout_s=5)
+    try:
+        assert channel.call("echo", 3) == 3
+        assert server.accept_errors == 1
+    finally:
+        channel.close()
+    broken = ShardChannel("t", server.address, timeout_s=2)
+    monkeypatch.setattr(server, "_dispatch", lambda *_: 1 / 0)  # a bug in the handling
+    with pytest.raises(ShardUnavailable):
+        broken.call("echo", 4)
+    assert server.connection_errors == 1
+    monkeypatch.undo()
+    again = ShardChannel("u", server.address, timeout_s=5)
+    try:
+        assert again.call("echo", 5) == 5
+    finally:
+        again.close()
+
+
+def test_a_request_over_the_frame_limit_is_refused_before_sending(
+    served: tuple[IndexShard, ChannelServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstrata.prefix_index import channel as channel_module
+
+    _, server = served
+    channel = ShardChannel("s", server.address, timeout_s=5)
+    try:
+        monkeypatch.setattr(channel_module, "MAX_BODY", 64)
+        with pytest.raises(InvalidParameter, match="frame limit"):
+            channel.send("echo", (b"x" * 100,))
+        assert not channel.closed
+        monkeypatch.undo()
+        assert channel.call("echo", 6) == 6  # nothing was sent: the next id is still served
+    finally:
+        channel.close()
+
+
+def test_a_second_get_of_an_answer_returns_it_again_without_waiting(
+    served: tuple[IndexShard, ChannelServer],
+) -> None:
+    """Reading an answer twice (as a Ray ref can be) neither waits the timeout nor closes a
+    healthy channel; a failed answer raises the same error again."""
+    _, server = served
+    channel = ShardChannel("s", server.address, timeout_s=2)
+    dropped: list[str] = []
+    try:
+        answer = channel.submit("echo", (8,), lambda: dropped.append("s"))
+        start = time.monotonic()
+        assert answer.get() == 8 and answer.get() == 8
+        assert time.monotonic() - start < 1.5 and not channel.closed and not dropped
+        bad = channel.submit("apply_batches", ([("a", 0, b"not msgpack")],), lambda: None)
+        with pytest.raises(ShardCallFailed) as first:
+            bad.get()
+        with pytest.raises(ShardCallFailed) as second:
+            bad.get()
+        assert first.value is second.value
+        assert channel.call("echo", 9) == 9
+    finally:
+        channel.close()

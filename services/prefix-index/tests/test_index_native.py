@@ -450,6 +450,29 @@ def test_a_call_that_re_enters_the_core_is_refused_and_changes_nothing() -> None
     assert index.find_matches(list(KEYS)).by_instance["a"].num_pages == 2
 
 
+def test_an_event_list_changed_during_apply_is_read_as_it_was_at_the_call() -> None:
+    """Python code run inside `apply` (an event's attribute read) empties the caller's list
+    and allocates over the freed storage: the native core reads a snapshot taken at the call
+    (it read the list in place and crashed), so the batch applied is the one passed."""
+    fast, slow = twins()
+    events: list[KVEvent] = []
+
+    class Shrinking(BlockStored):
+        def __getattribute__(self, name: str) -> object:
+            if name == "tier" and events:
+                events.clear()
+                _ = [object() for _ in range(10_000)]
+            return super().__getattribute__(name)
+
+    plain = [BlockStored(page_keys=(k,), parent_key=None, tokens_per_page=1) for k in KEYS[1:]]
+    events += [Shrinking(page_keys=KEYS[:1], parent_key=None, tokens_per_page=1), *plain]
+    fast.apply("a", events)
+    assert events == []
+    slow.apply("a", [BlockStored(page_keys=KEYS[:1], parent_key=None, tokens_per_page=1), *plain])
+    fast.check_integrity()
+    assert fast.holdings("a") == slow.holdings("a") and fast.stats() == slow.stats()
+
+
 def test_without_python_headers_the_python_core_runs_and_says_why(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -465,3 +488,31 @@ def test_without_python_headers_the_python_core_runs_and_says_why(
     assert index.core == "python"
     index.apply("a", [BlockStored(page_keys=KEYS[:2], parent_key=None, tokens_per_page=1)])
     assert index.match_lengths(list(KEYS)) == {"a": 2}
+
+
+def test_both_cores_take_the_same_arguments_and_a_subclass_keeps_its_overrides() -> None:
+    """The first argument of apply / find_matches / match_lengths is positional-only on both
+    cores (the C methods take no keywords for it), and an override in a subclass is called,
+    not bypassed by the C method bound on the instance."""
+    fast, slow = twins()
+    stored = [BlockStored(page_keys=KEYS[:2], parent_key=None, tokens_per_page=1)]
+    for index in (fast, slow):
+        with pytest.raises(TypeError):
+            index.apply(instance="a", events=stored)  # pyright: ignore[reportCallIssue]
+        with pytest.raises(TypeError):
+            index.find_matches(tokens_or_page_keys=list(KEYS))  # pyright: ignore[reportCallIssue]
+        with pytest.raises(TypeError):
+            index.match_lengths(page_keys=list(KEYS))  # pyright: ignore[reportCallIssue]
+        index.apply("a", stored)
+    assert fast.match_lengths(list(KEYS)) == slow.match_lengths(list(KEYS)) == {"a": 2}
+    calls: list[str] = []
+
+    class Counting(PrefixIndex):
+        def apply(self, instance: str, events: Iterable[KVEvent], /) -> None:
+            calls.append(instance)
+            super().apply(instance, events)
+
+    counting = Counting(1)
+    assert counting.core == "native"
+    counting.apply("b", stored)
+    assert calls == ["b"] and counting.match_lengths(list(KEYS)) == {"b": 2}

@@ -248,7 +248,8 @@ class HierarchicalCache:
         last_host = device.last_host_node
         host_node = last_host if last_host is not None else device.last_node
         if last_host is not None:
-            host_indices = torch.from_numpy(run_above(last_host, extra, host=True))
+            # A copy: the run can be a view of a node's host slots, and the caller owns this.
+            host_indices = torch.from_numpy(run_above(last_host, extra, host=True).copy())
         else:
             host_indices = NO_SLOTS  # shared and empty: a torch op per match costs more
         prefetch_id = None

@@ -128,6 +128,10 @@ class ChannelServer:
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._stop = threading.Event()
         self.served = 0
+        #: accept() calls that failed (EMFILE, ENOBUFS, ...; retried after a poll tick) and
+        #: connections ended by an unexpected error in their handling.
+        self.accept_errors = 0
+        self.connection_errors = 0
         self._thread = threading.Thread(target=self._serve, name="shard-channel", daemon=True)
         self._thread.start()
 
@@ -139,16 +143,29 @@ class ChannelServer:
                 if conn is None:
                     self._accept()
                     continue
-                if mask & selectors.EVENT_WRITE:
-                    self._flush(conn)
-                elif mask & selectors.EVENT_READ:
-                    self._read(conn)
+                try:
+                    if mask & selectors.EVENT_WRITE:
+                        self._flush(conn)
+                    elif mask & selectors.EVENT_READ:
+                        self._read(conn)
+                except Exception:  # noqa: BLE001 - one connection's fault ends that connection
+                    # The one server thread must outlive any client: the shard keeps
+                    # advertising this address, so a dead thread would be a dead data plane.
+                    self.connection_errors += 1
+                    if conn.sock.fileno() != -1:
+                        if conn.sock in selector.get_map():
+                            selector.unregister(conn.sock)
+                        conn.sock.close()
             self._drop_stalled()
 
     def _accept(self) -> None:
         try:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # out of descriptors or buffers, an aborted connect: wait, try again
+            self.accept_errors += 1
+            time.sleep(self._poll_s)
             return
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -254,13 +271,27 @@ class ChannelServer:
 class Pending:
     """An answer on its way: `get()` waits for it (Ray ref, channel request or a value)."""
 
-    __slots__ = ("_get",)
+    __slots__ = ("_error", "_get", "_value")
 
     def __init__(self, get: Callable[[], Any]) -> None:
-        self._get = get
+        self._get: Callable[[], Any] | None = get
+        self._value: Any = None
+        self._error: BaseException | None = None
 
     def get(self) -> Any:
-        return self._get()
+        """The answer; a second call returns it again (or raises the same error) without
+        waiting on the channel a second time."""
+        get = self._get
+        if get is not None:
+            self._get = None
+            try:
+                self._value = get()
+            except BaseException as exc:
+                self._error = exc
+                raise
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class ShardChannel:
@@ -290,13 +321,19 @@ class ShardChannel:
 
     def send(self, method: str, args: Sequence[object]) -> int:
         """Write `method(*args)` to the shard; InvalidParameter (nothing sent) for a method
-        the channel does not serve."""
+        the channel does not serve or a request over the frame limit (`MAX_BODY`)."""
         if method not in METHODS:
             raise InvalidParameter(f"method {method!r} is not served on a channel")
         if self.closed:
             raise ShardUnavailable(f"shard {self.name}: channel closed")
         rid = self._next
-        parts = request_frame(rid, method.encode(), _pack(list(args)))
+        body = _pack(list(args))
+        if len(body) > MAX_BODY:  # the server would drop the connection: refuse it here
+            raise InvalidParameter(
+                f"a {method} request of {len(body):,} bytes is over the channel's "
+                f"{MAX_BODY:,}-byte frame limit"
+            )
+        parts = request_frame(rid, method.encode(), body)
         sock = self._sock
         try:
             sock.settimeout(self.timeout_s)

@@ -49,7 +49,7 @@ from kvstrata.prefix_index.channel import (
     ShardChannel,
 )
 from kvstrata.prefix_index.dump import dump_tree
-from kvstrata.prefix_index.errors import InvalidParameter, ShardUnavailable
+from kvstrata.prefix_index.errors import InvalidParameter, PrefixIndexError, ShardUnavailable
 from kvstrata.prefix_index.shard import IndexShard
 from kvstrata.unified_radix_cache import (
     AllBlocksCleared,
@@ -297,7 +297,18 @@ class ClusterIndex:
     def call_many(self, calls: Mapping[str, tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
         """`method(*args)` on each named shard, all in flight together; results by shard."""
         pending = {n: self.submit(n, m, args) for n, (m, args) in calls.items()}
-        return {name: p.get() for name, p in pending.items()}
+        # Every answer is waited for before the first failure is raised: a reply left unread
+        # would wait in its channel for the life of the connection.
+        results: dict[str, Any] = {}
+        failure: PrefixIndexError | None = None
+        for name, p in pending.items():
+            try:
+                results[name] = p.get()
+            except PrefixIndexError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return results
 
     def submit(self, name: str, method: str, args: tuple[Any, ...]) -> Pending:
         """Start `method(*args)` on shard `name`; `get()` on the result waits (bounded by

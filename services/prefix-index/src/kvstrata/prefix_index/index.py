@@ -150,18 +150,22 @@ class PrefixIndex:
         self.gaps = 0
         self.unknown_engine_events = 0
         if self._core is not None:
-            # The hot calls go straight to the C core's methods (same signatures, answers and
-            # errors as the methods below, which then only delegate): no Python frame per call.
-            self.__dict__.update(
-                apply=self._core.apply,
-                find_matches=self._core.find_matches,
-                match_lengths=self._core.lengths,
-            )
+            # The hot calls go straight to the C core's methods (same positional-only
+            # signatures, answers and errors as the methods below, which then only delegate):
+            # no Python frame per call. A subclass's override keeps its own method.
+            fast = {
+                "apply": self._core.apply,
+                "find_matches": self._core.find_matches,
+                "match_lengths": self._core.lengths,
+            }
+            for name, call in fast.items():
+                if getattr(type(self), name) is getattr(PrefixIndex, name):
+                    self.__dict__[name] = call
 
     # ------------------------------------------------------------------------------------------
     # Feeding
     # ------------------------------------------------------------------------------------------
-    def apply(self, instance: str, events: Iterable[KVEvent]) -> None:
+    def apply(self, instance: str, events: Iterable[KVEvent], /) -> None:
         """Apply `instance`'s events in order. Mutates the entries of that instance (and, when
         bounded, may evict other keys). Raises InvalidInstance / InvalidEvent, before any
         change, for a bad name, an unknown event, a tier absent from the weights or a page size
@@ -288,6 +292,7 @@ class PrefixIndex:
     def find_matches(
         self,
         tokens_or_page_keys: Sequence[bytes] | npt.ArrayLike,
+        /,
         *,
         extra_key: str | None = None,
         cache_salt: str | None = None,
@@ -324,7 +329,7 @@ class PrefixIndex:
             out[names[iid]] = InstanceMatch(run, tiers)
         return PrefixMatches(len(keys), out)
 
-    def match_lengths(self, page_keys: Sequence[bytes]) -> dict[str, int]:
+    def match_lengths(self, page_keys: Sequence[bytes], /) -> dict[str, int]:
         """Per instance, pages matched from the first (the hot path of routing: no tiers)."""
         core = self._core
         if core is not None:

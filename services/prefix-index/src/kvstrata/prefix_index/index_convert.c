@@ -204,7 +204,9 @@ static PyObject *name_of(CoreObject *c, int32_t iid) {
                      (int)iid);
         return NULL;
     }
-    return c->names[iid];
+    /* A new reference: building results allocates, a collection may run a finalizer, and a
+       finalizer may drop the instance (set_name(id, None) releases the name). */
+    return Py_NewRef(c->names[iid]);
 }
 
 /* A tuple of the exact subclass `type` (a NamedTuple: no dict, no extra slots, checked at
@@ -241,9 +243,10 @@ static PyObject *matches(CoreObject *c, Py_ssize_t num_pages, int64_t got) {
     ix_t *x = c->x;
     PyObject *by = PyDict_New();
     if (!by) return NULL;
+    PyObject *held = NULL; /* the name of the entry being built (name_of's new reference) */
     for (int64_t j = 0; j < got; j++) {
         int32_t run = x->res[3 * j + 1], tier = x->res[3 * j + 2];
-        PyObject *name = name_of(c, x->res[3 * j]);
+        PyObject *name = held = name_of(c, x->res[3 * j]);
         if (!name) goto fail;
         PyObject *tiers;
         if (tier >= 0) {
@@ -266,12 +269,14 @@ static PyObject *matches(CoreObject *c, Py_ssize_t num_pages, int64_t got) {
         int bad = PyDict_SetItem(by, name, m);
         Py_DECREF(m);
         if (bad) goto fail;
+        Py_CLEAR(held);
     }
     PyObject *num = PyLong_FromSsize_t(num_pages);
     if (!num) goto fail;
     PyObject *three[3] = {num, by, Py_NewRef(Py_False)};
     return new_named(c->matches_type, 3, three);
 fail:
+    Py_XDECREF(held);
     Py_DECREF(by);
     return NULL;
 }

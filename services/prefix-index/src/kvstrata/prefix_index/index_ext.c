@@ -18,7 +18,10 @@ static PyObject *Core_apply_body(CoreObject *c, PyObject *const *args, Py_ssize_
     }
     PyObject *instance = args[0];
     if (check_instance(c, instance)) return NULL;
-    PyObject *seq = PySequence_Fast(args[1], "events must be iterable");
+    /* A tuple of the events, never the caller's list: reading an event's attributes, the
+       instance name's hash or `intern` may run Python code that changes that list, and the
+       loop below holds pointers to its items (a list shrunk under it was a use after free). */
+    PyObject *seq = PyTuple_CheckExact(args[1]) ? Py_NewRef(args[1]) : PySequence_Tuple(args[1]);
     if (!seq) return NULL;
     ix_t *x = c->x;
     Py_ssize_t ne = PySequence_Fast_GET_SIZE(seq);
@@ -134,6 +137,7 @@ static PyObject *Core_lengths_body(CoreObject *c, PyObject *keys) {
         PyObject *run = name ? PyLong_FromLong(x->res[3 * j + 1]) : NULL;
         if (!run || PyDict_SetItem(out, name, run)) Py_CLEAR(out);
         Py_XDECREF(run);
+        Py_XDECREF(name);
     }
     return out;
 }
