@@ -439,7 +439,7 @@ static PyMethodDef Core_methods[] = {
 
 static PyTypeObject CoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvstrata_prefix_index_core.Core",
+    .tp_name = "kvstrata.prefix_index._core.Core",
     .tp_basicsize = sizeof(CoreObject),
     .tp_dealloc = (destructor)Core_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
@@ -453,12 +453,12 @@ static PyTypeObject CoreType = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "kvstrata_prefix_index_core",
+    .m_name = "kvstrata.prefix_index._core",
     .m_doc = "The prefix index's compiled core (kvstrata.prefix_index.native).",
     .m_size = -1,
 };
 
-PyMODINIT_FUNC PyInit_kvstrata_prefix_index_core(void) {
+PyMODINIT_FUNC PyInit__core(void) {
     s_page_keys = PyUnicode_InternFromString("page_keys");
     s_tier = PyUnicode_InternFromString("tier");
     s_tokens_per_page = PyUnicode_InternFromString("tokens_per_page");

@@ -39,7 +39,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("index_core.c", "index_convert.c", "index_ext.c")
 )
 #: The extension module's name (its `PyInit_` function).
-MODULE = "kvstrata_prefix_index_core"
+MODULE = "kvstrata.prefix_index._core"
 
 _combined: list[Path] = []
 _lock = threading.Lock()
