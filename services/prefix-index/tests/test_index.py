@@ -1,10 +1,23 @@
-"""PrefixIndex scenarios: matching, tiers and scores, the entry bound, sequencing, errors."""
+"""PrefixIndex scenarios: matching, tiers and scores, the entry bound, sequencing, errors,
+re-entry."""
 
 from __future__ import annotations
 
+import sys
+import threading
+from collections.abc import Callable
+
 import pytest
 
-from kvstrata.prefix_index import InvalidEvent, InvalidInstance, InvalidParameter, PrefixIndex
+from kvstrata.pool import native
+from kvstrata.prefix_index import (
+    InvalidEvent,
+    InvalidInstance,
+    InvalidParameter,
+    PrefixIndex,
+    ReentrantCall,
+)
+from kvstrata.prefix_index.errors import REENTERED
 from kvstrata.storage import PageKeyer
 from kvstrata.unified_radix_cache import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -162,3 +175,183 @@ def test_page_keys_of_a_bytes_subclass_are_keys() -> None:
     with pytest.raises(InvalidEvent, match="page keys"):
         index.apply("a", [stored([keys[0], _Key(keys[1][:5])])])
     assert index.match_lengths(list(keys)) == {"a": 3, "b": 1}
+
+
+# ----------------------------------------------------------------------------------------------
+# Re-entry: Python code run inside a call (a finalizer, a name's __hash__, an event's attribute)
+# that calls the same index is refused with ReentrantCall, on both cores, and changes nothing.
+# ----------------------------------------------------------------------------------------------
+KEYS = KEYER.page_keys(prompt(4))
+#: The finalizer-bearing object a test arms; emptying the list runs its finalizer right there.
+_ARMED: list[object] = []
+
+
+class _Finalized:
+    """Calls `call` from its finalizer and appends the outcome: ("ok", result) or (error type,
+    message)."""
+
+    def __init__(self, call: Callable[[], object], outcomes: list[tuple[object, object]]) -> None:
+        self.call = call
+        self.outcomes = outcomes
+
+    def __del__(self) -> None:
+        try:
+            self.outcomes.append(("ok", self.call()))
+        except Exception as exc:  # noqa: BLE001 - the test compares it
+            self.outcomes.append((type(exc), str(exc)))
+
+
+class _TripName(str):
+    """An instance name whose hashing runs the armed finalizer (the index hashes names in
+    the middle of its calls)."""
+
+    __slots__ = ()
+
+    def __hash__(self) -> int:
+        _ARMED.clear()
+        return str.__hash__(self)
+
+
+class _TripStored(BlockStored):
+    """A BlockStored whose `page_keys` read runs the armed finalizer."""
+
+    def __getattribute__(self, name: str) -> object:
+        if name == "page_keys":
+            _ARMED.clear()
+        return super().__getattribute__(name)
+
+
+INNER: dict[str, Callable[[PrefixIndex], object]] = {
+    "apply": lambda ix: ix.apply("z", [stored(KEYS[:1])]),
+    "apply_sequenced": lambda ix: ix.apply_sequenced("z", 0, [stored(KEYS[:1])]),
+    "load_dump": lambda ix: ix.load_dump("z", [stored(KEYS[:1])], 3),
+    "apply_engine_batch": lambda ix: ix.apply_engine_batch("z", b"\x90"),
+    "drop_instance": lambda ix: ix.drop_instance("c"),
+    "find_matches": lambda ix: ix.find_matches(KEYS),
+    "find_matches(tokens)": lambda ix: ix.find_matches(prompt(2)),
+    "match_lengths": lambda ix: ix.match_lengths(KEYS),
+    "score": lambda ix: ix.score(KEYS),
+    "holdings": lambda ix: ix.holdings("c"),
+    "instances": lambda ix: ix.instances(),
+    "stats": lambda ix: ix.stats(),
+    "len": len,
+    "check_integrity": lambda ix: ix.check_integrity(),
+}
+#: (the call with a tripwire, the same call without one)
+OUTER: dict[str, tuple[Callable[[PrefixIndex], object], Callable[[PrefixIndex], object]]] = {
+    "apply(event)": (
+        lambda ix: ix.apply(
+            "a", [_TripStored(page_keys=tuple(KEYS), parent_key=None, tokens_per_page=4)]
+        ),
+        lambda ix: ix.apply("a", [stored(KEYS)]),
+    ),
+    "apply(new name)": (
+        lambda ix: ix.apply(_TripName("b"), [stored(KEYS[1:3])]),
+        lambda ix: ix.apply("b", [stored(KEYS[1:3])]),
+    ),
+    "apply_sequenced": (
+        lambda ix: ix.apply_sequenced(_TripName("a"), 0, [stored(KEYS[2:])]),
+        lambda ix: ix.apply_sequenced("a", 0, [stored(KEYS[2:])]),
+    ),
+    "load_dump": (
+        lambda ix: ix.load_dump(_TripName("a"), [stored(KEYS[:3], "host")], 5),
+        lambda ix: ix.load_dump("a", [stored(KEYS[:3], "host")], 5),
+    ),
+    "drop_instance": (
+        lambda ix: ix.drop_instance(_TripName("a")),
+        lambda ix: ix.drop_instance("a"),
+    ),
+    "holdings": (lambda ix: ix.holdings(_TripName("a")), lambda ix: ix.holdings("a")),
+}
+
+
+def _index(core: str) -> PrefixIndex:
+    if core == "python":
+        with native.disabled():
+            index = PrefixIndex(4)
+    else:
+        index = PrefixIndex(4)
+    index.apply("a", [stored(KEYS[:2])])
+    index.apply("c", [stored(KEYS[:1], "host")])
+    return index
+
+
+def _state(index: PrefixIndex) -> object:
+    index.check_integrity()
+    return (
+        index.stats(),
+        index.instances(),
+        {name: index.holdings(name) for name in index.instances()},
+        index.find_matches(KEYS),
+        [index.needs_dump(name) for name in index.instances()],
+    )
+
+
+@pytest.mark.parametrize("inner", list(INNER))
+@pytest.mark.parametrize("outer", list(OUTER))
+@pytest.mark.parametrize("core", ["default", "python"])
+def test_a_finalizer_that_calls_the_index_mid_call_is_refused(
+    core: str, outer: str, inner: str
+) -> None:
+    """A finalizer runs in the middle of `outer` and calls `inner` on the same index: the
+    inner call raises ReentrantCall (before changing anything), the outer call goes on, and
+    the index ends as the outer call alone leaves it. (Before: `drop_instance`, `holdings`
+    and the Python core ran the inner call mid-update; the native `apply` raised a plain
+    RuntimeError.) The default core is the native one where it builds."""
+    index, plain = _index(core), _index(core)
+    tripped, untripped = OUTER[outer]
+    outcomes: list[tuple[object, object]] = []
+    _ARMED.append(_Finalized(lambda: INNER[inner](index), outcomes))
+    try:
+        got = tripped(index)
+    finally:
+        _ARMED.clear()
+    assert outcomes == [(ReentrantCall, REENTERED)]
+    assert got == untripped(plain)
+    assert _state(index) == _state(plain)
+
+
+@pytest.mark.parametrize("core", ["default", "python"])
+def test_a_finalizer_that_lets_the_refusal_escape_reports_it_as_unraisable(
+    core: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal cannot reach the finalizer's caller: Python reports it to
+    `sys.unraisablehook`, as a ReentrantCall; the outer call is unaffected."""
+    index, plain = _index(core), _index(core)
+    seen: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(unraisable.exc_value))
+
+    class Careless:
+        def __del__(self) -> None:
+            index.apply("z", [stored(KEYS[:1])])
+
+    _ARMED.append(Careless())
+    OUTER["apply(event)"][0](index)
+    OUTER["apply(event)"][1](plain)
+    assert len(seen) == 1 and isinstance(seen[0], ReentrantCall)
+    assert _state(index) == _state(plain)
+
+
+def test_a_second_call_from_another_thread_is_refused_while_one_runs() -> None:
+    """The index is not thread-safe: a call from another thread while one runs (here held at
+    a name's hashing) is refused like a re-entry, not run over it."""
+    index, plain = _index("default"), _index("default")
+    outcomes: list[tuple[object, object]] = []
+
+    def from_thread() -> None:
+        worker = threading.Thread(target=lambda: outcomes.append(_outcome(index)))
+        worker.start()
+        worker.join()
+
+    _ARMED.append(_Finalized(from_thread, []))
+    OUTER["drop_instance"][0](index)
+    OUTER["drop_instance"][1](plain)
+    assert outcomes == [(ReentrantCall, REENTERED)]
+    assert _state(index) == _state(plain)
+
+
+def _outcome(index: PrefixIndex) -> tuple[object, object]:
+    try:
+        return ("ok", index.apply("z", [stored(KEYS[:1])]))
+    except ReentrantCall as exc:
+        return (ReentrantCall, str(exc))

@@ -41,3 +41,21 @@ class ShardUnavailable(PrefixIndexError, RuntimeError):
 
 class ShardCallFailed(PrefixIndexError, RuntimeError):
     """A shard method called over a direct channel raised; the message names its error."""
+
+
+#: ReentrantCall's message, the same on both cores.
+REENTERED = (
+    "the prefix index was called again from inside one of its own calls (a finalizer, a key's "
+    "__hash__ or __eq__, an event's attribute or another callback it ran): refused, and this "
+    "call changed nothing"
+)
+
+
+class ReentrantCall(PrefixIndexError, RuntimeError):
+    """A call of a `PrefixIndex` made while another call of the same index is running: from
+    Python code that call runs (a finalizer the garbage collector calls, a key's `__hash__`, an
+    event's attribute, a name's `__str__`, the interning or keying callback) or from a second
+    thread. Raised before the refused call changes anything; the running call goes on."""
+
+    def __init__(self, message: str = REENTERED) -> None:
+        super().__init__(message)

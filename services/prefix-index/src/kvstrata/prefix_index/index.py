@@ -29,6 +29,14 @@ matched key (all its holders). `find_matches` touches the matched keys deepest f
 the keys of one prefix the first page is the most recent: eviction takes a prefix's tail before
 its head (a head evicted first would orphan its whole tail, since matches start at page 0).
 
+One call at a time: Python code can run inside a call (a finalizer the garbage collector runs
+at any allocation, a key's `__hash__`, an event's attribute, the keyer), and a call of the same
+index made from there would reach its entries mid-update. So every method that reads or changes
+entries refuses such a call with `ReentrantCall`, before it changes anything, on both cores (the
+running call goes on); the methods that make several calls hold the index for their whole run
+(`guard.Guard`). The same refusal meets a second thread: the index is not thread-safe (the shard
+serialises its calls under a lock).
+
 Costs: `apply` O(pages of the events); `find_matches` O(pages matched) plus O(pages matched) per
 instance whose pages are not all on one tier; `drop_instance` O(keys of the instance). Measured
 (`kvstrata bench index`) bytes per entry and ops/s are in the member README.
@@ -47,7 +55,13 @@ from operator import and_, not_, or_, rshift
 import numpy.typing as npt
 
 from kvstrata.prefix_index.engines import EngineKeyMap, decode_engine_batch
-from kvstrata.prefix_index.errors import InvalidEvent, InvalidInstance, InvalidParameter
+from kvstrata.prefix_index.errors import (
+    InvalidEvent,
+    InvalidInstance,
+    InvalidParameter,
+    ReentrantCall,
+)
+from kvstrata.prefix_index.guard import Guard
 from kvstrata.prefix_index.native import Core, check_core, native_core
 from kvstrata.prefix_index.results import InstanceMatch, PrefixMatches
 from kvstrata.prefix_index.tiers import DEFAULT_TIER_WEIGHTS
@@ -84,6 +98,10 @@ class PrefixIndex:
     None (it must be configured like the instances' keyers: namespace and hash).
     `tier_weights`: weight of a page per tier for `score`; events on a tier absent from it are
     refused. `max_entries`: bound on distinct keys (None: unbounded).
+
+    Every method that reads or changes entries raises `ReentrantCall`, before any change, when
+    called while another call of the same index runs (from a finalizer or other Python code
+    that call runs, or from another thread).
     """
 
     def __init__(
@@ -147,6 +165,7 @@ class PrefixIndex:
             intern=self._intern,
             as_keys=self._as_keys,
         )
+        self._guard = Guard(self._core)
         self.gaps = 0
         self.unknown_engine_events = 0
         if self._core is not None:
@@ -169,10 +188,27 @@ class PrefixIndex:
         """Apply `instance`'s events in order. Mutates the entries of that instance (and, when
         bounded, may evict other keys). Raises InvalidInstance / InvalidEvent, before any
         change, for a bad name, an unknown event, a tier absent from the weights or a page size
-        other than the index's."""
-        if self._core is not None:  # the C core validates and applies in one call
+        other than the index's; ReentrantCall inside another call of the index."""
+        if self._core is not None:  # the C core guards, validates and applies in one call
             self._core.apply(instance, events)
             return
+        guard = self._guard
+        if guard.busy:
+            raise ReentrantCall
+        guard.busy = True
+        try:
+            self._apply_python(instance, events)
+        finally:
+            guard.busy = False
+
+    def _apply_held(self, instance: str, events: Iterable[KVEvent]) -> None:
+        """`apply` from a method that holds the guard."""
+        if self._core is not None:
+            self._core.apply_held(instance, events)
+        else:
+            self._apply_python(instance, events)
+
+    def _apply_python(self, instance: str, events: Iterable[KVEvent]) -> None:
         iid = self._ids.get(instance) if type(instance) is str else None
         if iid is None:
             self._check_instance(instance)
@@ -199,17 +235,18 @@ class PrefixIndex:
         KV-cache group indexed for hybrid models. Raises UnknownFormat / EngineDecodeError /
         InvalidEvent before any change."""
         self._check_instance(instance)
-        decoded = decode_engine_batch(payload, format)
-        for event in decoded.events:
-            tier = getattr(event, "tier", None)
-            if tier is not None:
-                self._check_tier(tier)
-        keymap = self._engine_maps.get(instance)
-        if keymap is None:
-            keymap = self._engine_maps[instance] = EngineKeyMap(self.keyer, group=group)
-        events = keymap.convert(decoded.events)
-        self.apply(instance, events)
-        self.unknown_engine_events += sum(decoded.unknown.values())
+        with self._guard:
+            decoded = decode_engine_batch(payload, format)
+            for event in decoded.events:
+                tier = getattr(event, "tier", None)
+                if tier is not None:
+                    self._check_tier(tier)
+            keymap = self._engine_maps.get(instance)
+            if keymap is None:
+                keymap = self._engine_maps[instance] = EngineKeyMap(self.keyer, group=group)
+            events = keymap.convert(decoded.events)
+            self._apply_held(instance, events)
+            self.unknown_engine_events += sum(decoded.unknown.values())
         return EngineBatchResult(
             applied_events=len(events),
             unknown=decoded.unknown,
@@ -224,23 +261,24 @@ class PrefixIndex:
         Returns whether the batch was applied. A batch older than expected (a duplicate) is
         ignored. Validation errors are raised before any change, gap or not."""
         self._check_instance(instance)
-        batch = list(events)
-        self._check_events(batch)
-        if seq < 0:
-            raise InvalidEvent(f"sequence numbers start at 0, got {seq}")
-        if instance in self._awaiting_dump:
-            return False
-        expected = self._seq.get(instance, 0)
-        if seq < expected:
-            return False
-        if seq > expected:
-            self.gaps += 1
-            self._drop(instance)
-            self._awaiting_dump.add(instance)
-            return False
-        self.apply(instance, batch)
-        self._seq[instance] = seq + 1
-        return True
+        with self._guard:
+            batch = list(events)
+            self._check_events(batch)
+            if seq < 0:
+                raise InvalidEvent(f"sequence numbers start at 0, got {seq}")
+            if instance in self._awaiting_dump:
+                return False
+            expected = self._seq.get(instance, 0)
+            if seq < expected:
+                return False
+            if seq > expected:
+                self.gaps += 1
+                self._drop(instance)
+                self._awaiting_dump.add(instance)
+                return False
+            self._apply_held(instance, batch)
+            self._seq[instance] = seq + 1
+            return True
 
     def needs_dump(self, instance: str) -> bool:
         """True after a gap in `instance`'s sequence until `load_dump` is called."""
@@ -250,31 +288,33 @@ class PrefixIndex:
         """Replace `instance`'s entries by a dump of its whole cache (`BlockStored` events, see
         `dump_tree`), taken just before its batch `next_seq`. Clears the awaiting-dump mark."""
         self._check_instance(instance)
-        batch = list(events)
-        self._check_events(batch)
-        if next_seq < 0:
-            raise InvalidEvent(f"sequence numbers start at 0, got {next_seq}")
-        self._drop(instance)
-        self.apply(instance, batch)
-        self._seq[instance] = next_seq
-        self._awaiting_dump.discard(instance)
+        with self._guard:
+            batch = list(events)
+            self._check_events(batch)
+            if next_seq < 0:
+                raise InvalidEvent(f"sequence numbers start at 0, got {next_seq}")
+            self._drop(instance)
+            self._apply_held(instance, batch)
+            self._seq[instance] = next_seq
+            self._awaiting_dump.discard(instance)
 
     def drop_instance(self, instance: str) -> int:
         """Forget `instance` (dead engine, node gone): its entries, sequence and dump state.
         Returns how many (key, instance) pairs went. Unknown instances are a no-op (0)."""
         self._check_instance(instance)
-        removed = self._drop(instance)
-        self._engine_maps.pop(instance, None)
-        self._seq.pop(instance, None)
-        self._awaiting_dump.discard(instance)
-        iid = self._ids.pop(instance, None)
-        if iid is not None:
-            del self._names[iid]
-            del self._by_inst[iid]
-            if self._core is not None:
-                self._core.set_name(iid, None)
-            heapq.heappush(self._free_ids, iid)  # its bits are clear in every entry now
-        return removed
+        with self._guard:
+            removed = self._drop(instance)
+            self._engine_maps.pop(instance, None)
+            self._seq.pop(instance, None)
+            self._awaiting_dump.discard(instance)
+            iid = self._ids.pop(instance, None)
+            if iid is not None:
+                del self._names[iid]
+                del self._by_inst[iid]
+                if self._core is not None:
+                    self._core.set_name(iid, None)
+                heapq.heappush(self._free_ids, iid)  # its bits are clear in every entry now
+            return removed
 
     # ------------------------------------------------------------------------------------------
     # Queries
@@ -305,7 +345,17 @@ class PrefixIndex:
             return self._core.find_matches(
                 tokens_or_page_keys, extra_key=extra_key, cache_salt=cache_salt
             )
-        keys = self._as_keys(tokens_or_page_keys, extra_key, cache_salt)
+        guard = self._guard
+        if guard.busy:
+            raise ReentrantCall
+        guard.busy = True
+        try:
+            keys = self._as_keys(tokens_or_page_keys, extra_key, cache_salt)
+            return self._find_python(keys)
+        finally:
+            guard.busy = False
+
+    def _find_python(self, keys: Sequence[bytes]) -> PrefixMatches:
         vals, runs, uniform = self._runs(keys)
         if not uniform and not reduce(or_, vals, 0) & self._below_best:
             # Every holder holds every page it holds on the best tier: one tier for all.
@@ -334,8 +384,15 @@ class PrefixIndex:
         core = self._core
         if core is not None:
             return core.lengths(page_keys)
-        names = self._names
-        return {names[iid]: run for iid, run in self._runs(page_keys)[1].items()}
+        guard = self._guard
+        if guard.busy:
+            raise ReentrantCall
+        guard.busy = True
+        try:
+            names = self._names
+            return {names[iid]: run for iid, run in self._runs(page_keys)[1].items()}
+        finally:
+            guard.busy = False
 
     def score(
         self,
@@ -353,21 +410,20 @@ class PrefixIndex:
     def holdings(self, instance: str) -> dict[bytes, frozenset[str]]:
         """Every key `instance` holds and its tiers (tests, dumps, debugging). O(its keys)."""
         self._check_instance(instance)
-        iid = self._ids.get(instance)
-        if iid is None:
-            return {}
-        if self._core is not None:
+        with self._guard:
+            iid = self._ids.get(instance)
+            if iid is None:
+                return {}
             sets = self._tier_sets
-            return {key: sets[bits << 1] for key, bits in self._core.holdings(iid)}
-        shift = iid * self._width
-        holders = self._holders
-        sets = self._tier_sets
-        group = self._group
-        return {key: sets[(holders[key] >> shift) & group] for key in self._by_inst[iid]}
+            if self._core is not None:
+                return {key: sets[bits << 1] for key, bits in self._core.holdings(iid)}
+            shift, holders, group = iid * self._width, self._holders, self._group
+            return {key: sets[(holders[key] >> shift) & group] for key in self._by_inst[iid]}
 
     def instances(self) -> list[str]:
         """Names of the instances with at least one entry or sequence state, sorted."""
-        return sorted(set(self._ids) | set(self._seq) | self._awaiting_dump)
+        with self._guard:
+            return sorted(set(self._ids) | set(self._seq) | self._awaiting_dump)
 
     @property
     def core(self) -> str:
@@ -387,14 +443,16 @@ class PrefixIndex:
 
     def stats(self) -> IndexStats:
         core = self._core
-        if core is not None:
-            entries, pairs, evicted, _ = core.stats()
-        else:
-            entries, evicted = len(self._holders), self._evicted
-            pairs = sum(len(s) for s in self._by_inst.values())
+        with self._guard:
+            if core is not None:
+                entries, pairs, evicted, _ = core.stats()
+            else:
+                entries, evicted = len(self._holders), self._evicted
+                pairs = sum(len(s) for s in self._by_inst.values())
+            num_instances = len(self._ids)
         return IndexStats(
             num_entries=entries,
-            num_instances=len(self._ids),
+            num_instances=num_instances,
             num_pairs=pairs,
             evicted_entries=evicted,
             gaps=self.gaps,
@@ -402,13 +460,18 @@ class PrefixIndex:
         )
 
     def __len__(self) -> int:
-        return len(self._holders) if self._core is None else self._core.stats()[0]
+        with self._guard:
+            return len(self._holders) if self._core is None else self._core.stats()[0]
 
     def check_integrity(self) -> None:
         """Every entry's groups are valid (holds bit set exactly when a tier bit is) and name
         live instances whose key sets hold the key, and nothing else is in those sets; the id
         maps agree; the bound holds. On the native core: its own invariants (`Core.check`) and
         no entry held by an id not in use."""
+        with self._guard:
+            self._check_integrity()
+
+    def _check_integrity(self) -> None:
         assert set(self._ids.values()) == set(self._names), "instance id maps disagree"
         assert not set(self._free_ids) & set(self._names), "a free id is in use"
         if self._core is not None:
@@ -505,8 +568,7 @@ class PrefixIndex:
             self._ids[instance] = iid
             self._names[iid] = instance
             self._by_inst[iid] = set()
-            if self._core is not None:
-                self._core.set_name(iid, instance)
+            # The C core records the name itself: it calls this inside `apply`.
         return iid
 
     def _store(self, iid: int, keys: Sequence[bytes], bit: int) -> None:

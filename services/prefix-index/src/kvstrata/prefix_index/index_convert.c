@@ -22,13 +22,14 @@ typedef struct {
     PyTypeObject *stored, *removed, *cleared; /* the kvstrata event classes */
     PyTypeObject *matches_type, *match_type;  /* PrefixMatches, InstanceMatch */
     PyObject *invalid_event, *invalid_instance;
+    PyObject *reentered; /* ReentrantCall: raised (no arguments) by a call refused by `busy` */
     PyObject *intern;  /* intern(name) -> id: the index's, for a name with no id yet */
     PyObject *as_keys; /* as_keys(query, extra_key, cache_salt) -> page keys of token ids */
     PyObject **names; /* id -> instance name (set_name), NULL when free */
     Py_ssize_t names_cap;
     PyObject **uniform; /* [tier * UNIFORM_RUNS + run]: (rank[tier],) * run, made on first use */
     int64_t *spec;      /* (kind, tier bits, key count) per event of a batch */
-    int busy;           /* a call is using the scratch buffers (see `guarded`, index_ext.c) */
+    int busy;           /* FREE, IN_CALL or HELD: the re-entry guard (see `enter`, index_ext.c) */
     Py_ssize_t spec_cap;
 } CoreObject;
 

@@ -6,11 +6,14 @@
    exceptions and messages of the Python core, and the results are built in C as the
    PrefixMatches / InstanceMatch tuples the Python core returns. Calls hold the GIL. */
 
+static int put_name(CoreObject *c, long iid, PyObject *name);
+
 /* apply(instance, events): PrefixIndex.apply. Validates the instance name and every event
    (raising, before any change, InvalidInstance / InvalidEvent as the Python core does); a name
-   with no id yet is interned (`intern`, then validated again: the callback may run any
-   Python code); then the batch is applied in one go. MemoryError when memory runs out
-   mid-batch (applied in part, every structure consistent). */
+   with no id yet is interned (`intern(name) -> id`, whose name this core then records; the
+   events are validated again after it: the callback may run any Python code); then the batch
+   is applied in one go. MemoryError when memory runs out mid-batch (applied in part, every
+   structure consistent). */
 static PyObject *Core_apply_body(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "apply(instance, events)");
@@ -53,7 +56,11 @@ again:;
         }
         PyObject *got = PyObject_CallOneArg(c->intern, instance);
         if (!got) goto done;
+        long gid = iid_arg(got);
         Py_DECREF(got);
+        /* The name is recorded here, not by a set_name call from the callback: this call
+           holds the guard, which set_name would refuse. */
+        if (gid < 0 || put_name(c, gid, instance)) goto done;
         interned = 1;
         goto again;
     }
@@ -142,8 +149,29 @@ static PyObject *Core_lengths_body(CoreObject *c, PyObject *keys) {
     return out;
 }
 
+/* Record `name` (NULL or None: none, the id is free) as instance `iid`'s; 0, or -1 with
+   MemoryError set. The old name is released last: its finalizer may run Python code. */
+static int put_name(CoreObject *c, long iid, PyObject *name) {
+    if (iid >= c->names_cap) {
+        Py_ssize_t cap = c->names_cap ? c->names_cap : 16;
+        while (cap <= iid) cap *= 2;
+        PyObject **names = (PyObject **)PyMem_Realloc(c->names, (size_t)cap * sizeof(PyObject *));
+        if (!names) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memset(names + c->names_cap, 0, (size_t)(cap - c->names_cap) * sizeof(PyObject *));
+        c->names = names;
+        c->names_cap = cap;
+    }
+    PyObject *old = c->names[iid];
+    c->names[iid] = name == NULL || name == Py_None ? NULL : Py_NewRef(name);
+    Py_XDECREF(old);
+    return 0;
+}
+
 /* set_name(id, name | None): the name results give instance `id` (None: the id is free). */
-static PyObject *Core_set_name(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *Core_set_name_body(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "set_name(id, name)");
         return NULL;
@@ -151,30 +179,19 @@ static PyObject *Core_set_name(CoreObject *c, PyObject *const *args, Py_ssize_t 
     long iid = iid_arg(args[0]);
     if (iid < 0) return NULL;
     if (args[1] != Py_None && check_instance(c, args[1])) return NULL;
-    if (iid >= c->names_cap) {
-        Py_ssize_t cap = c->names_cap ? c->names_cap : 16;
-        while (cap <= iid) cap *= 2;
-        PyObject **names = (PyObject **)PyMem_Realloc(c->names, (size_t)cap * sizeof(PyObject *));
-        if (!names) return PyErr_NoMemory();
-        memset(names + c->names_cap, 0, (size_t)(cap - c->names_cap) * sizeof(PyObject *));
-        c->names = names;
-        c->names_cap = cap;
-    }
-    PyObject *old = c->names[iid];
-    c->names[iid] = args[1] == Py_None ? NULL : Py_NewRef(args[1]);
-    Py_XDECREF(old);
+    if (put_name(c, iid, args[1])) return NULL;
     Py_RETURN_NONE;
 }
 
 /* drop(id) -> keys it held: every key of instance `id` goes. */
-static PyObject *Core_drop(CoreObject *c, PyObject *arg) {
+static PyObject *Core_drop_body(CoreObject *c, PyObject *arg) {
     long iid = iid_arg(arg);
     if (iid < 0) return NULL;
     return PyLong_FromLongLong(clear(c->x, (uint32_t)iid, (uint32_t)c->x->all_tiers));
 }
 
 /* holdings(id) -> [(key, tier bits)] of instance `id`. */
-static PyObject *Core_holdings(CoreObject *c, PyObject *arg) {
+static PyObject *Core_holdings_body(CoreObject *c, PyObject *arg) {
     long iid = iid_arg(arg);
     if (iid < 0) return NULL;
     ix_t *x = c->x;
@@ -191,7 +208,8 @@ static PyObject *Core_holdings(CoreObject *c, PyObject *arg) {
     return out;
 }
 
-/* stats() -> (entries, pairs, evicted entries, bytes allocated by the C side). */
+/* stats() -> (entries, pairs, evicted entries, bytes allocated by the C side). Unguarded,
+   like check(): both read the structures and run no Python code before they are done. */
 static PyObject *Core_stats(CoreObject *c, PyObject *Py_UNUSED(ignored)) {
     int64_t s[4];
     ix_stats(c->x, s);
@@ -266,21 +284,45 @@ static PyObject *Core_fail_allocation(CoreObject *Py_UNUSED(c), PyObject *arg) {
     return PyLong_FromLongLong(was);
 }
 
-/* The calls that use the scratch buffers (keys gathered, event specs, match output) refuse to
-   run inside one another: Python code can run in the middle of one (an event subclass's
-   attribute, the interning or keying callback, a finalizer run by the garbage collector), and
-   a nested call would move the buffers under the outer one. */
-static int enter(CoreObject *c) {
-    if (!c->busy) return c->busy = 1, 0;
-    PyErr_SetString(PyExc_RuntimeError,
-                    "the index's core was called again from inside one of its calls");
-    return -1;
+/* The re-entry guard. Python code can run in the middle of a call (an event subclass's
+   attribute, a key's or name's __hash__ / __eq__, the interning or keying callback, a finalizer
+   run by the garbage collector at any allocation), and a nested call would move the scratch
+   buffers (keys gathered, event specs, match output) or the table under the outer one. So one
+   call at a time, and a call made inside another raises ReentrantCall (`reentered`) before it
+   changes anything, whatever the call:
+
+     FREE     no call is running
+     IN_CALL  a method of this type is running
+     HELD     the PrefixIndex holds the core (`hold()` .. `release()`) for one of its own
+              methods, which makes several calls (drop, set_name, apply_held...) and changes
+              its Python state in between: a finalizer run there must not get in either
+
+   The index's public methods (apply, find_matches, lengths, also hashes, match_count and
+   apply_keys) run only when FREE; the ones the index calls while it holds the core
+   (set_name, drop, holdings) run when FREE or HELD; apply_held only when HELD. stats and
+   check take no guard (they read, and run no Python code until they have read). */
+enum { FREE = 0, IN_CALL = 1, HELD = 2 };
+
+static PyObject *refuse(CoreObject *c) {
+    PyErr_SetNone(c->reentered);
+    return NULL;
 }
 
+/* A public call: only when no call runs. */
 #define GUARD(call) \
-    if (enter(c)) return NULL; \
+    if (c->busy != FREE) return refuse(c); \
+    c->busy = IN_CALL; \
     PyObject *out = call; \
-    c->busy = 0; \
+    c->busy = FREE; \
+    return out;
+
+/* A call the index makes while it holds the core (or anyone makes when no call runs). */
+#define INNER(call) \
+    int was = c->busy; \
+    if (was == IN_CALL) return refuse(c); \
+    c->busy = IN_CALL; \
+    PyObject *out = call; \
+    c->busy = was; \
     return out;
 
 static PyObject *Core_apply(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
@@ -298,6 +340,42 @@ static PyObject *Core_match_count(CoreObject *c, PyObject *keys) {
 static PyObject *Core_apply_keys(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
     GUARD(Core_apply_keys_body(c, args, nargs))
 }
+static PyObject *Core_set_name(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
+    INNER(Core_set_name_body(c, args, nargs))
+}
+static PyObject *Core_drop(CoreObject *c, PyObject *arg) { INNER(Core_drop_body(c, arg)) }
+static PyObject *Core_holdings(CoreObject *c, PyObject *arg) { INNER(Core_holdings_body(c, arg)) }
+
+/* hold(): the index's method that calls takes the core (ReentrantCall if any call runs). */
+static PyObject *Core_hold(CoreObject *c, PyObject *Py_UNUSED(ignored)) {
+    if (c->busy != FREE) return refuse(c);
+    c->busy = HELD;
+    Py_RETURN_NONE;
+}
+
+/* release(): the end of hold(). */
+static PyObject *Core_release(CoreObject *c, PyObject *Py_UNUSED(ignored)) {
+    if (c->busy != HELD) {
+        PyErr_SetString(PyExc_RuntimeError, "release() without hold()");
+        return NULL;
+    }
+    c->busy = FREE;
+    Py_RETURN_NONE;
+}
+
+/* apply_held(instance, events): apply, from a method of the index that holds the core
+   (load_dump, apply_sequenced, apply_engine_batch). */
+static PyObject *Core_apply_held(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (c->busy == IN_CALL) return refuse(c);
+    if (c->busy != HELD) {
+        PyErr_SetString(PyExc_RuntimeError, "apply_held() outside hold()");
+        return NULL;
+    }
+    c->busy = IN_CALL;
+    PyObject *out = Core_apply_body(c, args, nargs);
+    c->busy = HELD;
+    return out;
+}
 
 static int named_tuple_type(PyTypeObject *t) {
     return PyType_IsSubtype(t, &PyTuple_Type) && t->tp_basicsize == PyTuple_Type.tp_basicsize &&
@@ -306,22 +384,23 @@ static int named_tuple_type(PyTypeObject *t) {
 
 /* Core(key_len, page_size, max_entries, tier_bit, rank, known, ids,
         (BlockStored, BlockRemoved, AllBlocksCleared, PrefixMatches, InstanceMatch),
-        (InvalidEvent, InvalidInstance), intern | None, as_keys | None) */
+        (InvalidEvent, InvalidInstance, ReentrantCall), intern | None, as_keys | None) */
 static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     Py_ssize_t key_len, max_entries;
     PyObject *page_size, *tier_bit, *rank, *known, *ids, *invalid_event, *invalid_instance;
+    PyObject *reentered;
     PyObject *intern, *as_keys;
     PyTypeObject *stored, *removed, *cleared, *matches_type, *match_type;
     if (kwds && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "Core takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "nO!nO!O!UO!(O!O!O!O!O!)(OO)OO:Core", &key_len, &PyLong_Type,
+    if (!PyArg_ParseTuple(args, "nO!nO!O!UO!(O!O!O!O!O!)(OOO)OO:Core", &key_len, &PyLong_Type,
                           &page_size, &max_entries, &PyDict_Type, &tier_bit, &PyTuple_Type, &rank,
                           &known, &PyDict_Type, &ids, &PyType_Type, &stored, &PyType_Type,
                           &removed, &PyType_Type, &cleared, &PyType_Type, &matches_type,
-                          &PyType_Type, &match_type, &invalid_event, &invalid_instance, &intern,
-                          &as_keys))
+                          &PyType_Type, &match_type, &invalid_event, &invalid_instance,
+                          &reentered, &intern, &as_keys))
         return NULL;
     Py_ssize_t tiers = PyTuple_GET_SIZE(rank);
     if (!named_tuple_type(matches_type) || !named_tuple_type(match_type)) {
@@ -340,7 +419,8 @@ static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
             return NULL;
         }
     }
-    if (!PyExceptionClass_Check(invalid_event) || !PyExceptionClass_Check(invalid_instance)) {
+    if (!PyExceptionClass_Check(invalid_event) || !PyExceptionClass_Check(invalid_instance) ||
+        !PyExceptionClass_Check(reentered)) {
         PyErr_SetString(PyExc_TypeError, "errors must be exception classes");
         return NULL;
     }
@@ -366,6 +446,7 @@ static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     c->match_type = (PyTypeObject *)Py_NewRef(match_type);
     c->invalid_event = Py_NewRef(invalid_event);
     c->invalid_instance = Py_NewRef(invalid_instance);
+    c->reentered = Py_NewRef(reentered);
     c->intern = intern == Py_None ? NULL : Py_NewRef(intern);
     c->as_keys = as_keys == Py_None ? NULL : Py_NewRef(as_keys);
     if (!c->x || !c->uniform || !c->x->res || !c->x->pages) {
@@ -417,6 +498,7 @@ static void Core_dealloc(CoreObject *c) {
     Py_XDECREF(c->match_type);
     Py_XDECREF(c->invalid_event);
     Py_XDECREF(c->invalid_instance);
+    Py_XDECREF(c->reentered);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
@@ -434,6 +516,9 @@ static PyMethodDef Core_methods[] = {
     {"match_count", (PyCFunction)Core_match_count, METH_O, NULL},
     {"apply_keys", (PyCFunction)(void (*)(void))Core_apply_keys, METH_FASTCALL, NULL},
     {"fail_allocation", (PyCFunction)Core_fail_allocation, METH_O, NULL},
+    {"hold", (PyCFunction)Core_hold, METH_NOARGS, NULL},
+    {"release", (PyCFunction)Core_release, METH_NOARGS, NULL},
+    {"apply_held", (PyCFunction)(void (*)(void))Core_apply_held, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

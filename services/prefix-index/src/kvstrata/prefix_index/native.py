@@ -14,6 +14,12 @@ one call; `Core.find_matches(keys)` matches a lookup and builds the `PrefixMatch
 C; both read the keys straight from the bytes objects. On a native index these are the
 index's own `apply` / `find_matches` / `match_lengths` (no Python frame per call).
 
+Re-entry: Python code can run inside a call (an event's attribute, a key's `__hash__`, the
+callbacks, a finalizer at any allocation). One call at a time: a call of the core made inside
+another raises `ReentrantCall` before it changes anything, and the index's own methods that
+make several calls take the core with `hold()` / `release()` for their whole run (see the
+guard in `index_ext.c`); the Python core refuses the same calls with the same error.
+
 Hash collisions: a slot stores 32 bits of the key's 64-bit hash to skip most non-matches, but
 every match compares the full key bytes, so two keys with one hash are two entries.
 """
@@ -29,7 +35,7 @@ from pathlib import Path
 from typing import Protocol, cast
 
 from kvstrata.pool.native import native_extension
-from kvstrata.prefix_index.errors import InvalidEvent, InvalidInstance
+from kvstrata.prefix_index.errors import InvalidEvent, InvalidInstance, ReentrantCall
 from kvstrata.prefix_index.results import InstanceMatch, PrefixMatches
 from kvstrata.unified_radix_cache import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -77,7 +83,10 @@ _CHECKS = {
 
 class Core(Protocol):
     """The compiled `Core` of one index (`index_ext.c`). Instance ids are the index's interned
-    ids; `set_name` tells the core the name its results give an id."""
+    ids; `set_name` tells the core the name its results give an id (`apply` records the name
+    of an id it interns itself). Every method but `stats`, `check` and `fail_allocation`
+    raises `ReentrantCall`, before any change, when called inside another call of the core;
+    `set_name`, `drop` and `holdings` also run inside `hold()`, `apply_held` only there."""
 
     def apply(self, instance: str, events: Iterable[object], /) -> None:
         """`PrefixIndex.apply`: validate `instance` and every event (InvalidInstance /
@@ -118,6 +127,20 @@ class Core(Protocol):
 
     def apply_keys(self, iid: int, kind: int, bits: int, keys: Sequence[bytes], /) -> None:
         """One store (kind 0) or removal (1) of `keys` on tier `bits`, no events, no names."""
+        ...
+
+    def hold(self) -> None:
+        """Take the core for one method of the index that makes several calls (ReentrantCall
+        when a call runs): until `release()`, only set_name, drop, holdings and apply_held
+        run."""
+        ...
+
+    def release(self) -> None:
+        """The end of `hold()` (RuntimeError without one)."""
+        ...
+
+    def apply_held(self, instance: str, events: Iterable[object], /) -> None:
+        """`apply`, inside `hold()` (RuntimeError outside one)."""
         ...
 
     def fail_allocation(self, after: int, /) -> int:
@@ -161,9 +184,9 @@ def native_core(
     `disabled()`, keys longer than the C entries hold). `tier_bit`: tier name -> 1 << rank,
     best tier first; `page_size`: the tokens per page a BlockStored must have; `ids`: the
     index's own dict instance name -> id, which `Core.apply` reads (a new one when None);
-    `intern(name) -> id`: gives a new name its id (None: `apply` of an unknown name raises
-    LookupError); `as_keys(query, extra_key, cache_salt)`: the page keys of token ids (None:
-    `find_matches` takes page keys only)."""
+    `intern(name) -> id`: gives a new name its id, and the core records the name (None:
+    `apply` of an unknown name raises LookupError); `as_keys(query, extra_key, cache_salt)`:
+    the page keys of token ids (None: `find_matches` takes page keys only)."""
     if key_bytes > MAX_KEY_BYTES:
         return None
     make, _ = _module_core()
@@ -178,7 +201,7 @@ def native_core(
         str(sorted(tier_bit)),
         {} if ids is None else ids,
         (BlockStored, BlockRemoved, AllBlocksCleared, PrefixMatches, InstanceMatch),
-        (InvalidEvent, InvalidInstance),
+        (InvalidEvent, InvalidInstance, ReentrantCall),
         intern,
         as_keys,
     )
