@@ -4,8 +4,9 @@ inside `kvstrata.pool.native.disabled()`, fed the same random event streams (sto
 per tier, clears, multi-event batches, drops with ids reused, bad events and bad instance
 names, events as lists, tuples and generators, queries as lists, tuples and token ids),
 bounded and unbounded, must give the same find_matches, match_lengths, score, holdings, len and
-stats (and the same errors, type and message) after every step, and pass check_integrity. Keys
-whose hashes collide in the C table's slot bits stay distinct entries."""
+stats (and the same errors, type and message) after every step, and pass check_integrity; a
+call made from inside a batch being applied is refused alike (ReentrantCall). Keys whose hashes
+collide in the C table's slot bits stay distinct entries."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstrata.pool import native
-from kvstrata.prefix_index import PrefixIndex
+from kvstrata.prefix_index import PrefixIndex, ReentrantCall
+from kvstrata.prefix_index.errors import REENTERED
 from kvstrata.prefix_index.native import Core, native_core
 from kvstrata.prefix_index.opstream import build_op_stream
 from kvstrata.unified_radix_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -97,6 +99,21 @@ def shaped(batch: list[KVEvent], form: str) -> Iterable[KVEvent]:
 
 forms = st.sampled_from(("list", "tuple", "iter"))
 
+#: Calls made from inside another call of the index (see `NativeVersusPython.reenter`).
+REENTRIES: dict[str, Callable[[PrefixIndex], object]] = {
+    "apply": lambda ix: ix.apply(
+        "f", [BlockStored(page_keys=KEYS[:1], parent_key=None, tokens_per_page=1)]
+    ),
+    "apply_sequenced": lambda ix: ix.apply_sequenced("f", 0, []),
+    "load_dump": lambda ix: ix.load_dump("a", [], 0),
+    "drop_instance": lambda ix: ix.drop_instance("a"),
+    "find_matches": lambda ix: ix.find_matches(list(KEYS)),
+    "match_lengths": lambda ix: ix.match_lengths(list(KEYS)),
+    "holdings": lambda ix: ix.holdings("a"),
+    "stats": lambda ix: ix.stats(),
+    "check_integrity": lambda ix: ix.check_integrity(),
+}
+
 
 class NativeVersusPython(RuleBasedStateMachine):
     def __init__(self) -> None:
@@ -126,6 +143,29 @@ class NativeVersusPython(RuleBasedStateMachine):
     def apply_bad_name(self, name: object, batch: list[KVEvent]) -> None:
         err = both(self.fast, self.slow, lambda ix: ix.apply(name, batch))  # pyright: ignore[reportArgumentType]
         assert isinstance(err, str), "a bad instance name must be refused"
+
+    @rule(name=st.sampled_from(NAMES), keys=runs, inner=st.sampled_from(sorted(REENTRIES)))
+    def reenter(self, name: str, keys: tuple[bytes, ...], inner: str) -> None:
+        """An event's attribute read (Python code run inside `apply`) calls the index: the
+        inner call is refused alike on both cores, and the batch is applied as if it had
+        not been made."""
+
+        def outer(ix: PrefixIndex) -> list[object]:
+            seen: list[object] = []
+
+            class Calling(BlockStored):
+                def __getattribute__(self, attr: str) -> object:
+                    if attr == "tier" and not seen:
+                        try:
+                            seen.append(("ok", REENTRIES[inner](ix)))
+                        except Exception as exc:  # noqa: BLE001 - compared below
+                            seen.append((type(exc).__name__, str(exc)))
+                    return super().__getattribute__(attr)
+
+            ix.apply(name, [Calling(page_keys=keys, parent_key=None, tokens_per_page=1)])
+            return seen
+
+        assert both(self.fast, self.slow, outer) == [("ReentrantCall", REENTERED)]
 
     @rule(name=st.sampled_from(NAMES))
     def drop(self, name: str) -> None:
@@ -427,7 +467,8 @@ def test_the_core_refuses_bad_arguments_without_changing_anything() -> None:
 def test_a_call_that_re_enters_the_core_is_refused_and_changes_nothing() -> None:
     """Python code can run inside a native call (here an event's attribute read): a call of
     the same core from there would move its scratch buffers under the outer call, so it
-    raises RuntimeError, and the outer call, which then fails, has changed nothing."""
+    raises ReentrantCall (a RuntimeError), and the outer call, which then fails, has changed
+    nothing."""
     index = PrefixIndex(1)
     index.apply("a", [BlockStored(page_keys=KEYS[:2], parent_key=None, tokens_per_page=1)])
     seen: list[BaseException] = []
@@ -437,13 +478,13 @@ def test_a_call_that_re_enters_the_core_is_refused_and_changes_nothing() -> None
             if name == "page_keys":
                 try:
                     index.find_matches(list(KEYS))
-                except RuntimeError as exc:
+                except ReentrantCall as exc:
                     seen.append(exc)
                     raise
             return super().__getattribute__(name)
 
     before = index.stats(), index.holdings("a")
-    with pytest.raises(RuntimeError, match="called again"):
+    with pytest.raises(ReentrantCall, match="called again"):
         index.apply("a", [Sneaky(page_keys=KEYS[2:4], parent_key=None, tokens_per_page=1)])
     assert seen and (index.stats(), index.holdings("a")) == before
     index.check_integrity()
@@ -516,3 +557,82 @@ def test_both_cores_take_the_same_arguments_and_a_subclass_keeps_its_overrides()
     assert counting.core == "native"
     counting.apply("b", stored)
     assert calls == ["b"] and counting.match_lengths(list(KEYS)) == {"b": 2}
+
+
+def test_every_core_method_but_the_reads_refuses_a_call_inside_another() -> None:
+    """Called from inside `Core.apply` (an event's attribute read), every method of the core
+    raises ReentrantCall, the index's own multi-call ones (set_name, drop, holdings, hold,
+    apply_held) included; stats and check, which run no Python code mid-read, answer. The
+    outer apply then completes."""
+    fast, slow = twins()
+    for index in (fast, slow):
+        index.apply("a", [BlockStored(page_keys=KEYS[:3], parent_key=None, tokens_per_page=1)])
+    core = core_of(fast)
+    stored = [BlockStored(page_keys=KEYS[:1], parent_key=None, tokens_per_page=1)]
+    calls: dict[str, Callable[[], object]] = {
+        "apply": lambda: core.apply("b", stored),
+        "apply_held": lambda: core.apply_held("b", stored),
+        "find_matches": lambda: core.find_matches(list(KEYS)),
+        "lengths": lambda: core.lengths(list(KEYS)),
+        "set_name": lambda: core.set_name(0, None),
+        "drop": lambda: core.drop(0),
+        "holdings": lambda: core.holdings(0),
+        "hold": core.hold,
+        "hashes": lambda: core.hashes(list(KEYS)),
+        "match_count": lambda: core.match_count(list(KEYS)),
+        "apply_keys": lambda: core.apply_keys(0, 1, 1, list(KEYS)),
+    }
+    seen: dict[str, object] = {}
+
+    class Calling(BlockStored):
+        def __getattribute__(self, name: str) -> object:
+            if name == "tier" and not seen:
+                for what, call in calls.items():
+                    try:
+                        seen[what] = call()
+                    except ReentrantCall as exc:
+                        seen[what] = str(exc)
+                seen["stats"], seen["check"] = core.stats(), core.check()
+            return super().__getattribute__(name)
+
+    fast.apply("a", [Calling(page_keys=KEYS[3:5], parent_key=None, tokens_per_page=1)])
+    slow.apply("a", [BlockStored(page_keys=KEYS[3:5], parent_key=None, tokens_per_page=1)])
+    assert {what: seen[what] for what in calls} == dict.fromkeys(calls, REENTERED)
+    stats = seen["stats"]
+    assert isinstance(stats, tuple) and stats[:3] == (3, 3, 0) and seen["check"] == 0
+    fast.check_integrity()
+    assert _state(fast) == _state(slow) and fast.holdings("a") == slow.holdings("a")
+
+
+def test_hold_lets_only_the_index_s_own_calls_through() -> None:
+    """Inside `hold()` the public calls are refused and set_name / drop / holdings /
+    apply_held run; release() or apply_held() outside a hold is a RuntimeError, and nothing
+    changes on a refused call."""
+    index = PrefixIndex(1)
+    index.apply("a", [BlockStored(page_keys=KEYS[:2], parent_key=None, tokens_per_page=1)])
+    core = core_of(index)
+    stored = [BlockStored(page_keys=KEYS[2:3], parent_key=None, tokens_per_page=1)]
+    with pytest.raises(RuntimeError, match=r"release\(\) without hold"):
+        core.release()
+    with pytest.raises(RuntimeError, match=r"apply_held\(\) outside hold"):
+        core.apply_held("a", stored)
+    before = _state(index)
+    core.hold()
+    try:
+        for refused in (
+            lambda: index.apply("a", stored),
+            lambda: index.find_matches(list(KEYS)),
+            lambda: index.match_lengths(list(KEYS)),
+            core.hold,
+            index.stats,
+            lambda: index.drop_instance("a"),
+        ):
+            with pytest.raises(ReentrantCall):
+                refused()
+        assert sorted(core.holdings(0)) == [(KEYS[0], 1), (KEYS[1], 1)]
+        core.apply_held("a", stored)
+        assert len(core.holdings(0)) == 3
+    finally:
+        core.release()
+    assert _state(index) != before and index.match_lengths(list(KEYS)) == {"a": 3}
+    index.check_integrity()
