@@ -34,7 +34,7 @@ at any allocation, a key's `__hash__`, an event's attribute, the keyer), and a c
 index made from there would reach its entries mid-update. So every method that reads or changes
 entries refuses such a call with `ReentrantCall`, before it changes anything, on both cores (the
 running call goes on); the methods that make several calls hold the index for their whole run
-(`guard.Guard`). The same refusal meets a second thread: the index is not thread-safe (the shard
+(`guard`). The same refusal meets a second thread: the index is not thread-safe (the shard
 serialises its calls under a lock).
 
 Costs: `apply` O(pages of the events); `find_matches` O(pages matched) plus O(pages matched) per
@@ -165,7 +165,10 @@ class PrefixIndex:
             intern=self._intern,
             as_keys=self._as_keys,
         )
-        self._guard = Guard(self._core)
+        # `with self._guard:` holds the index for a method (see `guard`); the Python core's
+        # hot paths test and set `self._flag.busy` inline.
+        self._flag = Guard()
+        self._guard: Core | Guard = self._flag if self._core is None else self._core
         self.gaps = 0
         self.unknown_engine_events = 0
         if self._core is not None:
@@ -192,7 +195,7 @@ class PrefixIndex:
         if self._core is not None:  # the C core guards, validates and applies in one call
             self._core.apply(instance, events)
             return
-        guard = self._guard
+        guard = self._flag
         if guard.busy:
             raise ReentrantCall
         guard.busy = True
@@ -345,7 +348,7 @@ class PrefixIndex:
             return self._core.find_matches(
                 tokens_or_page_keys, extra_key=extra_key, cache_salt=cache_salt
             )
-        guard = self._guard
+        guard = self._flag
         if guard.busy:
             raise ReentrantCall
         guard.busy = True
@@ -384,7 +387,7 @@ class PrefixIndex:
         core = self._core
         if core is not None:
             return core.lengths(page_keys)
-        guard = self._guard
+        guard = self._flag
         if guard.busy:
             raise ReentrantCall
         guard.busy = True

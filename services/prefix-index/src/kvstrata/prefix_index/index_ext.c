@@ -363,6 +363,12 @@ static PyObject *Core_release(CoreObject *c, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
+/* __exit__(type, value, traceback): release(); `with core:` is hold() .. release(). */
+static PyObject *Core_exit(CoreObject *c, PyObject *const *Py_UNUSED(args),
+                           Py_ssize_t Py_UNUSED(nargs)) {
+    return Core_release(c, NULL);
+}
+
 /* apply_held(instance, events): apply, from a method of the index that holds the core
    (load_dump, apply_sequenced, apply_engine_batch). */
 static PyObject *Core_apply_held(CoreObject *c, PyObject *const *args, Py_ssize_t nargs) {
@@ -518,6 +524,8 @@ static PyMethodDef Core_methods[] = {
     {"fail_allocation", (PyCFunction)Core_fail_allocation, METH_O, NULL},
     {"hold", (PyCFunction)Core_hold, METH_NOARGS, NULL},
     {"release", (PyCFunction)Core_release, METH_NOARGS, NULL},
+    {"__enter__", (PyCFunction)Core_hold, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))Core_exit, METH_FASTCALL, NULL},
     {"apply_held", (PyCFunction)(void (*)(void))Core_apply_held, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
