@@ -8,8 +8,11 @@ from kvstrata.allocator import (
     DoubleFree,
     IndexOutOfRange,
     NotAllocated,
+    PagedAllocator,
+    PageSlotAllocator,
     ReservedIndex,
     SlotCopy,
+    TokenAllocator,
 )
 from kvstrata.allocator.engine import Backend
 from kvstrata.testkit.allocators import idx, make_mamba
@@ -65,4 +68,22 @@ def test_groups_state_and_clear(backend: Backend) -> None:
     assert m.available_size() == 0
     m.clear()
     assert m.available_size() == 4
+    m.check_integrity()
+
+
+def test_state_slots_have_no_per_request_token_calls(backend: Backend) -> None:
+    """`alloc_extend` / `alloc_decode` lay request tokens into pages: meaningless for one
+    state slot per request, so the Mamba allocator has neither (it is a PageSlotAllocator,
+    not a TokenAllocator or PagedAllocator), and keeps every slot call."""
+    m = make_mamba(backend=backend, size=4)
+    assert not hasattr(m, "alloc_extend") and not hasattr(m, "alloc_decode")
+    assert not isinstance(m, PagedAllocator | TokenAllocator)
+    assert isinstance(m, PageSlotAllocator)
+    for call in ("alloc", "free", "free_pages", "check_allocated", "fork", "backup_state"):
+        assert callable(getattr(m, call))
+    slots = m.alloc(2)
+    assert slots is not None
+    m.free_pages(slots[:1])
+    m.check_allocated(slots[1:])
+    assert m.available_size() == 3
     m.check_integrity()

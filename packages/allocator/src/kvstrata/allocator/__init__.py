@@ -21,7 +21,7 @@ from kvstrata.allocator.errors import (
 )
 from kvstrata.allocator.mamba import MambaSlotAllocator, SlotCopy
 from kvstrata.allocator.metrics import AllocatorCollector
-from kvstrata.allocator.paged import PagedAllocator, PagedState
+from kvstrata.allocator.paged import PagedAllocator, PagedState, PageSlotAllocator
 from kvstrata.allocator.swa import SWAAllocator, SWAState
 from kvstrata.allocator.token import TokenAllocator
 
@@ -38,6 +38,7 @@ __all__ = [
     "MambaSlotAllocator",
     "MisalignedIndex",
     "NotAllocated",
+    "PageSlotAllocator",
     "PagedAllocator",
     "PagedState",
     "PoolUsage",

@@ -1,21 +1,23 @@
 """`MambaSlotAllocator`: one recurrent-state slot per request, and copy-on-write forks.
 
 A Mamba layer's state is one fixed-size slot per request (conv state + SSM state in the
-`MambaPool`), not one per token, so this is a token allocator over slots 1 .. size (slot 0 is
-the pool's padding slot). A request that starts from a cached prefix must not mutate the
+`MambaPool`), not one per token, so this is a `PageSlotAllocator` of page size 1 over slots
+1 .. size (slot 0 is the pool's padding slot). It is not a `TokenAllocator`: `alloc_extend` /
+`alloc_decode` lay a request's tokens into pages, which means nothing for one state per
+request, so it has neither. A request that starts from a cached prefix must not mutate the
 cached state in place: `fork(src_slots)` allocates one fresh slot per source, all or nothing,
 and returns the `(src, dst)` pairs that `MambaPool.copy(src, dst)` then copies.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Unpack
 
 import torch
 
 from kvstrata.allocator.base import PoolUsage
 from kvstrata.allocator.engine import as_index_tensor
-from kvstrata.allocator.token import TokenAllocator
+from kvstrata.allocator.paged import PagedOptions, PageSlotAllocator
 
 __all__ = ["MambaSlotAllocator", "SlotCopy"]
 
@@ -27,9 +29,13 @@ class SlotCopy(NamedTuple):
     dst: torch.Tensor
 
 
-class MambaSlotAllocator(TokenAllocator):
-    """State slots 1 .. size, one per request; page size 1. A `TokenAllocator` whose slots
-    are states (its usage names the pool "state") and that can `fork` them."""
+class MambaSlotAllocator(PageSlotAllocator):
+    """State slots 1 .. size, one per request; page size 1. Its usage names the pool "state";
+    it can `fork` slots. Takes the options of `PageSlotAllocator` (`device`, `sorted_reuse`,
+    `checked`, `backend`)."""
+
+    def __init__(self, *, size: int, **options: Unpack[PagedOptions]) -> None:
+        super().__init__(size=size, page_size=1, **options)
 
     def usage(self) -> list[PoolUsage]:
         return [PoolUsage("state", self.size, self.available_size())]

@@ -1,4 +1,5 @@
-"""`PagedAllocator`: token slots handed out in whole pages, with batch extend and decode.
+"""`PagedAllocator`: token slots handed out in whole pages, with batch extend and decode; its
+base `PageSlotAllocator`: the same pages without the per-request calls (extend, decode).
 
 A request's tokens fill its pages in order, so a request whose length is not a multiple of the
 page size owns a partially filled last page. Extending it writes into that page first:
@@ -31,7 +32,7 @@ from kvstrata.allocator.engine_numpy import NumpyPageEngine
 from kvstrata.allocator.engine_torch import TorchPageEngine
 from kvstrata.allocator.errors import InvalidRequest
 
-__all__ = ["PagedAllocator", "PagedOptions", "PagedState"]
+__all__ = ["PageSlotAllocator", "PagedAllocator", "PagedOptions", "PagedState"]
 
 
 #: An engine of either backend. Its native array type (numpy or torch) is the engine's own
@@ -48,8 +49,8 @@ class PagedState(AllocatorState):
 
 
 class PagedOptions(TypedDict, total=False):
-    """The keyword options of `PagedAllocator` besides the sizes, for the families built on it
-    (defaults and meaning: `PagedAllocator`)."""
+    """The keyword options of `PageSlotAllocator` besides the sizes, for the families built on
+    it (defaults and meaning: `PageSlotAllocator`)."""
 
     device: str | torch.device
     sorted_reuse: bool
@@ -84,8 +85,10 @@ def make_engine(
     )
 
 
-class PagedAllocator(SlotAllocator):
-    """Token slots in pages of `page_size`; page 0 is never handed out.
+class PageSlotAllocator(SlotAllocator):
+    """Slots in pages of `page_size`; page 0 is never handed out. `alloc`, `free`,
+    `free_pages`, `check_allocated` and the state calls, without the per-request calls of
+    `PagedAllocator` (`MambaSlotAllocator`'s state slots are this, with page size 1).
 
     `checked=True` (the default) keeps a mark per page (free or handed out) and validates every
     index a caller hands back (range, page 0, duplicates, double free, `last_loc` alignment).
@@ -157,6 +160,61 @@ class PagedAllocator(SlotAllocator):
         self._counters.allocated_slots += need_size
         return self._engine.tokens_of_pages(num_pages)
 
+    # ---- queries --------------------------------------------------------------------------
+
+    def check_allocated(self, indices: torch.Tensor, name: str = "indices") -> None:
+        """Raise unless every slot in `indices` lies in a page handed out now, changing
+        nothing: `IndexOutOfRange` outside the pool, `ReservedIndex` in page 0 and, when
+        checked, `NotAllocated` in a free page (an unchecked allocator keeps no page marks,
+        so it checks the range only). `name` starts the message. Cost: O(len(indices))."""
+        self._engine.check_allocated(indices, name)
+
+    # ---- free -----------------------------------------------------------------------------
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Free every page that a slot in `indices` lies in (a page is freed once however
+        many of its slots are listed, and whether or not all of them are). See
+        `SlotAllocator.free`. Cost: O(len(indices)) array ops (no sort)."""
+        self._engine.free_tokens(indices, self._counters)
+
+    def free_pages(self, page_ids: torch.Tensor) -> None:
+        """Free whole pages by page id (distinct, 1 .. num_pages-1, allocated). Raises as
+        `free`."""
+        self._commit_free(self._engine.plan_free_pages(page_ids))
+
+    def _commit_free(self, plan: FreePlan[Any]) -> None:
+        self._engine.give(plan)
+        self._counters.free_calls += 1
+        self._counters.freed_slots += plan.num_pages * self._page_size
+
+    def free_group_begin(self) -> None:
+        self._engine.group_begin()
+
+    def free_group_end(self) -> None:
+        self._engine.group_end()
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def backup_state(self) -> PagedState:
+        free_pages, released = self._engine.snapshot()
+        return PagedState(owner=self._owner, free_pages=free_pages, released_pages=released)
+
+    def restore_state(self, state: AllocatorState) -> None:
+        own = self._own_state(state, PagedState)
+        self._engine.restore(own.free_pages, own.released_pages)
+
+    def clear(self) -> None:
+        self._engine.clear()
+
+    def check_integrity(self) -> None:
+        self._engine.check_integrity()
+
+
+class PagedAllocator(PageSlotAllocator):
+    """A `PageSlotAllocator` of the KV tokens of requests: `alloc_extend` / `alloc_decode` lay
+    a batch's new tokens into the requests' pages (the picture at the top of this module).
+    Takes the options of `PageSlotAllocator`."""
+
     def alloc_extend(
         self,
         prefix_lens: torch.Tensor,
@@ -208,52 +266,3 @@ class PagedAllocator(SlotAllocator):
         self._counters.alloc_calls += 1
         self._counters.allocated_slots += plan.num_requests
         return self._engine.commit_decode(plan)
-
-    # ---- queries --------------------------------------------------------------------------
-
-    def check_allocated(self, indices: torch.Tensor, name: str = "indices") -> None:
-        """Raise unless every slot in `indices` lies in a page handed out now, changing
-        nothing: `IndexOutOfRange` outside the pool, `ReservedIndex` in page 0 and, when
-        checked, `NotAllocated` in a free page (an unchecked allocator keeps no page marks,
-        so it checks the range only). `name` starts the message. Cost: O(len(indices))."""
-        self._engine.check_allocated(indices, name)
-
-    # ---- free -----------------------------------------------------------------------------
-
-    def free(self, indices: torch.Tensor) -> None:
-        """Free every page that a slot in `indices` lies in (a page is freed once however
-        many of its slots are listed, and whether or not all of them are). See
-        `SlotAllocator.free`. Cost: O(len(indices)) array ops (no sort)."""
-        self._engine.free_tokens(indices, self._counters)
-
-    def free_pages(self, page_ids: torch.Tensor) -> None:
-        """Free whole pages by page id (distinct, 1 .. num_pages-1, allocated). Raises as
-        `free`."""
-        self._commit_free(self._engine.plan_free_pages(page_ids))
-
-    def _commit_free(self, plan: FreePlan[Any]) -> None:
-        self._engine.give(plan)
-        self._counters.free_calls += 1
-        self._counters.freed_slots += plan.num_pages * self._page_size
-
-    def free_group_begin(self) -> None:
-        self._engine.group_begin()
-
-    def free_group_end(self) -> None:
-        self._engine.group_end()
-
-    # ---- state ----------------------------------------------------------------------------
-
-    def backup_state(self) -> PagedState:
-        free_pages, released = self._engine.snapshot()
-        return PagedState(owner=self._owner, free_pages=free_pages, released_pages=released)
-
-    def restore_state(self, state: AllocatorState) -> None:
-        own = self._own_state(state, PagedState)
-        self._engine.restore(own.free_pages, own.released_pages)
-
-    def clear(self) -> None:
-        self._engine.clear()
-
-    def check_integrity(self) -> None:
-        self._engine.check_integrity()
