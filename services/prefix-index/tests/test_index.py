@@ -232,10 +232,15 @@ INNER: dict[str, Callable[[PrefixIndex], object]] = {
     "match_lengths": lambda ix: ix.match_lengths(KEYS),
     "score": lambda ix: ix.score(KEYS),
     "holdings": lambda ix: ix.holdings("c"),
-    "instances": lambda ix: ix.instances(),
+    "check_integrity": lambda ix: ix.check_integrity(),
+}
+#: The plain reads: answered at any time (a metrics scrape makes them from its own thread).
+READS: dict[str, Callable[[PrefixIndex], object]] = {
     "stats": lambda ix: ix.stats(),
     "len": len,
-    "check_integrity": lambda ix: ix.check_integrity(),
+    "instances": lambda ix: ix.instances(),
+    "evicted_entries": lambda ix: ix.evicted_entries,
+    "needs_dump": lambda ix: ix.needs_dump("a"),
 }
 #: (the call with a tripwire, the same call without one)
 OUTER: dict[str, tuple[Callable[[PrefixIndex], object], Callable[[PrefixIndex], object]]] = {
@@ -355,3 +360,39 @@ def _outcome(index: PrefixIndex) -> tuple[object, object]:
         return ("ok", index.apply("z", [stored(KEYS[:1])]))
     except ReentrantCall as exc:
         return (ReentrantCall, str(exc))
+
+
+@pytest.mark.parametrize("outer", list(OUTER))
+@pytest.mark.parametrize("core", ["default", "python"])
+def test_a_finalizer_may_read_the_counters_mid_call(core: str, outer: str) -> None:
+    """The plain reads take no guard: from a finalizer run in the middle of `outer` (where it
+    runs, before `outer` changes anything) they answer what they answered before the call."""
+    index, plain = _index(core), _index(core)
+    tripped, untripped = OUTER[outer]
+    before = {what: read(index) for what, read in READS.items()}
+    outcomes: list[tuple[object, object]] = []
+    _ARMED.append(_Finalized(lambda: {what: read(index) for what, read in READS.items()}, outcomes))
+    try:
+        tripped(index)
+    finally:
+        _ARMED.clear()
+    untripped(plain)
+    assert outcomes == [("ok", before)]
+    assert _state(index) == _state(plain)
+
+
+def test_a_scrape_thread_reads_the_counters_while_a_call_runs() -> None:
+    """A metrics scrape reads `stats()` from its own thread, with no lock: while the index is
+    in the middle of a call it gets the counters, not ReentrantCall."""
+    index = _index("default")
+    before = index.stats()
+    read: list[object] = []
+
+    def scrape() -> None:
+        worker = threading.Thread(target=lambda: read.append((index.stats(), len(index))))
+        worker.start()
+        worker.join()
+
+    _ARMED.append(_Finalized(scrape, []))
+    OUTER["drop_instance"][0](index)
+    assert read == [(before, before.num_entries)]

@@ -29,13 +29,9 @@ matched key (all its holders). `find_matches` touches the matched keys deepest f
 the keys of one prefix the first page is the most recent: eviction takes a prefix's tail before
 its head (a head evicted first would orphan its whole tail, since matches start at page 0).
 
-One call at a time: Python code can run inside a call (a finalizer the garbage collector runs
-at any allocation, a key's `__hash__`, an event's attribute, the keyer), and a call of the same
-index made from there would reach its entries mid-update. So every method that reads or changes
-entries refuses such a call with `ReentrantCall`, before it changes anything, on both cores (the
-running call goes on); the methods that make several calls hold the index for their whole run
-(`guard`). The same refusal meets a second thread: the index is not thread-safe (the shard
-serialises its calls under a lock).
+One call at a time (`guard`): a call made from Python code another call runs (a finalizer, a
+key's `__hash__`, an event's attribute) or from another thread raises `ReentrantCall` before it
+changes anything, on both cores; the plain reads (`stats`, `len`, `instances`...) answer.
 
 Costs: `apply` O(pages of the events); `find_matches` O(pages matched) plus O(pages matched) per
 instance whose pages are not all on one tier; `drop_instance` O(keys of the instance). Measured
@@ -99,9 +95,10 @@ class PrefixIndex:
     `tier_weights`: weight of a page per tier for `score`; events on a tier absent from it are
     refused. `max_entries`: bound on distinct keys (None: unbounded).
 
-    Every method that reads or changes entries raises `ReentrantCall`, before any change, when
+    Every method that changes or walks entries raises `ReentrantCall`, before any change, when
     called while another call of the same index runs (from a finalizer or other Python code
-    that call runs, or from another thread).
+    that call runs, or from another thread); the counters (`stats`, `len`, `instances`) are
+    plain reads, answered at any time.
     """
 
     def __init__(
@@ -424,9 +421,9 @@ class PrefixIndex:
             return {key: sets[(holders[key] >> shift) & group] for key in self._by_inst[iid]}
 
     def instances(self) -> list[str]:
-        """Names of the instances with at least one entry or sequence state, sorted."""
-        with self._guard:
-            return sorted(set(self._ids) | set(self._seq) | self._awaiting_dump)
+        """Names of the instances with at least one entry or sequence state, sorted. A plain
+        read (each set made by one C call): no guard, see `stats`."""
+        return sorted(set(self._ids) | set(self._seq) | self._awaiting_dump)
 
     @property
     def core(self) -> str:
@@ -445,17 +442,19 @@ class PrefixIndex:
         return 0 if self._core is None else self._core.stats()[3]
 
     def stats(self) -> IndexStats:
+        """The index's counters. A plain read, with no guard: a metrics scrape reads it from
+        its own thread, and a finalizer may read it, while a call runs (seeing that call's
+        changes made so far)."""
         core = self._core
-        with self._guard:
-            if core is not None:
-                entries, pairs, evicted, _ = core.stats()
-            else:
-                entries, evicted = len(self._holders), self._evicted
-                pairs = sum(len(s) for s in self._by_inst.values())
-            num_instances = len(self._ids)
+        if core is not None:
+            entries, pairs, evicted, _ = core.stats()
+        else:
+            entries, evicted = len(self._holders), self._evicted
+            # One C call copies the sets: a generator over the live dict could see it change.
+            pairs = sum(map(len, list(self._by_inst.values())))
         return IndexStats(
             num_entries=entries,
-            num_instances=num_instances,
+            num_instances=len(self._ids),
             num_pairs=pairs,
             evicted_entries=evicted,
             gaps=self.gaps,
@@ -463,8 +462,7 @@ class PrefixIndex:
         )
 
     def __len__(self) -> int:
-        with self._guard:
-            return len(self._holders) if self._core is None else self._core.stats()[0]
+        return len(self._holders) if self._core is None else self._core.stats()[0]
 
     def check_integrity(self) -> None:
         """Every entry's groups are valid (holds bit set exactly when a tier bit is) and name
