@@ -327,7 +327,7 @@ def test_keys_of_a_bytes_subclass_count_as_their_bytes() -> None:
     assert fast.match_lengths(odd) == {"a": 3, "b": 3, "c": 1}
 
 
-def _state(index: PrefixIndex) -> object:
+def _state(index: PrefixIndex) -> tuple[object, int, dict[str, object]]:
     return (
         index.stats(),
         len(index),

@@ -29,7 +29,7 @@ typedef struct {
     Py_ssize_t names_cap;
     PyObject **uniform; /* [tier * UNIFORM_RUNS + run]: (rank[tier],) * run, made on first use */
     int64_t *spec;      /* (kind, tier bits, key count) per event of a batch */
-    int busy;           /* FREE, IN_CALL or HELD: the re-entry guard (see `enter`, index_ext.c) */
+    int busy;           /* FREE, IN_CALL or HELD: the re-entry guard (GUARD / INNER, index_ext.c) */
     Py_ssize_t spec_cap;
 } CoreObject;
 
@@ -205,8 +205,8 @@ static PyObject *name_of(CoreObject *c, int32_t iid) {
                      (int)iid);
         return NULL;
     }
-    /* A new reference: building results allocates, a collection may run a finalizer, and a
-       finalizer may drop the instance (set_name(id, None) releases the name). */
+    /* A new reference: building results allocates, a collection may run a finalizer, and the
+       name must outlive anything that runs meanwhile. */
     return Py_NewRef(c->names[iid]);
 }
 

@@ -86,7 +86,9 @@ class Core(Protocol):
     ids; `set_name` tells the core the name its results give an id (`apply` records the name
     of an id it interns itself). Every method but `stats`, `check` and `fail_allocation`
     raises `ReentrantCall`, before any change, when called inside another call of the core;
-    `set_name`, `drop` and `holdings` also run inside `hold()`, `apply_held` only there."""
+    `set_name`, `drop` and `holdings` also run inside `hold()`, `apply_held` only there.
+    The hold records no owner: these raw methods (and `release`) are the index's own, for
+    use between its `hold()` and `release()`; code outside the index must not call them."""
 
     def apply(self, instance: str, events: Iterable[object], /) -> None:
         """`PrefixIndex.apply`: validate `instance` and every event (InvalidInstance /
