@@ -21,8 +21,15 @@ def _keys(n: int, tag: str = "k") -> list[bytes]:
 def test_flat_views_pass_flat_memoryviews_through_and_check_the_rest_page_by_page() -> None:
     region = bytearray(range(64))
     views = [memoryview(region)[i * 16 : (i + 1) * 16] for i in range(4)]
-    assert flat_views(views, writable=True) == views
-    assert all(a is b for a, b in zip(flat_views(views, writable=True), views, strict=True))
+    got = flat_views(views, writable=True)
+    assert got == views
+    region[0] = 99  # views of the same memory, no copy
+    assert got[0][0] == 99
+    plain: list[object] = [views[0], bytes(16), bytearray(16)]
+    got = flat_views(plain, writable=False)  # pyright: ignore[reportArgumentType]
+    assert [bytes(v) for v in got] == [bytes(p) for p in plain]  # pyright: ignore[reportArgumentType]
+    with pytest.raises(InvalidBuffer):  # bytes are read-only: not for a get
+        flat_views(plain, writable=True)  # pyright: ignore[reportArgumentType]
     mixed: list[object] = [*views, bytearray(16), np.zeros(4, dtype=np.int32)]
     got = flat_views(mixed, writable=True)  # pyright: ignore[reportArgumentType]
     assert [bytes(v) for v in got] == [bytes(page_view(b, writable=True)) for b in mixed]  # pyright: ignore[reportArgumentType]
