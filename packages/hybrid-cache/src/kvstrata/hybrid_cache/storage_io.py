@@ -29,11 +29,14 @@ are skipped), then the remaining pages of all merged ops in shared batch_set cal
 from __future__ import annotations
 
 import logging
+import operator
+import struct
 import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import NamedTuple
 
 from kvstrata.hybrid_cache.group import PoolGroup
@@ -55,8 +58,21 @@ def checksum_key(page_key: bytes) -> bytes:
     return page_key + CHECKSUM_SUFFIX
 
 
+_CRC_FORMAT = struct.Struct("<I")  # a CRC-32 as its 4 little-endian bytes
+
+
 def page_checksum(view: memoryview) -> bytes:
-    return zlib.crc32(view).to_bytes(_CRC_BYTES, "little")
+    return _CRC_FORMAT.pack(zlib.crc32(view))
+
+
+def page_checksums(views: Sequence[memoryview]) -> list[bytes]:
+    """`page_checksum` of each view, by C-level maps (no Python frame per page)."""
+    return list(map(_CRC_FORMAT.pack, map(zlib.crc32, views)))
+
+
+def checksum_keys(page_keys: Sequence[bytes]) -> list[bytes]:
+    """`checksum_key` of each key, by a C-level map."""
+    return list(map(operator.add, page_keys, repeat(CHECKSUM_SUFFIX)))
 
 
 @dataclass(kw_only=True, eq=False)
@@ -175,7 +191,8 @@ class StorageRunner:
             return 0
         if not self.verify_checksums:
             return self.storage.batch_exists([s.key for s in slots])
-        keys = [k for s in slots for k in (s.key, s.key + CHECKSUM_SUFFIX)]
+        page_keys = [s.key for s in slots]
+        keys = [k for pair in zip(page_keys, checksum_keys(page_keys), strict=True) for k in pair]
         return self.storage.batch_exists(keys) // 2
 
     def _get(self, name: str, batch: list[_Slot]) -> tuple[list[bool], BaseException | None]:
@@ -188,7 +205,7 @@ class StorageRunner:
         buffers: list[memoryview | bytearray] = list(target.buffers)
         sums = [bytearray(_CRC_BYTES) for _ in batch] if self.verify_checksums else []
         if self.verify_checksums:
-            keys += [s.key + CHECKSUM_SUFFIX for s in batch]
+            keys += checksum_keys(keys)
             buffers += sums
         start = time.perf_counter()
         try:
@@ -277,9 +294,8 @@ class StorageRunner:
         if self.verify_checksums:
             # Pages first, then their checksums: a reader trusts a page only with its checksum,
             # and a page whose checksum write failed is reported not stored.
-            keys += [k + CHECKSUM_SUFFIX for k in keys[: len(slots)]]
-            crc = zlib.crc32
-            buffers += [crc(v).to_bytes(_CRC_BYTES, "little") for v in views]
+            keys += checksum_keys(keys)
+            buffers += page_checksums(views)
         start = time.perf_counter()
         try:
             results = self.storage.batch_set(keys, buffers)
