@@ -144,7 +144,7 @@ def test_prefix_keys_from_a_page_on_are_the_tail_of_the_whole_chain() -> None:
     kit.put(list(range(12)))
     kit.put([*range(4), 9, 9, 9, 9])  # splits the path after page 2
     kit.put([*range(8), 7, 7])  # and after page 4
-    log = tree._events  # pyright: ignore[reportPrivateUsage]
+    log = tree._events
     assert log is not None
     for tokens in ([*range(8), 7, 7], [*range(4), 9, 9, 9, 9], list(range(12))):
         node = tree.match_prefix(RadixKey(tokens)).last_node
