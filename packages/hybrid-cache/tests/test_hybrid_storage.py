@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -30,7 +31,12 @@ from kvstrata.hybrid_cache import (
     WriteOp,
 )
 from kvstrata.hybrid_cache.metrics import Direction, FaultReason
-from kvstrata.hybrid_cache.storage_io import checksum_key
+from kvstrata.hybrid_cache.storage_io import (
+    checksum_key,
+    checksum_keys,
+    page_checksum,
+    page_checksums,
+)
 from kvstrata.pool_host import HostLayout
 from kvstrata.storage import FaultInjectingStorage, MemoryStorage, PageKeyer, Storage
 from kvstrata.storage.base import WriteResult
@@ -516,3 +522,12 @@ def test_submit_backups_queues_a_batch_with_one_wake_up_and_validates_first() ->
             assert ack is not None and ack.ok
         assert gated.set_calls == calls_before + 1  # the two queued went as one batch_set
         controller.check_integrity()
+
+
+def test_batch_checksums_and_checksum_keys_equal_the_per_page_ones() -> None:
+    views = [memoryview(bytes([i]) * (16 + i)) for i in range(5)] + [memoryview(b"")]
+    assert page_checksums(views) == [page_checksum(v) for v in views]
+    assert page_checksums(views)[0] == zlib.crc32(views[0]).to_bytes(4, "little")
+    keys = [b"k%d" % i for i in range(5)]
+    assert checksum_keys(keys) == [checksum_key(k) for k in keys]
+    assert checksum_keys([]) == [] and page_checksums([]) == []

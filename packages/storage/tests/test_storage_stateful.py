@@ -91,18 +91,25 @@ class StorageMachine(RuleBasedStateMachine):
         self.storage = self.make(capacity)
         self.model = LRUModel(capacity, cost)
 
-    @rule(keys=key_lists, sizes=st.lists(st.sampled_from(SIZES), min_size=5, max_size=5))
-    def set(self, keys: list[bytes], sizes: list[int]) -> None:
+    @rule(
+        keys=key_lists,
+        sizes=st.lists(st.sampled_from(SIZES), min_size=5, max_size=5),
+        as_views=st.booleans(),
+    )
+    def set(self, keys: list[bytes], sizes: list[int], as_views: bool) -> None:
         # A key names its content: a key's payload depends on the key and on its size, and the
-        # model keeps whatever was stored first.
+        # model keeps whatever was stored first. `as_views`: flat memoryviews (what the tiers
+        # pass, checked batch-wide) instead of bytes.
         payloads = [page_payload(k, s) for k, s in zip(keys, sizes, strict=False)]
-        assert self.storage.batch_set(keys, payloads) == self.model.set(keys, payloads)
+        buffers = [memoryview(p) for p in payloads] if as_views else payloads
+        assert self.storage.batch_set(keys, buffers) == self.model.set(keys, payloads)
 
-    @rule(keys=key_lists)
-    def get(self, keys: list[bytes]) -> None:
+    @rule(keys=key_lists, as_views=st.booleans())
+    def get(self, keys: list[bytes], as_views: bool) -> None:
         expected = self.model.get(keys)
         outs = [bytearray(len(p) if p is not None else 1) for p in expected]
-        found = self.storage.batch_get(keys, outs)
+        buffers = [memoryview(o) for o in outs] if as_views else outs
+        found = self.storage.batch_get(keys, buffers)
         assert found == [p is not None for p in expected]
         for out, page in zip(outs, expected, strict=True):
             if page is not None:

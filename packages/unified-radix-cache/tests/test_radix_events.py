@@ -133,3 +133,22 @@ def test_msgpack_round_trip_and_version() -> None:
         decode_events(b"\xc1not msgpack")
     with pytest.raises(EventDecodeError):
         decode_events(msgpack.packb({"v": EVENT_FORMAT_VERSION, "events": [["bogus"]]}))
+
+
+def test_prefix_keys_from_a_page_on_are_the_tail_of_the_whole_chain() -> None:
+    """`EventLog.prefix_keys(tree, node, first)`, what a backup joins: the keys of pages
+    `first`.. of the prefix ending at `node`, across the nodes of a split path."""
+    kit = make_tree("full", page_size=2, enable_events=True)
+    tree = kit.tree
+    keyer = PageKeyer(page_size=2)
+    kit.put(list(range(12)))
+    kit.put([*range(4), 9, 9, 9, 9])  # splits the path after page 2
+    kit.put([*range(8), 7, 7])  # and after page 4
+    log = tree._events
+    assert log is not None
+    for tokens in ([*range(8), 7, 7], [*range(4), 9, 9, 9, 9], list(range(12))):
+        node = tree.match_prefix(RadixKey(tokens)).last_node
+        chain = keyer.page_keys(tokens)
+        for first in range(len(chain) + 2):
+            assert log.prefix_keys(tree, node, first) == chain[first:]
+    kit.check()

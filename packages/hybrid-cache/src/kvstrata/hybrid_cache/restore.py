@@ -95,10 +95,14 @@ def restorable_pages(
         name: _accepted_boundaries(rule, available[name]) for name, rule in rules.items()
     }
     best = 0
-    for b in range(num_pages, 0, -1):
-        if all(ok[b] for ok in accepts.values()):
-            best = b
-            break
+    if len(accepts) == 1:  # one member: its deepest accepted boundary, found in C
+        (only,) = accepts.values()
+        best = num_pages - only[::-1].index(True)  # ok[0] is always True
+    else:
+        for b in range(num_pages, 0, -1):
+            if all(ok[b] for ok in accepts.values()):
+                best = b
+                break
     limited_by: str | None = None
     if best < num_pages:
         limited_by = next(name for name, ok in accepts.items() if not ok[best + 1])
@@ -107,18 +111,16 @@ def restorable_pages(
 
 def _accepted_boundaries(rule: RestoreRule, flags: Sequence[bool]) -> list[bool]:
     n = len(flags)
+    if rule.kind is RestoreKind.PREFIX:  # accepted up to the first missing page: found in C
+        present = list(map(bool, flags))
+        run = present.index(False) if False in present else n
+        return [True] * (run + 1) + [False] * (n - run)
+    if rule.kind is RestoreKind.BOUNDARY:
+        return [True, *map(bool, flags)]
     ok = [True] * (n + 1)
-    if rule.kind is RestoreKind.PREFIX:
-        run_ok = True
-        for b in range(1, n + 1):
-            run_ok = run_ok and bool(flags[b - 1])
-            ok[b] = run_ok
-    elif rule.kind is RestoreKind.WINDOW:
+    if rule.kind is RestoreKind.WINDOW:
         run = 0  # consecutive available pages ending at page b - 1
         for b in range(1, n + 1):
             run = run + 1 if flags[b - 1] else 0
             ok[b] = run >= min(rule.window_pages, b)
-    else:
-        for b in range(1, n + 1):
-            ok[b] = bool(flags[b - 1])
     return ok

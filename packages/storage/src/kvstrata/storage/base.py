@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import operator
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -102,8 +103,42 @@ def page_view(buffer: PageBuffer, *, writable: bool) -> memoryview:
     raise InvalidBuffer(f"{type(buffer).__name__} is neither a buffer nor a CPU tensor")
 
 
+def flat_views(buffers: Sequence[PageBuffer], *, writable: bool) -> list[memoryview]:
+    """`page_view` of each buffer, in order; the same views and errors.
+
+    A batch of memoryviews, bytes and bytearrays only (what the tiers pass: host page views
+    and small checksum buffers) is viewed and checked by whole-list calls in C instead of one
+    `page_view` call per page (about 3 us each) when every view is already flat bytes. Anything
+    else goes page by page through `page_view`.
+    """
+    if set(map(type, buffers)) <= _PLAIN_BUFFERS:
+        views = list(map(memoryview, buffers))  # pyright: ignore[reportArgumentType]
+        if set(map(_VIEW_SHAPE, views)) <= {("B", 1, True)} and not (
+            writable and any(map(_READONLY, views))
+        ):
+            return views
+    return [page_view(b, writable=writable) for b in buffers]
+
+
+#: Buffer types whose memoryview is taken directly (anything else: numpy arrays, tensors,
+#: mmaps, goes through `page_view`).
+_PLAIN_BUFFERS = frozenset({memoryview, bytes, bytearray})
+#: (format, ndim, c_contiguous) of a memoryview, and whether it is read-only: attribute getters
+#: in C, so a whole batch is checked without a Python call per view.
+_VIEW_SHAPE = operator.attrgetter("format", "ndim", "c_contiguous")
+_READONLY = operator.attrgetter("readonly")
+
+
 def check_keys(keys: Sequence[bytes], *, max_key_bytes: int | None = None) -> None:
     """Raise InvalidKey unless every key is non-empty bytes (and not longer than the limit)."""
+    # The valid batch is checked by whole-list calls in C; the loop below only runs to name
+    # the first bad key.
+    if (
+        (not keys or set(map(type, keys)) == {bytes})
+        and b"" not in keys
+        and (max_key_bytes is None or not keys or max(map(len, keys)) <= max_key_bytes)
+    ):
+        return
     for key in keys:
         if type(key) is not bytes:
             raise InvalidKey(f"page keys must be bytes, got {type(key).__name__}")
@@ -204,8 +239,11 @@ class Storage(ABC):
         start = time.perf_counter()
         found = self._get_into(keys, views)
         elapsed = time.perf_counter() - start
-        num_hits = sum(found)
-        hit_bytes = sum(v.nbytes for v, ok in zip(views, found, strict=True) if ok)
+        num_hits = found.count(True)
+        if num_hits == len(views):  # all hits: the page sizes summed in C
+            hit_bytes = sum(map(len, views))  # len of a flat byte view is its nbytes
+        else:
+            hit_bytes = sum(v.nbytes for v, ok in zip(views, found, strict=True) if ok)
         with self._counters_lock:
             self._hits += num_hits
             self._misses += len(keys) - num_hits
@@ -218,7 +256,10 @@ class Storage(ABC):
         """Store each buffer under its key; True where the page is stored afterwards.
         Same as `batch_set_results`, with each result reduced to "stored or not".
         """
-        return [r is not WriteResult.FAILED for r in self.batch_set_results(keys, buffers)]
+        results = self.batch_set_results(keys, buffers)
+        if WriteResult.FAILED not in results:
+            return [True] * len(results)
+        return [r is not WriteResult.FAILED for r in results]
 
     def batch_set_results(
         self, keys: Sequence[bytes], buffers: Sequence[PageBuffer]
@@ -236,13 +277,18 @@ class Storage(ABC):
         start = time.perf_counter()
         results = self._set_from(keys, views)
         elapsed = time.perf_counter() - start
-        written = [
-            v.nbytes for v, r in zip(views, results, strict=True) if r is WriteResult.WRITTEN
-        ]
+        num_written = results.count(WriteResult.WRITTEN)
+        if num_written == len(views):  # all written: the page sizes summed in C
+            bytes_written = sum(map(len, views))  # len of a flat byte view is its nbytes
+        else:
+            bytes_written = sum(
+                v.nbytes for v, r in zip(views, results, strict=True) if r is WriteResult.WRITTEN
+            )
+        num_failed = results.count(WriteResult.FAILED)
         with self._counters_lock:
-            self._pages_written += len(written)
-            self._bytes_written += sum(written)
-            self._write_failures += sum(r is WriteResult.FAILED for r in results)
+            self._pages_written += num_written
+            self._bytes_written += bytes_written
+            self._write_failures += num_failed
             self._latency["set"].observe(elapsed)
         return results
 
@@ -325,7 +371,7 @@ class Storage(ABC):
     ) -> list[memoryview]:
         if len(keys) != len(buffers):
             raise BatchLengthMismatch(f"{len(keys)} keys but {len(buffers)} buffers")
-        return [page_view(b, writable=writable) for b in buffers]
+        return flat_views(buffers, writable=writable)
 
     def _observe(self, operation: str, start: float) -> None:
         elapsed = time.perf_counter() - start

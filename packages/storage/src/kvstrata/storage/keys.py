@@ -31,6 +31,10 @@ KEY_BYTES: dict[str, int] = {"sha256": 32, "blake2b": 16, "xxh3": 16}
 
 _DOMAIN = b"kvstrata.storage.page-key.v1"
 
+#: Seeds kept per keyer (one per distinct extra_key / cache_salt pair seen); past it the cache
+#: starts over.
+SEED_CACHE_ENTRIES = 1024
+
 
 class _Hasher(Protocol):
     def update(self, data: bytes | memoryview, /) -> None: ...
@@ -89,21 +93,36 @@ class PageKeyer:
             self._digest = xxhash.xxh3_128
         else:
             self._digest = hashlib.sha256
+        # Encoded (extra_key, cache_salt) fields -> seed; a dict get/set is atomic under the
+        # GIL, so threads may share the keyer (at worst two compute the same seed).
+        self._seeds: dict[tuple[bytes, bytes], bytes] = {}
 
     def seed(
         self, *, extra_key: bytes | str | None = None, cache_salt: bytes | str | None = None
     ) -> bytes:
         """The chain's starting value for this namespace, adapter and salt (key_bytes long).
         `extra_key` and `cache_salt` must be bytes, str or None (InvalidParameter otherwise)."""
+        return self._seed_of(_field("extra_key", extra_key), _field("cache_salt", cache_salt))
+
+    def _seed_of(self, extra_field: bytes, salt_field: bytes) -> bytes:
+        """`seed` from the encoded fields, cached: every request without a parent key (most
+        start at the root) would otherwise hash the same seed material again."""
+        cached = self._seeds.get((extra_field, salt_field))
+        if cached is not None:
+            return cached
         material = (
             _DOMAIN
             + _field("hash", self.hash)
             + struct.pack("<Q", self.page_size)
             + self._namespace_field
-            + _field("extra_key", extra_key)
-            + _field("cache_salt", cache_salt)
+            + extra_field
+            + salt_field
         )
-        return self._digest(material).digest()
+        seed = self._digest(material).digest()
+        if len(self._seeds) >= SEED_CACHE_ENTRIES:  # many salts: start over, stay bounded
+            self._seeds.clear()
+        self._seeds[(extra_field, salt_field)] = seed
+        return seed
 
     def page_keys(
         self,
@@ -120,8 +139,8 @@ class PageKeyer:
         may be a list of ints, a numpy array or a CPU torch tensor, 1-D, int64 range. Pure.
         """
         # Checked even when `parent` makes them unused: a bad value is a caller's bug either way.
-        _field("extra_key", extra_key)
-        _field("cache_salt", cache_salt)
+        extra_field = _field("extra_key", extra_key)
+        salt_field = _field("cache_salt", cache_salt)
         if parent is not None and type(parent) is not bytes:
             raise InvalidParameter(f"parent must be bytes, got {type(parent).__name__}")
         tokens = self._tokens(token_ids)
@@ -133,7 +152,7 @@ class PageKeyer:
         if num_pages == 0:
             return []
         if parent is None:
-            parent = self.seed(extra_key=extra_key, cache_salt=cache_salt)
+            parent = self._seed_of(extra_field, salt_field)
         data = tokens[: num_pages * self.page_size].tobytes()
         step = self.page_size * 8
         keys: list[bytes] = []

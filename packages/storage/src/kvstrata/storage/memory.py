@@ -19,8 +19,10 @@ class MemoryStorage(Storage):
     Because a buffer can be reused, `batch_get` copies under the lock (the copy holds the GIL
     anyway, so this costs no parallelism).
 
-    Cost: exists O(keys); get one memcpy per hit; set one memcpy per page (outside the lock)
-    plus O(pages evicted). A page larger than the capacity is refused.
+    Cost: exists O(keys); get one memcpy per hit; set one memcpy per page plus O(pages
+    evicted). A page larger than the capacity is refused. A batch of new pages that fits
+    without evicting (the common case below the capacity) is copied and inserted by C-level
+    calls under the lock, with no Python step per page; any other batch copies outside it.
     """
 
     in_process_memory = True
@@ -38,6 +40,8 @@ class MemoryStorage(Storage):
 
     def _exists_prefix(self, keys: Sequence[bytes]) -> int:
         with self._lock:
+            if all(map(self._pages.__contains__, keys)):  # all there: no Python step per key
+                return len(keys)
             for i, key in enumerate(keys):
                 if key not in self._pages:
                     return i
@@ -58,6 +62,29 @@ class MemoryStorage(Storage):
         return [page is not None for page in found]
 
     def _set_from(self, keys: Sequence[bytes], views: list[memoryview]) -> list[WriteResult]:
+        with self._lock:
+            if self._fits_whole(keys, views):
+                # A batch of new, distinct pages that fits as it is, with no spare to reuse
+                # (always so below the capacity: a store that never evicted has no spares):
+                # page by page would write each in order, evicting nothing. Copied and
+                # inserted by C-level calls; a page becomes visible only whole (under the lock).
+                self._pages.update(zip(keys, map(bytearray, views), strict=True))
+                self._used_bytes += sum(map(len, views))
+                return [WriteResult.WRITTEN] * len(keys)
+        return self._set_each(keys, views)
+
+    def _fits_whole(self, keys: Sequence[bytes], views: list[memoryview]) -> bool:
+        """Under the lock: whether every page of the batch is new, the keys distinct, the
+        whole batch fits in the free capacity and there is no spare buffer to reuse or trim."""
+        return (
+            not self._spare_bytes
+            and self._pages.keys().isdisjoint(keys)
+            and len(set(keys)) == len(keys)
+            and self._used_bytes + sum(map(len, views)) <= self.capacity_bytes
+        )
+
+    def _set_each(self, keys: Sequence[bytes], views: list[memoryview]) -> list[WriteResult]:
+        """`_set_from` of a batch that may hold stored or repeated keys, or need evictions."""
         # The lock is taken twice per batch, not twice per page: under it, find the pages not
         # stored yet and take spare buffers for them; outside it, copy them (a buffer is
         # private until inserted, so a page becomes visible only whole); under it again, go

@@ -155,6 +155,34 @@ class EventLog:
         assert node.page_keys is not None
         return node.page_keys
 
+    def prefix_keys(self, tree: PagedTree, node: TreeNode, first: int = 0) -> list[bytes]:
+        """Keys of the pages of the prefix ending at `node` from its page `first` on, root
+        first (cached per node, as `page_keys`). Joins only the nodes that hold those pages:
+        a backup of the last few pages of a long prefix costs O(nodes on the path + pages
+        asked for), not O(pages of the prefix)."""
+        path: list[TreeNode] = []
+        num_tokens = 0
+        probe = node
+        while probe.parent is not None:
+            path.append(probe)
+            num_tokens += probe.num_tokens
+            probe = probe.parent
+        need = num_tokens // tree.page_size - first
+        if need <= 0:
+            return []
+        parts: list[list[bytes]] = []
+        got = 0
+        for item in path:  # deepest first; the first call hashes whatever the path lacks
+            keys = self.page_keys(tree, item)
+            parts.append(keys)
+            got += len(keys)
+            if got >= need:
+                break
+        if len(parts) == 1:
+            return parts[0][got - need :] if got > need else list(parts[0])
+        joined = [key for part in reversed(parts) for key in part]
+        return joined[got - need :] if got > need else joined
+
     def stored(self, tree: PagedTree, node: TreeNode) -> None:
         keys = self.page_keys(tree, node)
         parent = node.parent

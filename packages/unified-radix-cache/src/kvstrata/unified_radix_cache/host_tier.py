@@ -537,14 +537,10 @@ class HostTier(HostWalks):
             probe = probe.parent
         return torch.from_numpy(np.concatenate(parts[::-1]) if parts else _NO_SLOTS.copy())
 
-    def page_keys(self, node: TreeNode) -> list[bytes]:
-        """Chained page keys of the whole prefix ending at `node`, root first (cached)."""
-        parts: list[list[bytes]] = []
-        probe = node
-        while probe.parent is not None:
-            parts.append(self._log.page_keys(self.tree, probe))
-            probe = probe.parent
-        return [k for part in reversed(parts) for k in part]
+    def page_keys(self, node: TreeNode, first: int = 0) -> list[bytes]:
+        """Chained page keys of the prefix ending at `node` from its page `first` on (default:
+        the whole prefix), root first (cached)."""
+        return self._log.prefix_keys(self.tree, node, first)
 
     def last_page_key(self, node: TreeNode) -> bytes:
         """The chained key of the last page of the prefix ending at `node` (not the root):

@@ -227,22 +227,27 @@ class TierWriter:
         pages beside them (e.g. SWA pages) and the ack counts and announces only the pages
         from `fresh` on."""
         node = receipt.anchor
-        keys = self._core.tier.page_keys(node)
-        first = start // self._core.page_size
         page = self._core.page_size
+        first = start // page
+        # Only the keys from page `first` on (and the one before: the chain's parent) are
+        # joined, not the whole prefix's: a backup costs its own pages, not the prefix's.
+        lo = first - 1 if first else 0
+        tail = self._core.tier.page_keys(node, lo)
+        num_keys = lo + len(tail)
+        keys = tail[first - lo :]
+        parent = tail[0] if first else None
         # NumPy on the host slots of the pages from `start` on (the nodes they span only).
-        pages = run_above(node, len(keys) * page - start, host=True)[::page] // page
+        pages = run_above(node, num_keys * page - start, host=True)[::page] // page
         host_pages: dict[str, list[int | None]] = {FULL: list[int | None](pages.tolist())}
         comp_pages: list[tuple[str, tuple[int, ...]]] = []
         for name, transfer in self._core.transfers.items():
-            part = transfer.backup_pages(self._core, node, first, len(keys))
+            part = transfer.backup_pages(self._core, node, first, num_keys)
             host_pages[name] = part
             comp_pages.append((name, tuple(i for i, p in enumerate(part) if p is not None)))
-        op = BackupOp(keys=keys[first:], host_pages=host_pages)
-        parent = keys[first - 1] if first else None
+        op = BackupOp(keys=keys, host_pages=host_pages)
         pending = PendingBackup(
             host_receipt=receipt,
-            keys=keys[first:],
+            keys=keys,
             parent_key=parent,
             key=key,
             comp_pages=tuple(comp_pages),

@@ -1,0 +1,174 @@
+"""The whole-batch paths of `Storage` and `MemoryStorage`: batch-wide checks of flat views and
+keys, and the copy-and-insert of a batch of new pages that fits. Each must give exactly the
+page-by-page answers and errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvstrata.storage import MemoryStorage
+from kvstrata.storage.base import WriteResult, flat_views, page_view
+from kvstrata.storage.errors import BatchLengthMismatch, InvalidBuffer, InvalidKey
+from kvstrata.storage.keys import SEED_CACHE_ENTRIES, PageKeyer
+
+
+def _keys(n: int, tag: str = "k") -> list[bytes]:
+    return [f"{tag}{i}".encode() for i in range(n)]
+
+
+def test_flat_views_pass_flat_memoryviews_through_and_check_the_rest_page_by_page() -> None:
+    region = bytearray(range(64))
+    views = [memoryview(region)[i * 16 : (i + 1) * 16] for i in range(4)]
+    got = flat_views(views, writable=True)
+    assert got == views
+    region[0] = 99  # views of the same memory, no copy
+    assert got[0][0] == 99
+    plain: list[object] = [views[0], bytes(16), bytearray(16)]
+    got = flat_views(plain, writable=False)  # pyright: ignore[reportArgumentType]
+    assert [bytes(v) for v in got] == [bytes(p) for p in plain]  # pyright: ignore[reportArgumentType]
+    with pytest.raises(InvalidBuffer):  # bytes are read-only: not for a get
+        flat_views(plain, writable=True)  # pyright: ignore[reportArgumentType]
+    mixed: list[object] = [*views, bytearray(16), np.zeros(4, dtype=np.int32)]
+    got = flat_views(mixed, writable=True)  # pyright: ignore[reportArgumentType]
+    assert [bytes(v) for v in got] == [bytes(page_view(b, writable=True)) for b in mixed]  # pyright: ignore[reportArgumentType]
+    assert all(v.format == "B" and v.ndim == 1 for v in got)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        memoryview(bytes(16)),  # read-only, for a get
+        memoryview(bytearray(32))[::2],  # strided
+        np.zeros((4, 4), dtype=np.uint8)[:, :2].data,  # 2-D, not contiguous
+    ],
+)
+def test_a_bad_view_in_a_batch_of_views_fails_the_get_before_any_copy(bad: memoryview) -> None:
+    store = MemoryStorage(capacity_bytes=1 << 20)
+    keys = _keys(3)
+    assert store.batch_set(keys, [bytes([i]) * 16 for i in range(3)]) == [True] * 3
+    outs = [bytearray(16), bytearray(16)]
+    with pytest.raises(InvalidBuffer):
+        store.batch_get(keys, [memoryview(outs[0]), bad, memoryview(outs[1])])
+    assert outs == [bytearray(16), bytearray(16)]  # nothing written
+    assert store.stats().hits == 0
+
+
+def test_a_batch_of_bytes_is_refused_for_a_get_and_taken_for_a_set() -> None:
+    store = MemoryStorage(capacity_bytes=1 << 20)
+    assert store.batch_set(_keys(2), [b"a" * 8, b"b" * 8]) == [True, True]
+    with pytest.raises(InvalidBuffer):
+        store.batch_get(_keys(2), [b"x" * 8, b"y" * 8])
+
+
+def test_a_multidimensional_view_is_flattened_like_page_view() -> None:
+    store = MemoryStorage(capacity_bytes=1 << 20)
+    array = np.arange(12, dtype=np.int32).reshape(3, 4)
+    assert store.batch_set([b"m"], [array.data]) == [True]
+    out = np.zeros(12, dtype=np.int32)
+    assert store.batch_get([b"m"], [out.data]) == [True]
+    assert out.tolist() == list(range(12))
+
+
+@pytest.mark.parametrize(
+    ("keys", "error"),
+    [
+        ([b"a", b"", b"c"], InvalidKey),
+        ([b"a", "b", b"c"], InvalidKey),
+        ([b"a", bytearray(b"b")], InvalidKey),
+    ],
+)
+def test_batch_wide_key_checks_raise_before_anything_is_stored(
+    keys: list[bytes], error: type[Exception]
+) -> None:
+    store = MemoryStorage(capacity_bytes=1 << 20)
+    with pytest.raises(error):
+        store.batch_set(keys, [b"x"] * len(keys))
+    with pytest.raises(error):
+        store.batch_exists(keys)
+    assert store.stats().num_pages == 0
+
+
+def test_a_length_mismatch_raises_before_anything_is_stored() -> None:
+    store = MemoryStorage(capacity_bytes=1 << 20)
+    with pytest.raises(BatchLengthMismatch):
+        store.batch_set(_keys(3), [memoryview(b"x")] * 2)
+    assert store.stats().num_pages == 0
+
+
+def test_a_batch_of_new_pages_that_fits_is_written_in_order_as_copies() -> None:
+    store = MemoryStorage(capacity_bytes=1 << 20)
+    region = bytearray(range(256)) * 2
+    views = [memoryview(region)[i * 64 : (i + 1) * 64] for i in range(8)]
+    keys = _keys(8)
+    assert store.batch_set_results(keys, views) == [WriteResult.WRITTEN] * 8
+    assert store.lru_keys() == keys  # in batch order, as page by page
+    expected = [bytes(v) for v in views]
+    region[:] = bytes(len(region))  # the store holds copies: the caller may reuse its buffers
+    outs = [bytearray(64) for _ in keys]
+    assert store.batch_get(keys[::-1], [memoryview(o) for o in outs]) == [True] * 8
+    assert [bytes(o) for o in outs] == expected[::-1]
+    assert store.lru_keys() == keys[::-1]  # each hit became the most recently used
+    stats = store.stats()
+    assert (stats.pages_written, stats.bytes_written, stats.used_bytes) == (8, 512, 512)
+    assert (stats.hits, stats.bytes_read) == (8, 512)
+    store.check_integrity()
+
+
+def test_a_batch_with_a_stored_or_repeated_key_gives_the_page_by_page_results() -> None:
+    store = MemoryStorage(capacity_bytes=1 << 20)
+    assert store.batch_set([b"b"], [b"B" * 4]) == [True]
+    results = store.batch_set_results([b"a", b"b", b"a", b"c"], [b"1" * 4] * 4)
+    assert results == [
+        WriteResult.WRITTEN,
+        WriteResult.PRESENT,
+        WriteResult.PRESENT,
+        WriteResult.WRITTEN,
+    ]
+    assert store.lru_keys() == [b"b", b"a", b"c"]
+    assert store.stats().pages_written == 3
+    store.check_integrity()
+
+
+def test_a_batch_that_needs_evictions_or_has_spares_takes_the_page_by_page_path() -> None:
+    store = MemoryStorage(capacity_bytes=40)
+    assert store.batch_set(_keys(4), [b"x" * 10] * 4) == [True] * 4
+    # Full: the next batch evicts the two oldest pages (never its own) ...
+    assert store.batch_set(_keys(2, "n"), [b"y" * 10] * 2) == [True, True]
+    assert store.lru_keys() == [b"k2", b"k3", b"n0", b"n1"]
+    assert store.stats().evictions == 2
+    # ... a delete leaves a spare, which the next batch reuses rather than allocating.
+    assert store.delete([b"k2"]) == 1
+    assert store.batch_set([b"s"], [b"z" * 10]) == [True]
+    assert store.lru_keys() == [b"k3", b"n0", b"n1", b"s"]
+    # A page larger than the capacity fails alone.
+    assert store.batch_set_results([b"big", b"t"], [b"q" * 41, b"w" * 10]) == [
+        WriteResult.FAILED,
+        WriteResult.WRITTEN,
+    ]
+    assert store.stats().write_failures == 1
+    store.check_integrity()
+
+
+def test_a_torch_tensor_batch_still_goes_through_page_view() -> None:
+    store = MemoryStorage(capacity_bytes=1 << 20)
+    pages = [torch.full((4,), float(i)) for i in range(3)]
+    assert store.batch_set(_keys(3), pages) == [True] * 3
+    outs = [torch.zeros(4) for _ in range(3)]
+    assert store.batch_get(_keys(3), outs) == [True] * 3
+    assert [o.tolist() for o in outs] == [[float(i)] * 4 for i in range(3)]
+
+
+def test_the_seed_cache_gives_the_uncached_seed_and_stays_bounded() -> None:
+    keyer = PageKeyer(page_size=2)
+    fresh = PageKeyer(page_size=2)
+    tokens = np.arange(6, dtype=np.int64)
+    for salt in [None, "a", b"a", "a", None]:
+        assert keyer.page_keys(tokens, cache_salt=salt) == fresh.page_keys(tokens, cache_salt=salt)
+        assert keyer.seed(cache_salt=salt) == fresh.seed(cache_salt=salt)
+    assert keyer.seed(cache_salt="a") != keyer.seed(cache_salt=b"a")
+    for i in range(SEED_CACHE_ENTRIES + 5):
+        keyer.seed(extra_key=str(i))
+    assert len(keyer._seeds) <= SEED_CACHE_ENTRIES
+    assert keyer.seed(extra_key="7") == fresh.seed(extra_key="7")
