@@ -115,3 +115,8 @@ def test_matches_a_brute_force_definition(n: int, window: int, data: st.DataObje
     assert got.num_pages == _brute(rules, available, n)
     if got.num_pages < n:
         assert got.limited_by in rules
+
+
+def test_a_rule_kind_that_is_not_a_restore_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="RestoreKind"):
+        RestoreRule(kind="prefix")  # pyright: ignore[reportArgumentType]

@@ -172,3 +172,47 @@ def test_the_seed_cache_gives_the_uncached_seed_and_stays_bounded() -> None:
         keyer.seed(extra_key=str(i))
     assert len(keyer._seeds) <= SEED_CACHE_ENTRIES
     assert keyer.seed(extra_key="7") == fresh.seed(extra_key="7")
+
+
+def test_zero_length_pages_leave_no_spare_behind() -> None:
+    store = MemoryStorage(capacity_bytes=1000)
+    for _ in range(50):
+        assert store.batch_set([b"z"], [b""]) == [True]
+        assert store.delete([b"z"]) == 1
+    assert store._spares == {}  # pyright: ignore[reportPrivateUsage]
+    store.check_integrity()
+
+
+def test_a_copy_failing_mid_batch_leaves_the_store_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvstrata.storage.memory as memory
+
+    made = 0
+
+    def failing_copy(view: memoryview) -> bytearray:
+        nonlocal made
+        made += 1
+        if made == 3:
+            raise MemoryError
+        return bytearray(view)
+
+    store = MemoryStorage(capacity_bytes=1000)
+    monkeypatch.setattr(memory, "bytearray", failing_copy, raising=False)
+    with pytest.raises(MemoryError):
+        store.batch_set(_keys(3), [b"1" * 10, b"2" * 10, b"3" * 10])
+    assert store.stats().num_pages == 0 and store.stats().used_bytes == 0
+    store.check_integrity()
+
+
+def test_keys_as_a_numpy_array_are_refused_as_not_bytes() -> None:
+    store = MemoryStorage(capacity_bytes=1000)
+    with pytest.raises(InvalidKey, match="must be bytes"):
+        store.batch_set(np.array([b"a", b"b"]), [b"x", b"y"])  # pyright: ignore[reportArgumentType]
+
+
+def test_a_released_view_after_a_strided_one_raises_the_first_error_in_order() -> None:
+    released = memoryview(bytearray(8))
+    released.release()
+    with pytest.raises(InvalidBuffer, match="C-contiguous"):
+        flat_views([memoryview(bytearray(8))[::2], released], writable=False)

@@ -40,6 +40,8 @@ class RestoreRule:
     """WINDOW only: pages the window spans, ceil(sliding_window / page_size)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kind, RestoreKind):
+            raise ValueError(f"kind must be a RestoreKind, got {self.kind!r}")
         if self.kind is RestoreKind.WINDOW and self.window_pages < 1:
             raise ValueError(f"a WINDOW rule needs window_pages >= 1, got {self.window_pages}")
         if self.kind is not RestoreKind.WINDOW and self.window_pages != 0:

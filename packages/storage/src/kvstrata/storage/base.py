@@ -112,9 +112,14 @@ def flat_views(buffers: Sequence[PageBuffer], *, writable: bool) -> list[memoryv
     else goes page by page through `page_view`.
     """
     if set(map(type, buffers)) <= _PLAIN_BUFFERS:
-        views = list(map(memoryview, buffers))  # pyright: ignore[reportArgumentType]
-        if set(map(_VIEW_SHAPE, views)) <= {("B", 1, True)} and not (
-            writable and any(map(_READONLY, views))
+        try:
+            views = list(map(memoryview, buffers))  # pyright: ignore[reportArgumentType]
+        except ValueError:  # a released view: page by page raises in batch order
+            views = None
+        if (
+            views is not None
+            and set(map(_VIEW_SHAPE, views)) <= {("B", 1, True)}
+            and not (writable and any(map(_READONLY, views)))
         ):
             return views
     return [page_view(b, writable=writable) for b in buffers]
@@ -133,6 +138,8 @@ def check_keys(keys: Sequence[bytes], *, max_key_bytes: int | None = None) -> No
     """Raise InvalidKey unless every key is non-empty bytes (and not longer than the limit)."""
     # The valid batch is checked by whole-list calls in C; the loop below only runs to name
     # the first bad key.
+    if type(keys) not in (list, tuple):  # a numpy array or other sequence: checked below
+        keys = list(keys)
     if (
         (not keys or set(map(type, keys)) == {bytes})
         and b"" not in keys

@@ -68,8 +68,11 @@ class MemoryStorage(Storage):
                 # (always so below the capacity: a store that never evicted has no spares):
                 # page by page would write each in order, evicting nothing. Copied and
                 # inserted by C-level calls; a page becomes visible only whole (under the lock).
-                self._pages.update(zip(keys, map(bytearray, views), strict=True))
-                self._used_bytes += sum(map(len, views))
+                # Every copy is made before the store changes: a MemoryError mid-batch
+                # leaves it as it was.
+                copies = list(map(bytearray, views))
+                self._pages.update(zip(keys, copies, strict=True))
+                self._used_bytes += sum(map(len, copies))
                 return [WriteResult.WRITTEN] * len(keys)
         return self._set_each(keys, views)
 
@@ -77,7 +80,7 @@ class MemoryStorage(Storage):
         """Under the lock: whether every page of the batch is new, the keys distinct, the
         whole batch fits in the free capacity and there is no spare buffer to reuse or trim."""
         return (
-            not self._spare_bytes
+            not self._spares  # by buffers, not bytes: zero-length spares count too
             and self._pages.keys().isdisjoint(keys)
             and len(set(keys)) == len(keys)
             and self._used_bytes + sum(map(len, views)) <= self.capacity_bytes
@@ -188,6 +191,8 @@ class MemoryStorage(Storage):
         return buffer
 
     def _keep_spare(self, page: bytearray) -> None:
+        if not page:  # nothing to reuse in an empty buffer
+            return
         self._spares.setdefault(len(page), []).append(page)
         self._spare_bytes += len(page)
         self._trim_spares()
