@@ -25,11 +25,13 @@ from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.policies import LeafHeap
 from kvstrata.unified_radix_cache.results import InsertCall, InsertResult, MatchResult
+from kvstrata.unified_radix_cache.walk import descend
 
 if TYPE_CHECKING:
     import torch
 
     from kvstrata.unified_radix_cache.components.base import TreeComponent
+    from kvstrata.unified_radix_cache.slot_checks import SlotChecker
     from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 _NO_SLOTS = np.empty(0, dtype=np.int64)
@@ -184,6 +186,58 @@ class HostWalks:
         and on the node ending at the key `on_insert_commit` (the names of those that adopted
         their input are in the result). O(K + depth x components)."""
         return insert_walk(self.tree, call, self._revive_on_insert)
+
+    def insert_on_device(
+        self,
+        key: RadixKey,
+        data: bytes,
+        end: int,
+        slots: npt.NDArray[np.int64],
+        cached_len: int,
+        priority: int,
+        checker: SlotChecker | None,
+    ) -> InsertResult | None:
+        """The insert of a Full-only tree (no other component) whose key runs over device nodes
+        only: the device-only tree's insert (one walk without hooks; the slot check covers only
+        the slots the new leaf adopts), with the same result, events and heaps as `insert`.
+        None, with nothing changed, when a node off the device lies on the key (revive: the
+        caller takes `insert`). Cost: the walk plus O(depth) attribute writes."""
+        tree = self.tree
+        root = tree.root
+        page_bytes = self._page_bytes
+        namespace = key.namespace
+        path, pos, partial = descend(root, page_bytes, namespace, data, end, None)
+        for node in path:
+            if not len(node.value):
+                return None
+        child = None
+        if partial:
+            parent = path[-1] if path else root
+            first = data[pos : pos + page_bytes]
+            child = parent.children[(namespace, first) if parent is root else first]
+            if not len(child.value):
+                return None
+        if checker is not None:
+            # Only the slots past the held prefix are adopted (a new leaf's): checked before
+            # anything changes; the leaf marks them held.
+            held = (pos + partial) // TOKEN_BYTES
+            checker.check(slots, max(cached_len, held), end // TOKEN_BYTES)
+        if child is not None:
+            path.append(tree.split_node(child, partial // TOKEN_BYTES))
+            pos += partial
+        tick = tree.next_tick()
+        node = root
+        for node in path:
+            node.last_access = tick
+            if priority > node.priority:
+                node.priority = priority
+        prefix_len = pos // TOKEN_BYTES
+        if pos < end:
+            leaf = tree.add_leaf(node, data, pos, end, slots, namespace, tick, priority)
+            return InsertResult(prefix_len, len(leaf.value), leaf, (), (), cached_len)
+        if node in self._device_heap:
+            self._device_heap.push(node)  # re-key the leaf for its new access time
+        return InsertResult(prefix_len, 0, node, (), (), cached_len)
 
     def _revive_on_insert(self, node: TreeNode, start: int, call: InsertCall) -> None:
         """Off-device `node`, at token `start` of an insert's key, takes the caller's slots."""

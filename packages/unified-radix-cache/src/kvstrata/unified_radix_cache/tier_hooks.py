@@ -9,15 +9,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
     from kvstrata.unified_radix_cache.key import RadixKey
     from kvstrata.unified_radix_cache.node import TreeNode
     from kvstrata.unified_radix_cache.policies import LeafHeap
     from kvstrata.unified_radix_cache.results import InsertCall, InsertResult, MatchResult
+    from kvstrata.unified_radix_cache.slot_checks import SlotChecker
 
 
 class TreeTier(Protocol):
-    """The tier hooks: its match and insert walks replace the tree's fast paths, it evicts the
-    tree's device data (moving what has a host copy off the device), and it follows the
+    """The tier hooks: its match and insert walks replace the tree's fast paths (a Full-only
+    tree first offers an insert to `insert_on_device`, None when it needs `insert`), it evicts
+    the tree's device data (moving what has a host copy off the device), and it follows the
     structure changes (a split, a node losing its last child). An evict that raises puts its
     host eviction candidates (`heap`) and their per-component host slot counts
     (`candidate_sizes`) back as they were (evict_undo.py)."""
@@ -30,6 +35,17 @@ class TreeTier(Protocol):
     ) -> MatchResult: ...
 
     def insert(self, call: InsertCall) -> InsertResult: ...
+
+    def insert_on_device(
+        self,
+        key: RadixKey,
+        data: bytes,
+        end: int,
+        slots: npt.NDArray[np.int64],
+        cached_len: int,
+        priority: int,
+        checker: SlotChecker | None,
+    ) -> InsertResult | None: ...
 
     def evict_device(self, amount: int) -> int: ...
 

@@ -328,10 +328,14 @@ class UnifiedRadixCache:
             return InsertResult(0, 0, root, cached_len=cached_len)
         checker = self._slot_checker
         if self._slow:
+            tier = self.host_tier
+            if tier is not None and not self._extras:  # all on the device: no revive, no hook
+                done = tier.insert_on_device(key, data, end, slots, cached_len, priority, checker)
+                if done is not None:
+                    return done
             if checker is not None:  # hybrid and tiered trees may adopt inside the held part
                 checker.check(slots, cached_len, end // TOKEN_BYTES)
             call = InsertCall(key, data, end, slots, cached_len, priority, comp_inputs)
-            tier = self.host_tier
             result = tier.insert(call) if tier is not None else insert_walk(self, call)
             if checker is not None:
                 checker.hold_path(result.last_node)
