@@ -19,7 +19,7 @@ from kvstrata.unified_radix_cache import (
     RadixKey,
     TreeNode,
 )
-from kvstrata.unified_radix_cache.errors import IntegrityError, NoHostCopy
+from kvstrata.unified_radix_cache.errors import IntegrityError, NoHostCopy, SlotInTree
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
@@ -119,6 +119,31 @@ def test_insert_over_off_device_nodes_revives_them(hierarchy: Callable[..., Hier
     assert node.on_device and torch.equal(torch.from_numpy(node.value), slots)
     assert node.host_value is not None, "the host copy stays"
     assert h.cache.match_prefix(key).device.prefix_len == 2 * P
+    h.cache.check_integrity()
+
+
+def test_insert_refuses_slots_the_tree_holds_before_any_change(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
+    """The Full-only tiered insert (`HostTier.insert_full`): a new leaf's slots and, when the
+    key runs over off-device nodes, the slots that would revive them are checked before the
+    walk changes anything."""
+    h = hierarchy()
+    key, _ = _off_device(h, 2, evict=2 * P)
+    (node,) = _path(h, key)
+    other, _ = _insert(h, list(range(100, 100 + 2 * P)))
+    held = torch.from_numpy(_path(h, other)[-1].value.copy())
+    nodes = h.tree.num_nodes
+    with pytest.raises(SlotInTree):  # a revive would adopt them: the whole key is checked
+        h.cache.insert(key, held)
+    assert not node.on_device and h.tree.num_nodes == nodes
+    with pytest.raises(SlotInTree):  # a new leaf would adopt them
+        h.cache.insert(RadixKey(list(range(200, 200 + 2 * P))), held)
+    assert h.tree.num_nodes == nodes
+    h.cache.check_integrity()
+    fresh = h.allocator.alloc(2 * P)
+    assert fresh is not None
+    assert h.cache.insert(key, fresh).adopted == ((0, 2 * P),) and node.on_device
     h.cache.check_integrity()
 
 

@@ -187,57 +187,69 @@ class HostWalks:
         their input are in the result). O(K + depth x components)."""
         return insert_walk(self.tree, call, self._revive_on_insert)
 
-    def insert_on_device(
-        self,
-        key: RadixKey,
-        data: bytes,
-        end: int,
-        slots: npt.NDArray[np.int64],
-        cached_len: int,
-        priority: int,
-        checker: SlotChecker | None,
-    ) -> InsertResult | None:
-        """The insert of a Full-only tree (no other component) whose key runs over device nodes
-        only: the device-only tree's insert (one walk without hooks; the slot check covers only
-        the slots the new leaf adopts), with the same result, events and heaps as `insert`.
-        None, with nothing changed, when a node off the device lies on the key (revive: the
-        caller takes `insert`). Cost: the walk plus O(depth) attribute writes."""
+    def insert_full(self, call: InsertCall, checker: SlotChecker | None) -> InsertResult:
+        """`insert` on a Full-only tree (no other component, so no hook to run): one walk
+        without a closure per node. Off-device nodes the key runs over take the caller's slots
+        again (revive, listed in `adopted`); the nodes still on the device only get the access
+        time and priority. The slot check (`checker`, None when off) runs before anything
+        changes: over the slots past the held prefix (the new leaf's: the device-only tree's
+        check) when nothing is revived, else over every slot past `cached_len` as `insert`
+        checks them; what the tree adopts is marked held. Same result, events and heaps as
+        `insert`. Cost: the walk plus O(depth) attribute writes."""
         tree = self.tree
         root = tree.root
         page_bytes = self._page_bytes
+        key, data, end, slots, cached_len, priority = (
+            call.key,
+            call.data,
+            call.end,
+            call.slots,
+            call.cached_len,
+            call.priority,
+        )
         namespace = key.namespace
         path, pos, partial = descend(root, page_bytes, namespace, data, end, None)
-        for node in path:
-            if not len(node.value):
-                return None
         child = None
         if partial:
             parent = path[-1] if path else root
             first = data[pos : pos + page_bytes]
             child = parent.children[(namespace, first) if parent is root else first]
-            if not len(child.value):
-                return None
+        # Device values are prefix-closed: only the tail of the walk can be off the device.
+        revives = (path and not len(path[-1].value)) or (child is not None and not len(child.value))
         if checker is not None:
-            # Only the slots past the held prefix are adopted (a new leaf's): checked before
-            # anything changes; the leaf marks them held.
             held = (pos + partial) // TOKEN_BYTES
-            checker.check(slots, max(cached_len, held), end // TOKEN_BYTES)
+            checker.check(
+                slots, cached_len if revives else max(cached_len, held), end // TOKEN_BYTES
+            )
         if child is not None:
             path.append(tree.split_node(child, partial // TOKEN_BYTES))
             pos += partial
         tick = tree.next_tick()
+        adopted: list[tuple[int, int]] = []
         node = root
+        at = 0
         for node in path:
             node.last_access = tick
             if priority > node.priority:
                 node.priority = priority
+            n = node.num_tokens
+            if revives and not len(node.value):
+                assert at >= cached_len, (
+                    f"insert: node {node.id} is off the device inside the caller's cached prefix"
+                )
+                value = slots[at : at + n].copy()
+                self._revive(node, value)
+                if checker is not None:
+                    checker.hold(value)
+                adopted.append((at, at + n))
+            at += n
         prefix_len = pos // TOKEN_BYTES
         if pos < end:
             leaf = tree.add_leaf(node, data, pos, end, slots, namespace, tick, priority)
-            return InsertResult(prefix_len, len(leaf.value), leaf, (), (), cached_len)
+            return InsertResult(prefix_len, len(leaf.value), leaf, tuple(adopted), (), cached_len)
         if node in self._device_heap:
             self._device_heap.push(node)  # re-key the leaf for its new access time
-        return InsertResult(prefix_len, 0, node, (), (), cached_len)
+        return InsertResult(prefix_len, 0, node, tuple(adopted), (), cached_len)
 
     def _revive_on_insert(self, node: TreeNode, start: int, call: InsertCall) -> None:
         """Off-device `node`, at token `start` of an insert's key, takes the caller's slots."""

@@ -67,21 +67,16 @@ def touch_path(tree: TreeInternals, path: list[TreeNode]) -> None:
 
 def insert_slow(tree: TreeInternals, call: InsertCall, checker: SlotChecker | None) -> InsertResult:
     """`insert` on a tree with components or a host tier (`checker`: the tree's slot check,
-    None when off). A Full-only tree with a host tier first offers the insert to the tier's
-    device-only walk (`HostTier.insert_on_device`: no node off the device on the key, so no
-    revive and no hook); otherwise the component walk (the tier's, which revives off-device
-    nodes, or `insert_walk`), whose slot check covers every slot past `cached_len` (a revive
-    or a component may adopt inside the held part) and marks the whole path held after."""
+    None when off). A Full-only tree with a host tier takes the tier's walk without hooks
+    (`HostTier.insert_full`); otherwise the component walk (the tier's, which revives
+    off-device nodes, or `insert_walk`), whose slot check covers every slot past `cached_len`
+    (a revive or a component may adopt inside the held part) and marks the whole path held
+    after."""
     tier = tree.host_tier
-    slots, cached_len = call.slots, call.cached_len
     if tier is not None and not tree._extras:
-        done = tier.insert_on_device(
-            call.key, call.data, call.end, slots, cached_len, call.priority, checker
-        )
-        if done is not None:
-            return done
+        return tier.insert_full(call, checker)
     if checker is not None:
-        checker.check(slots, cached_len, call.end // TOKEN_BYTES)
+        checker.check(call.slots, call.cached_len, call.end // TOKEN_BYTES)
     result = tier.insert(call) if tier is not None else insert_walk(tree, call)
     if checker is not None:
         checker.hold_path(result.last_node)

@@ -9,9 +9,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    import numpy as np
-    import numpy.typing as npt
-
     from kvstrata.unified_radix_cache.key import RadixKey
     from kvstrata.unified_radix_cache.node import TreeNode
     from kvstrata.unified_radix_cache.policies import LeafHeap
@@ -21,7 +18,7 @@ if TYPE_CHECKING:
 
 class TreeTier(Protocol):
     """The tier hooks: its match and insert walks replace the tree's fast paths (a Full-only
-    tree first offers an insert to `insert_on_device`, None when it needs `insert`), it evicts
+    tree inserts through `insert_full`, a walk without component hooks), it evicts
     the tree's device data (moving what has a host copy off the device), and it follows the
     structure changes (a split, a node losing its last child). An evict that raises puts its
     host eviction candidates (`heap`) and their per-component host slot counts
@@ -36,16 +33,7 @@ class TreeTier(Protocol):
 
     def insert(self, call: InsertCall) -> InsertResult: ...
 
-    def insert_on_device(
-        self,
-        key: RadixKey,
-        data: bytes,
-        end: int,
-        slots: npt.NDArray[np.int64],
-        cached_len: int,
-        priority: int,
-        checker: SlotChecker | None,
-    ) -> InsertResult | None: ...
+    def insert_full(self, call: InsertCall, checker: SlotChecker | None) -> InsertResult: ...
 
     def evict_device(self, amount: int) -> int: ...
 
