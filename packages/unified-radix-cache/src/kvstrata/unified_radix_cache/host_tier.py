@@ -159,17 +159,20 @@ class HostTier(HostWalks):
         page-granular (split; the tail goes). A leaf with a host copy goes off the device and
         stays; one without leaves the tree. Slots are queued on Full (the tree flushes)."""
         heap = self._device_heap
-        page = self.tree.page_size
+        tree = self.tree
+        page = tree.page_size
         freed = 0
         while freed < amount:
             node = heap.peek()
             if node is None:
                 break
-            self.tree.note_evicting(node)  # before the split and the pop (its heap entry)
             keep = len(node.value) - -(-(amount - freed) // page) * page
             if keep > 0:
-                # The lower half keeps the node's identity and heap entry (still the top).
-                self.tree.split_node(node, keep)
+                # The lower half keeps the node's identity and heap entry (still the top); the
+                # split records `node` as it was for a refused evict (heap entry included).
+                tree.split_node(node, keep)
+            else:
+                tree.note_evicting(node)  # before the pop (its heap entry)
             heap.pop_peeked(node)
             freed += self._drop_device(node)
             if keep > 0:
