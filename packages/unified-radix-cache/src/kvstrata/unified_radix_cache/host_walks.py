@@ -144,12 +144,16 @@ class HostWalks:
         """The MatchResult of a walk split into its device and host hits (counted into the
         tree's hit counters when `count`)."""
         tree = self.tree
-        device_len = sum(len(n.value) for n in device_nodes)
-        host_len = sum(n.num_tokens for n in host_nodes)
+        # A copy (concatenate copies too): the caller may write into the tensor it gets.
+        if len(device_nodes) > 1:
+            slots = np.concatenate([n.value for n in device_nodes])
+        else:
+            slots = device_nodes[0].value.copy() if device_nodes else _NO_SLOTS
+        device_len = len(slots)
+        host_len = sum(len(n.key) for n in host_nodes) // TOKEN_BYTES if host_nodes else 0
         if count:
             tree.hit_tokens += device_len
             tree.host_hit_tokens += host_len
-        slots = np.concatenate([n.value for n in device_nodes]) if device_nodes else _NO_SLOTS
         device = self._full.to_device(slots)
         if copies is None:
             return MatchResult(device_len, device, last, host_len, last_host)

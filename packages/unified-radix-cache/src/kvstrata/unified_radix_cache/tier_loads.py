@@ -175,7 +175,7 @@ class TierLoader:
                 pending.key, value, cached_len=pending.start, inputs=inputs or None
             )
             duplicates = result.duplicates(value)
-            if len(duplicates):
+            if duplicates.numel():
                 core.device_full.give_back(duplicates)
             for leg in pending.legs:
                 if leg.device is not None and leg.name not in result.adopted_states:

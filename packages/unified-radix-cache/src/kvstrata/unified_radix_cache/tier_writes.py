@@ -149,7 +149,7 @@ class TierWriter:
     def _roll_back_write(self, pending: PendingWrite) -> None:
         """Release what a write that moved nothing held: both locks, its host slots."""
         self._core.unlock_move(pending.locks)
-        if len(pending.host_slots):
+        if pending.host_slots.numel():
             self._core.host_allocator.free(pending.host_slots)
         self._core.free_legs(pending.legs)
 
@@ -191,7 +191,7 @@ class TierWriter:
             self._roll_back_write(pending)
             return
         core.device_tree.unlock(pending.device_receipt)
-        num = len(pending.host_slots)
+        num = pending.host_slots.numel()
         receipt = core.tier.commit_path(
             pending.host_receipt, pending.device_receipt.anchor, pending.key, pending.host_slots
         )
