@@ -6,7 +6,8 @@ of its fast path (one walk covers both tiers; see host_tier.py for the layout).
   component can restore its data from the host (`host_hit_may_end`);
 - insert: off-device nodes the key runs over take the caller's slots again (revive, with each
   component's `on_revive`), a new leaf takes the rest, and the component hooks run as in the
-  device-only walk.
+  device-only walk. A Full-only tree has no hook to run: `insert_full` walks once without a
+  callback per node (the device-only tree's insert plus the revive).
 
 The walks know components only through their hooks (components/base.py).
 """
