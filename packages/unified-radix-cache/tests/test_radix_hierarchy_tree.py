@@ -147,6 +147,29 @@ def test_insert_refuses_slots_the_tree_holds_before_any_change(
     h.cache.check_integrity()
 
 
+def test_poll_asks_the_controller_only_when_a_submitted_transfer_is_in_flight(
+    hierarchy: Callable[..., Hierarchy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = hierarchy()
+    controller = h.cache.controller
+    asked: list[int] = []
+    poll_acks = controller.poll_acks
+    monkeypatch.setattr(controller, "poll_acks", lambda: asked.append(1) or poll_acks())
+    _insert(h, list(range(1, 2 * P + 1)))  # a write queued, not submitted: no ack can come
+    assert h.cache.num_pending == 1 and h.cache.core.num_unsent == 1
+    h.cache.poll()
+    assert not asked
+    h.cache.writer.flush()
+    assert h.cache.core.num_unsent == 0
+    h.cache.poll()  # the submitted write's ack commits
+    assert asked == [1] and h.cache.num_pending == 0
+    h.cache.check_integrity()
+    h.cache.core.num_unsent = 1  # the count drifted from the temporary ids
+    with pytest.raises(IntegrityError, match="unsent"):
+        h.cache.check_integrity()
+    h.cache.core.num_unsent = 0
+
+
 def test_load_back_handle_waits_per_layer_and_commits_on_the_ack(
     hierarchy: Callable[..., Hierarchy],
 ) -> None:

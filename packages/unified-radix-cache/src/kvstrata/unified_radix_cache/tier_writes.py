@@ -120,6 +120,7 @@ class TierWriter:
         if not self._unsent:
             self._unsent_since = self._num_requests
         self._core.pending[temp_id] = pending
+        self._core.num_unsent += 1
         self._unsent.append((temp_id, WriteOp(moves=moves)))
         if now or len(self._unsent) >= self._core.params.write_batch:
             return self.flush().get(temp_id)
@@ -135,6 +136,7 @@ class TierWriter:
         if unsent:
             self._core.counters.write_batches += 1
         op_ids = self._core.controller.submit_writes([op for _, op in unsent], inline=True)
+        self._core.num_unsent -= len(unsent)
         for (temp_id, _), op_id in zip(unsent, op_ids, strict=True):
             pending = self._core.pending.pop(temp_id)
             assert isinstance(pending, PendingWrite), "a queued write id names a write"
