@@ -170,6 +170,32 @@ def test_poll_asks_the_controller_only_when_a_submitted_transfer_is_in_flight(
     h.cache.core.num_unsent = 0
 
 
+def test_device_frees_puts_each_node_back_with_the_entry_it_had(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
+    """`HostTier.device_frees` changes nothing, even for a leaf whose policy fields moved since
+    its heap entry was made (a re-push would re-key it and the evict would take another leaf
+    than the one planned)."""
+    h = hierarchy()
+    first, _ = _insert(h, list(range(1, 2 * P + 1)))
+    _insert(h, list(range(100, 100 + 2 * P)))
+    h.cache.drain()
+    older = _path(h, first)[-1]
+    full = h.tree.components[0]
+    assert isinstance(full, FullComponent) and full.heap is not None
+    assert full.heap.peek() is older
+    older.last_access = h.tree.next_tick()  # touched, not re-keyed (as an inner node is)
+    tail = older.value[-P:].tolist()
+    planned = np.concatenate(h.cache.tier.device_frees(P))
+    assert full.heap.peek() is older, "the walk put the heap back as it was"
+    freed: list[torch.Tensor] = []
+    free = h.allocator.free
+    h.allocator.free = lambda t: (freed.append(t.clone()), free(t))[1]  # type: ignore[method-assign]
+    assert h.cache.evict_device(P) == P
+    assert planned.tolist() == tail == torch.cat(freed).tolist()
+    h.cache.check_integrity()
+
+
 def test_load_back_handle_waits_per_layer_and_commits_on_the_ack(
     hierarchy: Callable[..., Hierarchy],
 ) -> None:
