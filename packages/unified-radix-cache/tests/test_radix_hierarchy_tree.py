@@ -19,7 +19,7 @@ from kvstrata.unified_radix_cache import (
     RadixKey,
     TreeNode,
 )
-from kvstrata.unified_radix_cache.errors import IntegrityError, NoHostCopy
+from kvstrata.unified_radix_cache.errors import IntegrityError, NoHostCopy, SlotInTree
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
@@ -119,6 +119,80 @@ def test_insert_over_off_device_nodes_revives_them(hierarchy: Callable[..., Hier
     assert node.on_device and torch.equal(torch.from_numpy(node.value), slots)
     assert node.host_value is not None, "the host copy stays"
     assert h.cache.match_prefix(key).device.prefix_len == 2 * P
+    h.cache.check_integrity()
+
+
+def test_insert_refuses_slots_the_tree_holds_before_any_change(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
+    """The Full-only tiered insert (`HostTier.insert_full`): a new leaf's slots and, when the
+    key runs over off-device nodes, the slots that would revive them are checked before the
+    walk changes anything."""
+    h = hierarchy()
+    key, _ = _off_device(h, 2, evict=2 * P)
+    (node,) = _path(h, key)
+    other, _ = _insert(h, list(range(100, 100 + 2 * P)))
+    held = torch.from_numpy(_path(h, other)[-1].value.copy())
+    nodes = h.tree.num_nodes
+    with pytest.raises(SlotInTree):  # a revive would adopt them: the whole key is checked
+        h.cache.insert(key, held)
+    assert not node.on_device and h.tree.num_nodes == nodes
+    with pytest.raises(SlotInTree):  # a new leaf would adopt them
+        h.cache.insert(RadixKey(list(range(200, 200 + 2 * P))), held)
+    assert h.tree.num_nodes == nodes
+    h.cache.check_integrity()
+    fresh = h.allocator.alloc(2 * P)
+    assert fresh is not None
+    assert h.cache.insert(key, fresh).adopted == ((0, 2 * P),) and node.on_device
+    h.cache.check_integrity()
+
+
+def test_poll_asks_the_controller_only_when_a_submitted_transfer_is_in_flight(
+    hierarchy: Callable[..., Hierarchy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = hierarchy()
+    controller = h.cache.controller
+    asked: list[int] = []
+    poll_acks = controller.poll_acks
+    monkeypatch.setattr(controller, "poll_acks", lambda: asked.append(1) or poll_acks())
+    _insert(h, list(range(1, 2 * P + 1)))  # a write queued, not submitted: no ack can come
+    assert h.cache.num_pending == 1 and h.cache.core.num_unsent == 1
+    h.cache.poll()
+    assert not asked
+    h.cache.writer.flush()
+    assert h.cache.core.num_unsent == 0
+    h.cache.poll()  # the submitted write's ack commits
+    assert asked == [1] and h.cache.num_pending == 0
+    h.cache.check_integrity()
+    h.cache.core.num_unsent = 1  # the count drifted from the temporary ids
+    with pytest.raises(IntegrityError, match="unsent"):
+        h.cache.check_integrity()
+    h.cache.core.num_unsent = 0
+
+
+def test_device_frees_puts_each_node_back_with_the_entry_it_had(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
+    """`HostTier.device_frees` changes nothing, even for a leaf whose policy fields moved since
+    its heap entry was made (a re-push would re-key it and the evict would take another leaf
+    than the one planned)."""
+    h = hierarchy()
+    first, _ = _insert(h, list(range(1, 2 * P + 1)))
+    _insert(h, list(range(100, 100 + 2 * P)))
+    h.cache.drain()
+    older = _path(h, first)[-1]
+    full = h.tree.components[0]
+    assert isinstance(full, FullComponent) and full.heap is not None
+    assert full.heap.peek() is older
+    older.last_access = h.tree.next_tick()  # touched, not re-keyed (as an inner node is)
+    tail = older.value[-P:].tolist()
+    planned = np.concatenate(h.cache.tier.device_frees(P))
+    assert full.heap.peek() is older, "the walk put the heap back as it was"
+    freed: list[torch.Tensor] = []
+    free = h.allocator.free
+    h.allocator.free = lambda t: (freed.append(t.clone()), free(t))[1]  # type: ignore[method-assign]
+    assert h.cache.evict_device(P) == P
+    assert planned.tolist() == tail == torch.cat(freed).tolist()
     h.cache.check_integrity()
 
 

@@ -180,6 +180,19 @@ def test_keys_accept_every_integer_sequence(ids: object) -> None:
     assert key[1:].tokens().tolist() == [2, 3]
 
 
+@pytest.mark.parametrize(
+    "index", [slice(None, 5), slice(3, 9), slice(5, 2), slice(-4, None), slice(0, 99), slice(2, 2)]
+)
+def test_a_key_slice_carries_the_bytes_of_its_tokens(index: slice) -> None:
+    key = RadixKey(list(range(20)), extra_key="adapter")
+    key.token_bytes()
+    part = key[index]
+    assert part.cached_bytes is not None, "a contiguous slice reuses the computed bytes"
+    assert part.token_bytes() == np.arange(20, dtype=np.int64)[index].tobytes()
+    assert part.namespace == key.namespace and len(part) == len(range(20)[index])
+    assert key[::2].tokens().tolist() == list(range(0, 20, 2))
+
+
 @pytest.mark.parametrize("ids", [[1.5, 2.0], np.zeros((2, 2), dtype=np.int64), torch.tensor([1.0])])
 def test_keys_reject_non_integer_ids(ids: object) -> None:
     with pytest.raises(InvalidKey):

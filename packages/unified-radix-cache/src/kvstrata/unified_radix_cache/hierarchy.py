@@ -387,7 +387,7 @@ class HierarchicalCache:
     def cache_finished_request(self, req: CacheRequest) -> None:
         """`device_tree.cache_finished_request(req)`, then the write policy for what the tree
         now holds of the request (write_through: queue the host write)."""
-        num_kv = len(req.kv_indices)
+        num_kv = req.kv_indices.numel()
         key = req.key[: num_kv - num_kv % self.page_size]
         node = self.device_tree.cache_finished_request(req)
         self._written(key, node)

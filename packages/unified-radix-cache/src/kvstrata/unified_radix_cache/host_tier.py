@@ -59,7 +59,7 @@ from kvstrata.unified_radix_cache.errors import (
 from kvstrata.unified_radix_cache.events import EventLog, KVEvent
 from kvstrata.unified_radix_cache.host_walks import HostWalks
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
-from kvstrata.unified_radix_cache.node import TreeNode
+from kvstrata.unified_radix_cache.node import HeapEntry, TreeNode
 from kvstrata.unified_radix_cache.policies import LeafHeap, make_policy
 
 if TYPE_CHECKING:
@@ -159,17 +159,20 @@ class HostTier(HostWalks):
         page-granular (split; the tail goes). A leaf with a host copy goes off the device and
         stays; one without leaves the tree. Slots are queued on Full (the tree flushes)."""
         heap = self._device_heap
-        page = self.tree.page_size
+        tree = self.tree
+        page = tree.page_size
         freed = 0
         while freed < amount:
             node = heap.peek()
             if node is None:
                 break
-            self.tree.note_evicting(node)  # before the split and the pop (its heap entry)
             keep = len(node.value) - -(-(amount - freed) // page) * page
             if keep > 0:
-                # The lower half keeps the node's identity and heap entry (still the top).
-                self.tree.split_node(node, keep)
+                # The lower half keeps the node's identity and heap entry (still the top); the
+                # split records `node` as it was for a refused evict (heap entry included).
+                tree.split_node(node, keep)
+            else:
+                tree.note_evicting(node)  # before the pop (its heap entry)
             heap.pop_peeked(node)
             freed += self._drop_device(node)
             if keep > 0:
@@ -178,21 +181,26 @@ class HostTier(HostWalks):
 
     def device_frees(self, amount: int) -> list[npt.NDArray[np.int64]]:
         """The Full slots `evict_device(amount)` would queue, in its order, changing nothing
-        (the device heap is walked and put back; its keys end ties by node id, so the walk that
-        follows takes the same nodes). O(k log n) for k nodes."""
+        (the device heap is walked and put back, each node with the entry it had: a re-push
+        would re-key a node whose policy fields moved since its entry was made, e.g. an access
+        time a match set on an inner node, and change the order the evict then takes; the keys
+        end ties by node id). O(k log n) for k nodes."""
         heap = self._device_heap
         page = self.tree.page_size
-        popped: list[TreeNode] = []
+        popped: list[tuple[TreeNode, HeapEntry]] = []
         pushed: list[TreeNode] = []
         gone: set[int] = set()
         slots: list[npt.NDArray[np.int64]] = []
         freed = 0
         try:
             while freed < amount:
-                node = heap.pop()
+                node = heap.peek()
                 if node is None:
                     break
-                popped.append(node)
+                entry = node.heap_entry
+                assert entry is not None, "a node in the heap has its entry"
+                heap.pop_peeked(node)
+                popped.append((node, entry))
                 value = node.value
                 keep = len(value) - -(-(amount - freed) // page) * page
                 if keep > 0:
@@ -217,9 +225,9 @@ class HostTier(HostWalks):
             for node in pushed:
                 heap.discard(node)
             added = {node.id for node in pushed}
-            for node in popped:
+            for node, entry in popped:
                 if node.id not in added:
-                    heap.push(node)
+                    heap.put_back(node, entry)
         return slots
 
     def _drop_device(self, node: TreeNode) -> int:

@@ -6,7 +6,8 @@ of its fast path (one walk covers both tiers; see host_tier.py for the layout).
   component can restore its data from the host (`host_hit_may_end`);
 - insert: off-device nodes the key runs over take the caller's slots again (revive, with each
   component's `on_revive`), a new leaf takes the rest, and the component hooks run as in the
-  device-only walk.
+  device-only walk. A Full-only tree has no hook to run: `insert_full` walks once without a
+  callback per node (the device-only tree's insert plus the revive).
 
 The walks know components only through their hooks (components/base.py).
 """
@@ -25,11 +26,13 @@ from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.policies import LeafHeap
 from kvstrata.unified_radix_cache.results import InsertCall, InsertResult, MatchResult
+from kvstrata.unified_radix_cache.walk import descend
 
 if TYPE_CHECKING:
     import torch
 
     from kvstrata.unified_radix_cache.components.base import TreeComponent
+    from kvstrata.unified_radix_cache.slot_checks import SlotChecker
     from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 _NO_SLOTS = np.empty(0, dtype=np.int64)
@@ -142,12 +145,16 @@ class HostWalks:
         """The MatchResult of a walk split into its device and host hits (counted into the
         tree's hit counters when `count`)."""
         tree = self.tree
-        device_len = sum(len(n.value) for n in device_nodes)
-        host_len = sum(n.num_tokens for n in host_nodes)
+        # A copy (concatenate copies too): the caller may write into the tensor it gets.
+        if len(device_nodes) > 1:
+            slots = np.concatenate([n.value for n in device_nodes])
+        else:
+            slots = device_nodes[0].value.copy() if device_nodes else _NO_SLOTS
+        device_len = len(slots)
+        host_len = sum(len(n.key) for n in host_nodes) // TOKEN_BYTES if host_nodes else 0
         if count:
             tree.hit_tokens += device_len
             tree.host_hit_tokens += host_len
-        slots = np.concatenate([n.value for n in device_nodes]) if device_nodes else _NO_SLOTS
         device = self._full.to_device(slots)
         if copies is None:
             return MatchResult(device_len, device, last, host_len, last_host)
@@ -184,6 +191,70 @@ class HostWalks:
         and on the node ending at the key `on_insert_commit` (the names of those that adopted
         their input are in the result). O(K + depth x components)."""
         return insert_walk(self.tree, call, self._revive_on_insert)
+
+    def insert_full(self, call: InsertCall, checker: SlotChecker | None) -> InsertResult:
+        """`insert` on a Full-only tree (no other component, so no hook to run): one walk
+        without a closure per node. Off-device nodes the key runs over take the caller's slots
+        again (revive, listed in `adopted`); the nodes still on the device only get the access
+        time and priority. The slot check (`checker`, None when off) runs before anything
+        changes: over the slots past the held prefix (the new leaf's: the device-only tree's
+        check) when nothing is revived, else over every slot past `cached_len` as `insert`
+        checks them; what the tree adopts is marked held. Same result, events and heaps as
+        `insert`. Cost: the walk plus O(depth) attribute writes."""
+        tree = self.tree
+        root = tree.root
+        page_bytes = self._page_bytes
+        key, data, end, slots, cached_len, priority = (
+            call.key,
+            call.data,
+            call.end,
+            call.slots,
+            call.cached_len,
+            call.priority,
+        )
+        namespace = key.namespace
+        path, pos, partial = descend(root, page_bytes, namespace, data, end, None)
+        child = None
+        if partial:
+            parent = path[-1] if path else root
+            first = data[pos : pos + page_bytes]
+            child = parent.children[(namespace, first) if parent is root else first]
+        # Device values are prefix-closed: only the tail of the walk can be off the device.
+        revives = (path and not len(path[-1].value)) or (child is not None and not len(child.value))
+        if checker is not None:
+            held = (pos + partial) // TOKEN_BYTES
+            checker.check(
+                slots, cached_len if revives else max(cached_len, held), end // TOKEN_BYTES
+            )
+        if child is not None:
+            path.append(tree.split_node(child, partial // TOKEN_BYTES))
+            pos += partial
+        tick = tree.next_tick()
+        adopted: list[tuple[int, int]] = []
+        node = root
+        at = 0
+        for node in path:
+            node.last_access = tick
+            if priority > node.priority:
+                node.priority = priority
+            n = node.num_tokens
+            if revives and not len(node.value):
+                assert at >= cached_len, (
+                    f"insert: node {node.id} is off the device inside the caller's cached prefix"
+                )
+                value = slots[at : at + n].copy()
+                self._revive(node, value)
+                if checker is not None:
+                    checker.hold(value)
+                adopted.append((at, at + n))
+            at += n
+        prefix_len = pos // TOKEN_BYTES
+        if pos < end:
+            leaf = tree.add_leaf(node, data, pos, end, slots, namespace, tick, priority)
+            return InsertResult(prefix_len, len(leaf.value), leaf, tuple(adopted), (), cached_len)
+        if node in self._device_heap:
+            self._device_heap.push(node)  # re-key the leaf for its new access time
+        return InsertResult(prefix_len, 0, node, tuple(adopted), (), cached_len)
 
     def _revive_on_insert(self, node: TreeNode, start: int, call: InsertCall) -> None:
         """Off-device `node`, at token `start` of an insert's key, takes the caller's slots."""

@@ -20,6 +20,7 @@ from kvstrata.unified_radix_cache.walk import descend
 if TYPE_CHECKING:
     import torch
 
+    from kvstrata.unified_radix_cache.slot_checks import SlotChecker
     from kvstrata.unified_radix_cache.tree_internals import TreeInternals
 
 # An empty match's slots: no element to write, and numpy's storage cannot be resized.
@@ -62,6 +63,24 @@ def touch_path(tree: TreeInternals, path: list[TreeNode]) -> None:
             component.on_access(node)
     if path and path[-1].heap_entry is not None:
         tree._heap.push(path[-1])
+
+
+def insert_slow(tree: TreeInternals, call: InsertCall, checker: SlotChecker | None) -> InsertResult:
+    """`insert` on a tree with components or a host tier (`checker`: the tree's slot check,
+    None when off). A Full-only tree with a host tier takes the tier's walk without hooks
+    (`HostTier.insert_full`); otherwise the component walk (the tier's, which revives
+    off-device nodes, or `insert_walk`), whose slot check covers every slot past `cached_len`
+    (a revive or a component may adopt inside the held part) and marks the whole path held
+    after."""
+    tier = tree.host_tier
+    if tier is not None and not tree._extras:
+        return tier.insert_full(call, checker)
+    if checker is not None:
+        checker.check(call.slots, call.cached_len, call.end // TOKEN_BYTES)
+    result = tier.insert(call) if tier is not None else insert_walk(tree, call)
+    if checker is not None:
+        checker.hold_path(result.last_node)
+    return result
 
 
 #: What an insert does with a node off the device its key runs over (a tree with a host tier:

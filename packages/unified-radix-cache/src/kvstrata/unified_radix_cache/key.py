@@ -77,7 +77,13 @@ class RadixKey:
         """`key[a:b]`: the same namespace over a slice of the token ids."""
         if not isinstance(index, slice):
             raise TypeError("RadixKey supports slicing only; use key.tokens()[i] for one id")
-        sliced = RadixKey(self.tokens()[index], self.extra_key, self.cache_salt)
+        tokens = self.tokens()
+        sliced = RadixKey(tokens[index], self.extra_key, self.cache_salt)
+        start, stop, step = index.indices(len(tokens))
+        data = self.cached_bytes
+        if step == 1 and data is not None:
+            # A contiguous slice: its bytes are a slice of ours (no conversion when walked).
+            sliced.cached_bytes = data[start * TOKEN_BYTES : max(stop, start) * TOKEN_BYTES]
         return sliced
 
     def __repr__(self) -> str:

@@ -70,7 +70,7 @@ class CacheRequest:
         if token_ids:
             tokens = np.concatenate([key.tokens(), np.asarray(token_ids, dtype=np.int64)])
             key = RadixKey(tokens, key.extra_key, key.cache_salt)
-        if len(self.kv_indices) + len(slots) > len(key):
+        if self.kv_indices.numel() + len(slots) > len(key):
             raise InvalidInsert(
                 f"{len(self.kv_indices) + len(slots)} KV slots for a key of {len(key)} tokens"
             )
@@ -136,7 +136,7 @@ def _insert(
     node ending there."""
     if req.finished:
         raise RequestFinished("the request was already finished")
-    num_kv = len(req.kv_indices)
+    num_kv = req.kv_indices.numel()
     aligned = num_kv - num_kv % tree.page_size
     key = req.key[:aligned]
     values = req.kv_indices[:aligned]
@@ -148,7 +148,7 @@ def _insert(
         inputs=_inputs(tree, req, state if aligned == num_kv and aligned else None),
     )
     duplicates = result.duplicates(values)
-    if len(duplicates):
+    if duplicates.numel():
         tree.free_slots("full", duplicates)
     held = result.prefix_len + result.inserted_len
     last = result.last_node if held else tree.root
@@ -160,7 +160,7 @@ def cache_unfinished_request(tree: TreeInternals, req: CacheRequest) -> TreeNode
         raise RequestFinished("the request was already finished")
     state_copy: torch.Tensor | None = None
     mamba = _mamba(tree)
-    num_kv = len(req.kv_indices)
+    num_kv = req.kv_indices.numel()
     if mamba is not None and req.state_slot is not None and num_kv % tree.page_size == 0:
         # The request keeps advancing its own state, so the tree gets a copy.
         state_copy = mamba.allocator.alloc(1)
@@ -185,7 +185,7 @@ def cache_finished_request(tree: TreeInternals, req: CacheRequest) -> TreeNode:
     state = None if req.state_slot is None else int(req.state_slot.reshape(-1)[0].item())
     held, adopted, last = _insert(tree, req, state)
     tail = req.kv_indices[held:]
-    if len(tail):
+    if tail.numel():
         tree.free_slots("full", tail)
     if req.state_slot is not None and not adopted:
         tree.free_slots("mamba", req.state_slot)

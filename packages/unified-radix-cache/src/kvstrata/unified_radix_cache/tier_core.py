@@ -220,6 +220,10 @@ class TierCore:
         self.backups = params.backup_to_storage and controller.storage is not None
         self.counters = TierCounters()
         self.pending: dict[int, Pending] = {}
+        #: How many of `pending` are writes queued and not yet submitted (under a temporary
+        #: negative id, tier_writes.py): no ack can come for them, so `poll` skips the
+        #: controller when they are all there is.
+        self.num_unsent = 0
         #: Storage events (BlockStored with tier `storage`) not yet taken.
         self.events: list[KVEvent] = []
         #: Backups started while `poll` commits a run of acks, sent together at its end; None
@@ -255,8 +259,8 @@ class TierCore:
         their storage backup), prefetches add host values as far as they arrived, loads give
         their nodes device slots again, backups flag stored nodes; failed ones release what
         they held. Never blocks."""
-        if not self.pending:
-            return
+        if len(self.pending) == self.num_unsent:
+            return  # nothing submitted is in flight
         acks = self.controller.poll_acks()
         if not acks:
             return
@@ -285,10 +289,16 @@ class TierCore:
                 self.pending[op_id] = pending
 
     def check_pending(self) -> None:
-        """The pending records hold exactly the host tier's outstanding receipts (by id), and
-        no host page slot, nor host slot of another component, is held twice: node host values
-        plus what transfers hold outside the tree (a write's slots, a prefetch's uncommitted
-        ones). Raises IntegrityError. O(nodes + slots log slots)."""
+        """The pending records hold exactly the host tier's outstanding receipts (by id),
+        `num_unsent` counts those under a temporary id, and no host page slot, nor host slot
+        of another component, is held twice: node host values plus what transfers hold outside
+        the tree (a write's slots, a prefetch's uncommitted ones). Raises IntegrityError.
+        O(nodes + slots log slots)."""
+        queued = sum(1 for op_id in self.pending if op_id < 0)
+        if queued != self.num_unsent:
+            raise IntegrityError(
+                f"{queued} pending writes wait unsent (temporary ids), {self.num_unsent} counted"
+            )
         held = sorted(p.host_receipt.receipt_id for p in self.pending.values())
         outstanding = sorted(self.tier.receipt_ids())
         if held != outstanding:

@@ -13,11 +13,13 @@ if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.node import TreeNode
     from kvstrata.unified_radix_cache.policies import LeafHeap
     from kvstrata.unified_radix_cache.results import InsertCall, InsertResult, MatchResult
+    from kvstrata.unified_radix_cache.slot_checks import SlotChecker
 
 
 class TreeTier(Protocol):
-    """The tier hooks: its match and insert walks replace the tree's fast paths, it evicts the
-    tree's device data (moving what has a host copy off the device), and it follows the
+    """The tier hooks: its match and insert walks replace the tree's fast paths (a Full-only
+    tree inserts through `insert_full`, a walk without component hooks), it evicts
+    the tree's device data (moving what has a host copy off the device), and it follows the
     structure changes (a split, a node losing its last child). An evict that raises puts its
     host eviction candidates (`heap`) and their per-component host slot counts
     (`candidate_sizes`) back as they were (evict_undo.py)."""
@@ -30,6 +32,8 @@ class TreeTier(Protocol):
     ) -> MatchResult: ...
 
     def insert(self, call: InsertCall) -> InsertResult: ...
+
+    def insert_full(self, call: InsertCall, checker: SlotChecker | None) -> InsertResult: ...
 
     def evict_device(self, amount: int) -> int: ...
 

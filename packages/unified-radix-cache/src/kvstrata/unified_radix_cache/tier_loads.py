@@ -59,22 +59,21 @@ class TierLoader:
         (`TierLoad.wait`, `poll`, `drain`). Nothing to load or no device room: a done handle
         with `loaded_len` 0 and the tree unchanged. Raises ForeignNode for a node not in the
         tree (e.g. host-evicted since the match)."""
-        tree = self._core.device_tree
-        key = key_of(tree, node)
-        device = self._core.tier.match_key(key)
-        anchor = device.last_node
         core = self._core
-        if core.transfers:
-            # The on-device run may reach past the device hit (nodes without a device state,
-            # SWA tombstones): their pages stay; only the off-device pages move (with what
-            # each component brings back, e.g. the boundary state or the window's SWA pages).
-            anchor = node
-            while anchor.parent is not None and not len(anchor.value):
-                anchor = anchor.parent
+        key = key_of(core.device_tree, node)
+        # The device prefix the pages extend: the nearest on-device node above (device values
+        # are prefix-closed). With Full only it is the device hit of `key` (no walk from the
+        # root needed); with other components the on-device run may reach past the device hit
+        # (nodes without a device state, SWA tombstones): their pages stay; only the off-device
+        # pages move (with what each component brings back, e.g. the boundary state or the
+        # window's SWA pages).
+        anchor = node
+        while anchor.parent is not None and not len(anchor.value):
+            anchor = anchor.parent
         start, end = prefix_len(anchor), len(key)
         legs = [t.plan_load(core, node, start, end) for t in core.transfers.values()]
         if start >= end and not any(leg.size for leg in legs):
-            return self._done_load(LoadBack(0, device))
+            return self._done_load(LoadBack(0, self._core.tier.match_key(key)))
         locks = core.lock_move(anchor, node)
         slots: torch.Tensor | None = None
         refused = False
@@ -116,7 +115,7 @@ class TierLoader:
             self._give_back_legs(legs)
             core.counters.load_backs_refused += 1
             core.unlock_move(locks)
-            return self._done_load(LoadBack(0, device))
+            return self._done_load(LoadBack(0, self._core.tier.match_key(key)))
         load = TierLoad(num_tokens=end - start, handle=handle, finish=self._finish_load)
         self._core.pending[handle.op_id] = PendingLoad(
             key=key, start=start, locks=locks, legs=tuple(legs), device_slots=slots, load=load
@@ -176,7 +175,7 @@ class TierLoader:
                 pending.key, value, cached_len=pending.start, inputs=inputs or None
             )
             duplicates = result.duplicates(value)
-            if len(duplicates):
+            if duplicates.numel():
                 core.device_full.give_back(duplicates)
             for leg in pending.legs:
                 if leg.device is not None and leg.name not in result.adopted_states:

@@ -120,6 +120,7 @@ class TierWriter:
         if not self._unsent:
             self._unsent_since = self._num_requests
         self._core.pending[temp_id] = pending
+        self._core.num_unsent += 1
         self._unsent.append((temp_id, WriteOp(moves=moves)))
         if now or len(self._unsent) >= self._core.params.write_batch:
             return self.flush().get(temp_id)
@@ -135,6 +136,7 @@ class TierWriter:
         if unsent:
             self._core.counters.write_batches += 1
         op_ids = self._core.controller.submit_writes([op for _, op in unsent], inline=True)
+        self._core.num_unsent -= len(unsent)
         for (temp_id, _), op_id in zip(unsent, op_ids, strict=True):
             pending = self._core.pending.pop(temp_id)
             assert isinstance(pending, PendingWrite), "a queued write id names a write"
@@ -149,7 +151,7 @@ class TierWriter:
     def _roll_back_write(self, pending: PendingWrite) -> None:
         """Release what a write that moved nothing held: both locks, its host slots."""
         self._core.unlock_move(pending.locks)
-        if len(pending.host_slots):
+        if pending.host_slots.numel():
             self._core.host_allocator.free(pending.host_slots)
         self._core.free_legs(pending.legs)
 
@@ -191,7 +193,7 @@ class TierWriter:
             self._roll_back_write(pending)
             return
         core.device_tree.unlock(pending.device_receipt)
-        num = len(pending.host_slots)
+        num = pending.host_slots.numel()
         receipt = core.tier.commit_path(
             pending.host_receipt, pending.device_receipt.anchor, pending.key, pending.host_slots
         )

@@ -35,7 +35,7 @@ from kvstrata.unified_radix_cache.errors import (
 )
 from kvstrata.unified_radix_cache.events import EventLog, KVEvent
 from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_components
-from kvstrata.unified_radix_cache.hybrid import insert_walk, match_hybrid
+from kvstrata.unified_radix_cache.hybrid import insert_slow, match_hybrid
 from kvstrata.unified_radix_cache.insert_inputs import check_inputs, slots_of
 from kvstrata.unified_radix_cache.integrity import check_tree
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, Namespace, RadixKey
@@ -327,15 +327,9 @@ class UnifiedRadixCache:
         if end == 0 or self.disabled:
             return InsertResult(0, 0, root, cached_len=cached_len)
         checker = self._slot_checker
-        if self._slow:
-            if checker is not None:  # hybrid and tiered trees may adopt inside the held part
-                checker.check(slots, cached_len, end // TOKEN_BYTES)
+        if self._slow:  # hybrid.py: components or a host tier
             call = InsertCall(key, data, end, slots, cached_len, priority, comp_inputs)
-            tier = self.host_tier
-            result = tier.insert(call) if tier is not None else insert_walk(self, call)
-            if checker is not None:
-                checker.hold_path(result.last_node)
-            return result
+            return insert_slow(self, call, checker)
         # Full-only fast path: the one walk, then two attribute writes per node (no hook call).
         namespace = key.namespace
         page_bytes = self._page_bytes
