@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,6 +40,7 @@ from kvstrata.unified_radix_cache.hybrid import insert_walk, match_hybrid
 from kvstrata.unified_radix_cache.insert_inputs import check_inputs, slots_of
 from kvstrata.unified_radix_cache.integrity import check_tree
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, Namespace, RadixKey
+from kvstrata.unified_radix_cache.native_core import RadixCore, evict_leaves, native_core
 from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
 from kvstrata.unified_radix_cache.policies import EvictionPolicy, make_policy
 from kvstrata.unified_radix_cache.render import render_tree
@@ -122,6 +124,8 @@ class UnifiedRadixCache:
         self._receipts: dict[int, LockReceipt] = {}
         self._receipt_ids: Iterator[int] = itertools.count(1)
         self._root = structure.new_root(self._num_components)
+        #: The compiled walks and slot check (native_core.py), None for the Python paths.
+        self._native: RadixCore | None = native_core()
         #: Set while an `evict` with state components or a host tier runs (evict_undo.py).
         self._journal: EvictJournal | None = None
         #: The Full-only match's walk (key, end, path, bytes matched), reused by an insert of
@@ -138,10 +142,12 @@ class UnifiedRadixCache:
         self.check_slots = check_slots
         self._slot_checker: SlotChecker | None = None
         if check_slots and not disable:
-            self._slot_checker = SlotChecker(self._full, page_size)
+            self._slot_checker = SlotChecker(self._full, page_size, self._native)
         self._events: EventLog | None = None
         if keyer is not None and enable_events and not disable:
             self._events = EventLog(keyer)
+        elif self._native is not None and not self._extras:
+            self._full.leaf_evictor = partial(evict_leaves, self._native, self)
         # Hierarchical mode (host_tier.py). `_slow` sends match and insert off the Full-only
         # fast path, so a device-only tree pays one attribute test per call and nothing more.
         self.host_tier: TreeTier | None = None
@@ -234,6 +240,7 @@ class UnifiedRadixCache:
             raise InvalidConfig("attach the host tier to an empty tree")
         self.host_tier = tier
         self._slow = True
+        self._full.leaf_evictor = None  # the host tier's walks take Full eviction over
         self._full.tiered = True
 
     @property
@@ -269,24 +276,34 @@ class UnifiedRadixCache:
             if self.host_tier is not None:
                 return self.host_tier.match(key, data, end, copy_state=copy_state)
             return match_hybrid(self, key, data, end, copy_state)
-        path, pos, _ = descend(root, self._page_bytes, key.namespace, data, end, self.split_node)
-        self._last_walk = (key, end, path, pos)
         self._tick += 1
         tick = self._tick
-        node = root
-        values: list[npt.NDArray[np.int64]] = []
-        for node in path:
-            values.append(node.value)
-            node.last_access = tick
-            node.hit_count += 1
+        if self._native is not None:
+            # Compiled: the same walk and splits, the same writes per node, the slots joined.
+            path, pos, joined = self._native.match(
+                root, self._page_bytes, key.namespace, data, end, self.split_node, tick
+            )
+            slots = None if joined is None else np.frombuffer(joined, dtype=_INT64)
+        else:
+            path, pos, _ = descend(
+                root, self._page_bytes, key.namespace, data, end, self.split_node
+            )
+            for node in path:
+                node.last_access = tick
+                node.hit_count += 1
+            # A copy (concatenate copies too): the caller may write into the tensor it gets.
+            values = [node.value for node in path]
+            slots = (
+                (np.concatenate(values) if len(values) > 1 else values[0].copy()) if path else None
+            )
+        self._last_walk = (key, end, path, pos)
+        node = path[-1] if path else root
         if node.heap_entry is not None:
             self._heap.push(node)  # re-key the leaf for its new access time
         prefix_len = pos // TOKEN_BYTES
         self.hit_tokens += prefix_len
-        if not values:
+        if slots is None:
             return MatchResult(0, self._full.to_device(_EMPTY_SLOTS), root)
-        # A copy (concatenate copies too): the caller may write into the tensor it gets.
-        slots = np.concatenate(values) if len(values) > 1 else values[0].copy()
         if self._on_cpu:
             return MatchResult(prefix_len, torch.from_numpy(slots), node)
         return MatchResult(prefix_len, self._full.to_device(slots), node)
@@ -346,7 +363,12 @@ class UnifiedRadixCache:
         else:
             # With the check, the walk without its split finds the held prefix first.
             split = self.split_node if checker is None else None
-            path, pos, partial = descend(root, page_bytes, namespace, data, end, split)
+            if self._native is not None:
+                path, pos, partial = self._native.walk(
+                    root, page_bytes, namespace, data, end, split
+                )
+            else:
+                path, pos, partial = descend(root, page_bytes, namespace, data, end, split)
         self._last_walk = None
         if checker is not None:
             # The slots past the held prefix (the ones the new leaf adopts) are checked, and
@@ -482,20 +504,7 @@ class UnifiedRadixCache:
             before = component.evicted_total
             self.remove_leaf(node, evicted=True)
             return component.evicted_total - before
-        if self._journal is not None:
-            self._journal.node(node)
-        freed = 0
-        for other in self._extras:
-            if (
-                other.priority <= component.priority
-                and other.node_size(node)
-                and other.node_lock(node) == 0
-            ):
-                amount = other.release(node, node_goes=False)
-                other.evicted_total += amount
-                if other is component:
-                    freed = amount
-        return freed
+        return structure.tombstone(self, node, component)
 
     def _forget_walk(self) -> None:
         """A node leaves or shrinks: drop the match's walk unless its path is locked (or empty:
@@ -515,6 +524,10 @@ class UnifiedRadixCache:
         one split where the match ends inside it, so the path covers exactly the matched
         prefix. Mutates only by that split (sizes and locks unchanged). The walk of the hybrid
         and hierarchical paths; the Full-only fast paths inline it. O(K + depth)."""
+        if self._native is not None:
+            return self._native.walk(
+                self._root, self._page_bytes, namespace, data, end, self.split_node
+            )[0]
         return descend(self._root, self._page_bytes, namespace, data, end, self.split_node)[0]
 
     def add_leaf(
@@ -651,21 +664,7 @@ class UnifiedRadixCache:
                 f"{len(self._receipts)} lock receipt(s) outstanding; unlock them first"
             )
         self._last_walk = None
-        stack = list(self._root.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            for component in self._extras:
-                if component.node_size(node):
-                    component.release(node, node_goes=True)
-            node.heap_entry = None
-            self._full.queue_free(node.value)
-            node.parent = None
-        self._root.children.clear()
-        self.flush_pending()
-        for component in self._components:
-            component.reset()
-        self.num_nodes = 0
+        structure.clear(self)
         if self._events is not None:
             self._events.cleared()
 

@@ -33,6 +33,18 @@ if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.tree_view import TreeView
 
 
+#: Evicts `amount` Full tokens, recording removed nodes and cut leaves for an undo when given
+#: lists; returns the tokens freed (`FullComponent._evict`'s contract).
+LeafEvictor = Callable[
+    [
+        int,
+        "list[tuple[TreeNode, TreeNode]] | None",
+        "list[tuple[TreeNode, npt.NDArray[np.int64], bytes, list[bytes] | None]] | None",
+    ],
+    int,
+]
+
+
 class FullComponent(TreeComponent):
     """Full KV slots. `allocator` is the Full pool's slot allocator (or an SWA allocator, whose
     `free` releases a token's full and SWA slots together)."""
@@ -64,6 +76,9 @@ class FullComponent(TreeComponent):
         #: Per slot, non-zero while the tree holds it (set by the tree's `SlotChecker`, None when
         #: the tree does not check insert slots); cleared here when the slots are freed.
         self.held: npt.NDArray[np.int32] | None = None
+        #: The compiled `_evict` loop (`native_core.evict_leaves`), set by a Full-only device
+        #: tree without events that has the compiled core; None runs the loop below.
+        self.leaf_evictor: LeafEvictor | None = None
 
     def bind(self, tree: TreeView[TreeComponent], index: int) -> None:
         super().bind(tree, index)
@@ -104,6 +119,8 @@ class FullComponent(TreeComponent):
         removed: list[tuple[TreeNode, TreeNode]] | None,
         cut: list[tuple[TreeNode, npt.NDArray[np.int64], bytes, list[bytes] | None]] | None,
     ) -> int:
+        if self.leaf_evictor is not None:
+            return self.leaf_evictor(amount, removed, cut)
         tree = self.tree
         heap = self.heap
         assert heap is not None
@@ -140,7 +157,7 @@ class FullComponent(TreeComponent):
         slots."""
         check = self._check_allocated
         if check is None and not repeats:
-            self.evict(amount)
+            self._evict(amount, None, None)
             self.flush()
             return
         removed: list[tuple[TreeNode, TreeNode]] = []
@@ -209,9 +226,13 @@ class FullComponent(TreeComponent):
         return size
 
     def flush(self) -> None:
-        slots = self.take_pending()
-        if slots is not None and len(slots):
-            self.allocator.free(self.to_device(slots))
+        pending = self._pending
+        if not pending:
+            return
+        slots = pending[0] if len(pending) == 1 else np.concatenate(pending)
+        pending.clear()
+        if len(slots):
+            self.allocator.free(torch.from_numpy(slots) if self._on_cpu else self.to_device(slots))
             held = self.held
             if held is not None:
                 try:

@@ -1,0 +1,108 @@
+"""The compiled hot paths of a Full-only device tree (`radix_core.c`), and their contract.
+
+`native_core()` returns the extension module built from `radix_core.c` by
+`kvstrata.pool.native.native_extension` (system C compiler, per-machine cache; built at first
+use), or None when it is unavailable, turned off (`KVSTRATA_NATIVE=0`) or asked for inside
+`kvstrata.pool.native.disabled()`. A tree asks once, when it is made, and keeps the answer: a
+tree made inside `disabled()` runs the pure-Python paths for good (A/B tests compare the two).
+
+What the module does, each the same as the Python it replaces (same nodes, same splits, same
+answers; tests/test_radix_native.py compares both paths on random operations):
+
+- `walk(root, page_bytes, namespace, data, end, split)`: `walk.descend` without `visit`.
+- `match(root, page_bytes, namespace, data, end, split, tick)`: `descend` with `split`, then
+  each path node gets `last_access = tick` and `hit_count += 1` (what `match_prefix` does),
+  and the path's Full slots come back as one bytearray (`pos` bytes; None for an empty path).
+- `evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut)`: the loop
+  of `FullComponent._evict` with `tree.remove_leaf` / `truncate_leaf` inlined, for a Full-only
+  device tree without events (no hook, journal or event to run): leaves in heap order, the
+  last one cut page-granular, slots queued on `pending`, undo records on `removed` / `cut`.
+  Returns (tokens freed, nodes removed); `evict_leaves` applies the size counters.
+- `check_slots(slots, lo, hi, held, keep)`: True when the slots are in the table, unmarked and
+  distinct (marked when `keep`); False changes nothing and the caller runs the Python check,
+  which raises the precise error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from kvstrata.pool.native import native_extension
+from kvstrata.unified_radix_cache.key import Namespace
+from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
+from kvstrata.unified_radix_cache.walk import SplitFn
+
+if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.policies import LeafHeap
+    from kvstrata.unified_radix_cache.tree_internals import TreeInternals
+
+Slots = npt.NDArray[np.int64]
+#: Undo records of an evict (`FullComponent.evict_checked`): removed (node, parent) pairs and
+#: cut leaves (node, value, key, page keys) as they were.
+Removed = list[tuple[TreeNode, TreeNode]]
+Cut = list[tuple[TreeNode, Slots, bytes, list[bytes] | None]]
+
+SOURCE = Path(__file__).with_name("radix_core.c")
+MODULE_NAME = "_kvstrata_radix_core"
+
+
+class RadixCore(Protocol):
+    """The functions of the compiled module (see the module docstring), positional only."""
+
+    #: (root, page_bytes, namespace, data, end, split) -> (path, pos, partial)
+    walk: Callable[
+        [TreeNode, int, Namespace | None, bytes, int, SplitFn | None],
+        tuple[list[TreeNode], int, int],
+    ]
+    #: (root, page_bytes, namespace, data, end, split, tick) -> (path, pos, joined slots)
+    match: Callable[
+        [TreeNode, int, Namespace | None, bytes, int, SplitFn, int],
+        tuple[list[TreeNode], int, bytearray | None],
+    ]
+    #: (heap, amount, page, page_bytes, root, no_children, pending, removed, cut)
+    #: -> (tokens freed, nodes removed)
+    evict: Callable[
+        [LeafHeap, int, int, int, TreeNode, object, list[Slots], Removed | None, Cut | None],
+        tuple[int, int],
+    ]
+    #: (slots, lo, hi, held, keep) -> whether they passed (and were marked when keep)
+    check_slots: Callable[[Slots, int, int, npt.NDArray[np.int32], bool], bool]
+
+
+def native_core() -> RadixCore | None:
+    """The compiled module, or None (then the tree keeps its Python paths)."""
+    return cast("RadixCore | None", native_extension(SOURCE, MODULE_NAME).module)
+
+
+def evict_leaves(
+    core: RadixCore,
+    tree: TreeInternals,
+    amount: int,
+    removed: Removed | None,
+    cut: Cut | None,
+) -> int:
+    """`FullComponent._evict` of a Full-only device tree without events, compiled: the same
+    leaves go, in the same order, with the same undo records. Returns the tokens freed."""
+    full = tree._full
+    freed, gone = core.evict(
+        tree._heap,
+        amount,
+        tree.page_size,
+        tree._page_bytes,
+        tree._root,
+        NO_CHILDREN,
+        full._pending,
+        removed,
+        cut,
+    )
+    full.evictable_size -= freed
+    full.evicted_total += freed
+    tree.num_nodes -= gone
+    if freed:
+        tree._forget_walk()
+    return freed
