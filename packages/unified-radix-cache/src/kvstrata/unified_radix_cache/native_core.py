@@ -13,11 +13,16 @@ answers; tests/test_radix_native.py compares both paths on random operations):
 - `match(root, page_bytes, namespace, data, end, split, tick)`: `descend` with `split`, then
   each path node gets `last_access = tick` and `hit_count += 1` (what `match_prefix` does),
   and the path's Full slots come back as one bytearray (`pos` bytes; None for an empty path).
-- `evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut)`: the loop
-  of `FullComponent._evict` with `tree.remove_leaf` / `truncate_leaf` inlined, for a Full-only
-  device tree without events (no hook, journal or event to run): leaves in heap order, the
-  last one cut page-granular, slots queued on `pending`, undo records on `removed` / `cut`.
-  Returns (tokens freed, nodes removed); `evict_leaves` applies the size counters.
+- `evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut,
+  progress)`: the loop of `FullComponent._evict` with `tree.remove_leaf` / `truncate_leaf`
+  inlined, for a Full-only device tree without events (no hook, journal or event to run):
+  leaves in heap order, the last one cut page-granular, slots queued on `pending`, undo
+  records on `removed` / `cut`. Returns (tokens freed, nodes removed); `evict_leaves` applies
+  the size counters. Each leaf is either left as it was or taken whole (cut) before the next
+  one; when something raises midway (a priority whose comparison raises in the parent's
+  `heap.push`, MemoryError, KeyboardInterrupt from Python code it calls) the counts so far
+  are in `progress` (a 16-byte bytearray, two int64) and `evict_leaves` still applies them.
+  Targets of 2**63 and more are clamped (they free everything, as in Python).
 - `check_slots(slots, lo, hi, held, keep)`: True when the slots are in the table, unmarked and
   distinct (marked when `keep`); False changes nothing and the caller runs the Python check,
   which raises the precise error.
@@ -25,7 +30,9 @@ answers; tests/test_radix_native.py compares both paths on random operations):
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -33,12 +40,13 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstrata.pool.native import native_extension
+from kvstrata.unified_radix_cache.components.full import FullComponent, LeafEvictor
 from kvstrata.unified_radix_cache.key import Namespace
 from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
+from kvstrata.unified_radix_cache.policies import LeafHeap
 from kvstrata.unified_radix_cache.walk import SplitFn
 
 if TYPE_CHECKING:
-    from kvstrata.unified_radix_cache.policies import LeafHeap
     from kvstrata.unified_radix_cache.tree_internals import TreeInternals
 
 Slots = npt.NDArray[np.int64]
@@ -64,10 +72,21 @@ class RadixCore(Protocol):
         [TreeNode, int, Namespace | None, bytes, int, SplitFn, int],
         tuple[list[TreeNode], int, bytearray | None],
     ]
-    #: (heap, amount, page, page_bytes, root, no_children, pending, removed, cut)
+    #: (heap, amount, page, page_bytes, root, no_children, pending, removed, cut, progress)
     #: -> (tokens freed, nodes removed)
     evict: Callable[
-        [LeafHeap, int, int, int, TreeNode, object, list[Slots], Removed | None, Cut | None],
+        [
+            LeafHeap,
+            int,
+            int,
+            int,
+            TreeNode,
+            object,
+            list[Slots],
+            Removed | None,
+            Cut | None,
+            bytearray,
+        ],
         tuple[int, int],
     ]
     #: (slots, lo, hi, held, keep) -> whether they passed (and were marked when keep)
@@ -79,30 +98,57 @@ def native_core() -> RadixCore | None:
     return cast("RadixCore | None", native_extension(SOURCE, MODULE_NAME).module)
 
 
+def leaf_evictor(core: RadixCore, tree: TreeInternals) -> LeafEvictor | None:
+    """The compiled Full eviction loop for `tree` (a Full-only device tree without events),
+    or None when its Full component or heap is not exactly `FullComponent` / `LeafHeap`: the
+    loop mirrors those classes' code, so a subclass (or another heap) keeps its overrides on
+    the Python path."""
+    if type(tree._full) is not FullComponent or type(tree._heap) is not LeafHeap:
+        return None
+    return partial(evict_leaves, core, tree, bytearray(16))
+
+
 def evict_leaves(
     core: RadixCore,
     tree: TreeInternals,
+    progress: bytearray,
     amount: int,
     removed: Removed | None,
     cut: Cut | None,
 ) -> int:
     """`FullComponent._evict` of a Full-only device tree without events, compiled: the same
-    leaves go, in the same order, with the same undo records. Returns the tokens freed."""
+    leaves go, in the same order, with the same undo records. Returns the tokens freed.
+    `progress`: the tree's 16-byte scratch for the counts when the loop raises midway (then
+    the leaves already taken are counted here before the exception goes on)."""
     full = tree._full
-    freed, gone = core.evict(
-        tree._heap,
-        amount,
-        tree.page_size,
-        tree._page_bytes,
-        tree._root,
-        NO_CHILDREN,
-        full._pending,
-        removed,
-        cut,
-    )
+    try:
+        freed, gone = core.evict(
+            tree._heap,
+            amount,
+            tree.page_size,
+            tree._page_bytes,
+            tree._root,
+            NO_CHILDREN,
+            full._pending,
+            removed,
+            cut,
+            progress,
+        )
+    except BaseException:
+        freed, gone = _PROGRESS.unpack(progress)
+        _count(tree, freed, gone)
+        raise
+    _count(tree, freed, gone)
+    return freed
+
+
+_PROGRESS = struct.Struct("=qq")
+
+
+def _count(tree: TreeInternals, freed: int, gone: int) -> None:
+    full = tree._full
     full.evictable_size -= freed
     full.evicted_total += freed
     tree.num_nodes -= gone
     if freed:
         tree._forget_walk()
-    return freed

@@ -13,16 +13,21 @@ ValueError: no input makes this code read or write outside a buffer.
                                                last_access = tick and hit_count += 1;
                                                slots: bytearray of the path's Full slots
                                                (int64, pos bytes), None for an empty path
-    evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut)
+    evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut, progress)
         -> (freed, nodes removed)              FullComponent._evict on a Full-only device
                                                tree without events: leaves in heap order,
                                                the last one cut page-granular; slots go to
                                                `pending`, undo records to `removed` / `cut`
-                                               (lists or None); the caller adjusts sizes
+                                               (lists or None); the caller adjusts sizes.
+                                               `progress` (bytearray(16)) gets the same two
+                                               counts (int64) on every return, an exception
+                                               included: each leaf is either untouched or
+                                               counted; amount is clamped to [0, 2**63 - 1]
     check_slots(slots, lo, hi, held, keep) -> bool
         True when every slots[lo:hi] lies in held's range, is unmarked there and appears
         once: with keep they are marked (1), else held is as it was. False changes nothing:
         the caller runs its Python check, which raises the precise error (or grows the table).
+        Slots sharing memory with held get False (the Python check copes with the overlap).
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -115,6 +120,13 @@ static PyObject *descend(PyObject *root, Py_ssize_t pb, PyObject *ns, PyObject *
             goto fail;
         }
         Py_ssize_t step = PyBytes_GET_SIZE(ck);
+        if (step <= 0 || step % pb) {  /* every later read assumes whole pages */
+            Py_DECREF(ck);
+            Py_DECREF(child);
+            PyErr_Format(PyExc_ValueError, "walk: a node key of %zd bytes is not a whole "
+                         "number (>= 1) of %zd-byte pages", step, pb);
+            goto fail;
+        }
         PyObject *node;
         if (pos + step <= end && memcmp(d + pos, PyBytes_AS_STRING(ck), (size_t)step) == 0) {
             node = child;
@@ -348,6 +360,15 @@ static PyObject *check_slots(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyErr_Format(PyExc_ValueError, "check_slots: [%zd, %zd) outside %zd slots", lo, hi, n);
         return NULL;
     }
+    const char *s_lo = (const char *)sv.buf, *h_lo = (const char *)hv.buf;
+    if (s_lo < h_lo + hv.len && h_lo < s_lo + sv.len) {
+        /* The slots share memory with the table: a mark written below would change slots
+           still to be read (and the undo would then index with them). The Python check
+           copes (numpy copies overlapping operands). */
+        PyBuffer_Release(&sv);
+        PyBuffer_Release(&hv);
+        Py_RETURN_FALSE;
+    }
     const int64_t *s = (const int64_t *)sv.buf;
     int32_t *held = (int32_t *)hv.buf;
     int64_t rows = (int64_t)(hv.len / 4);
@@ -478,64 +499,97 @@ static PyObject *slice_of(PyObject *obj, Py_ssize_t start, Py_ssize_t stop)
     return out;
 }
 
+/* Drop the last item of `list` (an append being undone; shrinking a list cannot fail). */
+static void drop_last(PyObject *list)
+{
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if (n > 0)
+        (void)PyList_SetSlice(list, n - 1, n, NULL);
+}
+
 /* Cut unlocked leaf `node` after its first `keep` tokens (structure.cut_leaf_tail without
-   events): its tail slots go to `pending`. Returns the tokens freed or -1. */
+   events): its tail slots go to `pending`. Every object is made before the first change, so a
+   failure (-1) leaves the node, `pending` and `cut` as they were. Returns the tokens freed. */
 static Py_ssize_t cut_tail(PyObject *node, PyObject *value, Py_ssize_t size, Py_ssize_t keep,
                            PyObject *pending, PyObject *cut)
 {
     PyObject *key = PyObject_GetAttr(node, s_key);
     if (key == NULL)
         return -1;
-    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) < keep * 8) {
+    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) / 8 < keep) {
         Py_DECREF(key);
         PyErr_SetString(PyExc_ValueError, "evict: a leaf's key is shorter than its slots");
         return -1;
     }
+    PyObject *record = NULL, *tail = NULL, *head = NULL, *short_key = NULL;
+    Py_ssize_t rc = -1;
     if (cut != Py_None) {
         PyObject *keys = PyObject_GetAttr(node, s_page_keys);
-        PyObject *record = keys == NULL ? NULL : PyTuple_Pack(4, node, value, key, keys);
+        record = keys == NULL ? NULL : PyTuple_Pack(4, node, value, key, keys);
         Py_XDECREF(keys);
-        int rc = record == NULL ? -1 : PyList_Append(cut, record);
-        Py_XDECREF(record);
-        if (rc < 0) {
-            Py_DECREF(key);
-            return -1;
-        }
+        if (record == NULL)
+            goto done;
     }
-    PyObject *tail = slice_of(value, keep, -1);
-    PyObject *head = tail == NULL ? NULL : slice_of(value, 0, keep);
-    PyObject *short_key =
-        head == NULL ? NULL : PyBytes_FromStringAndSize(PyBytes_AS_STRING(key), keep * 8);
-    Py_DECREF(key);
-    int rc = short_key == NULL || PyList_Append(pending, tail) < 0 ||
-             PyObject_SetAttr(node, s_value, head) < 0 ||
-             PyObject_SetAttr(node, s_key, short_key) < 0;
+    tail = slice_of(value, keep, -1);
+    head = tail == NULL ? NULL : slice_of(value, 0, keep);
+    short_key = head == NULL ? NULL : PyBytes_FromStringAndSize(PyBytes_AS_STRING(key), keep * 8);
+    if (short_key == NULL)
+        goto done;
+    if (record != NULL && PyList_Append(cut, record) < 0)
+        goto done;
+    if (PyList_Append(pending, tail) < 0) {
+        if (record != NULL)
+            drop_last(cut);
+        goto done;
+    }
+    if (PyObject_SetAttr(node, s_value, head) < 0) {
+        drop_last(pending);
+        if (record != NULL)
+            drop_last(cut);
+        goto done;
+    }
+    if (PyObject_SetAttr(node, s_key, short_key) < 0) {
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        (void)PyObject_SetAttr(node, s_value, value);
+        PyErr_Restore(type, exc, tb);
+        drop_last(pending);
+        if (record != NULL)
+            drop_last(cut);
+        goto done;
+    }
+    rc = size - keep;
+done:
+    Py_XDECREF(record);
     Py_XDECREF(tail);
     Py_XDECREF(head);
     Py_XDECREF(short_key);
-    return rc ? -1 : size - keep;
+    Py_DECREF(key);
+    return rc;
 }
 
-/* structure.remove_leaf for a Full-only device tree without events, `node` already out of
-   the heap: its slots go to `pending`, it leaves its parent, which becomes an evictable leaf
-   (heap.push) when it is a non-root unlocked node left childless. */
-static int remove_leaf(PyObject *heap, PyObject *node, PyObject *value, PyObject *root,
-                       Py_ssize_t pb, PyObject *no_children, PyObject *pending, PyObject *removed)
+/* Results of remove_leaf. */
+enum { LEAF_KEPT = -1, LEAF_GONE = 0, LEAF_GONE_THEN_FAILED = -2 };
+
+/* structure.remove_leaf for a Full-only device tree without events, `node` being the heap's
+   peeked top (`entry`): it leaves the heap, its slots go to `pending`, it leaves its parent,
+   which becomes an evictable leaf (heap.push) when it is a non-root unlocked node left
+   childless. LEAF_KEPT: failed with the node, heap and lists as they were. LEAF_GONE_THEN_FAILED:
+   the node is out (count it), then the parent's heap.push raised (as the Python path leaves
+   it: the push's own state). */
+static int remove_leaf(PyObject *heap, PyObject *node, PyObject *entry, PyObject *value,
+                       PyObject *root, Py_ssize_t pb, PyObject *no_children, PyObject *pending,
+                       PyObject *removed)
 {
     PyObject *parent = PyObject_GetAttr(node, s_parent);
     if (parent == NULL)
-        return -1;
-    PyObject *key = NULL, *first = NULL, *dkey = NULL, *children = NULL;
-    int rc = -1;
-    if (removed != Py_None) {
-        PyObject *record = PyTuple_Pack(2, node, parent);
-        int bad = record == NULL || PyList_Append(removed, record) < 0;
-        Py_XDECREF(record);
-        if (bad)
-            goto done;
-    }
-    if (PyList_Append(pending, value) < 0)
+        return LEAF_KEPT;
+    PyObject *key = NULL, *first = NULL, *dkey = NULL, *children = NULL, *record = NULL;
+    int rc = LEAF_KEPT;
+    if (parent == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "evict: a leaf in the heap has no parent");
         goto done;
+    }
     key = PyObject_GetAttr(node, s_key);
     if (key == NULL)
         goto done;
@@ -556,31 +610,71 @@ static int remove_leaf(PyObject *heap, PyObject *node, PyObject *value, PyObject
     if (dkey == NULL)
         goto done;
     children = PyObject_GetAttr(parent, s_children);
-    if (children == NULL || PyObject_DelItem(children, dkey) < 0 ||
-        PyObject_SetAttr(node, s_parent, Py_None) < 0)
+    if (children == NULL)
         goto done;
-    Py_ssize_t left = PyObject_Length(children);
-    if (left < 0)
-        goto done;
-    if (left == 0 && parent != root) {
-        if (PyObject_SetAttr(parent, s_children, no_children) < 0)
+    if (removed != Py_None) {
+        record = PyTuple_Pack(2, node, parent);
+        if (record == NULL || PyList_Append(removed, record) < 0)
             goto done;
-        PyObject *locks = PyObject_GetAttr(parent, s_lock_ref);
-        if (locks == NULL)
-            goto done;
-        int unlocked = PyLong_Check(locks) && PyLong_AsLong(locks) == 0;
-        Py_DECREF(locks);
-        if (PyErr_Occurred())
-            goto done;
-        if (unlocked) {
-            PyObject *pushed = PyObject_CallMethodOneArg(heap, s_push, parent);
-            if (pushed == NULL)
-                goto done;
-            Py_DECREF(pushed);
-        }
     }
-    rc = 0;
+    if (PyList_Append(pending, value) < 0) {
+        if (removed != Py_None)
+            drop_last(removed);
+        goto done;
+    }
+    if (pop_peeked(heap, node, entry) < 0 || PyObject_DelItem(children, dkey) < 0) {
+        /* Put back what was done (a failed heappop already lost the entry, as in Python). */
+        drop_last(pending);
+        if (removed != Py_None)
+            drop_last(removed);
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyObject *heap_entry = PyObject_GetAttr(node, s_heap_entry);
+        if (heap_entry == Py_None) {
+            PyObject *back = PyObject_CallMethod(heap, "put_back", "OO", node, entry);
+            Py_XDECREF(back);
+        }
+        Py_XDECREF(heap_entry);
+        PyErr_Clear();
+        PyErr_Restore(type, exc, tb);
+        goto done;
+    }
+    if (PyObject_SetAttr(node, s_parent, Py_None) < 0) {
+        rc = LEAF_GONE_THEN_FAILED;
+        goto done;
+    }
+    rc = LEAF_GONE;
+    if (parent == root)
+        goto done;
+    Py_ssize_t left =
+        PyDict_CheckExact(children) ? PyDict_GET_SIZE(children) : PyObject_Length(children);
+    if (left < 0)
+        rc = LEAF_GONE_THEN_FAILED;
+    if (left != 0)
+        goto done;
+    if (PyObject_SetAttr(parent, s_children, no_children) < 0) {
+        rc = LEAF_GONE_THEN_FAILED;
+        goto done;
+    }
+    PyObject *locks = PyObject_GetAttr(parent, s_lock_ref);
+    if (locks == NULL) {
+        rc = LEAF_GONE_THEN_FAILED;
+        goto done;
+    }
+    int unlocked = PyLong_Check(locks) && PyLong_AsLong(locks) == 0;
+    Py_DECREF(locks);
+    if (PyErr_Occurred()) {
+        rc = LEAF_GONE_THEN_FAILED;
+        goto done;
+    }
+    if (unlocked) {
+        PyObject *pushed = PyObject_CallMethodOneArg(heap, s_push, parent);
+        if (pushed == NULL)
+            rc = LEAF_GONE_THEN_FAILED;
+        Py_XDECREF(pushed);
+    }
 done:
+    Py_XDECREF(record);
     Py_XDECREF(children);
     Py_XDECREF(dkey);
     Py_XDECREF(first);
@@ -589,21 +683,48 @@ done:
     return rc;
 }
 
+/* The eviction target as a Py_ssize_t: a larger one frees everything anyway, so it is
+   clamped (no OverflowError), a negative one frees nothing. */
+static int clamp_amount(PyObject *obj, Py_ssize_t *out)
+{
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow > 0 || v > PY_SSIZE_T_MAX)
+        v = PY_SSIZE_T_MAX;
+    if (overflow < 0 || v < 0)
+        v = 0;
+    *out = (Py_ssize_t)v;
+    return 0;
+}
+
+static void report(PyObject *progress, Py_ssize_t freed, Py_ssize_t gone)
+{
+    int64_t both[2] = {(int64_t)freed, (int64_t)gone};
+    memcpy(PyByteArray_AS_STRING(progress), both, sizeof both);
+}
+
 static PyObject *evict(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 9) {
+    if (nargs != 10) {
         PyErr_SetString(PyExc_TypeError, "evict(heap, amount, page, page_bytes, root, "
-                                         "no_children, pending, removed, cut)");
+                                         "no_children, pending, removed, cut, progress)");
         return NULL;
     }
     PyObject *heap = args[0], *root = args[4], *no_children = args[5], *pending = args[6];
-    PyObject *removed = args[7], *cut = args[8];
-    static const int which[] = {1, 2, 3, -1};
-    Py_ssize_t ints[3];
-    if (ssize_args(args, which, ints) < 0)
+    PyObject *removed = args[7], *cut = args[8], *progress = args[9];
+    if (!PyByteArray_CheckExact(progress) || PyByteArray_GET_SIZE(progress) != 16) {
+        PyErr_SetString(PyExc_TypeError, "evict: progress must be a bytearray of 16 bytes");
         return NULL;
-    Py_ssize_t amount = ints[0], page = ints[1], pb = ints[2];
-    if (page <= 0 || pb != page * 8 || !PyList_CheckExact(pending) ||
+    }
+    report(progress, 0, 0);
+    static const int which[] = {2, 3, -1};
+    Py_ssize_t ints[2], amount;
+    if (clamp_amount(args[1], &amount) < 0 || ssize_args(args, which, ints) < 0)
+        return NULL;
+    Py_ssize_t page = ints[0], pb = ints[1];
+    if (page <= 0 || page > PY_SSIZE_T_MAX / 8 || pb != page * 8 || !PyList_CheckExact(pending) ||
         (removed != Py_None && !PyList_CheckExact(removed)) ||
         (cut != Py_None && !PyList_CheckExact(cut))) {
         PyErr_SetString(PyExc_ValueError, "evict: bad page size or record lists");
@@ -626,24 +747,33 @@ static PyObject *evict(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(entry);
             return NULL;
         }
-        Py_ssize_t keep = size - (amount - freed + page - 1) / page * page;
-        Py_ssize_t got;
+        /* Whole pages covering what is still wanted, without overflow: keep <= 0 takes the
+           whole leaf. */
+        Py_ssize_t need = amount - freed;
+        Py_ssize_t pages = need / page + (need % page != 0);
+        Py_ssize_t keep = pages > size / page ? 0 : size - pages * page;
+        int failed = 0;
         if (keep > 0) {  /* page-granular: the leaf keeps its head and its heap entry */
-            got = cut_tail(node, value, size, keep, pending, cut);
+            Py_ssize_t got = cut_tail(node, value, size, keep, pending, cut);
+            if (got < 0)
+                failed = 1;
+            else
+                freed += got;
         } else {
-            got = pop_peeked(heap, node, entry) < 0 ||
-                          remove_leaf(heap, node, value, root, pb, no_children, pending,
-                                      removed) < 0
-                      ? -1
-                      : size;
-            gone += got >= 0;
+            int rc = remove_leaf(heap, node, entry, value, root, pb, no_children, pending,
+                                 removed);
+            if (rc != LEAF_KEPT) {
+                freed += size;
+                gone += 1;
+            }
+            failed = rc != LEAF_GONE;
         }
         Py_DECREF(value);
         Py_DECREF(node);
         Py_DECREF(entry);
-        if (got < 0)
+        report(progress, freed, gone);
+        if (failed)
             return NULL;
-        freed += got;
         if (keep > 0)
             break;
     }
@@ -658,8 +788,8 @@ static PyMethodDef methods[] = {
     {"check_slots", (PyCFunction)(void (*)(void))check_slots, METH_FASTCALL,
      "check_slots(slots, lo, hi, held, keep) -> bool"},
     {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL,
-     "evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut) -> "
-     "(freed, nodes removed)"},
+     "evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut, "
+     "progress) -> (freed, nodes removed)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,7 +39,7 @@ from kvstrata.unified_radix_cache.hybrid import insert_walk, match_hybrid
 from kvstrata.unified_radix_cache.insert_inputs import check_inputs, slots_of
 from kvstrata.unified_radix_cache.integrity import check_tree
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, Namespace, RadixKey
-from kvstrata.unified_radix_cache.native_core import RadixCore, evict_leaves, native_core
+from kvstrata.unified_radix_cache.native_core import RadixCore, leaf_evictor, native_core
 from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
 from kvstrata.unified_radix_cache.policies import EvictionPolicy, make_policy
 from kvstrata.unified_radix_cache.render import render_tree
@@ -147,7 +146,7 @@ class UnifiedRadixCache:
         if keyer is not None and enable_events and not disable:
             self._events = EventLog(keyer)
         elif self._native is not None and not self._extras:
-            self._full.leaf_evictor = partial(evict_leaves, self._native, self)
+            self._full.leaf_evictor = leaf_evictor(self._native, self)
         # Hierarchical mode (host_tier.py). `_slow` sends match and insert off the Full-only
         # fast path, so a device-only tree pays one attribute test per call and nothing more.
         self.host_tier: TreeTier | None = None
