@@ -29,12 +29,11 @@ from kvstrata.unified_radix_cache.components.base import ComponentInsert, TreeCo
 from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.errors import (
     InvalidConfig,
-    InvalidEvictRequest,
     InvalidInsert,
     TreeLocked,
 )
 from kvstrata.unified_radix_cache.events import EventLog, KVEvent
-from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_components
+from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_targets
 from kvstrata.unified_radix_cache.hybrid import insert_walk, match_hybrid
 from kvstrata.unified_radix_cache.insert_inputs import check_inputs, slots_of
 from kvstrata.unified_radix_cache.integrity import check_tree
@@ -575,28 +574,21 @@ class UnifiedRadixCache:
         HeldSlotsRepeated) changed nothing: tree, host tier and allocators are as they were.
         Cost: O(k log n) for k nodes evicted. `evict` with all targets 0 is a no-op."""
         targets = request.targets
-        by_name = self._by_name
-        for name in targets:
-            if name not in by_name:
-                raise InvalidEvictRequest(
-                    f"no component {name!r} in this tree (have {sorted(by_name)})"
-                )
         start = time.perf_counter()
-        components = self._components
-        before = [c.evicted_total for c in components]
         nodes_before = self.num_nodes
-        if self.host_tier is None and not self._extras:
-            amount = targets.get("full", 0)
-            if amount > 0:  # checked: a free behind the tree's back raises with nothing changed
+        if not self._slow and len(targets) == 1 and "full" in targets:
+            # Full-only device tree (the general path's first branch, minus its loops).
+            full = self._full
+            before = full.evicted_total
+            if targets["full"] > 0:
                 queue = self._events.queue if self._events is not None else None
-                self._full.evict_checked(amount, queue, repeats=not self.check_slots)
+                full.evict_checked(targets["full"], queue, repeats=not self.check_slots)
+            evicted = {"full": full.evicted_total - before}
         else:
-            # All or nothing (device-only or with a host tier): rolled back when it raises.
-            evict_components(self, targets)
+            evicted = evict_targets(self, targets)
         seconds = time.perf_counter() - start
         self.evict_calls += 1
         self.evict_seconds += seconds
-        evicted = {c.name: c.evicted_total - b for c, b in zip(components, before, strict=True)}
         return EvictResult(
             evicted=evicted, nodes_removed=nodes_before - self.num_nodes, seconds=seconds
         )
