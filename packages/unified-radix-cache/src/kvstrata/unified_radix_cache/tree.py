@@ -281,7 +281,12 @@ class UnifiedRadixCache:
             path, pos, joined = self._native.match(
                 root, self._page_bytes, key.namespace, data, end, self.split_node, tick
             )
-            slots = None if joined is None else np.frombuffer(joined, dtype=_INT64)
+            if joined is None:
+                found = None
+            elif self._on_cpu:  # one conversion, no numpy array in between
+                found = torch.frombuffer(joined, dtype=torch.int64)
+            else:
+                found = self._full.to_device(np.frombuffer(joined, dtype=_INT64))
         else:
             path, pos, _ = descend(
                 root, self._page_bytes, key.namespace, data, end, self.split_node
@@ -291,8 +296,12 @@ class UnifiedRadixCache:
                 node.hit_count += 1
             # A copy (concatenate copies too): the caller may write into the tensor it gets.
             values = [node.value for node in path]
-            slots = (
-                (np.concatenate(values) if len(values) > 1 else values[0].copy()) if path else None
+            found = (
+                self._full.to_device(
+                    np.concatenate(values) if len(values) > 1 else values[0].copy()
+                )
+                if path
+                else None
             )
         self._last_walk = (key, end, path, pos)
         node = path[-1] if path else root
@@ -300,11 +309,9 @@ class UnifiedRadixCache:
             self._heap.push(node)  # re-key the leaf for its new access time
         prefix_len = pos // TOKEN_BYTES
         self.hit_tokens += prefix_len
-        if slots is None:
+        if found is None:
             return MatchResult(0, self._full.to_device(_EMPTY_SLOTS), root)
-        if self._on_cpu:
-            return MatchResult(prefix_len, torch.from_numpy(slots), node)
-        return MatchResult(prefix_len, self._full.to_device(slots), node)
+        return MatchResult(prefix_len, found, node)
 
     # ------------------------------------------------------------------------------------------
     # Insert
