@@ -217,3 +217,43 @@ def test_a_refused_marking_pass_falls_back_to_the_python_check() -> None:
     assert held is not None
     assert sorted(np.flatnonzero(held).tolist()) == sorted(slots.tolist())
     kit.check()
+
+
+@needs_core
+def test_the_compiled_lock_walks_refuse_bad_input_before_any_change() -> None:
+    assert CORE is not None
+    kit = make_tree("full", page_size=1)
+    kit.put([1, 2, 3])
+    tree = kit.tree
+    (leaf,) = tree.iter_nodes()
+    members = tree._heap._members
+    with pytest.raises(TypeError, match="members"):
+        CORE.lock_path(leaf, tree.root, [])  # pyright: ignore[reportArgumentType]
+    other = make_tree("full", page_size=1)
+    assert CORE.lock_path(leaf, other.tree.root, members) is None  # a foreign anchor
+    with pytest.raises(AssertionError, match="below zero"):
+        CORE.unlock_path(leaf, tree._heap)  # never locked
+    leaf.lock_ref = "one"  # pyright: ignore[reportAttributeAccessIssue]
+    with pytest.raises(TypeError, match="lock_ref"):
+        CORE.lock_path(leaf, tree.root, members)
+    leaf.lock_ref = 0
+    assert leaf.id in members
+    kit.check()
+    # Through the tree: the same receipts and sizes as the Python loops.
+    receipt = tree.lock(leaf)
+    assert leaf.lock_ref == 1 and leaf.id not in members
+    assert (tree.protected_size(), tree.evictable_size()) == (3, 0)
+    kit.check()
+    tree.unlock(receipt)
+    assert leaf.lock_ref == 0 and leaf.id in members
+    kit.check()
+
+
+@needs_core
+def test_the_compiled_lock_walks_follow_the_compiled_eviction_rule() -> None:
+    plain = _tree(FullComponent(make_full_allocator(size=32, page_size=1)))
+    assert plain._full.path_lock is not None and plain._full.path_unlock is not None
+    sub = _tree(SubFull(make_full_allocator(size=32, page_size=1)))
+    assert sub._full.path_lock is None and sub._full.path_unlock is None
+    plain._full.drop_compiled()
+    assert plain._full.path_lock is None and plain._full.leaf_evictor is None

@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstrata.pool.native import native_extension
-from kvstrata.unified_radix_cache.components.full import FullComponent, LeafEvictor
+from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.key import Namespace
 from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
 from kvstrata.unified_radix_cache.policies import LeafHeap
@@ -89,6 +89,10 @@ class RadixCore(Protocol):
         ],
         tuple[int, int],
     ]
+    #: (anchor, root, leaf heap members) -> tokens locked, or None for a foreign anchor
+    lock_path: Callable[[TreeNode, TreeNode, dict[int, TreeNode]], int | None]
+    #: (anchor, leaf heap) -> tokens unlocked
+    unlock_path: Callable[[TreeNode, LeafHeap], int]
     #: (slots, lo, hi, held, keep) -> whether they passed (and were marked when keep)
     check_slots: Callable[[Slots, int, int, npt.NDArray[np.int32], bool], bool]
 
@@ -98,14 +102,19 @@ def native_core() -> RadixCore | None:
     return cast("RadixCore | None", native_extension(SOURCE, MODULE_NAME).module)
 
 
-def leaf_evictor(core: RadixCore, tree: TreeInternals) -> LeafEvictor | None:
-    """The compiled Full eviction loop for `tree` (a Full-only device tree without events),
-    or None when its Full component or heap is not exactly `FullComponent` / `LeafHeap`: the
-    loop mirrors those classes' code, so a subclass (or another heap) keeps its overrides on
-    the Python path."""
-    if type(tree._full) is not FullComponent or type(tree._heap) is not LeafHeap:
-        return None
-    return partial(evict_leaves, core, tree, bytearray(16))
+def install(core: RadixCore, tree: TreeInternals, *, events: bool) -> None:
+    """Give the Full component of `tree` (a Full-only device tree) the compiled lock and
+    unlock walks and, without events, the compiled eviction loop; nothing when its Full
+    component or heap is not exactly `FullComponent` / `LeafHeap`: the compiled code mirrors
+    those classes, so a subclass (or another heap) keeps its overrides on the Python path.
+    `attach_host_tier` takes them away again (`FullComponent.drop_compiled`)."""
+    full = tree._full
+    if type(full) is not FullComponent or type(tree._heap) is not LeafHeap:
+        return
+    if not events:
+        full.leaf_evictor = partial(evict_leaves, core, tree, bytearray(16))
+    full.path_lock = core.lock_path
+    full.path_unlock = core.unlock_path
 
 
 def evict_leaves(

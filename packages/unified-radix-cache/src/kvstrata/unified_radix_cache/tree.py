@@ -38,7 +38,7 @@ from kvstrata.unified_radix_cache.hybrid import insert_walk, match_hybrid
 from kvstrata.unified_radix_cache.insert_inputs import check_inputs, slots_of
 from kvstrata.unified_radix_cache.integrity import check_tree
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, Namespace, RadixKey
-from kvstrata.unified_radix_cache.native_core import RadixCore, leaf_evictor, native_core
+from kvstrata.unified_radix_cache.native_core import RadixCore, install, native_core
 from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
 from kvstrata.unified_radix_cache.policies import EvictionPolicy, make_policy
 from kvstrata.unified_radix_cache.render import render_tree
@@ -144,8 +144,8 @@ class UnifiedRadixCache:
         self._events: EventLog | None = None
         if keyer is not None and enable_events and not disable:
             self._events = EventLog(keyer)
-        elif self._native is not None and not self._extras:
-            self._full.leaf_evictor = leaf_evictor(self._native, self)
+        if self._native is not None and not self._extras:
+            install(self._native, self, events=self._events is not None)
         # Hierarchical mode (host_tier.py). `_slow` sends match and insert off the Full-only
         # fast path, so a device-only tree pays one attribute test per call and nothing more.
         self.host_tier: TreeTier | None = None
@@ -238,7 +238,7 @@ class UnifiedRadixCache:
             raise InvalidConfig("attach the host tier to an empty tree")
         self.host_tier = tier
         self._slow = True
-        self._full.leaf_evictor = None  # the host tier's walks take Full eviction over
+        self._full.drop_compiled()  # the host tier's walks take Full eviction over
         self._full.tiered = True
 
     @property
