@@ -1,4 +1,5 @@
-"""The compiled hot paths of a Full-only device tree (`radix_core.c`), and their contract.
+"""The compiled hot paths of a Full-only device tree (`radix_core.c`, `radix_evict.c`,
+`radix_locks.c`, compiled as one file), and their contract.
 
 `native_core()` returns the extension module built from `radix_core.c` by
 `kvstrata.pool.native.native_extension` (system C compiler, per-machine cache; built at first
@@ -30,7 +31,11 @@ answers; tests/test_radix_native.py compares both paths on random operations):
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import struct
+import tempfile
+import threading
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -55,7 +60,28 @@ Slots = npt.NDArray[np.int64]
 Removed = list[tuple[TreeNode, TreeNode]]
 Cut = list[tuple[TreeNode, Slots, bytes, list[bytes] | None]]
 
-SOURCE = Path(__file__).with_name("radix_core.c")
+#: The C parts, joined in this order into one file (each under the 700-line limit).
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("radix_core.c", "radix_evict.c", "radix_locks.c")
+)
+_joined: list[Path] = []
+_joined_lock = threading.Lock()
+
+
+def source() -> Path:
+    """The C parts as one file, written once per process into a private temporary folder
+    (removed at exit). `native_extension` caches the build by the text it compiles, so an edit
+    of any part makes a new module, and the same text on the same machine builds once."""
+    with _joined_lock:
+        if not _joined:
+            folder = Path(tempfile.mkdtemp(prefix="kvstrata-radix-core-"))
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            path = folder / "radix_core.c"
+            path.write_bytes(b"".join(part.read_bytes() for part in SOURCES))
+            _joined.append(path)
+        return _joined[0]
+
+
 MODULE_NAME = "_kvstrata_radix_core"
 
 
@@ -99,7 +125,7 @@ class RadixCore(Protocol):
 
 def native_core() -> RadixCore | None:
     """The compiled module, or None (then the tree keeps its Python paths)."""
-    return cast("RadixCore | None", native_extension(SOURCE, MODULE_NAME).module)
+    return cast("RadixCore | None", native_extension(source(), MODULE_NAME).module)
 
 
 def install(core: RadixCore, tree: TreeInternals, *, events: bool) -> None:
