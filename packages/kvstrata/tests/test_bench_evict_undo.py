@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.bench import evict_undo
-from kvstrata.unified_radix_cache import tree as tree_module
+from kvstrata.unified_radix_cache import evict_undo as undo_module
 
 
 @pytest.fixture
@@ -22,11 +22,11 @@ def trace(tmp_path: Path) -> Path:
 
 
 def test_bench_prints_both_variants(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    built = tree_module.evict_components
+    built = undo_module.evict_components
     argv = ["--trace", str(trace), "--tokens-per-block", "4", "--page-size", "2"]
     argv += ["--capacity-blocks", "5", "--window", "4", "--repeats", "2", "--limit", "0"]
     assert evict_undo.main(argv) == 0
-    assert tree_module.evict_components is built
+    assert undo_module.evict_components is built
     (line,) = capsys.readouterr().out.splitlines()
     record = json.loads(line)
     assert record["requests"] == 6

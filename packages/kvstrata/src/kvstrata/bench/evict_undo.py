@@ -36,7 +36,7 @@ from kvstrata.unified_radix_cache import (
     SWAComponent,
     UnifiedRadixCache,
 )
-from kvstrata.unified_radix_cache import tree as tree_module
+from kvstrata.unified_radix_cache import evict_undo as undo_module
 
 
 def _evict_plain(tree: UnifiedRadixCache, targets: Mapping[str, int]) -> None:
@@ -51,12 +51,12 @@ def _evict_plain(tree: UnifiedRadixCache, targets: Mapping[str, int]) -> None:
 
 @contextmanager
 def _without_journal() -> Iterator[None]:
-    built = tree_module.evict_components
-    tree_module.evict_components = _evict_plain
+    built = undo_module.evict_components
+    undo_module.evict_components = _evict_plain
     try:
         yield
     finally:
-        tree_module.evict_components = built
+        undo_module.evict_components = built
 
 
 def replay(keys: list[Any], *, pool_tokens: int, page_size: int, window: int) -> dict[str, Any]:

@@ -25,6 +25,19 @@ def lock(tree: TreeInternals, node: TreeNode) -> LockReceipt:
     root; SWA: one window upward; Mamba: this node's state). Moves that data from evictable
     to protected. Locking the root is allowed and protects nothing. O(depth).
     Raises ForeignNode for a node not in this tree (e.g. one evicted since the match)."""
+    full = tree._full
+    if full.path_lock is not None:
+        # Compiled (Full-only device tree): the root check, then the path lock, in one call.
+        heap = full.heap
+        assert heap is not None
+        moved = full.path_lock(node, tree._root, heap._members)
+        if moved is None:
+            raise ForeignNode(f"node {node.id} is not in this tree")
+        full.evictable_size -= moved
+        full.protected_size += moved
+        receipt = LockReceipt(next(tree._receipt_ids), node, (None,), (), tree._uid)
+        tree._receipts[receipt.receipt_id] = receipt
+        return receipt
     probe = node
     while probe.parent is not None:
         probe = probe.parent

@@ -31,6 +31,7 @@ from kvstrata.unified_radix_cache.errors import (
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.components.full import FullComponent
+    from kvstrata.unified_radix_cache.native_core import RadixCore
     from kvstrata.unified_radix_cache.node import TreeNode
 
 
@@ -57,8 +58,12 @@ def _sample(values: npt.NDArray[np.int64]) -> str:
 class SlotChecker:
     """Validates `insert` slots against Full's allocator and the slots the tree holds."""
 
-    def __init__(self, full: FullComponent, page_size: int) -> None:
+    def __init__(
+        self, full: FullComponent, page_size: int, native: RadixCore | None = None
+    ) -> None:
         allocator = full.allocator
+        #: The compiled check (native_core.py): one pass over the slots when they are fine.
+        self._native = native
         page = int(getattr(allocator, "page_size", page_size))
         self._full = full
         #: Slots of the pool are 0 .. rows-1 (page 0 included: the allocator refuses it).
@@ -90,6 +95,19 @@ class SlotChecker:
         words (no negative slot), a gather of the marks (past the table's end: IndexError, then
         the slow path grows it or refuses), a count of slots held already, a scatter of stamps
         1..n and a gather of them read back as bytes (a repeated slot keeps one stamp)."""
+        native = self._native
+        if native is not None:
+            # Compiled: in the table, unmarked, given once (then marked when `keep`). False
+            # changed nothing: the checks below find and raise the precise error.
+            if self._allocator is None:
+                if native.check_slots(slots, lo, hi, self._held, keep):
+                    return
+            elif native.check_slots(slots, lo, hi, self._held, False):
+                self._check_allocator(slots[lo:hi])
+                # The allocator's check changes nothing here, so the marking pass passes too;
+                # were it to fail, the Python check below decides (and marks).
+                if not keep or native.check_slots(slots, lo, hi, self._held, True):
+                    return
         x = slots[lo:hi]
         n = len(x)
         if n == 0:

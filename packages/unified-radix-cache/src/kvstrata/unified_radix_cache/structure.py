@@ -13,6 +13,7 @@ from kvstrata.unified_radix_cache.key import TOKEN_BYTES, Namespace
 from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
 
 if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.components.base import TreeComponent
     from kvstrata.unified_radix_cache.tree_internals import TreeInternals
 
 # The value of a node with no device slots (and of the root): empty, and numpy's storage of an
@@ -162,3 +163,43 @@ def new_node(
     """A new node (counted in `tree.num_nodes`); the caller links it under `parent`."""
     tree.num_nodes += 1
     return TreeNode(next(tree._ids), key, value, parent, namespace, tick, tree._num_components)
+
+
+def clear(tree: TreeInternals) -> None:
+    """Take every node out of the tree, queue every component's data on them for its
+    allocator and hand it over (`reset`; the caller checked that nothing is locked)."""
+    stack = list(tree._root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        for component in tree._extras:
+            if component.node_size(node):
+                component.release(node, node_goes=True)
+        node.heap_entry = None
+        tree._full.queue_free(node.value)
+        node.parent = None
+    tree._root.children.clear()
+    tree.flush_pending()
+    for component in tree._components:
+        component.reset()
+    tree.num_nodes = 0
+
+
+def tombstone(tree: TreeInternals, node: TreeNode, component: TreeComponent) -> int:
+    """`evict_component` on a node that stays: `component` and every component of lower or
+    equal priority with unlocked data on `node` release it (`node` keeps its Full data).
+    Returns what `component` freed."""
+    if tree._journal is not None:
+        tree._journal.node(node)
+    freed = 0
+    for other in tree._extras:
+        if (
+            other.priority <= component.priority
+            and other.node_size(node)
+            and other.node_lock(node) == 0
+        ):
+            amount = other.release(node, node_goes=False)
+            other.evicted_total += amount
+            if other is component:
+                freed = amount
+    return freed

@@ -29,16 +29,16 @@ from kvstrata.unified_radix_cache.components.base import ComponentInsert, TreeCo
 from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.errors import (
     InvalidConfig,
-    InvalidEvictRequest,
     InvalidInsert,
     TreeLocked,
 )
 from kvstrata.unified_radix_cache.events import EventLog, KVEvent
-from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_components
+from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_targets
 from kvstrata.unified_radix_cache.hybrid import insert_slow, match_hybrid
 from kvstrata.unified_radix_cache.insert_inputs import check_inputs, slots_of
 from kvstrata.unified_radix_cache.integrity import check_tree
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, Namespace, RadixKey
+from kvstrata.unified_radix_cache.native_core import RadixCore, install, native_core
 from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
 from kvstrata.unified_radix_cache.policies import EvictionPolicy, make_policy
 from kvstrata.unified_radix_cache.render import render_tree
@@ -122,6 +122,8 @@ class UnifiedRadixCache:
         self._receipts: dict[int, LockReceipt] = {}
         self._receipt_ids: Iterator[int] = itertools.count(1)
         self._root = structure.new_root(self._num_components)
+        #: The compiled walks and slot check (native_core.py), None for the Python paths.
+        self._native: RadixCore | None = native_core()
         #: Set while an `evict` with state components or a host tier runs (evict_undo.py).
         self._journal: EvictJournal | None = None
         #: The Full-only match's walk (key, end, path, bytes matched), reused by an insert of
@@ -138,10 +140,12 @@ class UnifiedRadixCache:
         self.check_slots = check_slots
         self._slot_checker: SlotChecker | None = None
         if check_slots and not disable:
-            self._slot_checker = SlotChecker(self._full, page_size)
+            self._slot_checker = SlotChecker(self._full, page_size, self._native)
         self._events: EventLog | None = None
         if keyer is not None and enable_events and not disable:
             self._events = EventLog(keyer)
+        if self._native is not None and not self._extras:
+            install(self._native, self, events=self._events is not None)
         # Hierarchical mode (host_tier.py). `_slow` sends match and insert off the Full-only
         # fast path, so a device-only tree pays one attribute test per call and nothing more.
         self.host_tier: TreeTier | None = None
@@ -234,6 +238,7 @@ class UnifiedRadixCache:
             raise InvalidConfig("attach the host tier to an empty tree")
         self.host_tier = tier
         self._slow = True
+        self._full.drop_compiled()  # the host tier's walks take Full eviction over
         self._full.tiered = True
 
     @property
@@ -269,27 +274,44 @@ class UnifiedRadixCache:
             if self.host_tier is not None:
                 return self.host_tier.match(key, data, end, copy_state=copy_state)
             return match_hybrid(self, key, data, end, copy_state)
-        path, pos, _ = descend(root, self._page_bytes, key.namespace, data, end, self.split_node)
-        self._last_walk = (key, end, path, pos)
         self._tick += 1
         tick = self._tick
-        node = root
-        values: list[npt.NDArray[np.int64]] = []
-        for node in path:
-            values.append(node.value)
-            node.last_access = tick
-            node.hit_count += 1
+        if self._native is not None:
+            # Compiled: the same walk and splits, the same writes per node, the slots joined.
+            path, pos, joined = self._native.match(
+                root, self._page_bytes, key.namespace, data, end, self.split_node, tick
+            )
+            if joined is None:
+                found = None
+            elif self._on_cpu:  # one conversion, no numpy array in between
+                found = torch.frombuffer(joined, dtype=torch.int64)
+            else:
+                found = self._full.to_device(np.frombuffer(joined, dtype=_INT64))
+        else:
+            path, pos, _ = descend(
+                root, self._page_bytes, key.namespace, data, end, self.split_node
+            )
+            for node in path:
+                node.last_access = tick
+                node.hit_count += 1
+            # A copy (concatenate copies too): the caller may write into the tensor it gets.
+            values = [node.value for node in path]
+            found = (
+                self._full.to_device(
+                    np.concatenate(values) if len(values) > 1 else values[0].copy()
+                )
+                if path
+                else None
+            )
+        self._last_walk = (key, end, path, pos)
+        node = path[-1] if path else root
         if node.heap_entry is not None:
             self._heap.push(node)  # re-key the leaf for its new access time
         prefix_len = pos // TOKEN_BYTES
         self.hit_tokens += prefix_len
-        if not values:
+        if found is None:
             return MatchResult(0, self._full.to_device(_EMPTY_SLOTS), root)
-        # A copy (concatenate copies too): the caller may write into the tensor it gets.
-        slots = np.concatenate(values) if len(values) > 1 else values[0].copy()
-        if self._on_cpu:
-            return MatchResult(prefix_len, torch.from_numpy(slots), node)
-        return MatchResult(prefix_len, self._full.to_device(slots), node)
+        return MatchResult(prefix_len, found, node)
 
     # ------------------------------------------------------------------------------------------
     # Insert
@@ -340,7 +362,12 @@ class UnifiedRadixCache:
         else:
             # With the check, the walk without its split finds the held prefix first.
             split = self.split_node if checker is None else None
-            path, pos, partial = descend(root, page_bytes, namespace, data, end, split)
+            if self._native is not None:
+                path, pos, partial = self._native.walk(
+                    root, page_bytes, namespace, data, end, split
+                )
+            else:
+                path, pos, partial = descend(root, page_bytes, namespace, data, end, split)
         self._last_walk = None
         if checker is not None:
             # The slots past the held prefix (the ones the new leaf adopts) are checked, and
@@ -476,20 +503,7 @@ class UnifiedRadixCache:
             before = component.evicted_total
             self.remove_leaf(node, evicted=True)
             return component.evicted_total - before
-        if self._journal is not None:
-            self._journal.node(node)
-        freed = 0
-        for other in self._extras:
-            if (
-                other.priority <= component.priority
-                and other.node_size(node)
-                and other.node_lock(node) == 0
-            ):
-                amount = other.release(node, node_goes=False)
-                other.evicted_total += amount
-                if other is component:
-                    freed = amount
-        return freed
+        return structure.tombstone(self, node, component)
 
     def _forget_walk(self) -> None:
         """A node leaves or shrinks: drop the match's walk unless its path is locked (or empty:
@@ -509,6 +523,10 @@ class UnifiedRadixCache:
         one split where the match ends inside it, so the path covers exactly the matched
         prefix. Mutates only by that split (sizes and locks unchanged). The walk of the hybrid
         and hierarchical paths; the Full-only fast paths inline it. O(K + depth)."""
+        if self._native is not None:
+            return self._native.walk(
+                self._root, self._page_bytes, namespace, data, end, self.split_node
+            )[0]
         return descend(self._root, self._page_bytes, namespace, data, end, self.split_node)[0]
 
     def add_leaf(
@@ -557,28 +575,21 @@ class UnifiedRadixCache:
         HeldSlotsRepeated) changed nothing: tree, host tier and allocators are as they were.
         Cost: O(k log n) for k nodes evicted. `evict` with all targets 0 is a no-op."""
         targets = request.targets
-        by_name = self._by_name
-        for name in targets:
-            if name not in by_name:
-                raise InvalidEvictRequest(
-                    f"no component {name!r} in this tree (have {sorted(by_name)})"
-                )
         start = time.perf_counter()
-        components = self._components
-        before = [c.evicted_total for c in components]
         nodes_before = self.num_nodes
-        if self.host_tier is None and not self._extras:
-            amount = targets.get("full", 0)
-            if amount > 0:  # checked: a free behind the tree's back raises with nothing changed
+        if not self._slow and len(targets) == 1 and "full" in targets:
+            # Full-only device tree (the general path's first branch, minus its loops).
+            full = self._full
+            before = full.evicted_total
+            if targets["full"] > 0:
                 queue = self._events.queue if self._events is not None else None
-                self._full.evict_checked(amount, queue, repeats=not self.check_slots)
+                full.evict_checked(targets["full"], queue, repeats=not self.check_slots)
+            evicted = {"full": full.evicted_total - before}
         else:
-            # All or nothing (device-only or with a host tier): rolled back when it raises.
-            evict_components(self, targets)
+            evicted = evict_targets(self, targets)
         seconds = time.perf_counter() - start
         self.evict_calls += 1
         self.evict_seconds += seconds
-        evicted = {c.name: c.evicted_total - b for c, b in zip(components, before, strict=True)}
         return EvictResult(
             evicted=evicted, nodes_removed=nodes_before - self.num_nodes, seconds=seconds
         )
@@ -645,21 +656,7 @@ class UnifiedRadixCache:
                 f"{len(self._receipts)} lock receipt(s) outstanding; unlock them first"
             )
         self._last_walk = None
-        stack = list(self._root.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            for component in self._extras:
-                if component.node_size(node):
-                    component.release(node, node_goes=True)
-            node.heap_entry = None
-            self._full.queue_free(node.value)
-            node.parent = None
-        self._root.children.clear()
-        self.flush_pending()
-        for component in self._components:
-            component.reset()
-        self.num_nodes = 0
+        structure.clear(self)
         if self._events is not None:
             self._events.cleared()
 

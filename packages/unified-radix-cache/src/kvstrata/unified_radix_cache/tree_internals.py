@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.components.base import ComponentInsert, TreeComponent
     from kvstrata.unified_radix_cache.components.full import FullComponent
     from kvstrata.unified_radix_cache.events import EventLog
+    from kvstrata.unified_radix_cache.evict_undo import EvictJournal
     from kvstrata.unified_radix_cache.key import Namespace, RadixKey
     from kvstrata.unified_radix_cache.node import TreeNode
     from kvstrata.unified_radix_cache.policies import LeafHeap
@@ -50,6 +51,7 @@ class TreeInternals(Protocol):
     _receipts: dict[int, LockReceipt]
     _receipt_ids: Iterator[int]
     _events: EventLog | None
+    _journal: EvictJournal | None
 
     # -- reads ------------------------------------------------------------------------------
     @property
@@ -83,6 +85,8 @@ class TreeInternals(Protocol):
     ) -> TreeNode: ...
 
     def flush_pending(self) -> None: ...
+
+    def _forget_walk(self) -> None: ...
 
     def free_slots(self, component: str, slots: torch.Tensor) -> None: ...
 

@@ -33,6 +33,25 @@ if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.tree_view import TreeView
 
 
+#: Evicts `amount` Full tokens, recording removed nodes and cut leaves for an undo when given
+#: lists; returns the tokens freed (`FullComponent._evict`'s contract).
+LeafEvictor = Callable[
+    [
+        int,
+        "list[tuple[TreeNode, TreeNode]] | None",
+        "list[tuple[TreeNode, npt.NDArray[np.int64], bytes, list[bytes] | None]] | None",
+    ],
+    int,
+]
+
+
+def has_repeats(slots: npt.NDArray[np.int64]) -> bool:
+    """Whether a slot appears twice: one sort and one comparison of neighbours (np.unique's
+    hash table cost 6x more on an evict's few hundred slots, 12x on thousands)."""
+    ordered = np.sort(slots)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
 class FullComponent(TreeComponent):
     """Full KV slots. `allocator` is the Full pool's slot allocator (or an SWA allocator, whose
     `free` releases a token's full and SWA slots together)."""
@@ -64,6 +83,19 @@ class FullComponent(TreeComponent):
         #: Per slot, non-zero while the tree holds it (set by the tree's `SlotChecker`, None when
         #: the tree does not check insert slots); cleared here when the slots are freed.
         self.held: npt.NDArray[np.int32] | None = None
+        #: The compiled `_evict` loop (`native_core.evict_leaves`), set by a Full-only device
+        #: tree without events that has the compiled core; None runs the loop below.
+        self.leaf_evictor: LeafEvictor | None = None
+        #: The compiled lock / unlock walks (`native_core.install`; None: the loops below):
+        #: (anchor, root, heap members) -> tokens locked or None for a foreign anchor, and
+        #: (anchor, heap) -> tokens unlocked.
+        self.path_lock: Callable[[TreeNode, TreeNode, dict[int, TreeNode]], int | None] | None
+        self.path_lock = None
+        self.path_unlock: Callable[[TreeNode, LeafHeap], int] | None = None
+
+    def drop_compiled(self) -> None:
+        """Back to the Python loops (a host tier's walks take Full eviction over)."""
+        self.leaf_evictor = self.path_lock = self.path_unlock = None
 
     def bind(self, tree: TreeView[TreeComponent], index: int) -> None:
         super().bind(tree, index)
@@ -104,6 +136,8 @@ class FullComponent(TreeComponent):
         removed: list[tuple[TreeNode, TreeNode]] | None,
         cut: list[tuple[TreeNode, npt.NDArray[np.int64], bytes, list[bytes] | None]] | None,
     ) -> int:
+        if self.leaf_evictor is not None:
+            return self.leaf_evictor(amount, removed, cut)
         tree = self.tree
         heap = self.heap
         assert heap is not None
@@ -140,7 +174,7 @@ class FullComponent(TreeComponent):
         slots."""
         check = self._check_allocated
         if check is None and not repeats:
-            self.evict(amount)
+            self._evict(amount, None, None)
             self.flush()
             return
         removed: list[tuple[TreeNode, TreeNode]] = []
@@ -160,7 +194,7 @@ class FullComponent(TreeComponent):
                     f"(freed behind the tree's back?); nothing was evicted: {exc}"
                 )
                 refused.__cause__ = exc
-            if refused is None and repeats and len(np.unique(slots)) != len(slots):
+            if refused is None and repeats and has_repeats(slots):
                 refused = HeldSlotsRepeated(
                     "evict: the tree holds some full slots twice (inserted with check_slots "
                     "off); freeing them would be a double free; nothing was evicted"
@@ -209,9 +243,13 @@ class FullComponent(TreeComponent):
         return size
 
     def flush(self) -> None:
-        slots = self.take_pending()
-        if slots is not None and len(slots):
-            self.allocator.free(self.to_device(slots))
+        pending = self._pending
+        if not pending:
+            return
+        slots = pending[0] if len(pending) == 1 else np.concatenate(pending)
+        pending.clear()
+        if len(slots):
+            self.allocator.free(torch.from_numpy(slots) if self._on_cpu else self.to_device(slots))
             held = self.held
             if held is not None:
                 try:
@@ -245,6 +283,11 @@ class FullComponent(TreeComponent):
     def unlock(self, anchor: TreeNode, boundary: int | None) -> None:
         heap = self.heap
         assert heap is not None
+        if self.path_unlock is not None:
+            moved = self.path_unlock(anchor, heap)
+            self.evictable_size += moved
+            self.protected_size -= moved
+            return
         moved = 0
         node = anchor
         parent = node.parent

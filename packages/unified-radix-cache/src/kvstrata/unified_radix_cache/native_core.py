@@ -1,0 +1,189 @@
+"""The compiled hot paths of a Full-only device tree (`radix_core.c`, `radix_evict.c`,
+`radix_locks.c`, compiled as one file), and their contract.
+
+`native_core()` returns the extension module built from `radix_core.c` by
+`kvstrata.pool.native.native_extension` (system C compiler, per-machine cache; built at first
+use), or None when it is unavailable, turned off (`KVSTRATA_NATIVE=0`) or asked for inside
+`kvstrata.pool.native.disabled()`. A tree asks once, when it is made, and keeps the answer: a
+tree made inside `disabled()` runs the pure-Python paths for good (A/B tests compare the two).
+
+What the module does, each the same as the Python it replaces (same nodes, same splits, same
+answers; tests/test_radix_native.py compares both paths on random operations):
+
+- `walk(root, page_bytes, namespace, data, end, split)`: `walk.descend` without `visit`.
+- `match(root, page_bytes, namespace, data, end, split, tick)`: `descend` with `split`, then
+  each path node gets `last_access = tick` and `hit_count += 1` (what `match_prefix` does),
+  and the path's Full slots come back as one bytearray (`pos` bytes; None for an empty path).
+- `evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut,
+  progress)`: the loop of `FullComponent._evict` with `tree.remove_leaf` / `truncate_leaf`
+  inlined, for a Full-only device tree without events (no hook, journal or event to run):
+  leaves in heap order, the last one cut page-granular, slots queued on `pending`, undo
+  records on `removed` / `cut`. Returns (tokens freed, nodes removed); `evict_leaves` applies
+  the size counters. Each leaf is either left as it was or taken whole (cut) before the next
+  one; when something raises midway (a priority whose comparison raises in the parent's
+  `heap.push`, MemoryError, KeyboardInterrupt from Python code it calls) the counts so far
+  are in `progress` (a 16-byte bytearray, two int64) and `evict_leaves` still applies them.
+  Targets of 2**63 and more are clamped (they free everything, as in Python).
+- `check_slots(slots, lo, hi, held, keep)`: True when the slots are in the table, unmarked and
+  distinct (marked when `keep`); False changes nothing and the caller runs the Python check,
+  which raises the precise error.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import struct
+import tempfile
+import threading
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from kvstrata.pool.native import native_extension
+from kvstrata.unified_radix_cache.components.full import FullComponent
+from kvstrata.unified_radix_cache.key import Namespace
+from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
+from kvstrata.unified_radix_cache.policies import LeafHeap
+from kvstrata.unified_radix_cache.walk import SplitFn
+
+if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.tree_internals import TreeInternals
+
+Slots = npt.NDArray[np.int64]
+#: Undo records of an evict (`FullComponent.evict_checked`): removed (node, parent) pairs and
+#: cut leaves (node, value, key, page keys) as they were.
+Removed = list[tuple[TreeNode, TreeNode]]
+Cut = list[tuple[TreeNode, Slots, bytes, list[bytes] | None]]
+
+#: The C parts, joined in this order into one file (each under the 700-line limit).
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("radix_core.c", "radix_evict.c", "radix_locks.c")
+)
+_joined: list[Path] = []
+_joined_lock = threading.Lock()
+
+
+def source() -> Path:
+    """The C parts as one file, written once per process into a private temporary folder
+    (removed at exit). `native_extension` caches the build by the text it compiles, so an edit
+    of any part makes a new module, and the same text on the same machine builds once."""
+    with _joined_lock:
+        if not _joined:
+            folder = Path(tempfile.mkdtemp(prefix="kvstrata-radix-core-"))
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            path = folder / "radix_core.c"
+            path.write_bytes(b"".join(part.read_bytes() for part in SOURCES))
+            _joined.append(path)
+        return _joined[0]
+
+
+MODULE_NAME = "_kvstrata_radix_core"
+
+
+class RadixCore(Protocol):
+    """The functions of the compiled module (see the module docstring), positional only."""
+
+    #: (root, page_bytes, namespace, data, end, split) -> (path, pos, partial)
+    walk: Callable[
+        [TreeNode, int, Namespace | None, bytes, int, SplitFn | None],
+        tuple[list[TreeNode], int, int],
+    ]
+    #: (root, page_bytes, namespace, data, end, split, tick) -> (path, pos, joined slots)
+    match: Callable[
+        [TreeNode, int, Namespace | None, bytes, int, SplitFn, int],
+        tuple[list[TreeNode], int, bytearray | None],
+    ]
+    #: (heap, amount, page, page_bytes, root, no_children, pending, removed, cut, progress)
+    #: -> (tokens freed, nodes removed)
+    evict: Callable[
+        [
+            LeafHeap,
+            int,
+            int,
+            int,
+            TreeNode,
+            object,
+            list[Slots],
+            Removed | None,
+            Cut | None,
+            bytearray,
+        ],
+        tuple[int, int],
+    ]
+    #: (anchor, root, leaf heap members) -> tokens locked, or None for a foreign anchor
+    lock_path: Callable[[TreeNode, TreeNode, dict[int, TreeNode]], int | None]
+    #: (anchor, leaf heap) -> tokens unlocked
+    unlock_path: Callable[[TreeNode, LeafHeap], int]
+    #: (slots, lo, hi, held, keep) -> whether they passed (and were marked when keep)
+    check_slots: Callable[[Slots, int, int, npt.NDArray[np.int32], bool], bool]
+
+
+def native_core() -> RadixCore | None:
+    """The compiled module, or None (then the tree keeps its Python paths)."""
+    return cast("RadixCore | None", native_extension(source(), MODULE_NAME).module)
+
+
+def install(core: RadixCore, tree: TreeInternals, *, events: bool) -> None:
+    """Give the Full component of `tree` (a Full-only device tree) the compiled lock and
+    unlock walks and, without events, the compiled eviction loop; nothing when its Full
+    component or heap is not exactly `FullComponent` / `LeafHeap`: the compiled code mirrors
+    those classes, so a subclass (or another heap) keeps its overrides on the Python path.
+    `attach_host_tier` takes them away again (`FullComponent.drop_compiled`)."""
+    full = tree._full
+    if type(full) is not FullComponent or type(tree._heap) is not LeafHeap:
+        return
+    if not events:
+        full.leaf_evictor = partial(evict_leaves, core, tree, bytearray(16))
+    full.path_lock = core.lock_path
+    full.path_unlock = core.unlock_path
+
+
+def evict_leaves(
+    core: RadixCore,
+    tree: TreeInternals,
+    progress: bytearray,
+    amount: int,
+    removed: Removed | None,
+    cut: Cut | None,
+) -> int:
+    """`FullComponent._evict` of a Full-only device tree without events, compiled: the same
+    leaves go, in the same order, with the same undo records. Returns the tokens freed.
+    `progress`: the tree's 16-byte scratch for the counts when the loop raises midway (then
+    the leaves already taken are counted here before the exception goes on)."""
+    full = tree._full
+    try:
+        freed, gone = core.evict(
+            tree._heap,
+            amount,
+            tree.page_size,
+            tree._page_bytes,
+            tree._root,
+            NO_CHILDREN,
+            full._pending,
+            removed,
+            cut,
+            progress,
+        )
+    except BaseException:
+        freed, gone = _PROGRESS.unpack(progress)
+        _count(tree, freed, gone)
+        raise
+    _count(tree, freed, gone)
+    return freed
+
+
+_PROGRESS = struct.Struct("=qq")
+
+
+def _count(tree: TreeInternals, freed: int, gone: int) -> None:
+    full = tree._full
+    full.evictable_size -= freed
+    full.evicted_total += freed
+    tree.num_nodes -= gone
+    if freed:
+        tree._forget_walk()

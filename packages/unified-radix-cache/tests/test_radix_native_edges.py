@@ -1,0 +1,259 @@
+"""The compiled radix core (`radix_core.c`) on the inputs its review found unsafe: slots that
+share memory with the held table, node keys that are not whole pages, an eviction that raises
+midway, eviction targets of 2**63 and more, classes the compiled loop does not mirror, and the
+held marks each slot check leaves. Each case runs on both paths where the tree is involved."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstrata.pool.native import disabled
+from kvstrata.testkit.trees import TreeKit, make_full_allocator, make_tree
+from kvstrata.unified_radix_cache import EvictRequest, RadixKey, UnifiedRadixCache
+from kvstrata.unified_radix_cache.components.full import FullComponent
+from kvstrata.unified_radix_cache.native_core import RadixCore, native_core
+from kvstrata.unified_radix_cache.policies import LeafHeap
+from kvstrata.unified_radix_cache.tree_view import TreeView
+
+CORE = native_core()
+needs_core = pytest.mark.skipif(CORE is None, reason="no compiled radix core (no compiler?)")
+#: Tree-level cases run on the compiled path (when built) and on the Python one.
+PATHS = (False, True) if CORE is not None else (True,)
+
+
+def kit_for(off: bool, **kwargs: Any) -> TreeKit:
+    if not off:
+        return make_tree(**kwargs)
+    with disabled():
+        return make_tree(**kwargs)
+
+
+@needs_core
+def test_slots_aliasing_the_held_table_go_to_the_python_check() -> None:
+    """Marks written into the table would change the slots still to read: slot 1's mark
+    turns slots[0] (1) into 2**32 + 1, and an undo indexing with it wrote 16 GiB away."""
+    assert CORE is not None
+    held = np.zeros(8, dtype=np.int32)
+    held[0] = 1  # slots[0] == 1
+    held[2] = 1  # slots[1] == 1: a repeat, found after slot 1 was marked
+    slots = held.view(np.int64)
+    before = held.copy()
+    assert CORE.check_slots(slots, 0, 2, held, True) is False
+    assert CORE.check_slots(slots[2:], 0, 2, held, True) is False  # overlapping, offset
+    assert np.array_equal(held, before)
+    # Disjoint buffers still take the compiled check.
+    assert CORE.check_slots(np.array([5, 6], dtype=np.int64), 0, 2, held, True) is True
+
+
+@needs_core
+@pytest.mark.parametrize("cut", [24, 8, 0])  # 1.5 pages, half a page, empty
+def test_a_node_key_of_part_pages_is_refused_not_read_past(cut: int) -> None:
+    assert CORE is not None
+    kit = make_tree("full", page_size=2)
+    kit.put([1, 2, 3, 4])
+    (leaf,) = kit.tree.iter_nodes()
+    good = leaf.key
+    leaf.key = good[:cut]
+    data = RadixKey([1, 2, 3, 4]).token_bytes()
+    with pytest.raises(ValueError, match="not a whole number"):
+        CORE.walk(kit.tree.root, 16, None, data, 32, None)
+    with pytest.raises(ValueError, match="not a whole number"):
+        kit.tree.match_prefix(RadixKey([1, 2, 3, 4]))
+    leaf.key = good
+    kit.check()
+
+
+class Unorderable:
+    """A priority whose every comparison raises `error` (what a heap push then raises)."""
+
+    def __init__(self, error: type[BaseException]) -> None:
+        self.error = error
+
+    def __eq__(self, other: object) -> bool:
+        raise self.error("no order")
+
+    def __lt__(self, other: object) -> bool:
+        raise self.error("no order")
+
+    __hash__ = None  # pyright: ignore[reportAssignmentType]
+
+
+@pytest.mark.parametrize("error", [TypeError, MemoryError, KeyboardInterrupt])
+def test_an_eviction_raising_midway_leaves_the_counters_true(error: type[BaseException]) -> None:
+    """Two leaves go, then their parent's heap.push raises: both paths count the two leaves
+    (sizes, evicted total, node count) and the tree passes check_integrity."""
+    states = []
+    for off in PATHS:
+        kit = kit_for(off, size=64, policy="priority")
+        kit.put([1, 2, 3])
+        kit.put([1, 2, 4])
+        kit.put([5, 6], priority=5)
+        kit.put([7, 8], priority=5)
+        tree = kit.tree
+        assert (tree._full.leaf_evictor is not None) is (tree._native is not None)
+        (upper,) = [n for n in tree.iter_nodes() if n.num_tokens == 2 and n.children]
+        upper.priority = Unorderable(error)  # pyright: ignore[reportAttributeAccessIssue]
+        with pytest.raises(error, match="no order"):
+            tree.evict(EvictRequest.full(100))
+        tree.flush_pending()
+        states.append(
+            (tree.num_nodes, tree.evictable_size(), tree._full.evicted_total, len(tree._heap))
+        )
+        upper.priority = 0  # check_integrity's own comparisons need an ordered priority
+        kit.check()
+    assert len(set(states)) == 1
+    assert states[0][:3] == (3, 6, 2)
+
+
+@pytest.mark.parametrize("amount", [2**63 - 1, 2**63, 10**30])
+def test_a_huge_eviction_target_frees_everything_on_both_paths(amount: int) -> None:
+    results = []
+    for off in PATHS:
+        kit = kit_for(off, size=64, page_size=4)
+        kit.put(list(range(10)))
+        kit.put([*range(4), 9, 9, 9, 9, 9])
+        got = kit.tree.evict(EvictRequest.full(amount))
+        results.append((got.evicted, got.nodes_removed, kit.tree.num_nodes))
+        kit.check()
+    assert all(r == results[0] for r in results)
+    assert results[0][2] == 0
+
+
+@needs_core
+def test_the_compiled_eviction_clamps_its_target() -> None:
+    assert CORE is not None
+    kit = make_tree("full", page_size=4)
+    kit.put(list(range(8)))
+    tree = kit.tree
+    progress = bytearray(16)
+    args = (4, 32, tree.root, (), [], None, None, progress)
+    assert CORE.evict(tree._heap, -(2**70), *args) == (0, 0)
+    assert CORE.evict(tree._heap, -1, *args) == (0, 0)
+    with pytest.raises(TypeError, match="progress"):
+        CORE.evict(tree._heap, 4, 4, 32, tree.root, (), [], None, None, bytearray(8))
+    kit.check()
+
+
+class SubFull(FullComponent):
+    pass
+
+
+class SubHeap(LeafHeap):
+    pass
+
+
+def _tree(full: FullComponent) -> UnifiedRadixCache:
+    return UnifiedRadixCache([full], page_size=1)
+
+
+@needs_core
+def test_the_compiled_eviction_only_runs_for_the_exact_classes() -> None:
+    assert _tree(FullComponent(make_full_allocator(size=32, page_size=1)))._full.leaf_evictor
+    assert _tree(SubFull(make_full_allocator(size=32, page_size=1)))._full.leaf_evictor is None
+    full = FullComponent(make_full_allocator(size=32, page_size=1))
+
+    def bind(tree: TreeView[Any], index: int) -> None:
+        FullComponent.bind(full, tree, index)
+        full.heap = SubHeap(tree.policy)
+
+    full.bind = bind  # pyright: ignore[reportAttributeAccessIssue]
+    tree = _tree(full)
+    assert type(tree._heap) is SubHeap
+    assert tree._full.leaf_evictor is None
+    slots = full.allocator.alloc(3)
+    assert slots is not None
+    tree.insert(RadixKey([1, 2, 3]), slots)
+    assert tree.evict(EvictRequest.full(3)).num_evicted() == 3
+    tree.check_integrity()
+
+
+def test_held_marks_flag_the_same_slots_on_both_paths() -> None:
+    """`held` is a flag table (zero or not): the compiled check marks 1, the Python scatter
+    path keeps its stamps 1..n. Both trees flag the same slots and pass their checks, and
+    a slot given back clears on both."""
+    flags = []
+    for off in PATHS:
+        kit = kit_for(off, size=64)
+        kit.tree.check_slots = True
+        kit.put([1, 2, 3])
+        mine = kit.alloc(8).flip(0)  # descending: not a run, the Python scatter path
+        kit.full.free(mine[4:])
+        kit.tree.insert(RadixKey([4, 5, 6, 7]), mine[:4])
+        held = kit.tree._full.held
+        assert held is not None
+        flags.append(np.flatnonzero(held).tolist())
+        kit.check()
+        kit.tree.evict(EvictRequest.full(100))
+        assert not held.any()
+        kit.check()
+    assert all(f == flags[0] for f in flags)
+
+
+@needs_core
+def test_a_refused_marking_pass_falls_back_to_the_python_check() -> None:
+    """The compiled check passes without keep, then its marking pass refuses: the Python
+    check decides and marks (the second answer was ignored before)."""
+    assert CORE is not None
+
+    class SecondRefuses:
+        def __init__(self, core: RadixCore) -> None:
+            self.core = core
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.core, name)
+
+        def check_slots(self, *args: Any) -> bool:
+            return False if args[4] else self.core.check_slots(*args)
+
+    kit = make_tree("full", size=64)
+    checker = kit.tree._slot_checker
+    assert checker is not None and checker._allocator is not None
+    checker._native = SecondRefuses(CORE)  # pyright: ignore[reportAttributeAccessIssue]
+    _, slots = kit.put([1, 2, 3])
+    held = kit.tree._full.held
+    assert held is not None
+    assert sorted(np.flatnonzero(held).tolist()) == sorted(slots.tolist())
+    kit.check()
+
+
+@needs_core
+def test_the_compiled_lock_walks_refuse_bad_input_before_any_change() -> None:
+    assert CORE is not None
+    kit = make_tree("full", page_size=1)
+    kit.put([1, 2, 3])
+    tree = kit.tree
+    (leaf,) = tree.iter_nodes()
+    members = tree._heap._members
+    with pytest.raises(TypeError, match="members"):
+        CORE.lock_path(leaf, tree.root, [])  # pyright: ignore[reportArgumentType]
+    other = make_tree("full", page_size=1)
+    assert CORE.lock_path(leaf, other.tree.root, members) is None  # a foreign anchor
+    with pytest.raises(AssertionError, match="below zero"):
+        CORE.unlock_path(leaf, tree._heap)  # never locked
+    leaf.lock_ref = "one"  # pyright: ignore[reportAttributeAccessIssue]
+    with pytest.raises(TypeError, match="lock_ref"):
+        CORE.lock_path(leaf, tree.root, members)
+    leaf.lock_ref = 0
+    assert leaf.id in members
+    kit.check()
+    # Through the tree: the same receipts and sizes as the Python loops.
+    receipt = tree.lock(leaf)
+    assert leaf.lock_ref == 1 and leaf.id not in members
+    assert (tree.protected_size(), tree.evictable_size()) == (3, 0)
+    kit.check()
+    tree.unlock(receipt)
+    assert leaf.lock_ref == 0 and leaf.id in members
+    kit.check()
+
+
+@needs_core
+def test_the_compiled_lock_walks_follow_the_compiled_eviction_rule() -> None:
+    plain = _tree(FullComponent(make_full_allocator(size=32, page_size=1)))
+    assert plain._full.path_lock is not None and plain._full.path_unlock is not None
+    sub = _tree(SubFull(make_full_allocator(size=32, page_size=1)))
+    assert sub._full.path_lock is None and sub._full.path_unlock is None
+    plain._full.drop_compiled()
+    assert plain._full.path_lock is None and plain._full.leaf_evictor is None
