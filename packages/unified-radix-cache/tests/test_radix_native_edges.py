@@ -14,7 +14,7 @@ from kvstrata.pool.native import disabled
 from kvstrata.testkit.trees import TreeKit, make_full_allocator, make_tree
 from kvstrata.unified_radix_cache import EvictRequest, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache.components.full import FullComponent
-from kvstrata.unified_radix_cache.native_core import RadixCore, native_core
+from kvstrata.unified_radix_cache.native_core import native_core
 from kvstrata.unified_radix_cache.policies import LeafHeap
 from kvstrata.unified_radix_cache.tree_view import TreeView
 
@@ -198,20 +198,13 @@ def test_a_refused_marking_pass_falls_back_to_the_python_check() -> None:
     check decides and marks (the second answer was ignored before)."""
     assert CORE is not None
 
-    class SecondRefuses:
-        def __init__(self, core: RadixCore) -> None:
-            self.core = core
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.core, name)
-
-        def check_slots(self, *args: Any) -> bool:
-            return False if args[4] else self.core.check_slots(*args)
+    def second_refuses(*args: Any) -> bool:
+        return False if args[4] else CORE.check_slots(*args)
 
     kit = make_tree("full", size=64)
     checker = kit.tree._slot_checker
     assert checker is not None and checker._allocator is not None
-    checker._native = SecondRefuses(CORE)  # pyright: ignore[reportAttributeAccessIssue]
+    checker._native = second_refuses
     _, slots = kit.put([1, 2, 3])
     held = kit.tree._full.held
     assert held is not None

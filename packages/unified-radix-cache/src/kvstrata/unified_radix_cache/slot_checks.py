@@ -15,6 +15,7 @@ node (a miss before that is a false "not held", never a false refusal).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -31,11 +32,16 @@ from kvstrata.unified_radix_cache.errors import (
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.components.full import FullComponent
-    from kvstrata.unified_radix_cache.native_core import RadixCore
     from kvstrata.unified_radix_cache.node import TreeNode
 
 
 _INITIAL_ROWS = 1 << 22
+
+
+#: The compiled check (`native_core.RadixCore.check_slots`): (slots, lo, hi, held, keep) ->
+#: whether they passed (and were marked when keep). Typed here so that this module does not
+#: import native_core (which imports the tree's internals).
+CompiledCheck = Callable[[npt.NDArray[np.int64], int, int, npt.NDArray[np.int32], bool], bool]
 
 
 def _zeroed(rows: int) -> npt.NDArray[np.int32]:
@@ -59,7 +65,7 @@ class SlotChecker:
     """Validates `insert` slots against Full's allocator and the slots the tree holds."""
 
     def __init__(
-        self, full: FullComponent, page_size: int, native: RadixCore | None = None
+        self, full: FullComponent, page_size: int, native: CompiledCheck | None = None
     ) -> None:
         allocator = full.allocator
         #: The compiled check (native_core.py): one pass over the slots when they are fine.
@@ -100,13 +106,13 @@ class SlotChecker:
             # Compiled: in the table, unmarked, given once (then marked when `keep`). False
             # changed nothing: the checks below find and raise the precise error.
             if self._allocator is None:
-                if native.check_slots(slots, lo, hi, self._held, keep):
+                if native(slots, lo, hi, self._held, keep):
                     return
-            elif native.check_slots(slots, lo, hi, self._held, False):
+            elif native(slots, lo, hi, self._held, False):
                 self._check_allocator(slots[lo:hi])
                 # The allocator's check changes nothing here, so the marking pass passes too;
                 # were it to fail, the Python check below decides (and marks).
-                if not keep or native.check_slots(slots, lo, hi, self._held, True):
+                if not keep or native(slots, lo, hi, self._held, True):
                     return
         x = slots[lo:hi]
         n = len(x)

@@ -140,7 +140,9 @@ class UnifiedRadixCache:
         self.check_slots = check_slots
         self._slot_checker: SlotChecker | None = None
         if check_slots and not disable:
-            self._slot_checker = SlotChecker(self._full, page_size, self._native)
+            native = self._native
+            compiled = native.check_slots if native is not None else None
+            self._slot_checker = SlotChecker(self._full, page_size, compiled)
         self._events: EventLog | None = None
         if keyer is not None and enable_events and not disable:
             self._events = EventLog(keyer)
