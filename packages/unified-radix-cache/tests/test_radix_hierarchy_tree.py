@@ -19,7 +19,7 @@ from kvstrata.unified_radix_cache import (
     RadixKey,
     TreeNode,
 )
-from kvstrata.unified_radix_cache.errors import IntegrityError, NoHostCopy, SlotInTree
+from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidInsert, NoHostCopy, SlotInTree
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
@@ -144,6 +144,25 @@ def test_insert_refuses_slots_the_tree_holds_before_any_change(
     fresh = h.allocator.alloc(2 * P)
     assert fresh is not None
     assert h.cache.insert(key, fresh).adopted == ((0, 2 * P),) and node.on_device
+    h.cache.check_integrity()
+
+
+def test_a_cached_len_over_off_device_nodes_is_refused_before_any_change(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
+    """`cached_len` says the caller got those slots from this tree: a key whose cached prefix
+    reaches an off-device node (which gave out no device slots) is refused with InvalidInsert
+    before the walk splits or touches anything (it was a bare assert, after a split)."""
+    h = hierarchy()
+    key, _ = _off_device(h, 2, evict=2 * P)
+    (node,) = _path(h, key)
+    nodes, tick = h.tree.num_nodes, node.last_access
+    slots = h.allocator.alloc(P)
+    assert slots is not None
+    with pytest.raises(InvalidInsert, match="cached_len"):
+        h.cache.insert(key[:P], slots, cached_len=P)
+    assert h.tree.num_nodes == nodes and node.last_access == tick and not node.on_device
+    h.allocator.free(slots)
     h.cache.check_integrity()
 
 

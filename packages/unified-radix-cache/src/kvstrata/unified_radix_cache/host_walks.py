@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstrata.unified_radix_cache.components.full import FullComponent
+from kvstrata.unified_radix_cache.errors import InvalidInsert
 from kvstrata.unified_radix_cache.hybrid import insert_walk
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
@@ -221,6 +222,8 @@ class HostWalks:
             child = parent.children[(namespace, first) if parent is root else first]
         # Device values are prefix-closed: only the tail of the walk can be off the device.
         revives = (path and not len(path[-1].value)) or (child is not None and not len(child.value))
+        if revives and cached_len:
+            _refuse_cached_off_device(path, pos, cached_len)
         if checker is not None:
             held = (pos + partial) // TOKEN_BYTES
             checker.check(
@@ -277,3 +280,22 @@ class HostWalks:
         self._device_heap.discard(parent)
         self._device_heap.push(node)  # its children are all off the device (closure)
         self.tree.emit_stored(node)
+
+
+def _refuse_cached_off_device(path: list[TreeNode], pos: int, cached_len: int) -> None:
+    """InvalidInsert, before any change, when the caller's cached prefix (`cached_len`, slots
+    it got from this tree) reaches into a node that is off the device: the tree gave out no
+    device slots there. `path` is the walk's (device values are prefix-closed, so the first
+    off-device node starts the tail; with none on `path`, the split child at `pos` bytes)."""
+    start = 0
+    for node in path:
+        if not len(node.value):
+            break
+        start += node.num_tokens
+    else:
+        start = pos // TOKEN_BYTES
+    if start < cached_len:
+        raise InvalidInsert(
+            f"insert: cached_len {cached_len} reaches past the device prefix ({start} tokens): "
+            "the tree gave out no device slots beyond it"
+        )

@@ -9,8 +9,9 @@ into the same array.
 
 Every check is a few whole-array numpy operations over the slots the caller owns
 (`value[max(cached_len, held prefix):end]`, the held prefix found by insert's one walk); slots
-the tree adopts on a host-to-device load are flagged the next time an insert walks through their
-node (a miss before that is a false "not held", never a false refusal).
+the tree adopts on a host-to-device load are flagged when the load commits on a Full-only tree,
+and otherwise the next time an insert walks through their node (a miss before that is a false
+"not held", never a false refusal).
 """
 
 from __future__ import annotations
