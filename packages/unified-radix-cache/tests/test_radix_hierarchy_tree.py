@@ -19,7 +19,12 @@ from kvstrata.unified_radix_cache import (
     RadixKey,
     TreeNode,
 )
-from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidInsert, NoHostCopy, SlotInTree
+from kvstrata.unified_radix_cache.errors import (
+    IntegrityError,
+    InvalidInsert,
+    NoHostCopy,
+    SlotInTree,
+)
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 

@@ -250,3 +250,58 @@ def test_the_compiled_lock_walks_follow_the_compiled_eviction_rule() -> None:
     assert sub._full.path_lock is None and sub._full.path_unlock is None
     plain._full.drop_compiled()
     assert plain._full.path_lock is None and plain._full.leaf_evictor is None
+
+
+@pytest.mark.parametrize("off", PATHS)
+def test_a_priority_that_is_not_an_integer_is_refused_before_any_change(off: bool) -> None:
+    """A priority is compared with other nodes' inside evictions and unlocks, where a raising
+    comparison would leave the tree half changed; it is refused at insert, before the slot
+    check marks anything (a retry used to get SlotInTree)."""
+    from kvstrata.unified_radix_cache.errors import InvalidInsert
+
+    kit = kit_for(off, policy="priority")
+    slots = kit.alloc(3)
+    with pytest.raises(InvalidInsert, match="priority"):
+        kit.tree.insert(RadixKey([1, 2, 3]), slots, priority=None)  # pyright: ignore[reportArgumentType]
+    assert kit.tree.num_nodes == 0
+    kit.tree.insert(RadixKey([1, 2, 3]), slots, priority=np.int64(2))  # pyright: ignore[reportArgumentType]
+    (node,) = kit.tree.iter_nodes()
+    assert type(node.priority) is int and node.priority == 2
+    with pytest.raises(InvalidInsert, match="priority"):
+        kit.tree.begin_request(RadixKey([1, 2, 3, 4]), priority=1.5)  # pyright: ignore[reportArgumentType]
+    assert kit.tree.num_locked == 0
+    kit.check()
+
+
+@pytest.mark.parametrize("off", PATHS)
+def test_eviction_targets_must_be_integers_and_are_the_same_on_both_paths(off: bool) -> None:
+    from kvstrata.unified_radix_cache.errors import InvalidEvictRequest
+
+    with pytest.raises(InvalidEvictRequest, match="integer"):
+        EvictRequest(targets={"full": 2.5})  # pyright: ignore[reportArgumentType]
+    with pytest.raises(InvalidEvictRequest, match="integer"):
+        EvictRequest.full(2.5)  # pyright: ignore[reportArgumentType]
+    request = EvictRequest.full(np.int64(2))  # pyright: ignore[reportArgumentType]
+    assert type(request.targets["full"]) is int
+    kit = kit_for(off)
+    kit.put([1, 2, 3, 4])
+    assert kit.tree.evict(request).evicted == {"full": 2}
+    kit.check()
+
+
+def test_a_tree_subclass_keeps_its_overrides_on_the_python_paths() -> None:
+    """The compiled eviction inlines `remove_leaf`: a subclass of the tree does not get it."""
+    removed: list[int] = []
+
+    class Counting(UnifiedRadixCache):
+        def remove_leaf(self, node: Any, *, evicted: bool) -> int:
+            removed.append(node.id)
+            return super().remove_leaf(node, evicted=evicted)
+
+    tree = Counting([FullComponent(make_full_allocator(size=64, page_size=1))], page_size=1)
+    slots = tree._full.allocator.alloc(4)
+    assert slots is not None
+    tree.insert(RadixKey([1, 2, 3, 4]), slots)
+    tree.evict(EvictRequest.full(4))
+    assert len(removed) == 1
+    tree.check_integrity()

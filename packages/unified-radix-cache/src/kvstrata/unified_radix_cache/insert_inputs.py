@@ -4,6 +4,7 @@ slots (normalised to one int64 numpy array) and the per-component insert inputs.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, cast
 
@@ -57,3 +58,13 @@ def check_inputs(
             raise InvalidInsert(f"insert input for {name!r}, which is not a state component here")
         component.check_insert_input(inp, num_tokens)
     return inputs
+
+
+def as_priority(priority: object) -> int:
+    """`priority` as an int (numpy integers accepted); InvalidInsert for anything else, before
+    the tree changes: the priority policy compares it with other nodes' priorities, and a
+    comparison that raises inside an eviction or unlock would leave the tree half changed."""
+    try:
+        return operator.index(priority)  # pyright: ignore[reportArgumentType]
+    except TypeError:
+        raise InvalidInsert(f"priority must be an integer, got {type(priority).__name__}") from None

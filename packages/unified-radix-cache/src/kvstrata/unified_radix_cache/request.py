@@ -26,6 +26,7 @@ from kvstrata.unified_radix_cache.components.base import ComponentInsert
 from kvstrata.unified_radix_cache.components.mamba import MambaComponent, MambaInsert
 from kvstrata.unified_radix_cache.components.swa import SWAInsert
 from kvstrata.unified_radix_cache.errors import InvalidInsert, RequestFinished
+from kvstrata.unified_radix_cache.insert_inputs import as_priority
 from kvstrata.unified_radix_cache.key import RadixKey
 from kvstrata.unified_radix_cache.results import LockReceipt, PrefixHit
 
@@ -94,6 +95,8 @@ class CacheRequest:
 def begin_request(
     tree: TreeInternals, key: RadixKey, *, priority: int = 0, copy_state: bool = True
 ) -> CacheRequest:
+    if type(priority) is not int:
+        priority = as_priority(priority)
     match = tree.match_prefix(key, max_len=len(key) - 1, copy_state=copy_state)
     receipt = tree.lock(match.last_node)
     return CacheRequest(

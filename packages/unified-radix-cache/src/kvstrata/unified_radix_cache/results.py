@@ -5,6 +5,7 @@ match and insert, so they must be cheap); the eviction request and result are fr
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -111,6 +112,16 @@ class EvictRequest:
     targets: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if any(type(amount) is not int for amount in self.targets.values()):
+            ints: dict[str, int] = {}
+            for name, amount in self.targets.items():
+                try:
+                    ints[name] = operator.index(amount)
+                except TypeError:
+                    raise InvalidEvictRequest(
+                        f"evict target for {name!r} must be an integer, got {type(amount).__name__}"
+                    ) from None
+            object.__setattr__(self, "targets", ints)
         for name, amount in self.targets.items():
             if amount < 0:
                 raise InvalidEvictRequest(f"evict target for {name!r} is negative: {amount}")
@@ -119,6 +130,8 @@ class EvictRequest:
     def full(cls, num_tokens: int) -> EvictRequest:
         # Once per evict in an engine's loop: the one check of __post_init__, then the frozen
         # field set directly (the generated __init__ and its loop cost 4x more).
+        if type(num_tokens) is not int:
+            return cls(targets={"full": num_tokens})  # the general checks
         if num_tokens < 0:
             raise InvalidEvictRequest(f"evict target for 'full' is negative: {num_tokens}")
         request = object.__new__(cls)

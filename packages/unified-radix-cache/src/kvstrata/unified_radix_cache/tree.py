@@ -35,7 +35,7 @@ from kvstrata.unified_radix_cache.errors import (
 from kvstrata.unified_radix_cache.events import EventLog, KVEvent
 from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_targets
 from kvstrata.unified_radix_cache.hybrid import insert_slow, match_hybrid
-from kvstrata.unified_radix_cache.insert_inputs import check_inputs, slots_of
+from kvstrata.unified_radix_cache.insert_inputs import as_priority, check_inputs, slots_of
 from kvstrata.unified_radix_cache.integrity import check_tree
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, Namespace, RadixKey
 from kvstrata.unified_radix_cache.native_core import RadixCore, install, native_core
@@ -146,7 +146,7 @@ class UnifiedRadixCache:
         self._events: EventLog | None = None
         if keyer is not None and enable_events and not disable:
             self._events = EventLog(keyer)
-        if self._native is not None and not self._extras:
+        if self._native is not None and not self._extras and type(self) is UnifiedRadixCache:
             install(self._native, self, events=self._events is not None)
         # Hierarchical mode (host_tier.py). `_slow` sends match and insert off the Full-only
         # fast path, so a device-only tree pays one attribute test per call and nothing more.
@@ -345,6 +345,8 @@ class UnifiedRadixCache:
         slots = slots_of(value, num_tokens)
         if not 0 <= cached_len <= num_tokens:
             raise InvalidInsert(f"cached_len {cached_len} outside the key's 0..{num_tokens}")
+        if type(priority) is not int:
+            priority = as_priority(priority)
         comp_inputs = check_inputs(self, inputs, num_tokens) if inputs else None
         end = len(data) - len(data) % self._page_bytes
         root = self._root
