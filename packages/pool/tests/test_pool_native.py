@@ -299,3 +299,14 @@ def test_an_extension_module_is_built_once_imported_and_refused_cleanly(
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     off = native.build_extension(source, "kvs_twice", tmp_path / "cache")
     assert off.module is None and native.ENV_SWITCH in off.reason
+
+
+def test_joined_source_joins_the_parts_in_order_once_per_process(tmp_path: Path) -> None:
+    parts = (tmp_path / "a_part.c", tmp_path / "b_part.c")
+    parts[0].write_text("int a(void) { return 1; }\n")
+    parts[1].write_text("int b(void) { return a() + 1; }\n")
+    joined = native.joined_source(parts)
+    assert joined.name == "a_part.c" and joined.parent != tmp_path
+    assert joined.read_text() == parts[0].read_text() + parts[1].read_text()
+    assert native.joined_source(parts) == joined  # written once
+    assert native.joined_source(parts[::-1]).read_text().startswith("int b")

@@ -17,7 +17,6 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstrata.pool.native import disabled
 from kvstrata.testkit.refusals import tree_state
 from kvstrata.testkit.trees import TreeKit, make_tree
 from kvstrata.unified_radix_cache import EvictRequest, LockReceipt, RadixKey, UnifiedRadixCache
@@ -45,14 +44,6 @@ def picture(tree: UnifiedRadixCache) -> tuple[object, ...]:
     return (dataclasses.replace(tree_state(tree), metrics=()), counters)
 
 
-def kit_for(off: bool, **kwargs: Any) -> TreeKit:
-    """A `make_tree` kit, with the Python paths when `off` (made inside `disabled()`)."""
-    if not off:
-        return make_tree(**kwargs)
-    with disabled():
-        return make_tree(**kwargs)
-
-
 @needs_core
 class NativeMatchesPython(RuleBasedStateMachine):
     """The same operations on a compiled-core tree and a pure-Python one."""
@@ -71,7 +62,9 @@ class NativeMatchesPython(RuleBasedStateMachine):
     @precondition(lambda self: self.kits is None)
     def build(self, page: int, policy: str, check: bool, events: bool) -> None:
         fast, slow = (
-            kit_for(off, size=256, page_size=page, policy=policy, enable_events=events)
+            make_tree(
+                python_paths=off, size=256, page_size=page, policy=policy, enable_events=events
+            )
             for off in (False, True)
         )
         fast.tree.check_slots = slow.tree.check_slots = check
@@ -204,7 +197,7 @@ def test_the_compiled_slot_check_refuses_what_the_python_one_refuses(
 ) -> None:
     messages = []
     for off in (False, True):
-        kit = kit_for(off, size=64)
+        kit = make_tree(python_paths=off, size=64)
         kit.alloc(4)  # slots 1..4 handed out (slot 0 is reserved)
         before = picture(kit.tree)
         with pytest.raises(error) as caught:
@@ -218,7 +211,7 @@ def test_the_compiled_slot_check_refuses_what_the_python_one_refuses(
 @needs_core
 def test_a_slot_held_by_the_tree_is_refused_on_both_paths() -> None:
     for off in (False, True):
-        kit = kit_for(off, size=64)
+        kit = make_tree(python_paths=off, size=64)
         _, slots = kit.put([1, 2, 3])
         with pytest.raises(SlotInTree):
             kit.tree.insert(RadixKey([7, 8, 9]), slots)
@@ -285,7 +278,7 @@ def test_a_compiled_split_in_the_walk_matches_the_python_one() -> None:
     """`walk(.., split)` splits where the match ends inside a node, as `descend` does."""
     pictures = []
     for off in (False, True):
-        kit = kit_for(off, page_size=2)
+        kit = make_tree(python_paths=off, page_size=2)
         kit.put([1, 2, 3, 4, 5, 6])
         path = kit.tree.walk(None, RadixKey([1, 2, 3, 4, 9, 9]).token_bytes(), 48)
         assert [n.num_tokens for n in path] == [4]

@@ -10,8 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstrata.pool.native import disabled
-from kvstrata.testkit.trees import TreeKit, make_full_allocator, make_tree
+from kvstrata.testkit.trees import make_full_allocator, make_tree
 from kvstrata.unified_radix_cache import EvictRequest, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.native_core import native_core
@@ -22,13 +21,6 @@ CORE = native_core()
 needs_core = pytest.mark.skipif(CORE is None, reason="no compiled radix core (no compiler?)")
 #: Tree-level cases run on the compiled path (when built) and on the Python one.
 PATHS = (False, True) if CORE is not None else (True,)
-
-
-def kit_for(off: bool, **kwargs: Any) -> TreeKit:
-    if not off:
-        return make_tree(**kwargs)
-    with disabled():
-        return make_tree(**kwargs)
 
 
 @needs_core
@@ -87,7 +79,7 @@ def test_an_eviction_raising_midway_leaves_the_counters_true(error: type[BaseExc
     (sizes, evicted total, node count) and the tree passes check_integrity."""
     states = []
     for off in PATHS:
-        kit = kit_for(off, size=64, policy="priority")
+        kit = make_tree(python_paths=off, size=64, policy="priority")
         kit.put([1, 2, 3])
         kit.put([1, 2, 4])
         kit.put([5, 6], priority=5)
@@ -112,7 +104,7 @@ def test_an_eviction_raising_midway_leaves_the_counters_true(error: type[BaseExc
 def test_a_huge_eviction_target_frees_everything_on_both_paths(amount: int) -> None:
     results = []
     for off in PATHS:
-        kit = kit_for(off, size=64, page_size=4)
+        kit = make_tree(python_paths=off, size=64, page_size=4)
         kit.put(list(range(10)))
         kit.put([*range(4), 9, 9, 9, 9, 9])
         got = kit.tree.evict(EvictRequest.full(amount))
@@ -176,7 +168,7 @@ def test_held_marks_flag_the_same_slots_on_both_paths() -> None:
     a slot given back clears on both."""
     flags = []
     for off in PATHS:
-        kit = kit_for(off, size=64)
+        kit = make_tree(python_paths=off, size=64)
         kit.tree.check_slots = True
         kit.put([1, 2, 3])
         mine = kit.alloc(8).flip(0)  # descending: not a run, the Python scatter path
@@ -259,7 +251,7 @@ def test_a_priority_that_is_not_an_integer_is_refused_before_any_change(off: boo
     check marks anything (a retry used to get SlotInTree)."""
     from kvstrata.unified_radix_cache.errors import InvalidInsert
 
-    kit = kit_for(off, policy="priority")
+    kit = make_tree(python_paths=off, policy="priority")
     slots = kit.alloc(3)
     with pytest.raises(InvalidInsert, match="priority"):
         kit.tree.insert(RadixKey([1, 2, 3]), slots, priority=None)  # pyright: ignore[reportArgumentType]
@@ -283,7 +275,7 @@ def test_eviction_targets_must_be_integers_and_are_the_same_on_both_paths(off: b
         EvictRequest.full(2.5)  # pyright: ignore[reportArgumentType]
     request = EvictRequest.full(np.int64(2))  # pyright: ignore[reportArgumentType]
     assert type(request.targets["full"]) is int
-    kit = kit_for(off)
+    kit = make_tree(python_paths=off)
     kit.put([1, 2, 3, 4])
     assert kit.tree.evict(request).evicted == {"full": 2}
     kit.check()
@@ -305,3 +297,18 @@ def test_a_tree_subclass_keeps_its_overrides_on_the_python_paths() -> None:
     tree.evict(EvictRequest.full(4))
     assert len(removed) == 1
     tree.check_integrity()
+
+
+@needs_core
+def test_the_compiled_lock_refuses_a_count_at_its_maximum_before_any_change() -> None:
+    """A lock count of 2**63 - 1 (a corrupted tree) would overflow in C: refused first."""
+    kit = make_tree(page_size=1)
+    kit.put([1, 2, 3])
+    (leaf,) = kit.tree.iter_nodes()
+    leaf.lock_ref = 2**63 - 1
+    sizes = kit.tree._full.evictable_size, kit.tree._full.protected_size
+    with pytest.raises(OverflowError, match="maximum"):
+        kit.tree.lock(leaf)
+    assert leaf.lock_ref == 2**63 - 1
+    assert (kit.tree._full.evictable_size, kit.tree._full.protected_size) == sizes
+    assert kit.tree.num_locked == 0

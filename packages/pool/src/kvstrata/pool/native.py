@@ -28,6 +28,7 @@ more than the work; without the headers it returns the reason, and callers keep 
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import importlib.machinery
@@ -143,6 +144,26 @@ def native_extension(source: Path, name: str) -> ExtensionBuild:
         if found is None:
             found = _extensions[source, name] = build_extension(source, name)
         return found
+
+
+_joined: dict[tuple[Path, ...], Path] = {}
+
+
+def joined_source(parts: tuple[Path, ...]) -> Path:
+    """C files compiled as one translation unit (each under the 700-line limit): their text
+    joined in order into one file, written once per process into a private temporary folder
+    (removed at exit) and named after the first part. `native_extension` / `native_library`
+    cache a build by the text they compile, so an edit of any part makes a new build, and the
+    same text on the same machine builds once."""
+    with _lock:
+        path = _joined.get(parts)
+        if path is None:
+            folder = Path(tempfile.mkdtemp(prefix=f"kvstrata-{parts[0].stem}-"))
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            path = folder / parts[0].name
+            path.write_bytes(b"".join(part.read_bytes() for part in parts))
+            _joined[parts] = path
+        return path
 
 
 def native_copies() -> NativeCopies | None:

@@ -15,6 +15,7 @@ import torch
 from kvstrata.allocator import MambaSlotAllocator, PagedAllocator, SWAAllocator, TokenAllocator
 from kvstrata.allocator.base import SlotAllocator
 from kvstrata.pool import MambaPool
+from kvstrata.pool.native import disabled
 from kvstrata.testkit.pools import make_mamba_pool
 from kvstrata.unified_radix_cache import (
     ComponentInsert,
@@ -113,8 +114,24 @@ def make_tree(
     mamba_slots: int = 16,
     enable_events: bool = False,
     disable: bool = False,
+    python_paths: bool = False,
 ) -> TreeKit:
-    """A CPU tree of `family` ("full", "swa", "mamba") with `size` Full slots."""
+    """A CPU tree of `family` ("full", "swa", "mamba") with `size` Full slots.
+    `python_paths`: made inside `kvstrata.pool.native.disabled()`, so the tree runs its
+    pure-Python paths for good (A/B tests against the compiled core)."""
+    if python_paths:
+        with disabled():
+            return make_tree(
+                family,
+                size=size,
+                page_size=page_size,
+                policy=policy,
+                swa_size=swa_size,
+                sliding_window=sliding_window,
+                mamba_slots=mamba_slots,
+                enable_events=enable_events,
+                disable=disable,
+            )
     components: list[TreeComponent]
     if family == "full":
         full = make_full_allocator(size=size, page_size=page_size)

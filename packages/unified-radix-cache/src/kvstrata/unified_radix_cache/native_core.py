@@ -31,11 +31,7 @@ answers; tests/test_radix_native.py compares both paths on random operations):
 
 from __future__ import annotations
 
-import atexit
-import shutil
 import struct
-import tempfile
-import threading
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -44,7 +40,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvstrata.pool.native import native_extension
+from kvstrata.pool.native import joined_source, native_extension
 from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.key import Namespace
 from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
@@ -64,22 +60,11 @@ Cut = list[tuple[TreeNode, Slots, bytes, list[bytes] | None]]
 SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("radix_core.c", "radix_evict.c", "radix_locks.c")
 )
-_joined: list[Path] = []
-_joined_lock = threading.Lock()
 
 
 def source() -> Path:
-    """The C parts as one file, written once per process into a private temporary folder
-    (removed at exit). `native_extension` caches the build by the text it compiles, so an edit
-    of any part makes a new module, and the same text on the same machine builds once."""
-    with _joined_lock:
-        if not _joined:
-            folder = Path(tempfile.mkdtemp(prefix="kvstrata-radix-core-"))
-            atexit.register(shutil.rmtree, folder, ignore_errors=True)
-            path = folder / "radix_core.c"
-            path.write_bytes(b"".join(part.read_bytes() for part in SOURCES))
-            _joined.append(path)
-        return _joined[0]
+    """The C parts as one file (`kvstrata.pool.native.joined_source`)."""
+    return joined_source(SOURCES)
 
 
 MODULE_NAME = "_kvstrata_radix_core"

@@ -19,6 +19,15 @@ static int lock_count(PyObject *node, Py_ssize_t *out)
     return 0;
 }
 
+/* len(node.value): the tokens a lock or unlock moves; -1 with an error set. */
+static Py_ssize_t value_size(PyObject *node)
+{
+    PyObject *value = PyObject_GetAttr(node, s_value);
+    Py_ssize_t size = value == NULL ? -1 : PyObject_Length(value);
+    Py_XDECREF(value);
+    return size;
+}
+
 /* The node's parent (new reference; Py_None at the root). */
 static PyObject *parent_of(PyObject *node)
 {
@@ -42,6 +51,12 @@ static PyObject *climb(PyObject *anchor, int positive)
         }
         Py_ssize_t count;
         if (lock_count(node, &count) < 0) {
+            Py_DECREF(parent);
+            Py_DECREF(node);
+            return NULL;
+        }
+        if (!positive && count == PY_SSIZE_T_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "lock: a node's lock count is at its maximum");
             Py_DECREF(parent);
             Py_DECREF(node);
             return NULL;
@@ -86,9 +101,7 @@ static PyObject *lock_path(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (lock_count(node, &count) < 0)
             goto fail;
         if (count == 0) {
-            PyObject *value = PyObject_GetAttr(node, s_value);
-            Py_ssize_t size = value == NULL ? -1 : PyObject_Length(value);
-            Py_XDECREF(value);
+            Py_ssize_t size = value_size(node);
             if (size < 0)
                 goto fail;
             moved += size;
@@ -152,9 +165,7 @@ static PyObject *unlock_path(PyObject *self, PyObject *const *args, Py_ssize_t n
         if (rc < 0)
             goto fail;
         if (count == 1) {
-            PyObject *value = PyObject_GetAttr(node, s_value);
-            Py_ssize_t size = value == NULL ? -1 : PyObject_Length(value);
-            Py_XDECREF(value);
+            Py_ssize_t size = value_size(node);
             if (size < 0)
                 goto fail;
             moved += size;

@@ -26,15 +26,11 @@ every match compares the full key bytes, so two keys with one hash are two entri
 
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, cast
 
-from kvstrata.pool.native import native_extension
+from kvstrata.pool.native import joined_source, native_extension
 from kvstrata.prefix_index.errors import InvalidEvent, InvalidInstance, ReentrantCall
 from kvstrata.prefix_index.results import InstanceMatch, PrefixMatches
 from kvstrata.unified_radix_cache import AllBlocksCleared, BlockRemoved, BlockStored
@@ -47,22 +43,10 @@ SOURCES = tuple(
 #: The extension module's name (its `PyInit_` function).
 MODULE = "kvstrata.prefix_index._core"
 
-_combined: list[Path] = []
-_lock = threading.Lock()
-
 
 def source() -> Path:
-    """The C files as one, written once per process into a private temporary folder
-    (removed at exit). `native_extension` caches the build by the text it compiles, so an edit
-    of either file makes a new module, and the same text on the same machine builds once."""
-    with _lock:
-        if not _combined:
-            folder = Path(tempfile.mkdtemp(prefix="kvstrata-index-core-"))
-            atexit.register(shutil.rmtree, folder, ignore_errors=True)
-            path = folder / "index_core.c"
-            path.write_bytes(b"".join(part.read_bytes() for part in SOURCES))
-            _combined.append(path)
-        return _combined[0]
+    """The C files as one (`kvstrata.pool.native.joined_source`)."""
+    return joined_source(SOURCES)
 
 
 #: Longest key the C entries hold (PageKeyer keys are 16 or 32 bytes).
