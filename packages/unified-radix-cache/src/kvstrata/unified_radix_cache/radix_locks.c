@@ -19,6 +19,15 @@ static int lock_count(PyObject *node, Py_ssize_t *out)
     return 0;
 }
 
+/* node.lock_ref = count; -1 with an error set. */
+static int set_lock_count(PyObject *node, Py_ssize_t count)
+{
+    PyObject *v = PyLong_FromSsize_t(count);
+    int rc = v == NULL ? -1 : PyObject_SetAttr(node, s_lock_ref, v);
+    Py_XDECREF(v);
+    return rc;
+}
+
 /* len(node.value): the tokens a lock or unlock moves; -1 with an error set. */
 static Py_ssize_t value_size(PyObject *node)
 {
@@ -120,10 +129,7 @@ static PyObject *lock_path(PyObject *self, PyObject *const *args, Py_ssize_t nar
                     goto fail;
             }
         }
-        PyObject *more = PyLong_FromSsize_t(count + 1);
-        int rc = more == NULL ? -1 : PyObject_SetAttr(node, s_lock_ref, more);
-        Py_XDECREF(more);
-        if (rc < 0)
+        if (set_lock_count(node, count + 1) < 0)
             goto fail;
         parent = parent_of(node);
         if (parent == NULL)
@@ -159,10 +165,7 @@ static PyObject *unlock_path(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyObject *parent = NULL;
         if (lock_count(node, &count) < 0)
             goto fail;
-        PyObject *less = PyLong_FromSsize_t(count - 1);
-        int rc = less == NULL ? -1 : PyObject_SetAttr(node, s_lock_ref, less);
-        Py_XDECREF(less);
-        if (rc < 0)
+        if (set_lock_count(node, count - 1) < 0)
             goto fail;
         if (count == 1) {
             Py_ssize_t size = value_size(node);
