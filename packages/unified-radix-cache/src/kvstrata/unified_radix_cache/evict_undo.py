@@ -271,24 +271,16 @@ def check_frees(
 
 
 def evict_targets(tree: EvictingTree, targets: Mapping[str, int]) -> dict[str, int]:
-    """`UnifiedRadixCache.evict` past its Full-only fast path: unknown component names are
-    refused first; a Full-only device tree evicts checked (`FullComponent.evict_checked`), any
-    other all or nothing (`evict_components`). Returns what each component freed."""
+    """`UnifiedRadixCache.evict` past its Full-only device fast path (a tree with other
+    components or a host tier): unknown component names are refused first, then all or
+    nothing (`evict_components`). Returns what each component freed."""
     components = tree.components
     names = [c.name for c in components]
     for name in targets:
         if name not in names:
             raise InvalidEvictRequest(f"no component {name!r} in this tree (have {sorted(names)})")
     before = [c.evicted_total for c in components]
-    full = components[0]
-    if tree.host_tier is None and len(components) == 1 and isinstance(full, FullComponent):
-        amount = targets.get("full", 0)
-        if amount > 0:  # checked: a free behind the tree's back raises with nothing changed
-            queue = tree._events.queue if tree._events is not None else None
-            full.evict_checked(amount, queue, repeats=not tree.check_slots)
-    else:
-        # All or nothing (device-only or with a host tier): rolled back when it raises.
-        evict_components(tree, targets)
+    evict_components(tree, targets)
     return {c.name: c.evicted_total - b for c, b in zip(components, before, strict=True)}
 
 

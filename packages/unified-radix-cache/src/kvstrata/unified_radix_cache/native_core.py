@@ -1,8 +1,9 @@
-"""The compiled hot paths of a Full-only device tree (`radix_core.c`, `radix_evict.c`,
-`radix_locks.c`, compiled as one file), and their contract.
+"""The compiled hot paths of the radix tree (`radix_core.c`, `radix_evict.c`, `radix_locks.c`,
+compiled as one file): the walk for every tree, match, slot check, eviction loop and lock walks
+for a Full-only device tree; and their contract.
 
-`native_core()` returns the extension module built from `radix_core.c` by
-`kvstrata.pool.native.native_extension` (system C compiler, per-machine cache; built at first
+`native_core()` returns the extension module built from the three parts joined
+(`kvstrata.pool.native.joined_source`) by `kvstrata.pool.native.native_extension` (system C compiler, per-machine cache; built at first
 use), or None when it is unavailable, turned off (`KVSTRATA_NATIVE=0`) or asked for inside
 `kvstrata.pool.native.disabled()`. A tree asks once, when it is made, and keeps the answer: a
 tree made inside `disabled()` runs the pure-Python paths for good (A/B tests compare the two).

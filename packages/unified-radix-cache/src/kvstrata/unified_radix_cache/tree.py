@@ -396,13 +396,13 @@ class UnifiedRadixCache:
                 node.priority = priority
         prefix_len = pos // TOKEN_BYTES
         if pos < end:
-            leaf = self._add_leaf(node, data, pos, end, slots, namespace, tick, priority, False)
+            leaf = self.add_leaf(node, data, pos, end, slots, namespace, tick, priority, False)
             return InsertResult(prefix_len, len(leaf.value), leaf, (), (), cached_len)
         if node.heap_entry is not None:
             self._heap.push(node)  # re-key the leaf for its new access time
         return InsertResult(prefix_len, 0, node, (), (), cached_len)
 
-    def _add_leaf(
+    def add_leaf(
         self,
         parent: TreeNode,
         data: bytes,
@@ -414,8 +414,10 @@ class UnifiedRadixCache:
         priority: int,
         mark: bool = True,
     ) -> TreeNode:
-        """A new leaf under `parent` for key bytes `data[pos:end]` with a copy of its slots
-        (marked held for the slot check unless `mark` is False: the check did it)."""
+        """A new on-device leaf under `parent` for key bytes `data[pos:end]` with a copy of its
+        slots (device sizes, heap and events updated; marked held for the slot check unless
+        `mark` is False: the check did it). `parent` must be on the device (or the root)."""
+        self._last_walk = None
         heap = self._heap
         if parent.heap_entry is not None:
             heap.discard(parent)  # no longer a leaf
@@ -533,22 +535,6 @@ class UnifiedRadixCache:
             )[0]
         return descend(self._root, self._page_bytes, namespace, data, end, self.split_node)[0]
 
-    def add_leaf(
-        self,
-        parent: TreeNode,
-        data: bytes,
-        pos: int,
-        end: int,
-        slots: npt.NDArray[np.int64],
-        namespace: Namespace | None,
-        tick: int,
-        priority: int,
-    ) -> TreeNode:
-        """A new on-device leaf under `parent` for `data[pos:end]` with a copy of its slots
-        (device sizes, heap and events updated). `parent` must be on the device (or the root)."""
-        self._last_walk = None
-        return self._add_leaf(parent, data, pos, end, slots, namespace, tick, priority)
-
     def add_off_device_child(
         self, parent: TreeNode, key: bytes, namespace: Namespace | None, tick: int
     ) -> TreeNode:
@@ -581,13 +567,15 @@ class UnifiedRadixCache:
         targets = request.targets
         start = time.perf_counter()
         nodes_before = self.num_nodes
-        if not self._slow and len(targets) == 1 and "full" in targets:
-            # Full-only device tree (the general path's first branch, minus its loops).
+        if not self._slow and targets.keys() <= {"full"}:
+            # Full-only device tree: checked (a free behind the tree's back raises with
+            # nothing changed).
             full = self._full
             before = full.evicted_total
-            if targets["full"] > 0:
+            amount = targets.get("full", 0)
+            if amount > 0:
                 queue = self._events.queue if self._events is not None else None
-                full.evict_checked(targets["full"], queue, repeats=not self.check_slots)
+                full.evict_checked(amount, queue, repeats=not self.check_slots)
             evicted = {"full": full.evicted_total - before}
         else:
             evicted = evict_targets(self, targets)

@@ -243,13 +243,9 @@ class FullComponent(TreeComponent):
         return size
 
     def flush(self) -> None:
-        pending = self._pending
-        if not pending:
-            return
-        slots = pending[0] if len(pending) == 1 else np.concatenate(pending)
-        pending.clear()
-        if len(slots):
-            self.allocator.free(torch.from_numpy(slots) if self._on_cpu else self.to_device(slots))
+        slots = self.take_pending()
+        if slots is not None and len(slots):
+            self.allocator.free(self.to_device(slots))
             held = self.held
             if held is not None:
                 try:
