@@ -3,10 +3,11 @@ compiled as one file): the walk for every tree, match, slot check, eviction loop
 for a Full-only device tree; and their contract.
 
 `native_core()` returns the extension module built from the three parts joined
-(`kvstrata.pool.native.joined_source`) by `kvstrata.pool.native.native_extension` (system C compiler, per-machine cache; built at first
-use), or None when it is unavailable, turned off (`KVSTRATA_NATIVE=0`) or asked for inside
-`kvstrata.pool.native.disabled()`. A tree asks once, when it is made, and keeps the answer: a
-tree made inside `disabled()` runs the pure-Python paths for good (A/B tests compare the two).
+(`kvstrata.pool.native.joined_source`) by `kvstrata.pool.native.native_extension` (system C
+compiler, per-machine cache; built at first use), or None when it is unavailable, turned off
+(`KVSTRATA_NATIVE=0`) or asked for inside `kvstrata.pool.native.disabled()`. A tree asks
+once, when it is made, and keeps the answer: a tree made inside `disabled()` runs the
+pure-Python paths for good (A/B tests compare the two).
 
 What the module does, each the same as the Python it replaces (same nodes, same splits, same
 answers; tests/test_radix_native.py compares both paths on random operations):
