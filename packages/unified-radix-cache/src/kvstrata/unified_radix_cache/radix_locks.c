@@ -85,53 +85,62 @@ static PyObject *climb(PyObject *anchor, int positive)
     }
 }
 
-/* lock_path(anchor, root, members) -> tokens moved to protected, or None when anchor's chain
-   does not end at `root` (nothing changed). FullComponent.lock of a Full-only device tree
-   with locks.lock's root check first: each node below the root gets lock_ref + 1; one that
-   was unlocked leaves the leaf heap (`members`, LeafHeap._members: LeafHeap.discard). */
-static PyObject *lock_path(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* `node` leaves the leaf heap (LeafHeap.discard through `members`, LeafHeap._members) if it
+   is listed; -1 with an error set. */
+static int leave_heap(PyObject *node, PyObject *members)
 {
-    if (nargs != 3 || !PyDict_CheckExact(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "lock_path(anchor, root, members: dict)");
-        return NULL;
-    }
-    PyObject *root = args[1], *members = args[2];
-    PyObject *top = climb(args[0], 0);
-    if (top == NULL)
-        return NULL;
-    Py_DECREF(top);
-    if (top != root)
-        Py_RETURN_NONE;
+    PyObject *entry = PyObject_GetAttr(node, s_heap_entry);
+    if (entry == NULL)
+        return -1;
+    int listed = entry != Py_None;
+    Py_DECREF(entry);
+    if (!listed)
+        return 0;
+    PyObject *id = PyObject_GetAttr(node, s_id);
+    int had = id == NULL ? -1 : PyDict_Contains(members, id);
+    if (had > 0)
+        had = PyDict_DelItem(members, id) < 0 ? -1 : 1;
+    Py_XDECREF(id);
+    if (had < 0 || (had && PyObject_SetAttr(node, s_heap_entry, Py_None) < 0))
+        return -1;
+    return 0;
+}
+
+/* `node` joins the leaf heap (heap.push) when it has no children; -1 with an error set. */
+static int join_heap(PyObject *node, PyObject *heap)
+{
+    PyObject *children = PyObject_GetAttr(node, s_children);
+    int has = children == NULL ? -1 : PyObject_IsTrue(children);
+    Py_XDECREF(children);
+    if (has != 0)
+        return has < 0 ? -1 : 0;
+    PyObject *pushed = PyObject_CallMethodOneArg(heap, s_push, node);
+    if (pushed == NULL)
+        return -1;
+    Py_DECREF(pushed);
+    return 0;
+}
+
+/* The walk lock_path and unlock_path share: from `anchor` up to `stop` (not included), each
+   lock count moves by `delta` (+1 or -1); a node whose count leaves zero (lock) or reaches it
+   (unlock) moves its tokens (the sum is returned) and leaves the leaf heap (`members`) or,
+   childless, joins it (`heap`). The counts were checked first (climb). */
+static PyObject *move_locks(PyObject *anchor, PyObject *stop, int delta, PyObject *members,
+                            PyObject *heap)
+{
     Py_ssize_t moved = 0;
-    PyObject *node = Py_NewRef(args[0]);
-    while (node != root) {
+    PyObject *node = Py_NewRef(anchor);
+    while (node != stop) {
         Py_ssize_t count;
-        PyObject *parent = NULL;
-        if (lock_count(node, &count) < 0)
+        if (lock_count(node, &count) < 0 || set_lock_count(node, count + delta) < 0)
             goto fail;
-        if (count == 0) {
+        if (count == (delta > 0 ? 0 : 1)) {
             Py_ssize_t size = value_size(node);
-            if (size < 0)
+            if (size < 0 || (delta > 0 ? leave_heap(node, members) : join_heap(node, heap)) < 0)
                 goto fail;
             moved += size;
-            PyObject *entry = PyObject_GetAttr(node, s_heap_entry);
-            if (entry == NULL)
-                goto fail;
-            int listed = entry != Py_None;
-            Py_DECREF(entry);
-            if (listed) {
-                PyObject *id = PyObject_GetAttr(node, s_id);
-                int had = id == NULL ? -1 : PyDict_Contains(members, id);
-                if (had > 0)
-                    had = PyDict_DelItem(members, id) < 0 ? -1 : 1;
-                Py_XDECREF(id);
-                if (had < 0 || (had && PyObject_SetAttr(node, s_heap_entry, Py_None) < 0))
-                    goto fail;
-            }
         }
-        if (set_lock_count(node, count + 1) < 0)
-            goto fail;
-        parent = parent_of(node);
+        PyObject *parent = parent_of(node);
         if (parent == NULL)
             goto fail;
         Py_DECREF(node);
@@ -144,6 +153,26 @@ fail:
     return NULL;
 }
 
+/* lock_path(anchor, root, members) -> tokens moved to protected, or None when anchor's chain
+   does not end at `root` (nothing changed). FullComponent.lock of a Full-only device tree
+   with locks.lock's root check first: each node below the root gets lock_ref + 1; one that
+   was unlocked leaves the leaf heap (`members`, LeafHeap._members: LeafHeap.discard). */
+static PyObject *lock_path(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyDict_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "lock_path(anchor, root, members: dict)");
+        return NULL;
+    }
+    PyObject *root = args[1];
+    PyObject *top = climb(args[0], 0);
+    if (top == NULL)
+        return NULL;
+    Py_DECREF(top);
+    if (top != root)
+        Py_RETURN_NONE;
+    return move_locks(args[0], root, 1, args[2], NULL);
+}
+
 /* unlock_path(anchor, heap) -> tokens moved back to evictable. FullComponent.unlock of a
    Full-only device tree: every lock count on the chain is checked above zero first
    (AssertionError, nothing changed), then each drops by one; a node left unlocked and
@@ -154,49 +183,12 @@ static PyObject *unlock_path(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_TypeError, "unlock_path(anchor, heap)");
         return NULL;
     }
-    PyObject *heap = args[1];
     PyObject *top = climb(args[0], 1);
     if (top == NULL)
         return NULL;
-    Py_ssize_t moved = 0;
-    PyObject *node = Py_NewRef(args[0]);
-    while (node != top) {
-        Py_ssize_t count;
-        PyObject *parent = NULL;
-        if (lock_count(node, &count) < 0)
-            goto fail;
-        if (set_lock_count(node, count - 1) < 0)
-            goto fail;
-        if (count == 1) {
-            Py_ssize_t size = value_size(node);
-            if (size < 0)
-                goto fail;
-            moved += size;
-            PyObject *children = PyObject_GetAttr(node, s_children);
-            int has = children == NULL ? -1 : PyObject_IsTrue(children);
-            Py_XDECREF(children);
-            if (has < 0)
-                goto fail;
-            if (!has) {
-                PyObject *pushed = PyObject_CallMethodOneArg(heap, s_push, node);
-                if (pushed == NULL)
-                    goto fail;
-                Py_DECREF(pushed);
-            }
-        }
-        parent = parent_of(node);
-        if (parent == NULL)
-            goto fail;
-        Py_DECREF(node);
-        node = parent;
-    }
-    Py_DECREF(node);
+    PyObject *moved = move_locks(args[0], top, -1, NULL, args[1]);
     Py_DECREF(top);
-    return PyLong_FromSsize_t(moved);
-fail:
-    Py_DECREF(node);
-    Py_DECREF(top);
-    return NULL;
+    return moved;
 }
 
 static PyMethodDef methods[] = {
