@@ -34,9 +34,10 @@ import struct
 import threading
 import time
 import zlib
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import compress, groupby, repeat
 from typing import NamedTuple
 
 from kvstrata.hybrid_cache.group import PoolGroup
@@ -318,12 +319,8 @@ class StorageRunner:
         num_ok = ok.count(True)
         if num_ok < len(ok):
             self.stats.count_fault(FaultReason.WRITE_FAILED, len(ok) - num_ok)
-            num_bytes = sum(
-                self._page_bytes[s.member] for s, good in zip(slots, ok, strict=True) if good
-            )
-        else:  # all stored: the bytes per member, counted in C
-            members = list(map(_MEMBER, slots))
-            num_bytes = sum(size * members.count(name) for name, size in self._page_bytes.items())
+        stored = Counter(map(_MEMBER, compress(slots, ok)))  # pages per member, counted in C
+        num_bytes = sum(self._page_bytes[name] * n for name, n in stored.items())
         self.stats.count_transfer(
             Direction.STORAGE_SET,
             num_pages=num_ok,
@@ -334,18 +331,7 @@ class StorageRunner:
 
     def _sources(self, slots: Sequence[_Slot]) -> list[memoryview]:
         """The host bytes of each slot's page, one `set_sources` call per run of one member."""
-        if not slots:
-            return []
-        first = slots[0].member
-        if list(map(_MEMBER, slots)).count(first) == len(slots):  # one member (Full-only trees)
-            return self.group.set_sources(first, list(map(_PAGE, slots)))
         views: list[memoryview] = []
-        lo = 0
-        while lo < len(slots):
-            member = slots[lo].member
-            hi = lo + 1
-            while hi < len(slots) and slots[hi].member == member:
-                hi += 1
-            views += self.group.set_sources(member, [s.page for s in slots[lo:hi]])
-            lo = hi
+        for member, run in groupby(slots, _MEMBER):
+            views += self.group.set_sources(member, list(map(_PAGE, run)))
         return views

@@ -214,7 +214,9 @@ class HostWalks:
             call.priority,
         )
         namespace = key.namespace
-        path, pos, partial = descend(root, page_bytes, namespace, data, end, None)
+        native = tree._native  # the compiled walk when built (reads keys and children only)
+        walk = native.walk if native is not None else descend
+        path, pos, partial = walk(root, page_bytes, namespace, data, end, None)
         child = None
         if partial:
             parent = path[-1] if path else root
