@@ -288,3 +288,53 @@ def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(
     me = threading.current_thread().name
     assert storage.threads
     assert all((t == me) == inline_here for t in storage.threads), storage.threads
+
+
+@pytest.mark.parametrize("run_inline", [True, False])
+def test_trusted_submits_move_the_same_bytes_without_the_checks(run_inline: bool) -> None:
+    """`trusted=True` (the tiers' path) skips `check_moves` and the host pool's page checks
+    (`count_moves`, `backup_planned`, `load_layers_planned`) and moves what the checked path
+    moves, inline or on the workers; the checked path still refuses a bad op."""
+    tiers = make_tiers("full")
+    pool = device_pools(tiers)["full"]
+    page = tiers.member_page_size("full")
+    checks: list[str] = []
+    check_moves = tiers.group.check_moves
+
+    def spy(*args: object, **kwargs: object) -> object:
+        checks.append("checked")
+        return check_moves(*args, **kwargs)  # type: ignore[arg-type]
+
+    tiers.group.check_moves = spy  # type: ignore[method-assign]
+    params = ControllerParams(run_inline=run_inline)
+    with TierController(tiers.group, params=params) as controller:
+        before = snapshot(pool, page_indices([1, 2, 3], page))
+        ops = [WriteOp(moves=full_move(page, [p], [h])) for p, h in ((1, 4), (2, 5), (3, 6))]
+        ids = controller.submit_writes(ops, inline=True, trusted=True)
+        acks = [controller.wait(i, TIMEOUT_S) for i in ids if i is not None]
+        assert len(acks) == 3 and all(a is not None and a.ok and a.num_pages == 1 for a in acks)
+        scramble(pool, page_indices([1, 2, 3], page), seed=4)
+        handle = controller.submit_load(
+            LoadOp(moves=full_move(page, [7, 8, 9], [4, 5, 6])), inline=True, trusted=True
+        )
+        ack = controller.wait(handle.op_id, TIMEOUT_S)
+        assert ack is not None and ack.ok and ack.num_pages_done == 3
+        assert handle.wait_all(TIMEOUT_S)
+        assert_pages_equal(pool, page_indices([7, 8, 9], page), before, what="trusted cycle")
+        assert not checks
+        with pytest.raises(InvalidOperation):
+            controller.submit_writes([WriteOp(moves=full_move(page, [0], [1]))], inline=True)
+        assert checks == ["checked"]
+        controller.check_integrity()
+
+
+def test_count_moves_counts_pages_and_copies_unless_told_not_to() -> None:
+    tiers = make_tiers("full")
+    page = tiers.member_page_size("full")
+    moves = full_move(page, [1, 2], [3, 4])
+    copied, num_pages = tiers.group.count_moves(moves)
+    borrowed, _ = tiers.group.count_moves(moves, copy=False)
+    assert num_pages == 2
+    assert copied["full"].device is not moves["full"].device
+    assert torch.equal(copied["full"].host, moves["full"].host)
+    assert borrowed["full"] is moves["full"]

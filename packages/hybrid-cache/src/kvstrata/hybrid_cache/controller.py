@@ -225,15 +225,26 @@ class TierController:
             self._write.queue.put(WriteTask(op_id=op_id, moves=moves, num_pages=num_pages))
         return op_id
 
-    def submit_writes(self, ops: Sequence[WriteOp], *, inline: bool = False) -> list[int | None]:
+    def submit_writes(
+        self, ops: Sequence[WriteOp], *, inline: bool = False, trusted: bool = False
+    ) -> list[int | None]:
         """`submit_write` for each of `ops`, oldest first, with one wake-up of the write worker
         for the whole batch (it merges them). Returns the op ids; None for an op the queue had
         no room for (nothing of it changed). InvalidOperation for any op, or ControllerClosed,
         before anything changes. `inline=True` on a controller that `runs_inline`: the batch
-        runs (merged) on this thread before the call returns."""
+        runs (merged) on this thread before the call returns.
+
+        `trusted=True` is the tiers' path (their indices come from their own allocators over
+        this group's pools): the caller vouches for what `check_moves` and the host pool's
+        page plan would check (known members; 1-D int64 tensors of equal length; whole aligned
+        pages in range; no device page 0; no destination page twice), and none of it is checked
+        here or on the worker."""
         now = inline and self._inline
         # Run now, the moves are read before this returns: no defensive copies.
-        checked = [self.group.check_moves(op.moves, copy=not now) for op in ops]
+        if trusted:
+            checked = [self.group.count_moves(op.moves, copy=not now) for op in ops]
+        else:
+            checked = [self.group.check_moves(op.moves, copy=not now) for op in ops]
         ids: list[int | None] = []
         tasks: list[WriteTask] = []
         with self._lock:
@@ -246,7 +257,9 @@ class TierController:
                     ids.append(None)
                     continue
                 op_id = self._admit(OpKind.WRITE, num_pages, None)
-                tasks.append(WriteTask(op_id=op_id, moves=moves, num_pages=num_pages))
+                tasks.append(
+                    WriteTask(op_id=op_id, moves=moves, num_pages=num_pages, trusted=trusted)
+                )
                 ids.append(op_id)
             if tasks and not now:
                 queue.put_all(tasks)
@@ -260,16 +273,20 @@ class TierController:
         thread (`ControllerParams.run_inline`)."""
         return self._inline
 
-    def submit_load(self, op: LoadOp, *, inline: bool = False) -> LoadHandle:
+    def submit_load(self, op: LoadOp, *, inline: bool = False, trusted: bool = False) -> LoadHandle:
         """Queue a host -> device load, layer by layer in layer order; the handle's
         `wait_layer(layer_id)` returns once that layer is on the device. Raises as submit_write.
         The destination device slots must not be read before their layer's wait returns.
 
         `inline=True` (the caller waits for the whole load at once) on a controller that
         `runs_inline`: the load runs on this thread before the call returns; its ack waits for
-        `wait` / `poll_acks` like a worker's."""
+        `wait` / `poll_acks` like a worker's. `trusted=True`: as for `submit_writes` (the
+        destination device pages are the ones never given twice)."""
         now = inline and self._inline
-        moves, num_pages = self.group.check_moves(op.moves, copy=not now)
+        if trusted:
+            moves, num_pages = self.group.count_moves(op.moves, copy=not now)
+        else:
+            moves, num_pages = self.group.check_moves(op.moves, copy=not now)
         with self._lock:
             op_id = self._admit(OpKind.LOAD, num_pages, None if now else self._load.queue)
             handle = LoadHandle(
@@ -277,7 +294,9 @@ class TierController:
                 completion=self.group.completion(self.group.layers_of(moves)),
                 stats=self.stats,
             )
-            task = LoadTask(op_id=op_id, moves=moves, num_pages=num_pages, handle=handle)
+            task = LoadTask(
+                op_id=op_id, moves=moves, num_pages=num_pages, handle=handle, trusted=trusted
+            )
             if not now:
                 self._load.queue.put(task)
         if now:

@@ -101,6 +101,8 @@ class WriteTask:
     op_id: int
     moves: dict[str, PageMove]
     num_pages: int
+    #: Submitted with `trusted=True`: the host pool takes its pages without checks.
+    trusted: bool = False
 
 
 @dataclass(kw_only=True, eq=False)
@@ -109,6 +111,8 @@ class LoadTask:
     moves: dict[str, PageMove]
     num_pages: int
     handle: LoadHandle
+    #: Submitted with `trusted=True`: the host pool takes its pages without checks.
+    trusted: bool = False
 
 
 class TransferRunner:
@@ -123,7 +127,7 @@ class TransferRunner:
         self._stats.count_merged(OpKind.WRITE, len(tasks) - 1)
         if len(tasks) > 1:
             try:
-                self._write(_merge([t.moves for t in tasks]))
+                self._write(_merge([t.moves for t in tasks]), all(t.trusted for t in tasks))
             except Exception:  # isolate the bad op: retried one by one below
                 logger.info(
                     "merged write of %d ops failed; retrying each", len(tasks), exc_info=True
@@ -133,7 +137,7 @@ class TransferRunner:
                 return
         for t in tasks:
             try:
-                self._write(t.moves)
+                self._write(t.moves, t.trusted)
             except Exception as exc:  # reported in the op's ack
                 logger.warning("write op %d failed", t.op_id, exc_info=True)
                 self._finish(t.op_id, AckStatus.FAILED, 0, exc)
@@ -172,10 +176,13 @@ class TransferRunner:
             else:
                 self._done(t)
 
-    def _write(self, moves: dict[str, PageMove]) -> None:
+    def _write(self, moves: dict[str, PageMove], trusted: bool) -> None:
         start = time.perf_counter()
         for name, move in moves.items():
-            self._group.backup(name, move.device, move.host)
+            if trusted:
+                self._group.backup(name, move.device, move.host, trusted=True)
+            else:
+                self._group.backup(name, move.device, move.host)
         self._count(Direction.D2H, moves, start)
 
     def _load(self, moves: dict[str, PageMove], tasks: list[LoadTask], first: int) -> None:
@@ -198,7 +205,12 @@ class TransferRunner:
                 [t.handle for t in tasks if member in t.moves],
             )
             try:
-                loads = self._group.load_layers(member, move.host, move.device, fan_out)
+                if all(t.trusted for t in tasks):
+                    loads = self._group.load_layers(
+                        member, move.host, move.device, fan_out, trusted=True
+                    )
+                else:
+                    loads = self._group.load_layers(member, move.host, move.device, fan_out)
             except Exception as exc:
                 raise _LoadStopped(positions[fan_out.num_marked]) from exc
             if loads:

@@ -180,6 +180,15 @@ class HierarchicalCache:
                     f"host {component.name} page size {allocator.page_size} != tree page size "
                     f"{page}"
                 )
+        # The transfers pass host slots to the controller unchecked (its trusted path): each
+        # host allocator must hand out only pages of its member's host pool.
+        for name, allocator in ((FULL, host_allocator), *hosts.items()):
+            pool_pages = controller.group.num_host_pages(name)
+            if allocator.num_pages > pool_pages:
+                raise InvalidConfig(
+                    f"the {name} host allocator has {allocator.num_pages} pages, its host pool "
+                    f"{pool_pages}"
+                )
         keyer = keyer or device_tree.keyer or PageKeyer(page_size=page)
         if keyer.page_size != page:
             raise InvalidConfig(f"keyer page size {keyer.page_size} != tree page size {page}")

@@ -135,7 +135,11 @@ class TierWriter:
         submitted: dict[int, int] = {}
         if unsent:
             self._core.counters.write_batches += 1
-        op_ids = self._core.controller.submit_writes([op for _, op in unsent], inline=True)
+        # Trusted: the slots come from the tree's and the host tier's own allocators, over the
+        # group's pools (HierarchicalCache checks their sizes once, when built).
+        op_ids = self._core.controller.submit_writes(
+            [op for _, op in unsent], inline=True, trusted=True
+        )
         self._core.num_unsent -= len(unsent)
         for (temp_id, _), op_id in zip(unsent, op_ids, strict=True):
             pending = self._core.pending.pop(temp_id)
