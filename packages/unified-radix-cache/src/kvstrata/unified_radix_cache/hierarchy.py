@@ -113,7 +113,12 @@ class HostSlots:
         return self.allocator.size
 
     def free(self, indices: torch.Tensor) -> None:
-        self.allocator.free(indices)
+        """Free host slots the tree took from this allocator (whole aligned pages, as `alloc`
+        handed them out): their page ids go back without re-checking the alignment (the free
+        list still refuses a page out of range or already free)."""
+        flat = indices.numpy()
+        page = self.allocator.page_size
+        self.allocator.free_pages(torch.from_numpy(flat[::page] // page if page > 1 else flat))
 
     def available_size(self) -> int:
         return self.allocator.available_size()
