@@ -243,14 +243,24 @@ class _ThreadNoting(MemoryStorage):
         return super()._set_from(keys, views)
 
 
+@pytest.mark.parametrize("trusted", [False, True], ids=["checked", "trusted"])
 @pytest.mark.parametrize("memory", [True, False], ids=["in-process", "io-store"])
 @pytest.mark.parametrize("run_inline", [True, False])
 def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(
-    run_inline: bool, memory: bool
+    run_inline: bool, memory: bool, trusted: bool
 ) -> None:
     """Inline only on an inline controller over in-process memory storage: a store with I/O
-    (file, Ray) keeps its backups on the worker, where the I/O overlaps the caller."""
+    (file, Ray) keeps its backups on the worker, where the I/O overlaps the caller. The
+    tiers' `trusted=True` stores the same pages without `check_keyed_pages`."""
     tiers = make_tiers("full")
+    checks: list[int] = []
+    check_keyed_pages = tiers.group.check_keyed_pages
+
+    def spy(*args: object, **kwargs: object) -> object:
+        checks.append(1)
+        return check_keyed_pages(*args, **kwargs)  # type: ignore[arg-type]
+
+    tiers.group.check_keyed_pages = spy  # type: ignore[method-assign]
     page = tiers.member_page_size("full")
     storage = _ThreadNoting()
     storage.in_process_memory = memory
@@ -267,7 +277,7 @@ def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(
         assert ack is not None and ack.ok
         pages: dict[str, list[int | None]] = {"full": [4, 5, 6]}
         one = controller.submit_backup(
-            BackupOp(keys=keys[:1], host_pages={"full": [4]}), inline=True
+            BackupOp(keys=keys[:1], host_pages={"full": [4]}), inline=True, trusted=trusted
         )
         ids = controller.submit_backups(
             [
@@ -275,7 +285,9 @@ def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(
                 BackupOp(keys=keys[1:], host_pages={"full": [5, 6]}),
             ],
             inline=True,
+            trusted=trusted,
         )
+        assert len(checks) == (0 if trusted else 3)
         assert all(i is not None for i in ids)
         if inline_here:  # done before the calls returned: the acks wait without a worker
             acks = controller.poll_acks()

@@ -260,6 +260,14 @@ class PoolGroup:
             checked[name] = pages
         return checked
 
+    @staticmethod
+    def keyed_pages(
+        host_pages: Mapping[str, Sequence[int | None]],
+    ) -> dict[str, tuple[int | None, ...]]:
+        """What `check_keyed_pages` returns, checking nothing: for pages the caller vouches
+        for (`TierController.submit_backups(trusted=True)`: the tiers' own host pages)."""
+        return {name: tuple(listed) for name, listed in host_pages.items()}
+
     # --- moves -----------------------------------------------------------------------------------
 
     def backup(
