@@ -167,7 +167,9 @@ class TierController:
             name: int(self.params.prefetch_host_share * group.num_host_pages(name))
             for name in group.member_names
         }
-        transfers = TransferRunner(group=group, stats=self.stats, finish=self._finish)
+        transfers = TransferRunner(
+            group=group, stats=self.stats, finish=self._finish, finish_done=self._finish_done
+        )
         self._write: _Lane[WriteTask] = _Lane(
             kind=OpKind.WRITE,
             params=self.params,
@@ -575,20 +577,34 @@ class TierController:
     ) -> None:
         """Acknowledge op `op_id` (worker threads). Exactly once per op."""
         with self._lock:
-            pending = self._pending.pop(op_id, None)
-            assert pending is not None, f"op {op_id} acknowledged twice or never submitted"
-            for name, num in pending.inflight_pages.items():
-                self._inflight[name] -= num
-            ack = Ack(
-                op_id=op_id,
-                kind=pending.kind,
-                status=status,
-                num_pages=pending.num_pages,
-                num_pages_done=num_pages_done,
-                error=error,
-            )
-            self._acks[op_id] = ack
-            self.stats.count_finished(ack.kind, status)
+            self._record_ack(op_id, status, num_pages_done, error)
+            self._acked.notify_all()
+
+    def _record_ack(
+        self, op_id: int, status: AckStatus, num_pages_done: int, error: BaseException | None
+    ) -> None:
+        # Caller holds the lock and wakes the waiters.
+        pending = self._pending.pop(op_id, None)
+        assert pending is not None, f"op {op_id} acknowledged twice or never submitted"
+        for name, num in pending.inflight_pages.items():
+            self._inflight[name] -= num
+        ack = Ack(
+            op_id=op_id,
+            kind=pending.kind,
+            status=status,
+            num_pages=pending.num_pages,
+            num_pages_done=num_pages_done,
+            error=error,
+        )
+        self._acks[op_id] = ack
+        self.stats.count_finished(ack.kind, status)
+
+    def _finish_done(self, done: list[tuple[int, int]]) -> None:
+        """`_finish(op_id, DONE, num_pages, None)` for each of `done` (op id, pages), under one
+        lock and one wake-up of the waiters (a merged batch of writes or loads)."""
+        with self._lock:
+            for op_id, num_pages_done in done:
+                self._record_ack(op_id, AckStatus.DONE, num_pages_done, None)
             self._acked.notify_all()
 
     def _run_inline_batches(self, lane: _Lane[TaskT], tasks: list[TaskT]) -> None:

@@ -31,6 +31,8 @@ from kvstrata.pool_host.errors import LayerWaitTimeout
 logger = logging.getLogger(__name__)
 
 Finish = Callable[[int, AckStatus, int, BaseException | None], None]
+#: Acknowledge ops that all moved every page: (op id, pages) each, under one lock.
+FinishDone = Callable[[list[tuple[int, int]]], None]
 
 
 class LoadHandle:
@@ -118,10 +120,18 @@ class LoadTask:
 class TransferRunner:
     """Runs batches of write and load tasks on the write and load workers."""
 
-    def __init__(self, *, group: PoolGroup, stats: ControllerStats, finish: Finish) -> None:
+    def __init__(
+        self,
+        *,
+        group: PoolGroup,
+        stats: ControllerStats,
+        finish: Finish,
+        finish_done: FinishDone,
+    ) -> None:
         self._group = group
         self._stats = stats
         self._finish = finish
+        self._finish_done = finish_done
 
     def run_writes(self, tasks: list[WriteTask]) -> None:
         self._stats.count_merged(OpKind.WRITE, len(tasks) - 1)
@@ -145,8 +155,7 @@ class TransferRunner:
                 self._done(t)
 
     def _done(self, *tasks: WriteTask | LoadTask) -> None:
-        for t in tasks:
-            self._finish(t.op_id, AckStatus.DONE, t.num_pages, None)
+        self._finish_done([(t.op_id, t.num_pages) for t in tasks])
 
     def run_loads(self, tasks: list[LoadTask]) -> None:
         self._stats.count_merged(OpKind.LOAD, len(tasks) - 1)
