@@ -243,14 +243,24 @@ class _ThreadNoting(MemoryStorage):
         return super()._set_from(keys, views)
 
 
+@pytest.mark.parametrize("trusted", [False, True], ids=["checked", "trusted"])
 @pytest.mark.parametrize("memory", [True, False], ids=["in-process", "io-store"])
 @pytest.mark.parametrize("run_inline", [True, False])
 def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(
-    run_inline: bool, memory: bool
+    run_inline: bool, memory: bool, trusted: bool
 ) -> None:
     """Inline only on an inline controller over in-process memory storage: a store with I/O
-    (file, Ray) keeps its backups on the worker, where the I/O overlaps the caller."""
+    (file, Ray) keeps its backups on the worker, where the I/O overlaps the caller. The
+    tiers' `trusted=True` stores the same pages without `check_keyed_pages`."""
     tiers = make_tiers("full")
+    checks: list[int] = []
+    check_keyed_pages = tiers.group.check_keyed_pages
+
+    def spy(*args: object, **kwargs: object) -> object:
+        checks.append(1)
+        return check_keyed_pages(*args, **kwargs)  # type: ignore[arg-type]
+
+    tiers.group.check_keyed_pages = spy  # type: ignore[method-assign]
     page = tiers.member_page_size("full")
     storage = _ThreadNoting()
     storage.in_process_memory = memory
@@ -267,7 +277,7 @@ def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(
         assert ack is not None and ack.ok
         pages: dict[str, list[int | None]] = {"full": [4, 5, 6]}
         one = controller.submit_backup(
-            BackupOp(keys=keys[:1], host_pages={"full": [4]}), inline=True
+            BackupOp(keys=keys[:1], host_pages={"full": [4]}), inline=True, trusted=trusted
         )
         ids = controller.submit_backups(
             [
@@ -275,7 +285,9 @@ def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(
                 BackupOp(keys=keys[1:], host_pages={"full": [5, 6]}),
             ],
             inline=True,
+            trusted=trusted,
         )
+        assert len(checks) == (0 if trusted else 3)
         assert all(i is not None for i in ids)
         if inline_here:  # done before the calls returned: the acks wait without a worker
             acks = controller.poll_acks()
@@ -288,3 +300,53 @@ def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(
     me = threading.current_thread().name
     assert storage.threads
     assert all((t == me) == inline_here for t in storage.threads), storage.threads
+
+
+@pytest.mark.parametrize("run_inline", [True, False])
+def test_trusted_submits_move_the_same_bytes_without_the_checks(run_inline: bool) -> None:
+    """`trusted=True` (the tiers' path) skips `check_moves` and the host pool's page checks
+    (`count_moves`, `backup_planned`, `load_layers_planned`) and moves what the checked path
+    moves, inline or on the workers; the checked path still refuses a bad op."""
+    tiers = make_tiers("full")
+    pool = device_pools(tiers)["full"]
+    page = tiers.member_page_size("full")
+    checks: list[str] = []
+    check_moves = tiers.group.check_moves
+
+    def spy(*args: object, **kwargs: object) -> object:
+        checks.append("checked")
+        return check_moves(*args, **kwargs)  # type: ignore[arg-type]
+
+    tiers.group.check_moves = spy  # type: ignore[method-assign]
+    params = ControllerParams(run_inline=run_inline)
+    with TierController(tiers.group, params=params) as controller:
+        before = snapshot(pool, page_indices([1, 2, 3], page))
+        ops = [WriteOp(moves=full_move(page, [p], [h])) for p, h in ((1, 4), (2, 5), (3, 6))]
+        ids = controller.submit_writes(ops, inline=True, trusted=True)
+        acks = [controller.wait(i, TIMEOUT_S) for i in ids if i is not None]
+        assert len(acks) == 3 and all(a is not None and a.ok and a.num_pages == 1 for a in acks)
+        scramble(pool, page_indices([1, 2, 3], page), seed=4)
+        handle = controller.submit_load(
+            LoadOp(moves=full_move(page, [7, 8, 9], [4, 5, 6])), inline=True, trusted=True
+        )
+        ack = controller.wait(handle.op_id, TIMEOUT_S)
+        assert ack is not None and ack.ok and ack.num_pages_done == 3
+        assert handle.wait_all(TIMEOUT_S)
+        assert_pages_equal(pool, page_indices([7, 8, 9], page), before, what="trusted cycle")
+        assert not checks
+        with pytest.raises(InvalidOperation):
+            controller.submit_writes([WriteOp(moves=full_move(page, [0], [1]))], inline=True)
+        assert checks == ["checked"]
+        controller.check_integrity()
+
+
+def test_count_moves_counts_pages_and_copies_unless_told_not_to() -> None:
+    tiers = make_tiers("full")
+    page = tiers.member_page_size("full")
+    moves = full_move(page, [1, 2], [3, 4])
+    copied, num_pages = tiers.group.count_moves(moves)
+    borrowed, _ = tiers.group.count_moves(moves, copy=False)
+    assert num_pages == 2
+    assert copied["full"].device is not moves["full"].device
+    assert torch.equal(copied["full"].host, moves["full"].host)
+    assert borrowed["full"] is moves["full"]

@@ -3,10 +3,12 @@ layout and dtype; page views and page I/O against the device pool's flat page fo
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from kvstrata.pool_host import HostLayout, HostPool, MHAHostPool
+from kvstrata.pool_host import HostLayout, HostPool, MHAHostPool, PagePlan, vouched_pages
+from kvstrata.pool_host.errors import PoolMismatch
 from kvstrata.testkit.host_pools import (
     DTYPES,
     FAMILIES,
@@ -156,3 +158,41 @@ def test_long_runs_and_scattered_pages_give_the_same_bytes(layout: HostLayout) -
     assert torch.equal(read_flat(src, moved), expected[[m - 1 for m in moved]])
     assert not read_flat(src, [9, 11, 13, 15]).any()
     assert scattered.num_pages == 4
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=str)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_planned_transfers_move_what_the_checked_ones_move(
+    family: Family, layout: HostLayout
+) -> None:
+    """`backup_planned` / `load_layers_planned` (the trusted path: a plan of `plan_d2h` /
+    `plan_h2d`, or of `vouched_pages`) land the same bytes as `backup` / `load_layers`."""
+    pool = make_device_pool(family, dtype=torch.float16)
+    fill_random(pool, seed=5)
+    host = make_host(family, pool, layout)
+    P = pool.page_size
+    device_pages, host_pages, targets = [3, 4, 9, 1], [5, 6, 0, 2], [2, 7, 8, 10]
+    expected = read_flat(pool, device_pages)
+    plan = host.plan_d2h(page_tokens(device_pages, P), page_tokens(host_pages, P))
+    assert plan.src_pages.tolist() == device_pages and plan.dst_pages.tolist() == host_pages
+    host.backup_planned(pool, plan).wait()
+    zero_pool(pool)
+    vouched = PagePlan(
+        vouched_pages(page_tokens(host_pages, P), P), vouched_pages(page_tokens(targets, P), P)
+    )
+    loads = host.load_layers_planned(pool, vouched)
+    assert [load.layer_id for load in loads] == list(host.layer_ids)
+    assert torch.equal(read_flat(pool, targets), expected)
+    # The pool's identity is still checked on the trusted path.
+    other = make_device_pool(family, dtype=torch.float16)
+    with pytest.raises(PoolMismatch):
+        host.backup_planned(other, plan)
+    with pytest.raises(PoolMismatch):
+        host.load_layers_planned(other, vouched)
+
+
+def test_vouched_pages_reads_page_ids_of_any_integer_dtype() -> None:
+    tokens = page_tokens([4, 1, 7], 4)
+    assert vouched_pages(tokens, 4).tolist() == [4, 1, 7]
+    assert vouched_pages(tokens.to(torch.int32), 4).dtype == np.int64
+    assert vouched_pages(torch.tensor([3, 9]), 1).tolist() == [3, 9]

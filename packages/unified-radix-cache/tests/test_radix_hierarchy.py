@@ -330,6 +330,15 @@ def test_rejects_hybrid_trees_and_mismatched_pages(hierarchy: Callable[..., Hier
             controller=h.cache.controller,
             host_allocator=HostSlotAllocator(num_pages=4, page_size=2 * P),
         )
+    # The transfers hand host slots to the controller unchecked: an allocator must not reach
+    # past its host pool.
+    too_many = h.cache.controller.group.num_host_pages("full") + 1
+    with pytest.raises(InvalidConfig, match="host pool"):
+        HierarchicalCache(
+            h.tree,
+            controller=h.cache.controller,
+            host_allocator=HostSlotAllocator(num_pages=too_many, page_size=P),
+        )
 
 
 def test_collector_reads_tier_counters(hierarchy: Callable[..., Hierarchy]) -> None:

@@ -143,6 +143,7 @@ def test_a_failed_load_frees_full_and_swa_slots(
     # The SWA member's host -> device copy raises on the worker: the load fails whole.
     with monkeypatch.context() as patch:
         patch.setattr(h.tiers.hosts["swa"], "load_layers", broken)
+        patch.setattr(h.tiers.hosts["swa"], "load_layers_planned", broken)  # the tiers' path
         result = h.cache.load_back(m.host_node)
     assert result.loaded_len == 0 and h.cache.counters.failed_ops >= 1
     assert h.allocator.full_available_size() == h.allocator.full_size

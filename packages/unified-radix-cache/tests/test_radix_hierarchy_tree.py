@@ -387,9 +387,10 @@ def test_commit_path_matches_commit_and_falls_back_off_the_key_end(
 ) -> None:
     """`commit_path` gives the nodes the same host values, receipts and host events as the
     root-down `commit`; a node that does not end at the key takes the root-down commit (same
-    result), and pages that meanwhile got a host copy are handed back."""
+    result), and pages that meanwhile got a host copy are handed back. With `keep_lock=False`
+    (a write no backup follows) both ways release the receipt and lock nothing."""
     results = []
-    for mode in ("commit", "path", "fallback"):
+    for mode in ("commit", "path", "fallback", "path-released", "fallback-released"):
         h = hierarchy(host_pages=16)
         key, _ = _insert(h, list(range(1, 3 * P + 1)))
         h.cache.drain()
@@ -408,12 +409,16 @@ def test_commit_path_matches_commit_and_falls_back_off_the_key_end(
         new = h.cache.host_allocator.alloc(2 * P)  # one page too many: its node has a host copy
         assert new is not None
         free_before = h.cache.host_allocator.available_size()
+        source = _path(h, key)[0] if mode.startswith("fallback") else below
         if mode == "commit":
             moved = tier.commit(receipt, longer, new)
-        elif mode == "path":
-            moved = tier.commit_path(receipt, below, longer, new)
+        elif mode.endswith("released"):
+            assert tier.commit_path(receipt, source, longer, new, keep_lock=False) is None
+            assert tier.num_locked == 0
+            moved = tier.lock(below)
         else:
-            moved = tier.commit_path(receipt, _path(h, key)[0], longer, new)
+            moved = tier.commit_path(receipt, source, longer, new)
+        assert moved is not None
         assert moved.anchor is below and below.host_value is not None
         got = [n.host_value.tolist() for n in _path(h, longer) if n.host_value is not None]
         assert h.cache.host_allocator.available_size() == free_before + P
@@ -425,4 +430,4 @@ def test_commit_path_matches_commit_and_falls_back_off_the_key_end(
         tier.unlock(moved)
         h.cache.check_integrity()
         results.append((got, events))
-    assert results[0] == results[1] == results[2]
+    assert all(r == results[0] for r in results)

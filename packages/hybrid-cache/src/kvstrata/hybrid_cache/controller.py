@@ -167,7 +167,9 @@ class TierController:
             name: int(self.params.prefetch_host_share * group.num_host_pages(name))
             for name in group.member_names
         }
-        transfers = TransferRunner(group=group, stats=self.stats, finish=self._finish)
+        transfers = TransferRunner(
+            group=group, stats=self.stats, finish=self._finish, finish_done=self._finish_done
+        )
         self._write: _Lane[WriteTask] = _Lane(
             kind=OpKind.WRITE,
             params=self.params,
@@ -225,15 +227,26 @@ class TierController:
             self._write.queue.put(WriteTask(op_id=op_id, moves=moves, num_pages=num_pages))
         return op_id
 
-    def submit_writes(self, ops: Sequence[WriteOp], *, inline: bool = False) -> list[int | None]:
+    def submit_writes(
+        self, ops: Sequence[WriteOp], *, inline: bool = False, trusted: bool = False
+    ) -> list[int | None]:
         """`submit_write` for each of `ops`, oldest first, with one wake-up of the write worker
         for the whole batch (it merges them). Returns the op ids; None for an op the queue had
         no room for (nothing of it changed). InvalidOperation for any op, or ControllerClosed,
         before anything changes. `inline=True` on a controller that `runs_inline`: the batch
-        runs (merged) on this thread before the call returns."""
+        runs (merged) on this thread before the call returns.
+
+        `trusted=True` is the tiers' path (their indices come from their own allocators over
+        this group's pools): the caller vouches for what `check_moves` and the host pool's
+        page plan would check (known members; 1-D int64 tensors of equal length; whole aligned
+        pages in range; no device page 0; no destination page twice), and none of it is checked
+        here or on the worker."""
         now = inline and self._inline
         # Run now, the moves are read before this returns: no defensive copies.
-        checked = [self.group.check_moves(op.moves, copy=not now) for op in ops]
+        if trusted:
+            checked = [self.group.count_moves(op.moves, copy=not now) for op in ops]
+        else:
+            checked = [self.group.check_moves(op.moves, copy=not now) for op in ops]
         ids: list[int | None] = []
         tasks: list[WriteTask] = []
         with self._lock:
@@ -246,7 +259,9 @@ class TierController:
                     ids.append(None)
                     continue
                 op_id = self._admit(OpKind.WRITE, num_pages, None)
-                tasks.append(WriteTask(op_id=op_id, moves=moves, num_pages=num_pages))
+                tasks.append(
+                    WriteTask(op_id=op_id, moves=moves, num_pages=num_pages, trusted=trusted)
+                )
                 ids.append(op_id)
             if tasks and not now:
                 queue.put_all(tasks)
@@ -260,16 +275,20 @@ class TierController:
         thread (`ControllerParams.run_inline`)."""
         return self._inline
 
-    def submit_load(self, op: LoadOp, *, inline: bool = False) -> LoadHandle:
+    def submit_load(self, op: LoadOp, *, inline: bool = False, trusted: bool = False) -> LoadHandle:
         """Queue a host -> device load, layer by layer in layer order; the handle's
         `wait_layer(layer_id)` returns once that layer is on the device. Raises as submit_write.
         The destination device slots must not be read before their layer's wait returns.
 
         `inline=True` (the caller waits for the whole load at once) on a controller that
         `runs_inline`: the load runs on this thread before the call returns; its ack waits for
-        `wait` / `poll_acks` like a worker's."""
+        `wait` / `poll_acks` like a worker's. `trusted=True`: as for `submit_writes` (the
+        destination device pages are the ones never given twice)."""
         now = inline and self._inline
-        moves, num_pages = self.group.check_moves(op.moves, copy=not now)
+        if trusted:
+            moves, num_pages = self.group.count_moves(op.moves, copy=not now)
+        else:
+            moves, num_pages = self.group.check_moves(op.moves, copy=not now)
         with self._lock:
             op_id = self._admit(OpKind.LOAD, num_pages, None if now else self._load.queue)
             handle = LoadHandle(
@@ -277,7 +296,9 @@ class TierController:
                 completion=self.group.completion(self.group.layers_of(moves)),
                 stats=self.stats,
             )
-            task = LoadTask(op_id=op_id, moves=moves, num_pages=num_pages, handle=handle)
+            task = LoadTask(
+                op_id=op_id, moves=moves, num_pages=num_pages, handle=handle, trusted=trusted
+            )
             if not now:
                 self._load.queue.put(task)
         if now:
@@ -326,15 +347,22 @@ class TierController:
             self._run_inline(lane, [task])
         return op_id
 
-    def submit_backup(self, op: BackupOp, *, inline: bool = False) -> int:
+    def submit_backup(self, op: BackupOp, *, inline: bool = False, trusted: bool = False) -> int:
         """Queue a host -> storage backup of `op.keys`; keys already stored are skipped. Raises
         StorageNotConfigured, InvalidOperation, QueueFull or ControllerClosed before anything
         changes. The listed host pages must stay unchanged until the ack. `inline=True` on a
         controller that `runs_inline`, over storage that is `in_process_memory`: the backup
         runs on this thread before the call returns (its ack waits for `wait` / `poll_acks`
-        like a worker's); a file or remote store keeps its worker, whose I/O overlaps."""
+        like a worker's); a file or remote store keeps its worker, whose I/O overlaps.
+
+        `trusted=True` is the tiers' path: the caller vouches for what `check_keyed_pages`
+        checks (non-empty bytes keys; one entry per key for every member; host pages of its
+        own allocators, in range, none twice in a member), and none of it is checked."""
         lane = self._storage_lane(self._backup)
-        pages = self.group.check_keyed_pages(op.keys, op.host_pages)
+        if trusted:
+            pages = self.group.keyed_pages(op.host_pages)
+        else:
+            pages = self.group.check_keyed_pages(op.keys, op.host_pages)
         now = inline and self._inline_backups
         with self._lock:
             op_id = self._admit(OpKind.BACKUP, len(op.keys), None if now else lane.queue)
@@ -345,14 +373,20 @@ class TierController:
             self._run_inline(lane, [task])
         return op_id
 
-    def submit_backups(self, ops: Sequence[BackupOp], *, inline: bool = False) -> list[int | None]:
+    def submit_backups(
+        self, ops: Sequence[BackupOp], *, inline: bool = False, trusted: bool = False
+    ) -> list[int | None]:
         """`submit_backup` for each of `ops`, oldest first, with one wake-up of the backup
         worker for the whole batch. Returns the op ids; None for an op the queue had no room
         for (nothing of it changed). StorageNotConfigured, InvalidOperation (any op) or
         ControllerClosed before anything changes. `inline=True` as for `submit_backup`: the
-        batch runs (merged) on this thread before the call returns."""
+        batch runs (merged) on this thread before the call returns; `trusted=True` as for
+        `submit_backup`."""
         lane = self._storage_lane(self._backup)
-        checked = [self.group.check_keyed_pages(op.keys, op.host_pages) for op in ops]
+        if trusted:
+            checked = [self.group.keyed_pages(op.host_pages) for op in ops]
+        else:
+            checked = [self.group.check_keyed_pages(op.keys, op.host_pages) for op in ops]
         now = inline and self._inline_backups
         ids: list[int | None] = []
         tasks: list[BackupTask] = []
@@ -543,20 +577,34 @@ class TierController:
     ) -> None:
         """Acknowledge op `op_id` (worker threads). Exactly once per op."""
         with self._lock:
-            pending = self._pending.pop(op_id, None)
-            assert pending is not None, f"op {op_id} acknowledged twice or never submitted"
-            for name, num in pending.inflight_pages.items():
-                self._inflight[name] -= num
-            ack = Ack(
-                op_id=op_id,
-                kind=pending.kind,
-                status=status,
-                num_pages=pending.num_pages,
-                num_pages_done=num_pages_done,
-                error=error,
-            )
-            self._acks[op_id] = ack
-            self.stats.count_finished(ack.kind, status)
+            self._record_ack(op_id, status, num_pages_done, error)
+            self._acked.notify_all()
+
+    def _record_ack(
+        self, op_id: int, status: AckStatus, num_pages_done: int, error: BaseException | None
+    ) -> None:
+        # Caller holds the lock and wakes the waiters.
+        pending = self._pending.pop(op_id, None)
+        assert pending is not None, f"op {op_id} acknowledged twice or never submitted"
+        for name, num in pending.inflight_pages.items():
+            self._inflight[name] -= num
+        ack = Ack(
+            op_id=op_id,
+            kind=pending.kind,
+            status=status,
+            num_pages=pending.num_pages,
+            num_pages_done=num_pages_done,
+            error=error,
+        )
+        self._acks[op_id] = ack
+        self.stats.count_finished(ack.kind, status)
+
+    def _finish_done(self, done: list[tuple[int, int]]) -> None:
+        """`_finish(op_id, DONE, num_pages, None)` for each of `done` (op id, pages), under one
+        lock and one wake-up of the waiters (a merged batch of writes or loads)."""
+        with self._lock:
+            for op_id, num_pages_done in done:
+                self._record_ack(op_id, AckStatus.DONE, num_pages_done, None)
             self._acked.notify_all()
 
     def _run_inline_batches(self, lane: _Lane[TaskT], tasks: list[TaskT]) -> None:

@@ -26,7 +26,15 @@ from kvstrata.hybrid_cache.restore import RestoreKind, RestoreRule
 from kvstrata.hybrid_cache.router import HybridPool
 from kvstrata.pool import MambaPool, MHAKVPool, MLAKVPool
 from kvstrata.pool.base import DevicePool
-from kvstrata.pool_host import HostLayout, HostPool, LayerCompletion, LayerLoad, Transfer
+from kvstrata.pool_host import (
+    HostLayout,
+    HostPool,
+    LayerCompletion,
+    LayerLoad,
+    PagePlan,
+    Transfer,
+    vouched_pages,
+)
 
 MEMBER_KEY_SEPARATOR = b"|"
 
@@ -204,6 +212,20 @@ class PoolGroup:
             num_pages += move.device.numel() // host.page_size
         return checked, num_pages
 
+    def count_moves(
+        self, moves: Mapping[str, PageMove], *, copy: bool = True
+    ) -> tuple[dict[str, PageMove], int]:
+        """What `check_moves` returns, checking nothing: for moves the caller vouches for
+        (`TierController.submit_writes(trusted=True)`: the tiers' own allocator indices)."""
+        counted: dict[str, PageMove] = {}
+        num_pages = 0
+        for name, move in moves.items():
+            counted[name] = (
+                PageMove(device=move.device.clone(), host=move.host.clone()) if copy else move
+            )
+            num_pages += len(move.device) // self._members[name].host.page_size
+        return counted, num_pages
+
     def check_keyed_pages(
         self, keys: Sequence[bytes], host_pages: Mapping[str, Sequence[int | None]]
     ) -> dict[str, tuple[int | None, ...]]:
@@ -238,12 +260,35 @@ class PoolGroup:
             checked[name] = pages
         return checked
 
+    @staticmethod
+    def keyed_pages(
+        host_pages: Mapping[str, Sequence[int | None]],
+    ) -> dict[str, tuple[int | None, ...]]:
+        """What `check_keyed_pages` returns, checking nothing: for pages the caller vouches
+        for (`TierController.submit_backups(trusted=True)`: the tiers' own host pages)."""
+        return {name: tuple(listed) for name, listed in host_pages.items()}
+
     # --- moves -----------------------------------------------------------------------------------
 
-    def backup(self, name: str, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
-        """D2H of all layers of `name`'s pages; returns once the host bytes are complete."""
+    def backup(
+        self,
+        name: str,
+        device_indices: torch.Tensor,
+        host_indices: torch.Tensor,
+        *,
+        trusted: bool = False,
+    ) -> None:
+        """D2H of all layers of `name`'s pages; returns once the host bytes are complete.
+        `trusted`: the indices are taken as whole aligned pages in range, no host page twice
+        (`count_moves`), their page ids read without a check."""
         m = self.member(name)
-        transfer: Transfer = m.host.backup(m.device, device_indices, host_indices)
+        transfer: Transfer
+        if trusted:
+            page = m.host.page_size
+            plan = PagePlan(vouched_pages(device_indices, page), vouched_pages(host_indices, page))
+            transfer = m.host.backup_planned(m.device, plan)
+        else:
+            transfer = m.host.backup(m.device, device_indices, host_indices)
         transfer.wait()
 
     def load_layers(
@@ -252,11 +297,20 @@ class PoolGroup:
         host_indices: torch.Tensor,
         device_indices: torch.Tensor,
         completion: LayerCompletion,
+        *,
+        trusted: bool = False,
     ) -> list[LayerLoad]:
         """H2D of `name`'s pages, one layer at a time, for the member-local layers
         `completion.layer_ids` in that order; each layer is marked on `completion` as it lands
-        (on CUDA: as its copy is enqueued, with its event). Indices are checked once."""
+        (on CUDA: as its copy is enqueued, with its event). Indices are checked once (not at
+        all with `trusted`, as for `backup`)."""
         m = self.member(name)
+        if trusted:
+            page = m.host.page_size
+            plan = PagePlan(vouched_pages(host_indices, page), vouched_pages(device_indices, page))
+            return m.host.load_layers_planned(
+                m.device, plan, completion=completion, layer_ids=completion.layer_ids
+            )
         return m.host.load_layers(
             m.device,
             host_indices,

@@ -31,6 +31,8 @@ from kvstrata.pool_host.errors import LayerWaitTimeout
 logger = logging.getLogger(__name__)
 
 Finish = Callable[[int, AckStatus, int, BaseException | None], None]
+#: Acknowledge ops that all moved every page: (op id, pages) each, under one lock.
+FinishDone = Callable[[list[tuple[int, int]]], None]
 
 
 class LoadHandle:
@@ -101,6 +103,8 @@ class WriteTask:
     op_id: int
     moves: dict[str, PageMove]
     num_pages: int
+    #: Submitted with `trusted=True`: the host pool takes its pages without checks.
+    trusted: bool = False
 
 
 @dataclass(kw_only=True, eq=False)
@@ -109,21 +113,31 @@ class LoadTask:
     moves: dict[str, PageMove]
     num_pages: int
     handle: LoadHandle
+    #: Submitted with `trusted=True`: the host pool takes its pages without checks.
+    trusted: bool = False
 
 
 class TransferRunner:
     """Runs batches of write and load tasks on the write and load workers."""
 
-    def __init__(self, *, group: PoolGroup, stats: ControllerStats, finish: Finish) -> None:
+    def __init__(
+        self,
+        *,
+        group: PoolGroup,
+        stats: ControllerStats,
+        finish: Finish,
+        finish_done: FinishDone,
+    ) -> None:
         self._group = group
         self._stats = stats
         self._finish = finish
+        self._finish_done = finish_done
 
     def run_writes(self, tasks: list[WriteTask]) -> None:
         self._stats.count_merged(OpKind.WRITE, len(tasks) - 1)
         if len(tasks) > 1:
             try:
-                self._write(_merge([t.moves for t in tasks]))
+                self._write(_merge([t.moves for t in tasks]), all(t.trusted for t in tasks))
             except Exception:  # isolate the bad op: retried one by one below
                 logger.info(
                     "merged write of %d ops failed; retrying each", len(tasks), exc_info=True
@@ -133,7 +147,7 @@ class TransferRunner:
                 return
         for t in tasks:
             try:
-                self._write(t.moves)
+                self._write(t.moves, t.trusted)
             except Exception as exc:  # reported in the op's ack
                 logger.warning("write op %d failed", t.op_id, exc_info=True)
                 self._finish(t.op_id, AckStatus.FAILED, 0, exc)
@@ -141,8 +155,7 @@ class TransferRunner:
                 self._done(t)
 
     def _done(self, *tasks: WriteTask | LoadTask) -> None:
-        for t in tasks:
-            self._finish(t.op_id, AckStatus.DONE, t.num_pages, None)
+        self._finish_done([(t.op_id, t.num_pages) for t in tasks])
 
     def run_loads(self, tasks: list[LoadTask]) -> None:
         self._stats.count_merged(OpKind.LOAD, len(tasks) - 1)
@@ -172,10 +185,13 @@ class TransferRunner:
             else:
                 self._done(t)
 
-    def _write(self, moves: dict[str, PageMove]) -> None:
+    def _write(self, moves: dict[str, PageMove], trusted: bool) -> None:
         start = time.perf_counter()
         for name, move in moves.items():
-            self._group.backup(name, move.device, move.host)
+            if trusted:
+                self._group.backup(name, move.device, move.host, trusted=True)
+            else:
+                self._group.backup(name, move.device, move.host)
         self._count(Direction.D2H, moves, start)
 
     def _load(self, moves: dict[str, PageMove], tasks: list[LoadTask], first: int) -> None:
@@ -198,7 +214,12 @@ class TransferRunner:
                 [t.handle for t in tasks if member in t.moves],
             )
             try:
-                loads = self._group.load_layers(member, move.host, move.device, fan_out)
+                if all(t.trusted for t in tasks):
+                    loads = self._group.load_layers(
+                        member, move.host, move.device, fan_out, trusted=True
+                    )
+                else:
+                    loads = self._group.load_layers(member, move.host, move.device, fan_out)
             except Exception as exc:
                 raise _LoadStopped(positions[fan_out.num_marked]) from exc
             if loads:

@@ -20,7 +20,7 @@ from kvstrata.pool_host.mha import MHAHostPool
 from kvstrata.pool_host.mla import MLAHostPool
 from kvstrata.pool_host.slots import HostSlotAllocator
 from kvstrata.pool_host.stats import HostPoolStats
-from kvstrata.pool_host.transfer import CopyStrategy
+from kvstrata.pool_host.transfer import CopyStrategy, PagePlan, vouched_pages
 
 __all__: list[str] = [
     "CopyStrategy",
@@ -38,10 +38,12 @@ __all__: list[str] = [
     "MHAHostPool",
     "MLAHostPool",
     "MambaHostPool",
+    "PagePlan",
     "PinnedHostAllocator",
     "PlainHostAllocator",
     "SharedHostAllocator",
     "Transfer",
     "attach_shared",
     "host_memory",
+    "vouched_pages",
 ]

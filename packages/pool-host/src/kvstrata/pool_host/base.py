@@ -211,7 +211,21 @@ class HostPool(ABC, Generic[PoolT]):
         current stream; call `.wait()` on the result before reading the host pages on the host.
         """
         device_rows = self._device_rows(device_pool, range(len(self.geometry)))
-        plan = self._plan_d2h(device_indices, host_indices)
+        plan = self.plan_d2h(device_indices, host_indices)
+        return self._backup_rows(device_pool, device_rows, plan)
+
+    def backup_planned(self, device_pool: PoolT, plan: PagePlan) -> Transfer:
+        """`backup` of a plan the caller vouches for (the trusted path of the tier controller,
+        whose pages come from its own allocators): device page `plan.src_pages[k]` to host page
+        `plan.dst_pages[k]`. Only the device pool's identity is checked (PoolMismatch); the
+        pages are taken as `plan_d2h` would have returned them: int64, in range, no device page
+        0, no host page twice. A plan from `plan_d2h` is always such a plan."""
+        device_rows = self._device_rows(device_pool, range(len(self.geometry)))
+        return self._backup_rows(device_pool, device_rows, plan)
+
+    def _backup_rows(
+        self, device_pool: PoolT, device_rows: list[torch.Tensor], plan: PagePlan
+    ) -> Transfer:
         strategy = choose_strategy(
             plan, self.page_size_bytes // len(self.geometry), cuda=self._cuda
         )
@@ -257,7 +271,7 @@ class HostPool(ABC, Generic[PoolT]):
         """
         buffer_ids = self.layer_buffer_ids(layer_id)
         device_rows = self._device_rows(device_pool, buffer_ids)
-        plan = self._plan_h2d(host_indices, device_indices)
+        plan = self.plan_h2d(host_indices, device_indices)
         _check_pending(completion, (layer_id,))
         return self._load_planned(device_rows, buffer_ids, plan, layer_id, completion)
 
@@ -274,12 +288,44 @@ class HostPool(ABC, Generic[PoolT]):
         and `completion` once, before the first copy. If a layer's copy raises,
         `completion.fail(error)` wakes its waiters before re-raising."""
         order = list(self.layer_ids if layer_ids is None else layer_ids)
+        resolved = self._resolve_layers(device_pool, order)
+        plan = self.plan_h2d(host_indices, device_indices)
+        _check_pending(completion, order)
+        return self._load_resolved(resolved, plan, completion)
+
+    def load_layers_planned(
+        self,
+        device_pool: PoolT,
+        plan: PagePlan,
+        *,
+        completion: LayerCompletion | None = None,
+        layer_ids: Sequence[int] | None = None,
+    ) -> list[LayerLoad]:
+        """`load_layers` of a plan the caller vouches for (the trusted path of the tier
+        controller): host page `plan.src_pages[k]` to device page `plan.dst_pages[k]`. The
+        device pool, the layers and `completion` are checked as `load_layers` checks them; the
+        pages are taken as `plan_h2d` would have returned them (int64, in range, no device page
+        0, no device page twice). A plan from `plan_h2d` is always such a plan."""
+        order = list(self.layer_ids if layer_ids is None else layer_ids)
+        resolved = self._resolve_layers(device_pool, order)
+        _check_pending(completion, order)
+        return self._load_resolved(resolved, plan, completion)
+
+    def _resolve_layers(
+        self, device_pool: PoolT, order: list[int]
+    ) -> list[tuple[int, tuple[int, ...], list[torch.Tensor]]]:
         resolved: list[tuple[int, tuple[int, ...], list[torch.Tensor]]] = []
         for layer in order:
             buffer_ids = self.layer_buffer_ids(layer)
             resolved.append((layer, buffer_ids, self._device_rows(device_pool, buffer_ids)))
-        plan = self._plan_h2d(host_indices, device_indices)
-        _check_pending(completion, order)
+        return resolved
+
+    def _load_resolved(
+        self,
+        resolved: list[tuple[int, tuple[int, ...], list[torch.Tensor]]],
+        plan: PagePlan,
+        completion: LayerCompletion | None,
+    ) -> list[LayerLoad]:
         loads: list[LayerLoad] = []
         for layer_id, buffer_ids, device_rows in resolved:
             try:
@@ -429,7 +475,10 @@ class HostPool(ABC, Generic[PoolT]):
     def _device_num_pages(self) -> int:
         return self.device_pool.num_rows // self.page_size
 
-    def _plan_d2h(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> PagePlan:
+    def plan_d2h(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> PagePlan:
+        """The validated page plan of `backup(device_pool, device_indices, host_indices)`:
+        NonIntegerIndex, IndexLengthMismatch, MisalignedIndex, IndexOutOfRange, ReservedIndex
+        (device page 0) or DuplicateIndex (a host page twice) otherwise."""
         src = indices_to_pages(device_indices, self.page_size, side="device")
         dst = indices_to_pages(host_indices, self.page_size, side="host")
         plan = make_plan(src, dst)
@@ -440,7 +489,9 @@ class HostPool(ABC, Generic[PoolT]):
         check_unique(dst, side="host")
         return plan
 
-    def _plan_h2d(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> PagePlan:
+    def plan_h2d(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> PagePlan:
+        """The validated page plan of `load(device_pool, host_indices, device_indices, ...)`:
+        raises as `plan_d2h` (a device page twice is the DuplicateIndex)."""
         src = indices_to_pages(host_indices, self.page_size, side="host")
         dst = indices_to_pages(device_indices, self.page_size, side="device")
         plan = make_plan(src, dst)

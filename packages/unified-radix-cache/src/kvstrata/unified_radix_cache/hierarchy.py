@@ -113,7 +113,12 @@ class HostSlots:
         return self.allocator.size
 
     def free(self, indices: torch.Tensor) -> None:
-        self.allocator.free(indices)
+        """Free host slots the tree took from this allocator (whole aligned pages, as `alloc`
+        handed them out): their page ids go back without re-checking the alignment (the free
+        list still refuses a page out of range or already free)."""
+        flat = indices.numpy()
+        page = self.allocator.page_size
+        self.allocator.free_pages(torch.from_numpy(flat[::page] // page if page > 1 else flat))
 
     def available_size(self) -> int:
         return self.allocator.available_size()
@@ -179,6 +184,15 @@ class HierarchicalCache:
                 raise InvalidConfig(
                     f"host {component.name} page size {allocator.page_size} != tree page size "
                     f"{page}"
+                )
+        # The transfers pass host slots to the controller unchecked (its trusted path): each
+        # host allocator must hand out only pages of its member's host pool.
+        for name, allocator in ((FULL, host_allocator), *hosts.items()):
+            pool_pages = controller.group.num_host_pages(name)
+            if allocator.num_pages > pool_pages:
+                raise InvalidConfig(
+                    f"the {name} host allocator has {allocator.num_pages} pages, its host pool "
+                    f"{pool_pages}"
                 )
         keyer = keyer or device_tree.keyer or PageKeyer(page_size=page)
         if keyer.page_size != page:

@@ -331,13 +331,21 @@ class HostTier(HostWalks):
         return moved
 
     def commit_path(
-        self, receipt: HostReceipt, node: TreeNode, key: RadixKey, new_slots: torch.Tensor
-    ) -> HostReceipt:
+        self,
+        receipt: HostReceipt,
+        node: TreeNode,
+        key: RadixKey,
+        new_slots: torch.Tensor,
+        *,
+        keep_lock: bool = True,
+    ) -> HostReceipt | None:
         """`commit` for a key that ends exactly at `node` (a write's device-locked source:
         splits since keep it the node ending at the key): the nodes without a host value are
         the run just above `node` (host values are prefix-closed), found by walking up from it
         instead of matching the key from the root. Same effect, events and receipt as
-        `commit`; falls back to it when `node` does not end at the key. O(depth)."""
+        `commit`; falls back to it when `node` does not end at the key. With `keep_lock`
+        False (nothing follows that needs the key's host copy locked, e.g. no backup) the
+        receipt is released and no new lock taken: returns None. O(depth)."""
         end = len(key)
         missing: list[TreeNode] = []
         probe = node
@@ -352,7 +360,11 @@ class HostTier(HostWalks):
             depth += probe.num_tokens
             probe = probe.parent
         if depth != end or probe is not self.tree.root:
-            return self.commit(receipt, key, new_slots)
+            moved = self.commit(receipt, key, new_slots)
+            if keep_lock:
+                return moved
+            self.unlock(moved)
+            return None
         new = new_slots.numpy()
         base = end - len(new)
         # Prefix-closed: the nodes without a host value are `node` and the ones right above.
@@ -365,6 +377,9 @@ class HostTier(HostWalks):
             lo += n
         if pos > base:  # slots for pages that got a host copy meanwhile: not needed
             self.host.free(torch.from_numpy(new[: pos - base].copy()))
+        if not keep_lock:
+            self.unlock(receipt)
+            return None
         moved = self._lock(node)
         self.unlock(receipt)
         return moved

@@ -281,7 +281,8 @@ class TierCore:
             return
         # A CPU controller runs them on this thread: a backup worker's GIL hand-offs cost more
         # than the copies (`TierController.runs_inline`).
-        op_ids = self.controller.submit_backups([op for op, _ in held], inline=True)
+        # Trusted: the tier's own host pages and page keys (`TierWriter.flush` has the why).
+        op_ids = self.controller.submit_backups([op for op, _ in held], inline=True, trusted=True)
         for (_, pending), op_id in zip(held, op_ids, strict=True):
             if op_id is None:
                 self.tier.unlock(pending.host_receipt)

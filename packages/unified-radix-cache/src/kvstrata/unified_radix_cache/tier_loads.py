@@ -106,7 +106,10 @@ class TierLoader:
                     leg.moved = len(move[1])
             self._writer.flush()  # the worker wakes for the load: the queued writes ride along
             try:
-                handle = core.controller.submit_load(LoadOp(moves=moves), inline=wait_now)
+                # Trusted: allocator slots over the group's pools (see TierWriter.flush).
+                handle = core.controller.submit_load(
+                    LoadOp(moves=moves), inline=wait_now, trusted=True
+                )
             except QueueFull:
                 handle = None
         if slots is None or handle is None:

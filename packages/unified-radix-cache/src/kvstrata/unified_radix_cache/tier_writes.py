@@ -135,7 +135,11 @@ class TierWriter:
         submitted: dict[int, int] = {}
         if unsent:
             self._core.counters.write_batches += 1
-        op_ids = self._core.controller.submit_writes([op for _, op in unsent], inline=True)
+        # Trusted: the slots come from the tree's and the host tier's own allocators, over the
+        # group's pools (HierarchicalCache checks their sizes once, when built).
+        op_ids = self._core.controller.submit_writes(
+            [op for _, op in unsent], inline=True, trusted=True
+        )
         self._core.num_unsent -= len(unsent)
         for (temp_id, _), op_id in zip(unsent, op_ids, strict=True):
             pending = self._core.pending.pop(temp_id)
@@ -194,10 +198,21 @@ class TierWriter:
             return
         core.device_tree.unlock(pending.device_receipt)
         num = pending.host_slots.numel()
+        # The new host copy stays locked only for what follows that reads it: the components'
+        # commits and a backup.
+        locked = bool(pending.legs) or core.backups
         receipt = core.tier.commit_path(
-            pending.host_receipt, pending.device_receipt.anchor, pending.key, pending.host_slots
+            pending.host_receipt,
+            pending.device_receipt.anchor,
+            pending.key,
+            pending.host_slots,
+            keep_lock=locked,
         )
         moved = num // core.page_size * core.page_bytes
+        core.counters.written_tokens += num
+        if receipt is None:
+            core.counters.bytes_d2h += moved
+            return
         # Each component's data moved with the pages even when a node meanwhile got its own.
         for leg in pending.legs:
             host = leg.host
@@ -205,7 +220,6 @@ class TierWriter:
             core.transfers[leg.name].commit_write(core, leg, receipt.anchor, len(pending.key))
             leg.host = None  # the nodes hold it now (or it went back)
             moved += core.leg_bytes(leg, len(host))
-        core.counters.written_tokens += num
         core.counters.bytes_d2h += moved
         if core.backups:
             # A component's host pages may lie before `start` (on pages stored before, e.g. a
@@ -260,7 +274,7 @@ class TierWriter:
             held.append((op, pending))
             return
         try:
-            op_id = self._core.controller.submit_backup(op, inline=True)
+            op_id = self._core.controller.submit_backup(op, inline=True, trusted=True)
         except QueueFull:
             self._core.tier.unlock(receipt)
             return
