@@ -165,7 +165,12 @@ def evict_leaves(
         freed, gone = _PROGRESS.unpack(progress)
         _count(tree, freed, gone)
         raise
-    _count(tree, freed, gone)
+    # _count, inlined: once per evict on an engine's path.
+    full.evictable_size -= freed
+    full.evicted_total += freed
+    tree.num_nodes -= gone
+    if freed:
+        tree._forget_walk()
     return freed
 
 

@@ -181,7 +181,11 @@ class FullComponent(TreeComponent):
         slots."""
         check = self._check_allocated
         if check is None and not repeats:
-            self._evict(amount, None, None)
+            evictor = self.leaf_evictor  # the compiled loop, called without `_evict`'s frame
+            if evictor is not None:
+                evictor(amount, None, None)
+            else:
+                self._evict(amount, None, None)
             self.flush()
             return
         removed: list[tuple[TreeNode, TreeNode]] = []
