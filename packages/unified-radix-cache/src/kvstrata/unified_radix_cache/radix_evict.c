@@ -328,7 +328,8 @@ static PyObject *drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (get_buffer(PyList_GET_ITEM(items, got), &views[got], 8, 0) < 0)
             goto done;
         const char *f = views[got].format;
-        if (f == NULL || (strcmp(f, "l") && strcmp(f, "q") && strcmp(f, "<q") && strcmp(f, "=q"))) {
+        if (f == NULL ||
+            (strcmp(f, "l") && strcmp(f, "q") && strcmp(f, "<q") && strcmp(f, "=q"))) {
             PyBuffer_Release(&views[got]);
             PyErr_SetString(PyExc_ValueError, "drain: pending slots must be int64");
             goto done;
