@@ -312,3 +312,64 @@ def test_the_compiled_lock_refuses_a_count_at_its_maximum_before_any_change() ->
     assert leaf.lock_ref == 2**63 - 1
     assert (kit.tree._full.evictable_size, kit.tree._full.protected_size) == sizes
     assert kit.tree.num_locked == 0
+
+
+@needs_core
+def test_drain_joins_the_queued_slots_and_clears_their_held_flags() -> None:
+    """`drain` is `FullComponent.flush`'s array work: one bytearray of every queued slot in
+    order, the list emptied, the flags of slots inside the table cleared (one past it was
+    never marked), None for nothing queued."""
+    assert CORE is not None
+    held = np.zeros(8, dtype=np.int32)
+    held[[1, 2, 5]] = 1
+    pending = [np.array([5, 1], dtype=np.int64), np.array([], dtype=np.int64), np.array([9])]
+    joined = CORE.drain(pending, held)
+    assert joined is not None
+    assert np.frombuffer(joined, dtype=np.int64).tolist() == [5, 1, 9]
+    assert pending == []
+    assert np.flatnonzero(held).tolist() == [2]
+    assert CORE.drain(pending, held) is None
+    assert CORE.drain([np.array([], dtype=np.int64)], None) is None
+    assert CORE.drain([np.array([3, 4], dtype=np.int64)], None) == np.array([3, 4]).tobytes()
+
+
+@needs_core
+def test_drain_refuses_a_bad_queue_before_any_change() -> None:
+    assert CORE is not None
+    held = np.ones(8, dtype=np.int32)
+    for bad in (np.array([1.0, 2.0]), np.array([1, 2], dtype=np.int32), [1, 2]):
+        pending: list[Any] = [np.array([1], dtype=np.int64), bad]
+        with pytest.raises((ValueError, TypeError)):
+            CORE.drain(pending, held)
+        assert len(pending) == 2 and held.all()
+    with pytest.raises(TypeError, match="list"):
+        CORE.drain((np.array([1]),), held)
+    with pytest.raises(ValueError, match="1-D buffer"):
+        CORE.drain([np.array([1])], np.ones(8, dtype=np.int64))
+
+
+def test_flush_frees_the_same_slots_on_both_paths() -> None:
+    """An evict of several leaves and a cut tail reaches the allocator as one free of the
+    same slots, in the same order, compiled or not; the held flags end the same."""
+    seen = []
+    for off in PATHS:
+        kit = make_tree(python_paths=off, size=64)
+        kit.tree.check_slots = True
+        for key in ([1, 2, 3], [4, 5], [1, 2, 6, 7]):
+            kit.put(key)
+        freed: list[list[int]] = []
+        allocator: Any = kit.tree._full.allocator
+        free = allocator.free
+
+        def spy(t: Any, _free: Any = free, _freed: list[list[int]] = freed) -> None:
+            _freed.append(t.tolist())
+            _free(t)
+
+        allocator.free = spy
+        kit.tree.evict(EvictRequest.full(4))
+        held = kit.tree._full.held
+        assert held is not None
+        seen.append((freed, np.flatnonzero(held).tolist()))
+        kit.check()
+    assert all(s == seen[0] for s in seen)
+    assert len(seen[0][0]) == 1

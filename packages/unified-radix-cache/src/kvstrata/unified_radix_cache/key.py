@@ -51,7 +51,10 @@ class RadixKey:
             None if extra_key is None and cache_salt is None else Namespace(extra_key, cache_salt)
         )
         #: `token_bytes()` once computed (None before): lets the tree skip a call per lookup.
-        self.cached_bytes: bytes | None = None
+        #: An int64 `array` (what a trace replay builds) converts now: one copy, no checks.
+        self.cached_bytes: bytes | None = (
+            token_ids.tobytes() if type(token_ids) is array and token_ids.typecode == "q" else None
+        )
 
     def __len__(self) -> int:
         ids = self.token_ids

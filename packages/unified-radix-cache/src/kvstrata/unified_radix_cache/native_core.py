@@ -26,6 +26,9 @@ answers; tests/test_radix_native.py compares both paths on random operations):
   `heap.push`, MemoryError, KeyboardInterrupt from Python code it calls) the counts so far
   are in `progress` (a 16-byte bytearray, two int64) and `evict_leaves` still applies them.
   Targets of 2**63 and more are clamped (they free everything, as in Python).
+- `drain(pending, held)`: `FullComponent.flush`'s array work: the queued slot arrays joined
+  into one bytearray (None when there are none; the list emptied) and, with `held`, each slot
+  inside the table cleared there (the table covers every slot the tree marked).
 - `check_slots(slots, lo, hi, held, keep)`: True when the slots are in the table, unmarked and
   distinct (marked when `keep`); False changes nothing and the caller runs the Python check,
   which raises the precise error.
@@ -106,6 +109,8 @@ class RadixCore(Protocol):
     lock_path: Callable[[TreeNode, TreeNode, dict[int, TreeNode]], int | None]
     #: (anchor, leaf heap) -> tokens unlocked
     unlock_path: Callable[[TreeNode, LeafHeap], int]
+    #: (pending, held) -> the pending slots joined (pending emptied, held flags cleared)
+    drain: Callable[[list[Slots], npt.NDArray[np.int32] | None], bytearray | None]
     #: (slots, lo, hi, held, keep) -> whether they passed (and were marked when keep)
     check_slots: Callable[[Slots, int, int, npt.NDArray[np.int32], bool], bool]
 
@@ -160,7 +165,12 @@ def evict_leaves(
         freed, gone = _PROGRESS.unpack(progress)
         _count(tree, freed, gone)
         raise
-    _count(tree, freed, gone)
+    # _count, inlined: once per evict on an engine's path.
+    full.evictable_size -= freed
+    full.evicted_total += freed
+    tree.num_nodes -= gone
+    if freed:
+        tree._forget_walk()
     return freed
 
 

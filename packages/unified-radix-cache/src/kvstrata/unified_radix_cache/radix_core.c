@@ -27,6 +27,10 @@ ValueError: no input makes this code read or write outside a buffer.
                                                counted; amount is clamped to [0, 2**63 - 1]
     lock_path(anchor, root, members) -> tokens locked, or None for an anchor outside root's tree
     unlock_path(anchor, heap) -> tokens unlocked (every count checked above zero first)
+    drain(pending, held) -> bytearray | None
+        FullComponent.flush's array work: the int64 arrays of list `pending` joined (None when
+        there are no slots), the list emptied, each slot inside `held` (int32 flags, or None)
+        cleared there; a bad buffer raises before anything changes
     check_slots(slots, lo, hi, held, keep) -> bool
         True when every slots[lo:hi] lies in held's range, is unmarked there and appears
         once: with keep they are marked (1), else held is as it was. False changes nothing:

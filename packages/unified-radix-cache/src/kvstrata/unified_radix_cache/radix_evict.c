@@ -292,6 +292,85 @@ done:
     return rc;
 }
 
+/* drain(pending, held): FullComponent.flush's array work. The slots of every array in list
+   `pending` (1-D, 8-byte items) joined into one new bytearray (None when there are none), the
+   list emptied; with `held` (a writable 1-D int32 buffer, or None) each slot inside its range
+   is cleared there. Every buffer is checked before anything changes: a bad one raises with
+   `pending` and `held` as they were. */
+static PyObject *drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "drain(pending, held)");
+        return NULL;
+    }
+    PyObject *pending = args[0], *held_obj = args[1];
+    if (!PyList_CheckExact(pending)) {
+        PyErr_SetString(PyExc_TypeError, "drain: pending must be a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(pending);
+    if (n == 0)
+        Py_RETURN_NONE;
+    Py_buffer hv;
+    int has_held = held_obj != Py_None;
+    if (has_held && get_buffer(held_obj, &hv, 4, 1) < 0)
+        return NULL;
+    Py_buffer *views = PyMem_Calloc((size_t)n, sizeof(Py_buffer));
+    PyObject *items = PyList_GetSlice(pending, 0, n);  /* holds the arrays while read */
+    PyObject *out = NULL;
+    Py_ssize_t got = 0, total = 0;
+    if (views == NULL || items == NULL) {
+        if (views == NULL)
+            PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++) {
+        if (get_buffer(PyList_GET_ITEM(items, got), &views[got], 8, 0) < 0)
+            goto done;
+        const char *f = views[got].format;
+        if (f == NULL ||
+            (strcmp(f, "l") && strcmp(f, "q") && strcmp(f, "<q") && strcmp(f, "=q"))) {
+            PyBuffer_Release(&views[got]);
+            PyErr_SetString(PyExc_ValueError, "drain: pending slots must be int64");
+            goto done;
+        }
+        total += views[got].len;
+    }
+    if (total == 0) {
+        out = Py_NewRef(Py_None);
+    } else {
+        out = PyByteArray_FromStringAndSize(NULL, total);
+        if (out == NULL)
+            goto done;
+        char *at = PyByteArray_AS_STRING(out);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            memcpy(at, views[i].buf, (size_t)views[i].len);
+            at += views[i].len;
+        }
+    }
+    if (PyList_SetSlice(pending, 0, n, NULL) < 0) {
+        Py_CLEAR(out);
+        goto done;
+    }
+    if (has_held && total) {
+        const int64_t *s = (const int64_t *)PyByteArray_AS_STRING(out);
+        int32_t *held = (int32_t *)hv.buf;
+        int64_t rows = (int64_t)(hv.len / 4);
+        for (Py_ssize_t i = 0; i < total / 8; i++) {
+            if (s[i] >= 0 && s[i] < rows)  /* one past the table was never marked */
+                held[s[i]] = 0;
+        }
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_XDECREF(items);
+    if (has_held)
+        PyBuffer_Release(&hv);
+    return out;
+}
+
 /* The eviction target as a Py_ssize_t: a larger one frees everything anyway, so it is
    clamped (no OverflowError), a negative one frees nothing. */
 static int clamp_amount(PyObject *obj, Py_ssize_t *out)

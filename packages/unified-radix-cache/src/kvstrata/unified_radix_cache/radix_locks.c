@@ -201,6 +201,8 @@ static PyMethodDef methods[] = {
     {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL,
      "evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut, "
      "progress) -> (freed, nodes removed)"},
+    {"drain", (PyCFunction)(void (*)(void))drain, METH_FASTCALL,
+     "drain(pending, held) -> the pending slots joined (bytearray) or None"},
     {"lock_path", (PyCFunction)(void (*)(void))lock_path, METH_FASTCALL,
      "lock_path(anchor, root, members) -> tokens moved to protected, or None"},
     {"unlock_path", (PyCFunction)(void (*)(void))unlock_path, METH_FASTCALL,

@@ -139,7 +139,7 @@ class EvictRequest:
         return request
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, init=False)
 class EvictResult:
     """What an `evict` freed per component (cascades included, so SWA and Mamba may show frees
     under a Full-only request), how many nodes left the tree, and the time it took."""
@@ -147,6 +147,14 @@ class EvictResult:
     evicted: Mapping[str, int]
     nodes_removed: int
     seconds: float
+
+    def __init__(self, *, evicted: Mapping[str, int], nodes_removed: int, seconds: float) -> None:
+        # Once per evict: the fields written straight into the instance dict (the generated
+        # frozen __init__ goes through object.__setattr__ per field, at twice the cost).
+        d = self.__dict__
+        d["evicted"] = evicted
+        d["nodes_removed"] = nodes_removed
+        d["seconds"] = seconds
 
     def num_evicted(self, component: str = "full") -> int:
         return self.evicted.get(component, 0)

@@ -84,10 +84,21 @@ class SlotChecker:
         self._set_iota(1024)
         check = getattr(allocator, "check_allocated", None)
         self._allocator: _Checks | None = allocator if callable(check) else None  # pyright: ignore[reportAttributeAccessIssue]
+        #: The compiled check when it is the whole check (no allocator check to add): the
+        #: tree's insert calls it with `table` and `keep`, and `check` only when it says no.
+        self.compiled_alone: CompiledCheck | None = native if self._allocator is None else None
+
+    @property
+    def table(self) -> npt.NDArray[np.int32]:
+        """The held flags (one int32 per slot; replaced when it grows)."""
+        return self._held
 
     def _grow(self, top: int) -> None:
         size = min(self._rows, max(top + 1, 2 * len(self._held)))
-        held = _zeroed(size)
+        # Lazily zeroed here (unlike the first table): the copy below writes the old part,
+        # and of the new part only the pages of slots the tree gets later are ever touched
+        # (a slot counter's run grows the table mid-replay: writing all of it cost 4 %).
+        held = np.zeros(size, dtype=np.int32)
         held[: len(self._held)] = self._held
         self._held = held
         self._full.held = held

@@ -146,6 +146,8 @@ class UnifiedRadixCache:
         self._events: EventLog | None = None
         if keyer is not None and enable_events and not disable:
             self._events = EventLog(keyer)
+        if self._native is not None:
+            self._full.drain = self._native.drain
         if self._native is not None and not self._extras and type(self) is UnifiedRadixCache:
             install(self._native, self, events=self._events is not None)
         # Hierarchical mode (host_tier.py). `_slow` sends match and insert off the Full-only
@@ -378,7 +380,10 @@ class UnifiedRadixCache:
             # marked held, before anything changes.
             held = (pos + partial) // TOKEN_BYTES
             lo = max(cached_len, held)
-            checker.check(slots, lo, end // TOKEN_BYTES, keep=True)
+            hi = end // TOKEN_BYTES
+            compiled = checker.compiled_alone
+            if compiled is None or not compiled(slots, lo, hi, checker.table, True):
+                checker.check(slots, lo, hi, keep=True)  # the allocator's check, or the error
             if lo > held:  # value[held:cached_len] claimed as the tree's: adopted unchecked
                 checker.hold(slots[held:lo])
             if partial:
@@ -589,18 +594,19 @@ class UnifiedRadixCache:
     # ------------------------------------------------------------------------------------------
     # Locks
     # ------------------------------------------------------------------------------------------
-    def lock(self, node: TreeNode) -> LockReceipt:
-        """Protect what a request ending at `node` needs, per component (Full: the path to the
-        root; SWA: one window upward; Mamba: this node's state). Moves that data from evictable
-        to protected. Locking the root is allowed and protects nothing. O(depth).
-        Raises ForeignNode for a node not in this tree (e.g. one evicted since the match)."""
-        return locks.lock(self, node)
+    #: `lock(node) -> LockReceipt`: protect what a request ending at `node` needs, per
+    #: component (Full: the path to the root; SWA: one window upward; Mamba: this node's
+    #: state). Moves that data from evictable to protected. Locking the root is allowed and
+    #: protects nothing. O(depth). Raises ForeignNode for a node not in this tree (e.g. one
+    #: evicted since the match). `locks.lock` itself, bound as a method (once per request:
+    #: no forwarding frame).
+    lock = locks.lock
 
-    def unlock(self, receipt: LockReceipt) -> None:
-        """Release exactly the lock `receipt` proves. Raises ReceiptAlreadyReleased for a second
-        unlock, UnknownReceipt for a receipt this tree never issued, ReceiptMismatch for an
-        altered one, all before changing anything."""
-        locks.unlock(self, receipt)
+    #: `unlock(receipt)`: release exactly the lock `receipt` proves. Raises
+    #: ReceiptAlreadyReleased for a second unlock, UnknownReceipt for a receipt this tree never
+    #: issued, ReceiptMismatch for an altered one, all before changing anything. `locks.unlock`
+    #: itself, bound as a method.
+    unlock = locks.unlock
 
     def outstanding_receipts(self) -> list[LockReceipt]:
         return list(self._receipts.values())

@@ -92,6 +92,13 @@ class FullComponent(TreeComponent):
         self.path_lock: Callable[[TreeNode, TreeNode, dict[int, TreeNode]], int | None] | None
         self.path_lock = None
         self.path_unlock: Callable[[TreeNode, LeafHeap], int] | None = None
+        #: The compiled array work of `flush` (`native_core.RadixCore.drain`, set by a tree
+        #: with the compiled core; None: numpy below): the queued slots joined into one
+        #: bytearray, the list emptied, the held flags cleared.
+        self.drain: (
+            Callable[[list[npt.NDArray[np.int64]], npt.NDArray[np.int32] | None], bytearray | None]
+            | None
+        ) = None
 
     def drop_compiled(self) -> None:
         """Back to the Python loops (a host tier's walks take Full eviction over)."""
@@ -174,7 +181,11 @@ class FullComponent(TreeComponent):
         slots."""
         check = self._check_allocated
         if check is None and not repeats:
-            self._evict(amount, None, None)
+            evictor = self.leaf_evictor  # the compiled loop, called without `_evict`'s frame
+            if evictor is not None:
+                evictor(amount, None, None)
+            else:
+                self._evict(amount, None, None)
             self.flush()
             return
         removed: list[tuple[TreeNode, TreeNode]] = []
@@ -243,6 +254,18 @@ class FullComponent(TreeComponent):
         return size
 
     def flush(self) -> None:
+        drain = self.drain
+        if drain is not None:
+            if not self._pending:
+                return
+            joined = drain(self._pending, self.held)
+            if joined is not None:
+                self.allocator.free(
+                    torch.frombuffer(joined, dtype=torch.int64)
+                    if self._on_cpu
+                    else self.to_device(np.frombuffer(joined, dtype=np.int64))
+                )
+            return
         slots = self.take_pending()
         if slots is not None and len(slots):
             self.allocator.free(self.to_device(slots))
