@@ -190,12 +190,12 @@ def test_whole_page_frees_refused_as_the_numpy_path_refuses() -> None:
     assert isinstance(got, list)
     both(fast, slow, lambda a: a.free(idx(got[:4])))
     both(fast, slow, lambda a: a.free(idx(got[:8])))  # its first page is free already
-    both(fast, slow, lambda a: a.free(idx(got[4:8] + [got[4]])))  # a slot twice, apart
+    both(fast, slow, lambda a: a.free(idx([*got[4:8], got[4]])))  # a slot twice, apart
     both(fast, slow, lambda a: a.free(idx([got[5], got[5], got[6]])))  # a slot twice, adjacent
     both(fast, slow, lambda a: a.free(idx([got[7], got[6]])))  # one page, falling: fine
-    both(fast, slow, lambda a: a.free(idx([0, 1, 2, 3] + got[8:12])))  # page 0
-    both(fast, slow, lambda a: a.free(idx(got[12:16] + [64, 65])))  # past the end
-    both(fast, slow, lambda a: a.free(idx([-4, -3] + got[12:16])))  # negative
+    both(fast, slow, lambda a: a.free(idx([0, 1, 2, 3, *got[8:12]])))  # page 0
+    both(fast, slow, lambda a: a.free(idx([*got[12:16], 64, 65])))  # past the end
+    both(fast, slow, lambda a: a.free(idx([-4, -3, *got[12:16]])))  # negative
     both(fast, slow, lambda a: a.free(idx(got[12:])))
 
 
@@ -209,11 +209,12 @@ def test_check_allocated_in_one_call_raises_what_the_numpy_path_raises(checked: 
         got[:4] + got[8:],  # all handed out
         got[8:12] + got[8:12],  # repeats are the caller's business here
         got[:8],  # a free page (NotAllocated when checked)
-        [1, 2] + got[:4],  # page 0
-        [-1] + got[:4],  # negative
-        got[:4] + [64],  # past the end
+        [1, 2, *got[:4]],  # page 0
+        [-1, *got[:4]],  # negative
+        [*got[:4], 64],  # past the end
         [],
     ]
     for case in cases:
-        both(fast, slow, lambda a, c=idx(case): a.check_allocated(c, "probe"))
-        both(fast, slow, lambda a, c=idx(case): a.check_allocated(c.to(torch.int32), "probe"))
+        probe = idx(case)
+        both(fast, slow, lambda a, c=probe: a.check_allocated(c, "probe"))
+        both(fast, slow, lambda a, c=probe: a.check_allocated(c.to(torch.int32), "probe"))

@@ -28,8 +28,9 @@ _PTR = ctypes.c_void_p
 
 
 class NativeDecode:
-    """`kv_alloc_decode`, `kv_free_slots` and `kv_check_slots` of `decode.c`; arguments are raw addresses of
-    live, correctly sized int64 / int32 arrays (the engine owns them or has checked them)."""
+    """`kv_alloc_decode`, `kv_free_slots` and `kv_check_slots` of `decode.c`; arguments are
+    raw addresses of live, correctly sized int64 / int32 arrays (the engine owns them or has
+    checked them)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.alloc_decode = library.kv_alloc_decode
