@@ -244,6 +244,9 @@ def check_frees(
     refuse a slot listed twice (off for Full slots of a tree whose insert ruled repeats out).
     An allocator without `check_allocated` is trusted for what only it can tell."""
     allocator = getattr(component, "allocator", None)
+    if type(component) is FullComponent:
+        _check_full(component, slots, repeats=repeats)
+        return
     tensor = torch.from_numpy(slots)
     device = getattr(component, "device", None)
     if isinstance(device, torch.device) and device.type != "cpu":
@@ -267,6 +270,50 @@ def check_frees(
         raise HeldSlotsRepeated(
             f"evict: the tree holds some {component.name} slots twice (a double free); "
             "nothing was evicted"
+        )
+
+
+def evict_full_tiered(tree: EvictingTree, amount: int) -> None:
+    """`evict_components(tree, {"full": amount})` for a tree whose only component is Full and
+    which has a host tier, in one pass: the tier's device walk, one check of the queued slots
+    (`check_frees`: the allocator's `check_allocated`, and no slot twice unless insert ruled
+    repeats out), one `free`. Same effect, refusals and roll-back."""
+    full = tree.components[0]
+    tier = tree.host_tier
+    assert isinstance(full, FullComponent) and tier is not None, "a tiered Full-only tree"
+    pending = full._pending
+    start = len(pending)
+    journal = EvictJournal(tree)
+    tree._journal = journal
+    try:
+        tier.evict_device(amount)
+        if len(pending) > start:
+            slots = pending[start] if len(pending) == start + 1 else np.concatenate(pending[start:])
+            if len(slots):
+                check_frees(full, slots, repeats=not tree.check_slots)
+    except BaseException:
+        tree._journal = None
+        journal.roll_back()
+        raise
+    tree._journal = None
+    journal.close()
+    full.flush()
+
+
+def _check_full(full: FullComponent, slots: npt.NDArray[np.int64], *, repeats: bool) -> None:
+    """`check_frees` of Full slots (same checks, errors and messages)."""
+    check = getattr(full.allocator, "check_allocated", None)
+    if callable(check):
+        try:
+            check(full.to_device(slots), "evict: full slots the tree holds")
+        except (IndexOutOfRange, NotAllocated, ReservedIndex) as exc:
+            raise HeldSlotsNotAllocated(
+                "evict: the full allocator would refuse slots the tree holds (freed behind the "
+                f"tree's back?); nothing was evicted: {exc}"
+            ) from exc
+    if repeats and has_repeats(slots):
+        raise HeldSlotsRepeated(
+            "evict: the tree holds some full slots twice (a double free); nothing was evicted"
         )
 
 
