@@ -31,22 +31,25 @@ def state(a: HostSlotAllocator) -> tuple[list[int], list[list[int]], list[bool]]
     return ids._fresh.tolist(), [g.tolist() for g in ids._given], ids.is_free.tolist()
 
 
+def outcome(a: HostSlotAllocator, op: Callable[[HostSlotAllocator], object]) -> tuple[str, object]:
+    """("ok", result as a list) or (error type, message)."""
+    try:
+        got = op(a)
+    except Exception as exc:  # noqa: BLE001 - compared by the caller
+        return type(exc).__name__, str(exc)
+    return "ok", got.tolist() if isinstance(got, torch.Tensor) else got
+
+
 def both(
     fast: HostSlotAllocator, slow: HostSlotAllocator, op: Callable[[HostSlotAllocator], object]
 ) -> object:
     """Run `op` on both: same result or same error (type and message), same free list."""
-    outcomes = []
-    for a in (fast, slow):
-        try:
-            got = op(a)
-            outcomes.append(("ok", got.tolist() if isinstance(got, torch.Tensor) else got))
-        except Exception as exc:  # noqa: BLE001 - compared below
-            outcomes.append((type(exc).__name__, str(exc)))
-    assert outcomes[0] == outcomes[1]
+    seen = outcome(fast, op)
+    assert seen == outcome(slow, op)
     assert state(fast) == state(slow)
-    fast.check_integrity()
-    slow.check_integrity()
-    return outcomes[0][1]
+    for a in (fast, slow):
+        a.check_integrity()
+    return seen[1]
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])

@@ -42,23 +42,16 @@ class NativeSlots:
     arrays; see the C file)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.give = library.hs_give_tokens
-        self.give.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]
-        self.give.restype = _I64
-        self.take = library.hs_take_tokens
-        self.take.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]
-        self.take.restype = _I64
+        args = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]
+        self.give, self.take = library.hs_give_tokens, library.hs_take_tokens
+        for function in (self.give, self.take):
+            function.argtypes, function.restype = args, _I64
 
 
 def native_slots() -> NativeSlots | None:
     """The compiled alloc / free, or None (no compiler, turned off, inside `disabled()`)."""
-    made = native_library(SOURCE)
-    if made.library is None:
-        return None
-    try:
-        return NativeSlots(made.library)
-    except AttributeError:  # a library without the functions: keep the NumPy path
-        return None
+    library = native_library(SOURCE).library
+    return None if library is None else NativeSlots(library)
 
 
 class HostSlotAllocator:

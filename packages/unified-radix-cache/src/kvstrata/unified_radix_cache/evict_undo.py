@@ -142,6 +142,21 @@ class EvictJournal:
         for lru in self._lrus:
             lru.stop_log()
 
+    def __enter__(self) -> EvictJournal:
+        """The tree records into this journal inside the `with` block."""
+        self._tree._journal = self
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        """Normal exit: `close()`; any exception: `roll_back()` (then it propagates)."""
+        self._tree._journal = None
+        if kind is None:
+            self.close()
+        else:
+            self.roll_back()
+
     def roll_back(self) -> None:
         """Put the tree back as it was when the journal was made."""
         tree = self._tree
@@ -283,20 +298,12 @@ def evict_full_tiered(tree: EvictingTree, amount: int) -> None:
     assert isinstance(full, FullComponent) and tier is not None, "a tiered Full-only tree"
     pending = full._pending
     start = len(pending)
-    journal = EvictJournal(tree)
-    tree._journal = journal
-    try:
+    with EvictJournal(tree):
         tier.evict_device(amount)
         if len(pending) > start:
             slots = pending[start] if len(pending) == start + 1 else np.concatenate(pending[start:])
             if len(slots):
                 check_frees(full, slots, repeats=not tree.check_slots)
-    except BaseException:
-        tree._journal = None
-        journal.roll_back()
-        raise
-    tree._journal = None
-    journal.close()
     full.flush()
 
 
@@ -338,10 +345,8 @@ def evict_components(tree: EvictingTree, targets: Mapping[str, int]) -> None:
     check."""
     components = tree.components
     tier = tree.host_tier
-    journal = EvictJournal(tree)
     starts = [len(c._pending) for c in components]
-    tree._journal = journal
-    try:
+    with EvictJournal(tree):
         for component in components:
             target = targets.get(component.name, 0)
             if target > 0:
@@ -356,11 +361,5 @@ def evict_components(tree: EvictingTree, targets: Mapping[str, int]) -> None:
                 # held: only the range and the allocator's marks are left to check (one call).
                 full_checked = isinstance(component, FullComponent) and tree.check_slots
                 check_frees(component, slots, repeats=not full_checked)
-    except BaseException:
-        tree._journal = None
-        journal.roll_back()
-        raise
-    tree._journal = None
-    journal.close()
     for component in components:
         component.flush()
