@@ -158,3 +158,63 @@ def test_an_unchecked_double_free_never_drives_the_c_round_off_the_stack() -> No
             with pytest.raises(IntegrityError, match="freed twice"):
                 a.alloc_decode(idx([1, 1, 1]), None)
             assert a._engine._head >= 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_whole_page_frees_in_one_call_match_the_numpy_path(checked: bool) -> None:
+    # A tree's eviction frees whole pages (runs of one page's slots, rising); more than
+    # RUN_COLLAPSE_MIN slots used to take the plan path, fewer the stamping path.
+    fast, slow = twins(page_size=16, num_pages=1024, checked=checked)
+    gen = torch.Generator().manual_seed(3)
+    held: list[list[int]] = []
+    for n in torch.randint(1, 90, (12,), generator=gen).tolist():
+        got = both(fast, slow, lambda a, n=n: a.alloc(16 * n))
+        assert isinstance(got, list)
+        held.append(got)
+    for k, slots in enumerate(held):
+        if k % 3 == 0:
+            slots = slots[: len(slots) - 16 * (len(slots) // 32)]  # part of the pages
+            part = idx(slots)
+        elif k % 3 == 1:
+            part = idx(slots[5:] + slots[:5])  # the head page split into two runs: NumPy path
+        else:
+            part = idx([s for i, s in enumerate(slots) if i % 16 < 9])  # partial pages
+        before = fast.counters.freed_slots
+        both(fast, slow, lambda a, p=part: a.free(p))
+        assert fast.counters.freed_slots > before
+
+
+def test_whole_page_frees_refused_as_the_numpy_path_refuses() -> None:
+    fast, slow = twins(page_size=4, num_pages=16)
+    got = both(fast, slow, lambda a: a.alloc(4 * 6))
+    assert isinstance(got, list)
+    both(fast, slow, lambda a: a.free(idx(got[:4])))
+    both(fast, slow, lambda a: a.free(idx(got[:8])))  # its first page is free already
+    both(fast, slow, lambda a: a.free(idx([*got[4:8], got[4]])))  # a slot twice, apart
+    both(fast, slow, lambda a: a.free(idx([got[5], got[5], got[6]])))  # a slot twice, adjacent
+    both(fast, slow, lambda a: a.free(idx([got[7], got[6]])))  # one page, falling: fine
+    both(fast, slow, lambda a: a.free(idx([0, 1, 2, 3, *got[8:12]])))  # page 0
+    both(fast, slow, lambda a: a.free(idx([*got[12:16], 64, 65])))  # past the end
+    both(fast, slow, lambda a: a.free(idx([-4, -3, *got[12:16]])))  # negative
+    both(fast, slow, lambda a: a.free(idx(got[12:])))
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_check_allocated_in_one_call_raises_what_the_numpy_path_raises(checked: bool) -> None:
+    fast, slow = twins(page_size=4, num_pages=16, checked=checked)
+    got = both(fast, slow, lambda a: a.alloc(4 * 5))
+    assert isinstance(got, list)
+    both(fast, slow, lambda a: a.free(idx(got[4:8])))
+    cases = [
+        got[:4] + got[8:],  # all handed out
+        got[8:12] + got[8:12],  # repeats are the caller's business here
+        got[:8],  # a free page (NotAllocated when checked)
+        [1, 2, *got[:4]],  # page 0
+        [-1, *got[:4]],  # negative
+        [*got[:4], 64],  # past the end
+        [],
+    ]
+    for case in cases:
+        probe = idx(case)
+        both(fast, slow, lambda a, c=probe: a.check_allocated(c, "probe"))
+        both(fast, slow, lambda a, c=probe: a.check_allocated(c.to(torch.int32), "probe"))

@@ -181,6 +181,13 @@ class HostSlotMachine(RuleBasedStateMachine):
         self.alloc.free_pages(torch.tensor(pages, dtype=torch.int64))
         self.allocated -= set(pages)
 
+    @rule(pages=consumes(held))
+    def free_tokens(self, pages: list[int]) -> None:
+        # Token indices of whole pages: the compiled free where there is one.
+        tokens = [p * 4 + j for p in pages for j in range(4)]
+        self.alloc.free(torch.tensor(tokens, dtype=torch.int64))
+        self.allocated -= set(pages)
+
     @precondition(lambda self: len(self.allocated) < 24)
     @rule(data=st.data())
     def double_free_is_refused(self, data: st.DataObject) -> None:

@@ -67,39 +67,84 @@ int64_t kv_alloc_decode(const int64_t *seq, const int64_t *loc, int64_t n, int64
     return num_new;
 }
 
-/* Free the pages of m slots lying in m distinct pages (a decode batch's output), m < 2^31:
-   push them on the stack below `head`. Returns the new head. `checked`: every page must be
+/* Free the pages of m slots (m < 2^31) whose pages come in runs: consecutive slots of one page
+   strictly rising (a decode batch's output: one slot per page; a tree's evicted run: whole
+   pages), each page in one run only. Push the runs' pages on the stack below `head`, in run
+   order (the order the NumPy path keeps). Returns the new head. `checked`: every page must be
    handed out (marks >= 0) and is marked FREE. */
 int64_t kv_free_slots(const int64_t *slots, int64_t m, int64_t shift, int32_t *marks,
                       int64_t num_pages, int64_t checked, int64_t *stack, int64_t head) {
-    if (m > head || head > num_pages - 1 || shift < 1 || shift > 40) {
-        return KV_FALLBACK; /* more pages than were handed out (a double free), or a bad state */
+    if (head < 0 || head > num_pages - 1 || shift < 1 || shift > 40 || m >= INT32_MAX) {
+        return KV_FALLBACK; /* a bad state */
     }
+    int64_t runs = 0;
     for (int64_t i = 0; i < m; i++) {
         int64_t page = slots[i] >> shift;
         if (page < 1 || page >= num_pages || (checked && marks[page] < 0)) {
             return KV_FALLBACK;
         }
-    }
-    /* Stamps: marks[page] = i, read back; all survive iff the pages are distinct. The marks of
-       handed-out pages stay >= 0, so falling back here leaves a consistent state. */
-    for (int64_t i = 0; i < m; i++) {
-        marks[slots[i] >> shift] = (int32_t)i;
-    }
-    for (int64_t i = 0; i < m; i++) {
-        if (marks[slots[i] >> shift] != (int32_t)i) {
-            return KV_FALLBACK;
+        if (i > 0 && page == (slots[i - 1] >> shift)) {
+            if (slots[i] <= slots[i - 1]) {
+                return KV_FALLBACK; /* not rising inside a page: perhaps a repeated slot */
+            }
+            continue;
         }
+        runs++;
     }
-    int64_t base = head - m;
+    if (runs > head) {
+        return KV_FALLBACK; /* more pages than were handed out (a double free) */
+    }
+    /* Stamps: marks[page] = run, read back; all survive iff no page starts two runs. The
+       marks of handed-out pages stay >= 0, so falling back here leaves a consistent state. */
+    int32_t run = 0;
     for (int64_t i = 0; i < m; i++) {
         int64_t page = slots[i] >> shift;
-        if (checked) {
-            marks[page] = KV_FREE;
+        if (i == 0 || page != (slots[i - 1] >> shift)) {
+            marks[page] = run++;
         }
-        stack[base + i] = page;
     }
-    return base;
+    run = 0;
+    for (int64_t i = 0; i < m; i++) {
+        int64_t page = slots[i] >> shift;
+        if (i == 0 || page != (slots[i - 1] >> shift)) {
+            if (marks[page] != run++) {
+                return KV_FALLBACK;
+            }
+        }
+    }
+    int64_t k = head - runs;
+    for (int64_t i = 0; i < m; i++) {
+        int64_t page = slots[i] >> shift;
+        if (i == 0 || page != (slots[i - 1] >> shift)) {
+            if (checked) {
+                marks[page] = KV_FREE;
+            }
+            stack[k++] = page;
+        }
+    }
+    return head - runs;
+}
+
+/* 0 when every one of the m slots lies in a page 1 .. num_pages - 1 that is handed out
+   (`checked`: marks >= 0), else KV_FALLBACK (the NumPy path raises the specific error).
+   Reads only. */
+int64_t kv_check_slots(const int64_t *slots, int64_t m, int64_t shift, const int32_t *marks,
+                       int64_t num_pages, int64_t checked) {
+    if (shift < 1 || shift > 40) {
+        return KV_FALLBACK;
+    }
+    int64_t last = 0;
+    for (int64_t i = 0; i < m; i++) {
+        int64_t page = slots[i] >> shift;
+        if (i > 0 && page == last) {
+            continue;
+        }
+        if (page < 1 || page >= num_pages || (checked && marks[page] < 0)) {
+            return KV_FALLBACK;
+        }
+        last = page;
+    }
+    return 0;
 }
 
 #ifdef __cplusplus

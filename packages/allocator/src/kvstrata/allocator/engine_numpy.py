@@ -309,13 +309,14 @@ class NumpyPageEngine(PageEngine[Ints, Bools]):
     def _compiled_free(
         self, native: NativeDecode, indices: torch.Tensor, counters: AllocatorCounters
     ) -> bool:
-        """A small free in one C call (`decode.c`): slots in distinct pages, plain input, no
-        free group, no sorted reuse. False, with nothing changed, when the NumPy path must run
-        (a check fails, a page repeats, the input or the state is not the plain case)."""
+        """A free in one C call (`decode.c`): each page's slots in one strictly rising run
+        (one slot per page, or whole pages), plain input, no free group, no sorted reuse.
+        False, with nothing changed, when the NumPy path must run (a check fails, a page
+        repeats apart, the input or the state is not the plain case)."""
         if self._pending is not None or self.sorted_reuse or not is_plain_index(indices):
             return False
         m = indices.shape[0]
-        if m < 2 or m >= RUN_COLLAPSE_MIN:
+        if m < 2:
             return False
         head = native.free_slots(
             indices.data_ptr(),
@@ -329,9 +330,9 @@ class NumpyPageEngine(PageEngine[Ints, Bools]):
         )
         if head == FALLBACK:
             return False
-        self._head = head
         counters.free_calls += 1
-        counters.freed_slots += m * self.page_size
+        counters.freed_slots += (self._head - head) * self.page_size
+        self._head = head
         return True
 
     def _raise_decode(self, s: Ints, loc: Ints, opens: Bools) -> NoReturn:
@@ -426,6 +427,21 @@ class NumpyPageEngine(PageEngine[Ints, Bools]):
         return FreePlan(pages=q, num_pages=m)
 
     def check_allocated(self, indices: torch.Tensor, name: str) -> None:
+        native = self._native
+        if (
+            native is not None
+            and is_plain_index(indices)
+            and native.check_slots(
+                indices.data_ptr(),
+                indices.shape[0],
+                self._shift,
+                self._marks_address,
+                self.num_pages,
+                self.checked,
+            )
+            == 0
+        ):
+            return  # one C call; on any fault the NumPy path below raises the specific error
         x = _native(indices, "indices")
         if len(x) == 0:
             return

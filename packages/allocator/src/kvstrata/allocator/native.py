@@ -6,7 +6,8 @@ NumPy path, which gives the same slots and raises the same errors.
 Why: in a serving loop (and in `kvstrata bench alloc`) a decode round follows work that evicts
 the caches, and there every NumPy or torch call costs 3-30 us instead of 1-2: the fused NumPy
 path spends about 130 us on ~26 calls for 256 requests. The C round is one call for
-`alloc_decode` and one for the `free` of its output. The C code never raises: on any input it
+`alloc_decode` and one for the `free` of its output; a free of whole pages (a tree's eviction)
+and `check_allocated` are one call too. The C code never raises: on any input it
 does not take it changes nothing and the NumPy path runs (see `decode.c`).
 """
 
@@ -27,8 +28,9 @@ _PTR = ctypes.c_void_p
 
 
 class NativeDecode:
-    """`kv_alloc_decode` and `kv_free_slots` of `decode.c`; arguments are raw addresses of
-    live, correctly sized int64 / int32 arrays (the engine owns them or has checked them)."""
+    """`kv_alloc_decode`, `kv_free_slots` and `kv_check_slots` of `decode.c`; arguments are
+    raw addresses of live, correctly sized int64 / int32 arrays (the engine owns them or has
+    checked them)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.alloc_decode = library.kv_alloc_decode
@@ -37,6 +39,9 @@ class NativeDecode:
         self.free_slots = library.kv_free_slots
         self.free_slots.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64]
         self.free_slots.restype = _I64
+        self.check_slots = library.kv_check_slots
+        self.check_slots.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64]
+        self.check_slots.restype = _I64
 
 
 def native_decode() -> NativeDecode | None:

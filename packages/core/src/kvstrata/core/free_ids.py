@@ -94,6 +94,35 @@ class FreeIds:
         self._given.append(ids.astype(np.int64, copy=True))
         self._num_given += ids.size
 
+    # -- for an owner's compiled take / give (pool_host.slots): it reads and writes `is_free`
+    # exactly as `take` / `give` would (checking everything first), then records the move here.
+
+    @property
+    def is_free(self) -> npt.NDArray[np.bool_]:
+        """The free bitmap (index id - first; fixed in memory for the list's life)."""
+        return self._is_free
+
+    def fresh_front(self, n: int) -> IdArray | None:
+        """The `n` ids `take(n)` would hand out, in order, or None when fewer are free;
+        changes only the list's internal order (a merge, as `take` does). The caller marks
+        them taken in `is_free` and then calls `cut_front(n)`."""
+        assert n >= 0, "fresh_front(n) needs n >= 0; the owner validates its callers' counts"
+        if n > self.num_free:
+            return None
+        if n > self._fresh.size:
+            self._merge()
+        return self._fresh[:n]
+
+    def cut_front(self, n: int) -> None:
+        """The first `n` ids of `fresh_front(n)` were taken (and marked so by the caller)."""
+        self._fresh = self._fresh[n:]
+
+    def given_marked(self, ids: IdArray) -> None:
+        """`ids` (the caller's array, now the list's) were given back, checked and marked free
+        in `is_free` by the caller as `give` checks and marks them."""
+        self._given.append(ids)
+        self._num_given += ids.size
+
     def allocated(self, ids: IdArray) -> npt.NDArray[np.bool_]:
         """Per id (all in range: the caller checked), whether it is handed out now."""
         return ~self._is_free[ids - self.first]

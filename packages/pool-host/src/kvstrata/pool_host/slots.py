@@ -14,17 +14,44 @@ allocator (a write worker allocates while a load worker frees).
 
 from __future__ import annotations
 
+import ctypes
 import threading
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvstrata.core.free_ids import FreeIds
+from kvstrata.pool.base import is_plain_index
+from kvstrata.pool.native import native_library
 from kvstrata.pool_host.errors import SizeNotPageAligned
 from kvstrata.pool_host.transfer import aligned_pages, integer_array, pages_to_token_array
 
 PageArray = npt.NDArray[np.int64]
+
+SOURCE = Path(__file__).with_name("slots.c")
+#: What the C functions return when they changed nothing and the NumPy path must run.
+FALLBACK = -1
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+class NativeSlots:
+    """`hs_give_tokens` and `hs_take_tokens` of `slots.c` (raw addresses of live int64 / bool
+    arrays; see the C file)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        args = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]
+        self.give, self.take = library.hs_give_tokens, library.hs_take_tokens
+        for function in (self.give, self.take):
+            function.argtypes, function.restype = args, _I64
+
+
+def native_slots() -> NativeSlots | None:
+    """The compiled alloc / free, or None (no compiler, turned off, inside `disabled()`)."""
+    library = native_library(SOURCE).library
+    return None if library is None else NativeSlots(library)
 
 
 class HostSlotAllocator:
@@ -43,6 +70,9 @@ class HostSlotAllocator:
         self.page_size = page_size
         self._lock = threading.Lock()
         self._pages = FreeIds(num_pages, what="host pages")
+        # The compiled alloc / free of whole pages (None: the NumPy path, same answers).
+        self._native = native_slots()
+        self._free_address = self._pages.is_free.ctypes.data
 
     @property
     def size(self) -> int:
@@ -80,8 +110,29 @@ class HostSlotAllocator:
             raise SizeNotPageAligned(
                 f"need_size {need_size} is not a whole number of pages of {self.page_size}"
             )
+        num_pages = need_size // self.page_size
+        native = self._native
         with self._lock:
-            pages = self._pages.take(need_size // self.page_size)
+            if native is not None:
+                front = self._pages.fresh_front(num_pages)
+                if front is None:
+                    return None
+                out = torch.empty(need_size, dtype=torch.int64)
+                if num_pages == 0 or (
+                    native.take(
+                        front.ctypes.data,
+                        num_pages,
+                        self.page_size,
+                        0,
+                        self._free_address,
+                        self.num_pages,
+                        out.data_ptr(),
+                    )
+                    == num_pages
+                ):
+                    self._pages.cut_front(num_pages)
+                    return out
+            pages = self._pages.take(num_pages)  # raises what the C code refused
         if pages is None:
             return None
         return torch.from_numpy(pages_to_token_array(pages, self.page_size))
@@ -99,6 +150,27 @@ class HostSlotAllocator:
     def free(self, indices: torch.Tensor) -> None:
         """Free token indices; they must be whole, aligned pages (as `alloc` returned them).
         Raises as `free_pages` (SizeNotPageAligned for indices that are not whole pages)."""
+        native = self._native
+        if native is not None and is_plain_index(indices):
+            n = indices.shape[0]
+            page = self.page_size
+            if n == 0:
+                return
+            if n % page == 0:
+                out = np.empty(n // page, dtype=np.int64)
+                with self._lock:
+                    got = native.give(
+                        indices.data_ptr(),
+                        n,
+                        page,
+                        0,
+                        self._free_address,
+                        self.num_pages,
+                        out.ctypes.data,
+                    )
+                    if got == len(out):
+                        self._pages.given_marked(out)
+                        return
         pages = _page_array(indices, self.page_size)
         with self._lock:
             self._pages.give(pages)

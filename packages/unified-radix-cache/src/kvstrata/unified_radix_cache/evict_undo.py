@@ -142,6 +142,21 @@ class EvictJournal:
         for lru in self._lrus:
             lru.stop_log()
 
+    def __enter__(self) -> EvictJournal:
+        """The tree records into this journal inside the `with` block."""
+        self._tree._journal = self
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        """Normal exit: `close()`; any exception: `roll_back()` (then it propagates)."""
+        self._tree._journal = None
+        if kind is None:
+            self.close()
+        else:
+            self.roll_back()
+
     def roll_back(self) -> None:
         """Put the tree back as it was when the journal was made."""
         tree = self._tree
@@ -244,6 +259,9 @@ def check_frees(
     refuse a slot listed twice (off for Full slots of a tree whose insert ruled repeats out).
     An allocator without `check_allocated` is trusted for what only it can tell."""
     allocator = getattr(component, "allocator", None)
+    if type(component) is FullComponent:
+        _check_full(component, slots, repeats=repeats)
+        return
     tensor = torch.from_numpy(slots)
     device = getattr(component, "device", None)
     if isinstance(device, torch.device) and device.type != "cpu":
@@ -270,6 +288,42 @@ def check_frees(
         )
 
 
+def evict_full_tiered(tree: EvictingTree, amount: int) -> None:
+    """`evict_components(tree, {"full": amount})` for a tree whose only component is Full and
+    which has a host tier, in one pass: the tier's device walk, one check of the queued slots
+    (`check_frees`: the allocator's `check_allocated`, and no slot twice unless insert ruled
+    repeats out), one `free`. Same effect, refusals and roll-back."""
+    full = tree.components[0]
+    tier = tree.host_tier
+    assert isinstance(full, FullComponent) and tier is not None, "a tiered Full-only tree"
+    pending = full._pending
+    start = len(pending)
+    with EvictJournal(tree):
+        tier.evict_device(amount)
+        if len(pending) > start:
+            slots = pending[start] if len(pending) == start + 1 else np.concatenate(pending[start:])
+            if len(slots):
+                check_frees(full, slots, repeats=not tree.check_slots)
+    full.flush()
+
+
+def _check_full(full: FullComponent, slots: npt.NDArray[np.int64], *, repeats: bool) -> None:
+    """`check_frees` of Full slots (same checks, errors and messages)."""
+    check = getattr(full.allocator, "check_allocated", None)
+    if callable(check):
+        try:
+            check(full.to_device(slots), "evict: full slots the tree holds")
+        except (IndexOutOfRange, NotAllocated, ReservedIndex) as exc:
+            raise HeldSlotsNotAllocated(
+                "evict: the full allocator would refuse slots the tree holds (freed behind the "
+                f"tree's back?); nothing was evicted: {exc}"
+            ) from exc
+    if repeats and has_repeats(slots):
+        raise HeldSlotsRepeated(
+            "evict: the tree holds some full slots twice (a double free); nothing was evicted"
+        )
+
+
 def evict_targets(tree: EvictingTree, targets: Mapping[str, int]) -> dict[str, int]:
     """`UnifiedRadixCache.evict` past its Full-only device fast path (a tree with other
     components or a host tier): unknown component names are refused first, then all or
@@ -291,10 +345,8 @@ def evict_components(tree: EvictingTree, targets: Mapping[str, int]) -> None:
     check."""
     components = tree.components
     tier = tree.host_tier
-    journal = EvictJournal(tree)
     starts = [len(c._pending) for c in components]
-    tree._journal = journal
-    try:
+    with EvictJournal(tree):
         for component in components:
             target = targets.get(component.name, 0)
             if target > 0:
@@ -309,11 +361,5 @@ def evict_components(tree: EvictingTree, targets: Mapping[str, int]) -> None:
                 # held: only the range and the allocator's marks are left to check (one call).
                 full_checked = isinstance(component, FullComponent) and tree.check_slots
                 check_frees(component, slots, repeats=not full_checked)
-    except BaseException:
-        tree._journal = None
-        journal.roll_back()
-        raise
-    tree._journal = None
-    journal.close()
     for component in components:
         component.flush()

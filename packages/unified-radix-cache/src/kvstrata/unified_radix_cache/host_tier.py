@@ -248,7 +248,8 @@ class HostTier(HostWalks):
         full.evictable_size -= size
         full.evicted_total += size
         node.value = _NO_SLOTS
-        self._maybe_host_candidate(node)
+        if not node.children and node.host_lock_ref == 0:
+            self._add_candidate(node)  # `_maybe_host_candidate`: it is off the device now
         parent = node.parent
         assert parent is not None, "the root is never evicted"
         if parent.parent is not None:
@@ -263,12 +264,13 @@ class HostTier(HostWalks):
             self._maybe_host_candidate(parent)
 
     def _maybe_device_leaf(self, node: TreeNode) -> None:
-        if (
-            node.lock_ref == 0
-            and node not in self._device_heap
-            and not any(len(c.value) for c in node.children.values())
-        ):
-            self._device_heap.push(node)
+        heap = self._device_heap
+        if node.lock_ref or node in heap:
+            return
+        for child in node.children.values():
+            if len(child.value):
+                return
+        heap.push(node)
 
     def _maybe_host_candidate(self, node: TreeNode) -> None:
         if not node.children and node.host_lock_ref == 0 and not len(node.value):

@@ -33,7 +33,7 @@ from kvstrata.unified_radix_cache.errors import (
     TreeLocked,
 )
 from kvstrata.unified_radix_cache.events import EventLog, KVEvent
-from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_targets
+from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_full_tiered, evict_targets
 from kvstrata.unified_radix_cache.hybrid import insert_slow, match_hybrid
 from kvstrata.unified_radix_cache.insert_inputs import as_priority, check_inputs, slots_of
 from kvstrata.unified_radix_cache.integrity import check_tree
@@ -581,6 +581,16 @@ class UnifiedRadixCache:
             if amount > 0:
                 queue = self._events.queue if self._events is not None else None
                 full.evict_checked(amount, queue, repeats=not self.check_slots)
+            evicted = {"full": full.evicted_total - before}
+        elif not self._extras and targets.keys() <= {"full"}:
+            # Full-only tree with a host tier: one pass (evict_undo.evict_full_tiered).
+            full = self._full
+            before = full.evicted_total
+            amount = targets.get("full", 0)
+            if amount > 0:
+                evict_full_tiered(self, amount)
+            else:
+                full.flush()
             evicted = {"full": full.evicted_total - before}
         else:
             evicted = evict_targets(self, targets)
