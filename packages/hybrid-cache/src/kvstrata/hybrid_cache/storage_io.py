@@ -326,11 +326,8 @@ class StorageRunner:
         num_ok = ok.count(True)
         if num_ok < len(ok):
             self.stats.count_fault(FaultReason.WRITE_FAILED, len(ok) - num_ok)
-        if len(self._page_bytes) == 1:  # one member: every page has its size
-            num_bytes = num_ok * next(iter(self._page_bytes.values()))
-        else:
-            stored = Counter(map(_MEMBER, compress(slots, ok)))  # pages per member, in C
-            num_bytes = sum(self._page_bytes[name] * n for name, n in stored.items())
+        stored = Counter(map(_MEMBER, compress(slots, ok)))  # pages per member, counted in C
+        num_bytes = sum(self._page_bytes[name] * n for name, n in stored.items())
         self.stats.count_transfer(
             Direction.STORAGE_SET,
             num_pages=num_ok,
