@@ -318,7 +318,7 @@ class HostPool(ABC, Generic[PoolT]):
             raise IndexOutOfRange(f"host page {bad} not in [0, {self.num_pages})")
         # Slices of one flat byte view of the region: a memoryview slice per page costs about
         # half a NumPy row plus its `.data` (the same bytes, format "B", 1-D, writable).
-        flat = memoryview(pages).cast("B")
+        flat = pages.data.cast("B")
         size = self.page_size_bytes
         return [flat[p * size : (p + 1) * size] for p in ids.tolist()]
 
