@@ -36,6 +36,16 @@ def test_flat_views_pass_flat_memoryviews_through_and_check_the_rest_page_by_pag
     assert all(v.format == "B" and v.ndim == 1 for v in got)
 
 
+def test_flat_views_casts_views_of_other_formats_and_shapes_like_page_view() -> None:
+    ints = memoryview(bytearray(range(16))).cast("i")  # 1-D, format "i"
+    square = np.arange(16, dtype=np.uint8).reshape(4, 4).data  # 2-D, contiguous
+    batch: list[object] = [memoryview(bytearray(8)), ints, b"abcd", square]
+    got = flat_views(batch, writable=False)  # pyright: ignore[reportArgumentType]
+    assert all(v.format == "B" and v.ndim == 1 and v.c_contiguous for v in got)
+    assert [bytes(v) for v in got] == [bytes(page_view(b, writable=False)) for b in batch]  # pyright: ignore[reportArgumentType]
+    assert [v.nbytes for v in got] == [8, 16, 4, 16]
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -238,7 +238,9 @@ def test_prefetch_probes_one_page_before_hashing_the_rest(
 ) -> None:
     """Under wait_complete a Full-only tree asks storage for the first page beyond the host
     prefix before it hashes the rest of the key: when storage lacks it no prefetch starts and
-    only that page was hashed; when storage holds it the whole prefetch runs as before."""
+    only that page was hashed; when storage holds it the whole prefetch runs as before, the
+    rest of the chain going on from the probed key (no page hashed twice), and the nodes it
+    adds keep the prefetch's keys: later backups and events hash none of them again."""
     h, key, _ = _prefetch_setup(hierarchy, MemoryStorage(capacity_bytes=1 << 24))
     keyer = h.cache.keyer
     hashed: list[int] = []
@@ -256,9 +258,34 @@ def test_prefetch_probes_one_page_before_hashing_the_rest(
     assert h.cache.counters.prefetches_skipped == 1
     hashed.clear()
     m = h.cache.match_prefix(key)
-    assert m.prefetch_id is not None and hashed == [1, 4]
+    assert m.prefetch_id is not None and hashed == [1, 3]
     assert h.cache.finish_prefetch(m.prefetch_id) == 4 * P
     h.cache.check_integrity()
+    hashed.clear()
+    fresh = real(key.tokens())
+    assert h.cache.tier.page_keys(h.cache.match_prefix(key).host_node) == fresh
+    assert hashed == []  # the prefetched nodes held their keys
+
+
+def test_a_prefetch_beyond_a_host_prefix_gives_its_nodes_the_chained_keys(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
+    """A prefetch that starts past a host prefix chains its keys from that prefix's last key;
+    the nodes it adds keep exactly the keys the tree would hash for them, and a tree with its
+    own events (device tier) names the same pages the same way."""
+    h, key, expected = _prefetch_setup(hierarchy, MemoryStorage(capacity_bytes=1 << 24))
+    head, _, _ = _run(h, list(range(1, P + 1)))  # page 1 back on the device and the host
+    h.cache.drain()
+    m = h.cache.match_prefix(key)
+    assert m.prefix_len == P and m.prefetch_id is not None
+    assert h.cache.finish_prefetch(m.prefetch_id) == 3 * P
+    h.cache.check_integrity()
+    node = h.cache.match_prefix(key).host_node
+    assert node.page_keys is not None and len(node.page_keys) == node.num_tokens // P
+    got = h.cache.tier.page_keys(node)
+    assert got == h.cache.keyer.page_keys(key.tokens())
+    assert got[:1] == h.cache.tier.page_keys(h.cache.match_prefix(head).device.last_node)
+    _reload(h, key, expected)
 
 
 @pytest.mark.parametrize("fault", ["fail", "corrupt", "stall"])

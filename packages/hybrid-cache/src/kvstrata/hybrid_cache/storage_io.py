@@ -38,7 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, groupby, repeat
-from typing import NamedTuple
+from typing import TypeAlias, cast
 
 from kvstrata.hybrid_cache.group import PoolGroup
 from kvstrata.hybrid_cache.metrics import ControllerStats, Direction, FaultReason
@@ -95,13 +95,9 @@ class BackupTask:
     pages: dict[str, tuple[int | None, ...]]
 
 
-class _Slot(NamedTuple):
-    """One member page of one key, in one storage call (a tuple: one is made per page)."""
-
-    member: str
-    position: int
-    page: int
-    key: bytes
+#: One member page of one key, in one storage call: (member, position, page, key). A plain
+#: tuple, made by `zip` in C: a NamedTuple's `__new__` would cost a Python call per page.
+_Slot: TypeAlias = tuple[str, int, int, bytes]
 
 
 # Field getters in C: a batch's columns are read without a Python step per page.
@@ -109,7 +105,6 @@ _MEMBER = operator.itemgetter(0)
 _POSITION = operator.itemgetter(1)
 _PAGE = operator.itemgetter(2)
 _KEY = operator.itemgetter(3)
-_SLOT = operator.itemgetter(1)  # of a (task, slot) pair
 
 
 @dataclass(kw_only=True, eq=False)
@@ -155,8 +150,9 @@ class StorageRunner:
                 logger.warning("prefetch: batch_exists raised", exc_info=True)
                 self.stats.count_fault(FaultReason.ERROR)
                 error, found = exc, 0
-            for s in slots[:found]:
-                possible[name][s.position] = True
+            flags = possible[name]
+            for position in map(_POSITION, slots[:found]):
+                flags[position] = True
         bound = restorable_pages(rules, possible, n).num_pages
 
         landed = {name: [False] * n for name in rules}
@@ -166,10 +162,12 @@ class StorageRunner:
             hi = min(lo + self.batch_pages, bound)
             ended = False
             for name, slots in listed.items():
-                batch = [s for s in slots if lo <= s.position < hi and possible[name][s.position]]
+                flags = possible[name]
+                batch = [s for s in slots if lo <= s[1] < hi and flags[s[1]]]
                 ok, call_error = self._get(name, batch)
-                for s, good in zip(batch, ok, strict=True):
-                    landed[name][s.position] = good
+                arrived = landed[name]
+                for position, good in zip(map(_POSITION, batch), ok, strict=True):
+                    arrived[position] = good
                 if call_error is not None:
                     error = call_error
                 ended = ended or not all(ok)
@@ -188,20 +186,22 @@ class StorageRunner:
 
     def _listed(self, task: PrefetchTask | BackupTask, name: str) -> list[_Slot]:
         keys = self.group.storage_keys(name, task.keys)
-        return [
-            _Slot(name, i, page, keys[i])
-            for i, page in enumerate(task.pages[name])
-            if page is not None
-        ]
+        pages = task.pages[name]
+        if None not in pages:  # every key has a page (Full): the tuples made by zip in C
+            return cast("list[_Slot]", list(zip(repeat(name), range(len(pages)), pages, keys)))
+        return [(name, i, page, keys[i]) for i, page in enumerate(pages) if page is not None]
 
     def _exists(self, slots: list[_Slot]) -> int:
         """How many of `slots`, from the first, are stored (with their checksums)."""
         if not slots:
             return 0
+        page_keys = list(map(_KEY, slots))
         if not self.verify_checksums:
-            return self.storage.batch_exists([s.key for s in slots])
-        page_keys = [s.key for s in slots]
-        keys = [k for pair in zip(page_keys, checksum_keys(page_keys), strict=True) for k in pair]
+            return self.storage.batch_exists(page_keys)
+        # Each page key followed by its checksum's, interleaved by two slice assignments in C.
+        keys = page_keys * 2
+        keys[::2] = page_keys
+        keys[1::2] = checksum_keys(page_keys)
         return self.storage.batch_exists(keys) // 2
 
     def _get(self, name: str, batch: list[_Slot]) -> tuple[list[bool], BaseException | None]:
@@ -209,8 +209,8 @@ class StorageRunner:
         True then only False (the prefetch ends at the first bad page)."""
         if not batch:
             return [], None
-        target = self.group.get_targets(name, [s.page for s in batch])
-        keys = [s.key for s in batch]
+        target = self.group.get_targets(name, list(map(_PAGE, batch)))
+        keys = list(map(_KEY, batch))
         buffers: list[memoryview | bytearray] = list(target.buffers)
         sums = [bytearray(_CRC_BYTES) for _ in batch] if self.verify_checksums else []
         if self.verify_checksums:
@@ -230,7 +230,7 @@ class StorageRunner:
         ok = found[: len(batch)]
         if self.verify_checksums:
             # A page without its checksum is a miss; one whose bytes disagree with it is corrupt.
-            ok = [p and c for p, c in zip(ok, found[len(batch) :], strict=True)]
+            ok = list(map(operator.and_, ok, found[len(batch) :]))
             intact = [
                 good and page_checksum(view) == bytes(expected)
                 for good, view, expected in zip(ok, target.buffers, sums, strict=True)
@@ -264,8 +264,9 @@ class StorageRunner:
         rules = self.group.rules
         stored = {t.op_id: {name: [False] * len(t.keys) for name in rules} for t in tasks}
         errors: dict[int, BaseException] = {}
-        to_set: list[tuple[BackupTask, _Slot]] = []
-        for task in tasks:
+        to_set: list[_Slot] = []
+        owners: list[int] = []  # per slot of to_set: its task's index in `tasks`
+        for index, task in enumerate(tasks):
             for name in rules:
                 slots = self._listed(task, name)
                 try:
@@ -279,14 +280,20 @@ class StorageRunner:
                 flags = stored[task.op_id][name]
                 for position in map(_POSITION, slots[:found]):
                     flags[position] = True
-                to_set.extend(zip(repeat(task), slots[found:]))
+                rest = slots[found:]
+                to_set += rest
+                owners += repeat(index, len(rest))
         for lo in range(0, len(to_set), self.batch_pages):
             chunk = to_set[lo : lo + self.batch_pages]
-            ok, error = self._set(list(map(_SLOT, chunk)))
-            for (task, s), good in zip(chunk, ok, strict=True):
-                stored[task.op_id][s.member][s.position] = good
-                if error is not None:
-                    errors[task.op_id] = error
+            chunk_owners = owners[lo : lo + self.batch_pages]
+            ok, error = self._set(chunk)
+            # Only the pages stored change a flag (every flag starts False).
+            pairs = zip(chunk, chunk_owners, strict=True)
+            for (member, position, _, _), owner in compress(pairs, ok):
+                stored[tasks[owner].op_id][member][position] = True
+            if error is not None:
+                for owner in set(chunk_owners):
+                    errors[tasks[owner].op_id] = error
         for task in tasks:
             done = restorable_pages(rules, stored[task.op_id], len(task.keys)).num_pages
             error = errors.get(task.op_id)
@@ -315,7 +322,7 @@ class StorageRunner:
             return [False] * len(slots), exc
         ok = results[: len(slots)]
         if self.verify_checksums:
-            ok = [p and c for p, c in zip(ok, results[len(slots) :], strict=True)]
+            ok = list(map(operator.and_, ok, results[len(slots) :]))  # page and checksum, in C
         num_ok = ok.count(True)
         if num_ok < len(ok):
             self.stats.count_fault(FaultReason.WRITE_FAILED, len(ok) - num_ok)

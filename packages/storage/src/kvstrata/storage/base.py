@@ -108,17 +108,26 @@ def flat_views(buffers: Sequence[PageBuffer], *, writable: bool) -> list[memoryv
 
     A batch of memoryviews, bytes and bytearrays only (what the tiers pass: host page views
     and small checksum buffers) is viewed and checked by whole-list calls in C instead of one
-    `page_view` call per page (about 3 us each) when every view is already flat bytes. Anything
-    else goes page by page through `page_view`.
+    `page_view` call per page (about 3 us each): bytes and bytearrays are always flat bytes, so
+    only the memoryviews' format, dimensions and contiguity are read, one attribute per pass
+    (no tuple per view). Anything else goes page by page through `page_view`.
     """
-    if set(map(type, buffers)) <= _PLAIN_BUFFERS:
+    kinds = set(map(type, buffers))
+    if kinds <= _PLAIN_BUFFERS:
         try:
             views = list(map(memoryview, buffers))  # pyright: ignore[reportArgumentType]
         except ValueError:  # a released view: page by page raises in batch order
             views = None
         if (
             views is not None
-            and set(map(_VIEW_SHAPE, views)) <= {("B", 1, True)}
+            and (
+                memoryview not in kinds
+                or (
+                    set(map(_FORMAT, views)) <= _FLAT_FORMAT
+                    and set(map(_NDIM, views)) <= _FLAT_NDIM
+                    and all(map(_C_CONTIGUOUS, views))
+                )
+            )
             and not (writable and any(map(_READONLY, views)))
         ):
             return views
@@ -128,10 +137,14 @@ def flat_views(buffers: Sequence[PageBuffer], *, writable: bool) -> list[memoryv
 #: Buffer types whose memoryview is taken directly (anything else: numpy arrays, tensors,
 #: mmaps, goes through `page_view`).
 _PLAIN_BUFFERS = frozenset({memoryview, bytes, bytearray})
-#: (format, ndim, c_contiguous) of a memoryview, and whether it is read-only: attribute getters
-#: in C, so a whole batch is checked without a Python call per view.
-_VIEW_SHAPE = operator.attrgetter("format", "ndim", "c_contiguous")
+#: A memoryview's format, dimensions and contiguity, and whether it is read-only: attribute
+#: getters in C, so a whole batch is checked without a Python call per view.
+_FORMAT = operator.attrgetter("format")
+_NDIM = operator.attrgetter("ndim")
+_C_CONTIGUOUS = operator.attrgetter("c_contiguous")
 _READONLY = operator.attrgetter("readonly")
+_FLAT_FORMAT = frozenset({"B"})
+_FLAT_NDIM = frozenset({1})
 
 
 def check_keys(keys: Sequence[bytes], *, max_key_bytes: int | None = None) -> None:

@@ -127,6 +127,9 @@ class PendingPrefetch:
     taken: bool = False  # finish_prefetch was called for it (no record kept at its ack)
     #: The other components' parts, until committed (once every page arrived).
     legs: tuple[TransferLeg, ...] = ()
+    #: The chained page keys of key[start:], one per page: the nodes the prefetch adds take
+    #: theirs from here instead of hashing them again.
+    keys: tuple[bytes, ...] = ()
 
 
 @dataclass(kw_only=True, eq=False)

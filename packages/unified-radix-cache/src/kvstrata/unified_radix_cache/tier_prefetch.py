@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -108,12 +109,17 @@ class TierPrefetcher:
             return None
         parent = self._core.tier.last_page_key(anchor) if start else None
         tokens = key.tokens()[start : start + num_pages * page]
-        if self._probe_first_page(key, tokens[:page], parent):
+        first = self._probe_first_page(key, tokens[:page], parent)
+        if first is False:
             self._core.counters.prefetches_skipped += 1
             return None
-        keys = self._core.keyer.page_keys(
-            tokens, extra_key=key.extra_key, cache_salt=key.cache_salt, parent=parent
-        )
+        keyer = self._core.keyer
+        if first is None:
+            keys = keyer.page_keys(
+                tokens, extra_key=key.extra_key, cache_salt=key.cache_salt, parent=parent
+            )
+        else:  # the probe hashed the first page: the chain goes on from its key
+            keys = [first, *keyer.page_keys(tokens[page:], parent=first)]
         core = self._core
         for transfer in core.transfers.values():
             num_pages = transfer.prefetch_pages(core, anchor, start, keys[:num_pages])
@@ -183,16 +189,18 @@ class TierPrefetcher:
             host_slots=slots,
             host_receipt=receipt,
             legs=tuple(leg for leg in legs if leg.host is not None),
+            keys=tuple(keys),
         )
         return op_id
 
     def _probe_first_page(
         self, key: RadixKey, first_page: npt.NDArray[np.int64], parent: bytes | None
-    ) -> bool:
+    ) -> bytes | Literal[False] | None:
         """Whether a Full-only tree under a waiting policy may skip the prefetch unhashed:
-        storage lacks the first page beyond the host prefix, so `_stored_pages` would find
-        none. One page hashed instead of the whole rest of the key (most matches find nothing
-        in storage beyond their hits); when the page is there the caller hashes them all."""
+        False when storage lacks the first page beyond the host prefix, so `_stored_pages`
+        would find none. One page hashed instead of the whole rest of the key (most matches
+        find nothing in storage beyond their hits). When the page is there, its key (the
+        caller chains the rest from it: no page hashed twice); None when no probe applies."""
         core = self._core
         storage = core.controller.storage
         if (
@@ -200,11 +208,13 @@ class TierPrefetcher:
             or core.params.prefetch_policy is PrefetchPolicy.BEST_EFFORT
             or core.transfers  # components with their own parts: they bound the prefetch first
         ):
-            return False
+            return None
         first = core.keyer.page_keys(
             first_page, extra_key=key.extra_key, cache_salt=key.cache_salt, parent=parent
-        )
-        return storage.batch_exists([core.controller.group.storage_key(FULL, first[0])]) == 0
+        )[0]
+        if storage.batch_exists([core.controller.group.storage_key(FULL, first)]) == 0:
+            return False
+        return first
 
     def _stored_pages(self, keys: list[bytes], num_pages: int) -> int:
         """How many of the `num_pages` pages to prefetch. When the request will wait for the
@@ -235,6 +245,7 @@ class TierPrefetcher:
             pending.host_receipt, key, pending.host_slots[pending.committed : upto]
         )
         pending.committed = upto
+        self._keep_page_keys(pending, pending.start + upto)
         core = self._core
         moved = got // core.page_size * core.page_bytes
         if pending.legs and upto == len(pending.host_slots):
@@ -252,6 +263,29 @@ class TierPrefetcher:
         core.counters.storage_hit_tokens += got
         core.counters.bytes_storage_get += moved
         return got
+
+    def _keep_page_keys(self, pending: PendingPrefetch, end: int) -> None:
+        """Give the nodes without page keys that lie wholly in the prefetched range
+        [start, end), walking up from the node ending at `end`, their keys from the
+        prefetch's: the same chain `EventLog.page_keys` would hash (key[start:] chains from
+        the key of the page before `start` on this very path, in this key's namespace), so no
+        page the prefetch hashed is hashed again for a later backup or event. O(nodes)."""
+        node = pending.host_receipt.anchor
+        page = self._core.page_size
+        if prefix_len(node) != end:  # not the node ending at the key: keep the lazy hashing
+            return
+        keys = pending.keys
+        hi = end
+        while node.parent is not None:
+            lo = hi - node.num_tokens
+            if lo < pending.start:
+                break
+            if node.page_keys is None and lo % page == 0 and hi % page == 0:
+                node.page_keys = list(
+                    keys[(lo - pending.start) // page : (hi - pending.start) // page]
+                )
+            hi = lo
+            node = node.parent
 
     def commit(self, pending: PendingPrefetch, ack: Ack) -> None:
         done = self._prefetched_tokens(ack)
