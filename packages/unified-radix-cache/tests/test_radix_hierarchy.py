@@ -341,6 +341,41 @@ def test_rejects_hybrid_trees_and_mismatched_pages(hierarchy: Callable[..., Hier
         )
 
 
+
+def test_rejects_allocators_whose_pages_are_not_the_pools_pages(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
+    """The transfers hand the tree's slots to the controller unchecked (its trusted path), so
+    the cache refuses, when built, a tree and host allocator whose pages are not the pools'
+    pages (a write of half pages would otherwise move the wrong pages and be acknowledged) or
+    a tree whose slots reach past the pool group's device pool."""
+    h = hierarchy()
+    group = h.cache.controller.group
+    host_pages = group.num_host_pages("full")
+    half = make_tree("full", size=8 * P, page_size=P // 2).tree
+    with pytest.raises(InvalidConfig, match="page size"):
+        HierarchicalCache(
+            half,
+            controller=h.cache.controller,
+            host_allocator=HostSlotAllocator(num_pages=host_pages, page_size=P // 2),
+        )
+    rows = group.member("full").device.num_rows
+    wide = make_tree("full", size=rows, page_size=P).tree
+    with pytest.raises(InvalidConfig, match="device pool"):
+        HierarchicalCache(
+            wide,
+            controller=h.cache.controller,
+            host_allocator=HostSlotAllocator(num_pages=host_pages, page_size=P),
+        )
+    # What fits is taken (the slots of a smaller tree lie inside the pool).
+    small = make_tree("full", size=8 * P, page_size=P).tree
+    HierarchicalCache(
+        small,
+        controller=h.cache.controller,
+        host_allocator=HostSlotAllocator(num_pages=host_pages, page_size=P),
+    )
+
+
 def test_collector_reads_tier_counters(hierarchy: Callable[..., Hierarchy]) -> None:
     from prometheus_client import CollectorRegistry
 

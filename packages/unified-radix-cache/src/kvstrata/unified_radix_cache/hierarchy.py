@@ -185,14 +185,28 @@ class HierarchicalCache:
                     f"host {component.name} page size {allocator.page_size} != tree page size "
                     f"{page}"
                 )
-        # The transfers pass host slots to the controller unchecked (its trusted path): each
-        # host allocator must hand out only pages of its member's host pool.
+        # The transfers pass slots to the controller unchecked (its trusted path): each host
+        # allocator must hand out only whole pages of its member's host pool, and the tree's
+        # slots (checked against its allocators on insert) must lie in the device pools.
         for name, allocator in ((FULL, host_allocator), *hosts.items()):
-            pool_pages = controller.group.num_host_pages(name)
-            if allocator.num_pages > pool_pages:
+            member = controller.group.member(name)
+            if allocator.page_size != member.host.page_size:
+                raise InvalidConfig(
+                    f"the {name} host allocator's page size {allocator.page_size} != its host "
+                    f"pool's page size {member.host.page_size}"
+                )
+            if allocator.num_pages > member.host.num_pages:
                 raise InvalidConfig(
                     f"the {name} host allocator has {allocator.num_pages} pages, its host pool "
-                    f"{pool_pages}"
+                    f"{member.host.num_pages}"
+                )
+        for component in device_tree.components:
+            device = controller.group.member(component.name).device
+            rows = component.capacity() + device.page_size  # page 0 reserved
+            if rows > device.num_rows:
+                raise InvalidConfig(
+                    f"the tree's {component.name} slots reach row {rows - 1}, past its device "
+                    f"pool's {device.num_rows} rows"
                 )
         keyer = keyer or device_tree.keyer or PageKeyer(page_size=page)
         if keyer.page_size != page:
