@@ -113,15 +113,24 @@ class HostSlots:
         return self.allocator.size
 
     def free(self, indices: torch.Tensor) -> None:
-        """Free host slots the tree took from this allocator (whole aligned pages, as `alloc`
-        handed them out): their page ids go back without re-checking the alignment (the free
-        list still refuses a page out of range or already free)."""
-        flat = indices.numpy()
-        page = self.allocator.page_size
-        self.allocator.free_pages(torch.from_numpy(flat[::page] // page if page > 1 else flat))
+        """Free token indices: whole aligned pages, as `alloc` handed them out (raises as
+        `HostSlotAllocator.free`, before anything changes)."""
+        self.allocator.free(indices)
 
     def available_size(self) -> int:
         return self.allocator.available_size()
+
+
+class _TreeHostSlots(HostSlots):
+    """The sink `HierarchicalCache` gives its host tier: it frees only host values the tree
+    took from this allocator (whole aligned pages, as `alloc` handed them out), so their page
+    ids go back without re-checking the alignment (the free list still refuses a page out of
+    range or already free)."""
+
+    def free(self, indices: torch.Tensor) -> None:
+        flat = indices.numpy()
+        page = self.allocator.page_size
+        self.allocator.free_pages(torch.from_numpy(flat[::page] // page if page > 1 else flat))
 
 
 class HierarchicalCache:
@@ -222,10 +231,10 @@ class HierarchicalCache:
         self.component_hosts = hosts
         self.tier = HostTier(
             device_tree,
-            HostSlots(host_allocator),
+            _TreeHostSlots(host_allocator),
             eviction_policy=self.params.host_eviction_policy,
             keyer=keyer,
-            component_hosts={name: HostSlots(a) for name, a in hosts.items()},
+            component_hosts={name: _TreeHostSlots(a) for name, a in hosts.items()},
         )
         self.keyer = self.tier.keyer
         # The parts, each given what it uses (tier_core.py has the map).
