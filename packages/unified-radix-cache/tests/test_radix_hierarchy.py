@@ -342,7 +342,6 @@ def test_rejects_hybrid_trees_and_mismatched_pages(hierarchy: Callable[..., Hier
         )
 
 
-
 def test_rejects_allocators_whose_pages_are_not_the_pools_pages(
     hierarchy: Callable[..., Hierarchy],
 ) -> None:
@@ -375,7 +374,6 @@ def test_rejects_allocators_whose_pages_are_not_the_pools_pages(
         controller=h.cache.controller,
         host_allocator=HostSlotAllocator(num_pages=host_pages, page_size=P),
     )
-
 
 
 def test_host_slots_free_refuses_what_is_not_whole_pages() -> None:
