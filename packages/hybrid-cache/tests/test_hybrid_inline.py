@@ -318,6 +318,20 @@ def test_trusted_submits_move_the_same_bytes_without_the_checks(run_inline: bool
         return check_moves(*args, **kwargs)  # type: ignore[arg-type]
 
     tiers.group.check_moves = spy  # type: ignore[method-assign]
+    host = tiers.group.member("full").host
+    plans: list[str] = []
+    plan_d2h, plan_h2d = host.plan_d2h, host.plan_h2d
+
+    def spy_d2h(*args: torch.Tensor) -> object:
+        plans.append("d2h")
+        return plan_d2h(*args)
+
+    def spy_h2d(*args: torch.Tensor) -> object:
+        plans.append("h2d")
+        return plan_h2d(*args)
+
+    host.plan_d2h = spy_d2h  # type: ignore[method-assign]
+    host.plan_h2d = spy_h2d  # type: ignore[method-assign]
     params = ControllerParams(run_inline=run_inline)
     with TierController(tiers.group, params=params) as controller:
         before = snapshot(pool, page_indices([1, 2, 3], page))
@@ -333,10 +347,16 @@ def test_trusted_submits_move_the_same_bytes_without_the_checks(run_inline: bool
         assert ack is not None and ack.ok and ack.num_pages_done == 3
         assert handle.wait_all(TIMEOUT_S)
         assert_pages_equal(pool, page_indices([7, 8, 9], page), before, what="trusted cycle")
-        assert not checks
+        assert not checks and not plans
         with pytest.raises(InvalidOperation):
             controller.submit_writes([WriteOp(moves=full_move(page, [0], [1]))], inline=True)
         assert checks == ["checked"]
+        # The checked path still has the host pool plan (and check) its pages.
+        (op_id,) = controller.submit_writes([WriteOp(moves=full_move(page, [7], [1]))])
+        assert op_id is not None
+        ack = controller.wait(op_id, TIMEOUT_S)
+        assert ack is not None and ack.ok
+        assert plans == ["d2h"]
         controller.check_integrity()
 
 

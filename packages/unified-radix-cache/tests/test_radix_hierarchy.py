@@ -14,6 +14,7 @@ import torch
 
 from kvstrata.hybrid_cache import ControllerParams, PrefetchPolicy
 from kvstrata.pool_host import HostSlotAllocator
+from kvstrata.pool_host.errors import SizeNotPageAligned
 from kvstrata.storage import FaultInjectingStorage, FaultRules, MemoryStorage
 from kvstrata.testkit.tiers import (
     SHAPES,
@@ -28,7 +29,7 @@ from kvstrata.testkit.tiers import (
 from kvstrata.testkit.trees import make_tree
 from kvstrata.unified_radix_cache import BlockStored, RadixKey
 from kvstrata.unified_radix_cache.errors import ForeignNode, InvalidConfig
-from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
+from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache, HostSlots
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 P = 4
@@ -366,6 +367,57 @@ def test_rejects_hybrid_trees_and_mismatched_pages(hierarchy: Callable[..., Hier
             controller=h.cache.controller,
             host_allocator=HostSlotAllocator(num_pages=too_many, page_size=P),
         )
+
+
+def test_rejects_allocators_whose_pages_are_not_the_pools_pages(
+    hierarchy: Callable[..., Hierarchy],
+) -> None:
+    """The transfers hand the tree's slots to the controller unchecked (its trusted path), so
+    the cache refuses, when built, a tree and host allocator whose pages are not the pools'
+    pages (a write of half pages would otherwise move the wrong pages and be acknowledged) or
+    a tree whose slots reach past the pool group's device pool."""
+    h = hierarchy()
+    group = h.cache.controller.group
+    host_pages = group.num_host_pages("full")
+    half = make_tree("full", size=8 * P, page_size=P // 2).tree
+    with pytest.raises(InvalidConfig, match="page size"):
+        HierarchicalCache(
+            half,
+            controller=h.cache.controller,
+            host_allocator=HostSlotAllocator(num_pages=host_pages, page_size=P // 2),
+        )
+    rows = group.member("full").device.num_rows
+    wide = make_tree("full", size=rows, page_size=P).tree
+    with pytest.raises(InvalidConfig, match="device pool"):
+        HierarchicalCache(
+            wide,
+            controller=h.cache.controller,
+            host_allocator=HostSlotAllocator(num_pages=host_pages, page_size=P),
+        )
+    # What fits is taken (the slots of a smaller tree lie inside the pool).
+    small = make_tree("full", size=8 * P, page_size=P).tree
+    HierarchicalCache(
+        small,
+        controller=h.cache.controller,
+        host_allocator=HostSlotAllocator(num_pages=host_pages, page_size=P),
+    )
+
+
+def test_host_slots_free_refuses_what_is_not_whole_pages() -> None:
+    """`HostSlots` (public) frees as its allocator's `free` does: SizeNotPageAligned for
+    indices that are not whole aligned pages, before anything changes."""
+    allocator = HostSlotAllocator(num_pages=4, page_size=P)
+    sink = HostSlots(allocator)
+    taken = allocator.alloc(2 * P)
+    assert taken is not None
+    free_before = sink.available_size()
+    for bad in (taken[1 : P + 1], taken[: P + 1], taken[: P - 1]):
+        with pytest.raises(SizeNotPageAligned):
+            sink.free(bad.clone())
+        assert sink.available_size() == free_before
+    sink.free(taken)
+    assert sink.available_size() == sink.size
+    allocator.check_integrity()
 
 
 def test_collector_reads_tier_counters(hierarchy: Callable[..., Hierarchy]) -> None:

@@ -113,15 +113,24 @@ class HostSlots:
         return self.allocator.size
 
     def free(self, indices: torch.Tensor) -> None:
-        """Free host slots the tree took from this allocator (whole aligned pages, as `alloc`
-        handed them out): their page ids go back without re-checking the alignment (the free
-        list still refuses a page out of range or already free)."""
-        flat = indices.numpy()
-        page = self.allocator.page_size
-        self.allocator.free_pages(torch.from_numpy(flat[::page] // page if page > 1 else flat))
+        """Free token indices: whole aligned pages, as `alloc` handed them out (raises as
+        `HostSlotAllocator.free`, before anything changes)."""
+        self.allocator.free(indices)
 
     def available_size(self) -> int:
         return self.allocator.available_size()
+
+
+class _TreeHostSlots(HostSlots):
+    """The sink `HierarchicalCache` gives its host tier: it frees only host values the tree
+    took from this allocator (whole aligned pages, as `alloc` handed them out), so their page
+    ids go back without re-checking the alignment (the free list still refuses a page out of
+    range or already free)."""
+
+    def free(self, indices: torch.Tensor) -> None:
+        flat = indices.numpy()
+        page = self.allocator.page_size
+        self.allocator.free_pages(torch.from_numpy(flat[::page] // page if page > 1 else flat))
 
 
 class HierarchicalCache:
@@ -185,14 +194,28 @@ class HierarchicalCache:
                     f"host {component.name} page size {allocator.page_size} != tree page size "
                     f"{page}"
                 )
-        # The transfers pass host slots to the controller unchecked (its trusted path): each
-        # host allocator must hand out only pages of its member's host pool.
+        # The transfers pass slots to the controller unchecked (its trusted path): each host
+        # allocator must hand out only whole pages of its member's host pool, and the tree's
+        # slots (checked against its allocators on insert) must lie in the device pools.
         for name, allocator in ((FULL, host_allocator), *hosts.items()):
-            pool_pages = controller.group.num_host_pages(name)
-            if allocator.num_pages > pool_pages:
+            member = controller.group.member(name)
+            if allocator.page_size != member.host.page_size:
+                raise InvalidConfig(
+                    f"the {name} host allocator's page size {allocator.page_size} != its host "
+                    f"pool's page size {member.host.page_size}"
+                )
+            if allocator.num_pages > member.host.num_pages:
                 raise InvalidConfig(
                     f"the {name} host allocator has {allocator.num_pages} pages, its host pool "
-                    f"{pool_pages}"
+                    f"{member.host.num_pages}"
+                )
+        for component in device_tree.components:
+            device = controller.group.member(component.name).device
+            rows = component.capacity() + device.page_size  # page 0 reserved
+            if rows > device.num_rows:
+                raise InvalidConfig(
+                    f"the tree's {component.name} slots reach row {rows - 1}, past its device "
+                    f"pool's {device.num_rows} rows"
                 )
         keyer = keyer or device_tree.keyer or PageKeyer(page_size=page)
         if keyer.page_size != page:
@@ -208,10 +231,10 @@ class HierarchicalCache:
         self.component_hosts = hosts
         self.tier = HostTier(
             device_tree,
-            HostSlots(host_allocator),
+            _TreeHostSlots(host_allocator),
             eviction_policy=self.params.host_eviction_policy,
             keyer=keyer,
-            component_hosts={name: HostSlots(a) for name, a in hosts.items()},
+            component_hosts={name: _TreeHostSlots(a) for name, a in hosts.items()},
         )
         self.keyer = self.tier.keyer
         # The parts, each given what it uses (tier_core.py has the map).
