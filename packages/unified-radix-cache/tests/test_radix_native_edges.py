@@ -5,11 +5,13 @@ held marks each slot check leaves. Each case runs on both paths where the tree i
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 import pytest
 
+from kvstrata.pool.native import disabled
 from kvstrata.testkit.trees import make_full_allocator, make_tree
 from kvstrata.unified_radix_cache import EvictRequest, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache.components.full import FullComponent
@@ -373,3 +375,44 @@ def test_flush_frees_the_same_slots_on_both_paths() -> None:
         kit.check()
     assert all(s == seen[0] for s in seen)
     assert len(seen[0][0]) == 1
+
+
+class _FailingFree:
+    """A stand-in slot sink (no `check_allocated`) whose `free` raises while `fail` is set."""
+
+    device = "cpu"
+    size = 1 << 20
+
+    def __init__(self) -> None:
+        self.fail = False
+
+    def available_size(self) -> int:
+        return self.size
+
+    def free(self, indices: Any, /) -> None:
+        if self.fail:
+            raise RuntimeError("free refused")
+
+
+def test_a_free_that_raises_leaves_the_same_held_flags_on_both_paths() -> None:
+    """Full's flush hands the queued slots to the allocator; when that `free` raises, both
+    paths leave the queue empty and the held flags of the gone slots cleared (the nodes left
+    the tree), so a later insert of those slots gets the same answer compiled or not."""
+    seen = []
+    for off in PATHS:
+        sink = _FailingFree()
+        with disabled() if off else nullcontext():
+            tree = UnifiedRadixCache([FullComponent(sink)], page_size=1)  # pyright: ignore[reportArgumentType]
+        tree.insert(RadixKey([1, 2, 3]), np.array([5, 6, 7]))
+        sink.fail = True
+        with pytest.raises(RuntimeError, match="free refused"):
+            tree.evict(EvictRequest.full(3))
+        held = tree._full.held
+        assert held is not None
+        flags = np.flatnonzero(held).tolist()
+        sink.fail = False
+        again = tree.insert(RadixKey([9, 9, 9]), np.array([5, 6, 7]))
+        seen.append((flags, tree._full._pending, again.inserted_len, tree.num_nodes))
+    assert all(s == seen[0] for s in seen)
+    assert seen[0] == ([], [], 3, 1)
+
