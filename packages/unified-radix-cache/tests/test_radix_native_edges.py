@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstrata.allocator.counting import SlotCounter
 from kvstrata.pool.native import disabled
 from kvstrata.testkit.trees import make_full_allocator, make_tree
 from kvstrata.unified_radix_cache import EvictRequest, RadixKey, UnifiedRadixCache
@@ -416,3 +417,28 @@ def test_a_free_that_raises_leaves_the_same_held_flags_on_both_paths() -> None:
     assert all(s == seen[0] for s in seen)
     assert seen[0] == ([], [], 3, 1)
 
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_cached_len_inside_the_unaligned_tail_is_taken_on_both_paths(checked: bool) -> None:
+    """`cached_len` may reach into the key's unaligned tail (0 <= cached_len <= len(key)):
+    the tree stores the whole pages only, so the check covers nothing past them and the tail
+    slots stay the caller's (not marked held): the compiled check raised ValueError for the
+    empty range [6, 4), and the Python path marked the two tail slots held for good."""
+    seen = []
+    for off in PATHS:
+        with disabled() if off else nullcontext():
+            if checked:  # an allocator with check_allocated
+                kit = make_tree(size=64, page_size=4)
+                tree, pages = kit.tree, kit.alloc(8).numpy()
+            else:  # a stand-in sink: the compiled check is the whole check
+                tree = UnifiedRadixCache([FullComponent(SlotCounter())], page_size=4)
+                pages = np.arange(10, 18, dtype=np.int64)
+        result = tree.insert(RadixKey(list(range(6))), pages[:6], cached_len=6)
+        held = tree._full.held
+        assert held is not None
+        flags = np.flatnonzero(held).tolist()
+        # The tail slots are not the tree's: another key may bring them.
+        other = tree.insert(RadixKey([7, 7, 7, 7]), pages[4:])
+        seen.append((result.prefix_len, result.inserted_len, flags, other.inserted_len))
+    assert all(s == seen[0] for s in seen[1:])
+    assert seen[0][:2] == (0, 4) and len(seen[0][2]) == 4
