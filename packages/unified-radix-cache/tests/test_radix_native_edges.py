@@ -349,6 +349,18 @@ def test_drain_refuses_a_bad_queue_before_any_change() -> None:
         CORE.drain((np.array([1]),), held)
     with pytest.raises(ValueError, match="1-D buffer"):
         CORE.drain([np.array([1])], np.ones(8, dtype=np.int64))
+    # Strided or 2-D slots and a strided or read-only table: refused, nothing read past.
+    read_only = np.ones(8, dtype=np.int32)
+    read_only.flags.writeable = False
+    for queue, table in (
+        ([np.arange(8)[::2]], held),
+        ([np.arange(8).reshape(2, 4)], held),
+        ([np.array([1])], held[::2]),
+        ([np.array([1])], read_only),
+    ):
+        with pytest.raises(ValueError, match="contiguous|1-D buffer|read-only"):
+            CORE.drain(queue, table)
+        assert len(queue) == 1 and held.all() and read_only.all()
 
 
 def test_flush_frees_the_same_slots_on_both_paths() -> None:
