@@ -358,7 +358,7 @@ def test_drain_refuses_a_bad_queue_before_any_change() -> None:
         ([np.array([1])], held[::2]),
         ([np.array([1])], read_only),
     ):
-        with pytest.raises(ValueError, match="contiguous|1-D buffer|read-only"):
+        with pytest.raises(ValueError, match=r"contiguous|1-D buffer|read-only"):
             CORE.drain(queue, table)
         assert len(queue) == 1 and held.all() and read_only.all()
 
