@@ -5,11 +5,14 @@ held marks each slot check leaves. Each case runs on both paths where the tree i
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 import pytest
 
+from kvstrata.allocator.counting import SlotCounter
+from kvstrata.pool.native import disabled
 from kvstrata.testkit.trees import make_full_allocator, make_tree
 from kvstrata.unified_radix_cache import EvictRequest, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache.components.full import FullComponent
@@ -346,6 +349,18 @@ def test_drain_refuses_a_bad_queue_before_any_change() -> None:
         CORE.drain((np.array([1]),), held)
     with pytest.raises(ValueError, match="1-D buffer"):
         CORE.drain([np.array([1])], np.ones(8, dtype=np.int64))
+    # Strided or 2-D slots and a strided or read-only table: refused, nothing read past.
+    read_only = np.ones(8, dtype=np.int32)
+    read_only.flags.writeable = False
+    for queue, table in (
+        ([np.arange(8)[::2]], held),
+        ([np.arange(8).reshape(2, 4)], held),
+        ([np.array([1])], held[::2]),
+        ([np.array([1])], read_only),
+    ):
+        with pytest.raises(ValueError, match=r"contiguous|1-D buffer|read-only"):
+            CORE.drain(queue, table)
+        assert len(queue) == 1 and held.all() and read_only.all()
 
 
 def test_flush_frees_the_same_slots_on_both_paths() -> None:
@@ -373,3 +388,69 @@ def test_flush_frees_the_same_slots_on_both_paths() -> None:
         kit.check()
     assert all(s == seen[0] for s in seen)
     assert len(seen[0][0]) == 1
+
+
+class _FailingFree:
+    """A stand-in slot sink (no `check_allocated`) whose `free` raises while `fail` is set."""
+
+    device = "cpu"
+    size = 1 << 20
+
+    def __init__(self) -> None:
+        self.fail = False
+
+    def available_size(self) -> int:
+        return self.size
+
+    def free(self, indices: Any, /) -> None:
+        if self.fail:
+            raise RuntimeError("free refused")
+
+
+def test_a_free_that_raises_leaves_the_same_held_flags_on_both_paths() -> None:
+    """Full's flush hands the queued slots to the allocator; when that `free` raises, both
+    paths leave the queue empty and the held flags of the gone slots cleared (the nodes left
+    the tree), so a later insert of those slots gets the same answer compiled or not."""
+    seen = []
+    for off in PATHS:
+        sink = _FailingFree()
+        with disabled() if off else nullcontext():
+            tree = UnifiedRadixCache([FullComponent(sink)], page_size=1)  # pyright: ignore[reportArgumentType]
+        tree.insert(RadixKey([1, 2, 3]), np.array([5, 6, 7]))
+        sink.fail = True
+        with pytest.raises(RuntimeError, match="free refused"):
+            tree.evict(EvictRequest.full(3))
+        held = tree._full.held
+        assert held is not None
+        flags = np.flatnonzero(held).tolist()
+        sink.fail = False
+        again = tree.insert(RadixKey([9, 9, 9]), np.array([5, 6, 7]))
+        seen.append((flags, tree._full._pending, again.inserted_len, tree.num_nodes))
+    assert all(s == seen[0] for s in seen)
+    assert seen[0] == ([], [], 3, 1)
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_cached_len_inside_the_unaligned_tail_is_taken_on_both_paths(checked: bool) -> None:
+    """`cached_len` may reach into the key's unaligned tail (0 <= cached_len <= len(key)):
+    the tree stores the whole pages only, so the check covers nothing past them and the tail
+    slots stay the caller's (not marked held): the compiled check raised ValueError for the
+    empty range [6, 4), and the Python path marked the two tail slots held for good."""
+    seen = []
+    for off in PATHS:
+        with disabled() if off else nullcontext():
+            if checked:  # an allocator with check_allocated
+                kit = make_tree(size=64, page_size=4)
+                tree, pages = kit.tree, kit.alloc(8).numpy()
+            else:  # a stand-in sink: the compiled check is the whole check
+                tree = UnifiedRadixCache([FullComponent(SlotCounter())], page_size=4)
+                pages = np.arange(10, 18, dtype=np.int64)
+        result = tree.insert(RadixKey(list(range(6))), pages[:6], cached_len=6)
+        held = tree._full.held
+        assert held is not None
+        flags = np.flatnonzero(held).tolist()
+        # The tail slots are not the tree's: another key may bring them.
+        other = tree.insert(RadixKey([7, 7, 7, 7]), pages[4:])
+        seen.append((result.prefix_len, result.inserted_len, flags, other.inserted_len))
+    assert all(s == seen[0] for s in seen[1:])
+    assert seen[0][:2] == (0, 4) and len(seen[0][2]) == 4

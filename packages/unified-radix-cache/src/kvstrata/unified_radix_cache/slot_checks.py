@@ -113,6 +113,8 @@ class SlotChecker:
         words (no negative slot), a gather of the marks (past the table's end: IndexError, then
         the slow path grows it or refuses), a count of slots held already, a scatter of stamps
         1..n and a gather of them read back as bytes (a repeated slot keeps one stamp)."""
+        if lo >= hi:  # nothing to check (a cached_len past the stored pages): the compiled
+            return  # check refuses an empty range whose bounds cross
         native = self._native
         if native is not None:
             # Compiled: in the table, unmarked, given once (then marked when `keep`). False

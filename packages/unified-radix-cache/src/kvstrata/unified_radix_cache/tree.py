@@ -379,8 +379,9 @@ class UnifiedRadixCache:
             # The slots past the held prefix (the ones the new leaf adopts) are checked, and
             # marked held, before anything changes.
             held = (pos + partial) // TOKEN_BYTES
-            lo = max(cached_len, held)
             hi = end // TOKEN_BYTES
+            # A cached_len inside the unaligned tail claims nothing past the stored pages.
+            lo = min(max(cached_len, held), hi)
             compiled = checker.compiled_alone
             if compiled is None or not compiled(slots, lo, hi, checker.table, True):
                 checker.check(slots, lo, hi, keep=True)  # the allocator's check, or the error

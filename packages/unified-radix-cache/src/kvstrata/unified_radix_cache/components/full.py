@@ -268,13 +268,15 @@ class FullComponent(TreeComponent):
             return
         slots = self.take_pending()
         if slots is not None and len(slots):
-            self.allocator.free(self.to_device(slots))
+            # The flags go before the free, as `drain` clears them: the nodes have left the
+            # tree, so a `free` that raises leaves the same state on both paths.
             held = self.held
             if held is not None:
                 try:
                     held[slots] = 0
                 except IndexError:  # slots past its end were never marked
                     held[slots[slots < len(held)]] = 0
+            self.allocator.free(self.to_device(slots))
 
     def give_back(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
