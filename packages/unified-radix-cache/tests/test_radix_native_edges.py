@@ -454,3 +454,27 @@ def test_a_cached_len_inside_the_unaligned_tail_is_taken_on_both_paths(checked: 
         seen.append((result.prefix_len, result.inserted_len, flags, other.inserted_len))
     assert all(s == seen[0] for s in seen[1:])
     assert seen[0][:2] == (0, 4) and len(seen[0][2]) == 4
+
+
+@needs_core
+def test_a_full_component_subclass_keeps_its_own_take_pending() -> None:
+    """Only an exact `FullComponent` gets the compiled `drain`: a subclass's `take_pending`
+    still decides what its `flush` frees."""
+
+    class Recording(FullComponent):
+        def __init__(self, allocator: Any) -> None:
+            super().__init__(allocator)
+            self.taken = 0
+
+        def take_pending(self) -> Any:
+            self.taken += 1
+            return super().take_pending()
+
+    allocator = make_full_allocator(size=64, page_size=1)
+    full = Recording(allocator)
+    tree = _tree(full)
+    assert full.drain is None
+    tree.insert(RadixKey([1, 2, 3, 4]), allocator.alloc(4))
+    tree.evict(EvictRequest.full(4))
+    assert full.taken == 1
+    tree.check_integrity()

@@ -146,8 +146,8 @@ class UnifiedRadixCache:
         self._events: EventLog | None = None
         if keyer is not None and enable_events and not disable:
             self._events = EventLog(keyer)
-        if self._native is not None:
-            self._full.drain = self._native.drain
+        if self._native is not None and type(self._full) is FullComponent:
+            self._full.drain = self._native.drain  # a subclass keeps its own take_pending
         if self._native is not None and not self._extras and type(self) is UnifiedRadixCache:
             install(self._native, self, events=self._events is not None)
         # Hierarchical mode (host_tier.py). `_slow` sends match and insert off the Full-only
