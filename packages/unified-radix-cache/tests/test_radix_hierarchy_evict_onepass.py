@@ -142,3 +142,30 @@ def _leaf(h: Hierarchy, tokens: list[int]) -> torch.Tensor:
     node = node_at(h.tree, RadixKey(tokens))
     assert node is not None
     return torch.from_numpy(node.value)
+
+
+def test_any_error_in_the_walk_rolls_back_as_the_general_path(closing: list[Hierarchy]) -> None:
+    """Not a refusal: an exception from inside the tier's device walk (here the second node it
+    takes off the device) puts everything back on both paths."""
+    fast, slow = _twins(closing)
+    for tokens in (A, AB, AC, D):
+        for h in (fast, slow):
+            serve(h, tokens)
+    for h in (fast, slow):
+        tier = h.tree.host_tier
+        assert tier is not None
+        drop = tier._drop_device  # pyright: ignore[reportAttributeAccessIssue]
+        calls = [0]
+
+        def failing(node: object, drop: Callable[[object], int] = drop, calls: list[int] = calls):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("injected")
+            return drop(node)
+
+        tier._drop_device = failing  # pyright: ignore[reportAttributeAccessIssue]
+    got = _both(fast, slow, 100 * P)
+    assert got == ("RuntimeError", "injected")
+    for h in (fast, slow):
+        del h.tree.host_tier._drop_device  # pyright: ignore[reportOptionalMemberAccess, reportAttributeAccessIssue]
+    _both(fast, slow, 100 * P)
