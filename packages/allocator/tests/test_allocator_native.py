@@ -12,7 +12,7 @@ import torch
 
 from kvstrata.allocator import PagedAllocator
 from kvstrata.allocator.errors import IntegrityError
-from kvstrata.allocator.native import native_decode
+from kvstrata.allocator.native import FALLBACK, NativeDecode, native_decode
 from kvstrata.pool import native
 from kvstrata.testkit.allocators import idx, make_paged
 
@@ -218,3 +218,36 @@ def test_check_allocated_in_one_call_raises_what_the_numpy_path_raises(checked: 
         probe = idx(case)
         both(fast, slow, lambda a, c=probe: a.check_allocated(c, "probe"))
         both(fast, slow, lambda a, c=probe: a.check_allocated(c.to(torch.int32), "probe"))
+
+
+class _Spy:
+    """The engine's `NativeDecode` with every result of `free_slots` / `check_slots` kept."""
+
+    def __init__(self, inner: NativeDecode) -> None:
+        self.inner = inner
+        self.alloc_decode = inner.alloc_decode
+        self.results: list[int] = []
+
+    def free_slots(self, *args: object) -> int:
+        self.results.append(self.inner.free_slots(*args))
+        return self.results[-1]
+
+    def check_slots(self, *args: object) -> int:
+        self.results.append(self.inner.check_slots(*args))
+        return self.results[-1]
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_whole_page_frees_and_checks_are_the_c_code_s(checked: bool) -> None:
+    """The twins above agree whether or not the C code answers; here it must answer (no
+    fallback) a tree's whole-page free, of any length, and a check of handed-out slots."""
+    fast, slow = twins(page_size=8, num_pages=512, checked=checked)
+    spy = _Spy(fast._engine._native)  # type: ignore[attr-defined]
+    fast._engine._native = spy  # type: ignore[attr-defined]
+    held = both(fast, slow, lambda a: a.alloc(8 * 300))  # over RUN_COLLAPSE_MIN slots
+    assert isinstance(held, list)
+    for part in (held[:24], held[24:40] + held[:-8], held[-8:]):
+        both(fast, slow, lambda a, p=part: a.check_allocated(idx(p), "probe"))
+    both(fast, slow, lambda a: a.free(idx(held[8:])))
+    both(fast, slow, lambda a: a.free(idx(held[:3])))  # part of a page, rising
+    assert len(spy.results) == 5 and FALLBACK not in spy.results

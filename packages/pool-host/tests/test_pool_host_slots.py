@@ -196,6 +196,17 @@ class HostSlotMachine(RuleBasedStateMachine):
         with pytest.raises(DoubleFree):
             self.alloc.free_pages(torch.tensor([page]))
 
+    @precondition(lambda self: len(self.allocated) < 24)
+    @rule(data=st.data())
+    def double_free_of_tokens_is_refused(self, data: st.DataObject) -> None:
+        # The compiled free refuses (changing nothing) and the NumPy path raises.
+        free_pages = sorted(set(range(24)) - self.allocated)
+        page = data.draw(st.sampled_from(free_pages))
+        held = sorted(self.allocated)[:2]
+        tokens = [p * 4 + j for p in [*held, page] for j in range(4)]
+        with pytest.raises(DoubleFree):
+            self.alloc.free(torch.tensor(tokens, dtype=torch.int64))
+
     @invariant()
     def consistent(self) -> None:
         self.alloc.check_integrity()
