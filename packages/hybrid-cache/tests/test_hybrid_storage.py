@@ -30,8 +30,10 @@ from kvstrata.hybrid_cache import (
     UnknownOperation,
     WriteOp,
 )
-from kvstrata.hybrid_cache.metrics import Direction, FaultReason
+from kvstrata.hybrid_cache.metrics import ControllerStats, Direction, FaultReason
 from kvstrata.hybrid_cache.storage_io import (
+    BackupTask,
+    StorageRunner,
     checksum_key,
     checksum_keys,
     page_checksum,
@@ -531,3 +533,60 @@ def test_batch_checksums_and_checksum_keys_equal_the_per_page_ones() -> None:
     keys = [b"k%d" % i for i in range(5)]
     assert checksum_keys(keys) == [checksum_key(k) for k in keys]
     assert checksum_keys([]) == [] and page_checksums([]) == []
+
+
+class _SetRaising(FaultInjectingStorage):
+    """A `batch_set` holding one of `raise_on` raises (the whole call fails)."""
+
+    def __init__(self, inner: Storage, raise_on: frozenset[bytes]) -> None:
+        super().__init__(inner)
+        self.raise_on = raise_on
+
+    def _set_from(self, keys: Sequence[bytes], views: list[memoryview]) -> list[WriteResult]:
+        if self.raise_on & set(keys):
+            raise OSError("backend unreachable")
+        return super()._set_from(keys, views)
+
+
+@pytest.mark.parametrize("verify_checksums", [True, False])
+def test_merged_backups_flag_only_the_pages_stored_per_op(verify_checksums: bool) -> None:
+    """Four backups in one merged batch, chunks of 3 pages that straddle them: a page whose
+    write fails (or, with checksums, whose checksum write fails) ends its own op's stored
+    prefix there and no other op's; a chunk whose batch_set raises fails the pages of every op
+    in it (FAILED only for an op with nothing stored), the other chunks' pages stay stored."""
+    tiers = make_tiers("full", host_pages=32)
+    inner = MemoryStorage(capacity_bytes=1 << 24)
+    keys = [prefix_keys(tiers, 4, salt=s) for s in range(4)]
+    # op 0: its page 2 fails; op 1: stored whole; op 2: its page 0's checksum (or page) fails;
+    # op 3: page 3 sits in a chunk (pages 3 of op 2, 0..1 of op 3 / 2..3 of op 3) that raises.
+    fail = {keys[0][2], checksum_key(keys[2][0]) if verify_checksums else keys[2][0]}
+    storage = _SetRaising(inner, raise_on=frozenset({keys[3][3]}))
+    storage.set_rules(FaultRules(fail_keys=frozenset(fail)))
+    acks: dict[int, tuple[AckStatus, int, BaseException | None]] = {}
+    runner = StorageRunner(
+        group=tiers.group,
+        storage=storage,
+        stats=ControllerStats(),
+        finish=lambda op, status, done, error: acks.__setitem__(op, (status, done, error)),
+        clock=time.monotonic,
+        batch_pages=3,
+        call_timeout_s=None,
+        verify_checksums=verify_checksums,
+    )
+    tasks = [
+        BackupTask(
+            op_id=10 + i,
+            keys=tuple(k),
+            pages=tiers.group.check_keyed_pages(k, all_pages(tiers, list(range(4 * i, 4 * i + 4)))),
+        )
+        for i, k in enumerate(keys)
+    ]
+    runner.run_backups(tasks)
+    # Chunks of to_set (16 slots): [0.0 0.1 0.2] [0.3 1.0 1.1] [1.2 1.3 2.0] [2.1 2.2 2.3]
+    # [3.0 3.1 3.2] [3.3]: the last raises.
+    assert acks[10][:2] == (AckStatus.PARTIAL, 2) and acks[10][2] is None
+    assert acks[11] == (AckStatus.DONE, 4, None)
+    assert acks[12][:2] == (AckStatus.PARTIAL, 0) and acks[12][2] is None
+    assert acks[13][:2] == (AckStatus.PARTIAL, 3) and isinstance(acks[13][2], OSError)
+    assert inner.batch_exists(keys[1]) == 4 and inner.batch_exists(keys[3]) == 3
+    assert inner.batch_exists(keys[0]) == 2

@@ -623,3 +623,55 @@ def test_only_boundaries_this_cache_backed_up_are_prefetched(
     m = other.cache.match_prefix(RadixKey([*a, 1, 1, 1, 1]))
     assert m.prefetch_id is None and other.cache.counters.prefetches_skipped == skipped + 1
     other.cache.check_integrity()
+
+
+@pytest.mark.parametrize("namespace", [(None, None), ("lora", None), ("lora", "tenant")])
+@pytest.mark.parametrize("head_pages", [0, 2])
+@pytest.mark.parametrize("fault", [None, "fail", "corrupt"])
+def test_prefetched_nodes_keep_the_keys_of_their_namespace(
+    hierarchy: Callable[..., Hierarchy],
+    namespace: tuple[str | None, str | None],
+    head_pages: int,
+    fault: str | None,
+) -> None:
+    """A prefetch of a key with an adapter and a salt, from the root or past a host prefix,
+    whole or cut short by a faulting page: the nodes it adds keep exactly the keys a fresh hash
+    of their prefix in that namespace gives, also after later inserts split them."""
+    storage = FaultInjectingStorage(MemoryStorage(capacity_bytes=1 << 24))
+    params = TierParams(prefetch_threshold=P, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+    h = hierarchy(storage=storage, params=params)
+    tokens = list(range(1, 6 * P + 1))
+    key = RadixKey(tokens, *namespace)
+    fresh = h.cache.keyer.page_keys(key.tokens(), extra_key=namespace[0], cache_salt=namespace[1])
+    slots = h.allocator.alloc(len(tokens))
+    assert slots is not None
+    h.allocator.free(h.cache.insert(key, slots).duplicates(slots))
+    h.cache.drain()
+    h.cache.evict_device(6 * P)
+    h.cache.evict_host(6 * P)
+    assert h.tree.num_nodes == 0
+    if fault is not None:
+        bad = frozenset({h.cache.controller.group.storage_key("full", fresh[4])})
+        storage.set_rules(
+            FaultRules(fail_keys=bad) if fault == "fail" else FaultRules(corrupt_keys=bad)
+        )
+    if head_pages:
+        head = RadixKey(tokens[: head_pages * P], *namespace)
+        slots = h.allocator.alloc(len(head))
+        assert slots is not None
+        h.allocator.free(h.cache.insert(head, slots).duplicates(slots))
+        h.cache.drain()
+    m = h.cache.match_prefix(key)
+    assert m.prefix_len == head_pages * P and m.prefetch_id is not None
+    assert h.cache.finish_prefetch(m.prefetch_id) == (4 if fault else 6) * P - head_pages * P
+    h.cache.check_integrity()
+    node = h.cache.match_prefix(key).host_node
+    assert node.page_keys is not None, "the prefetch handed its keys to the node"
+    assert h.cache.tier.page_keys(node) == fresh[: 4 if fault else 6]
+    for cut in (3, 1):  # splits of the prefetched nodes keep each part's keys
+        other = RadixKey(tokens[: cut * P] + [999 + cut] * P, *namespace)
+        slots = h.allocator.alloc(len(other))
+        assert slots is not None
+        h.allocator.free(h.cache.insert(other, slots).duplicates(slots))
+    assert h.cache.tier.page_keys(h.cache.match_prefix(key).host_node) == fresh[: 4 if fault else 6]
+    h.cache.check_integrity()

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 from hypothesis import event, settings
@@ -376,6 +378,32 @@ class HierarchyMachine(RuleBasedStateMachine):
             for name, n in run.req.held().items():
                 held[name] = held.get(name, 0) + n
         self._built().cache.check_integrity(held)
+        assert_page_keys_fresh(self._built())
+
+
+def assert_page_keys_fresh(h: Hierarchy) -> None:
+    """Every page key a node keeps (`TreeNode.page_keys`: hashed by an event or a backup, or
+    handed over by the prefetch that added the node) is the key a fresh hash of its prefix in
+    its namespace gives: `check_integrity` only checks how many a node keeps."""
+    for node in h.tree.iter_nodes():
+        if node.parent is None or node.page_keys is None:
+            continue
+        runs: list[npt.NDArray[np.int64]] = []
+        top = node
+        while True:
+            runs.append(top.tokens())
+            assert top.parent is not None
+            if top.parent.parent is None:
+                break
+            top = top.parent
+        ns = top.namespace  # the root's child names the namespace
+        fresh = h.cache.keyer.page_keys(
+            np.concatenate(runs[::-1]),
+            extra_key=None if ns is None else ns.extra_key,
+            cache_salt=None if ns is None else ns.cache_salt,
+        )
+        kept = list(node.page_keys)
+        assert kept == fresh[len(fresh) - len(kept) :], f"node {node.id} keeps stale page keys"
 
 
 def _test_case(shape: Shape, faulty_storage: bool) -> type:

@@ -268,8 +268,10 @@ class TierPrefetcher:
         """Give the nodes without page keys that lie wholly in the prefetched range
         [start, end), walking up from the node ending at `end`, their keys from the
         prefetch's: the same chain `EventLog.page_keys` would hash (key[start:] chains from
-        the key of the page before `start` on this very path, in this key's namespace), so no
-        page the prefetch hashed is hashed again for a later backup or event. O(nodes)."""
+        the key of the page before `start` on this very path, in this key's namespace), so a
+        later backup or event hashes none of them again. A tree with events on has hashed them
+        already: the host tier's `BlockStored` events of the commit name its nodes' pages
+        before this runs (the same keys; those nodes are skipped). O(nodes)."""
         node = pending.host_receipt.anchor
         page = self._core.page_size
         if prefix_len(node) != end:  # not the node ending at the key: keep the lazy hashing
