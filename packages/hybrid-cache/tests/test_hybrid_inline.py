@@ -175,16 +175,26 @@ def test_submit_writes_past_the_queue_room_refuses_the_rest() -> None:
         controller.check_integrity()
 
 
-def test_check_moves_copies_unless_told_the_op_runs_before_the_submit_returns() -> None:
+@pytest.mark.parametrize("method", ["check_moves", "count_moves"])
+def test_moves_are_counted_and_copied_unless_told_not_to(method: str) -> None:
+    """`check_moves` and the trusted path's `count_moves` return the same: the page count, and
+    copies of the moves unless the op runs before the submit returns (`copy=False`)."""
     tiers = make_tiers("full")
     page = tiers.member_page_size("full")
     moves = full_move(page, [1, 2], [0, 1])
-    copied, num_pages = tiers.group.check_moves(moves)
-    borrowed, _ = tiers.group.check_moves(moves, copy=False)
+    count = getattr(tiers.group, method)
+    copied, num_pages = count(moves)
+    borrowed, _ = count(moves, copy=False)
     assert num_pages == 2
-    assert torch.equal(copied["full"].device, moves["full"].device)
-    assert copied["full"].device.data_ptr() != moves["full"].device.data_ptr()
-    assert borrowed["full"].host.data_ptr() == moves["full"].host.data_ptr()
+    for side in ("device", "host"):
+        assert torch.equal(getattr(copied["full"], side), getattr(moves["full"], side))
+        assert getattr(copied["full"], side).data_ptr() != getattr(moves["full"], side).data_ptr()
+        assert getattr(borrowed["full"], side).data_ptr() == getattr(moves["full"], side).data_ptr()
+
+
+def test_check_moves_checks_either_way() -> None:
+    tiers = make_tiers("full")
+    page = tiers.member_page_size("full")
     # The checks run either way, before anything is queued.
     for copy in (True, False):
         with pytest.raises(InvalidOperation):
@@ -358,15 +368,3 @@ def test_trusted_submits_move_the_same_bytes_without_the_checks(run_inline: bool
         assert ack is not None and ack.ok
         assert plans == ["d2h"]
         controller.check_integrity()
-
-
-def test_count_moves_counts_pages_and_copies_unless_told_not_to() -> None:
-    tiers = make_tiers("full")
-    page = tiers.member_page_size("full")
-    moves = full_move(page, [1, 2], [3, 4])
-    copied, num_pages = tiers.group.count_moves(moves)
-    borrowed, _ = tiers.group.count_moves(moves, copy=False)
-    assert num_pages == 2
-    assert copied["full"].device is not moves["full"].device
-    assert torch.equal(copied["full"].host, moves["full"].host)
-    assert borrowed["full"] is moves["full"]

@@ -14,8 +14,9 @@ import torch
 from kvstrata.testkit.refusals import refusing, tree_state
 from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, serve
 from kvstrata.unified_radix_cache import EvictRequest, RadixKey, UnifiedRadixCache
+from kvstrata.unified_radix_cache import tree as tree_module
 from kvstrata.unified_radix_cache.errors import HeldSlotsNotAllocated, HeldSlotsRepeated
-from kvstrata.unified_radix_cache.evict_undo import evict_targets
+from kvstrata.unified_radix_cache.evict_undo import evict_full_tiered, evict_targets
 from kvstrata.unified_radix_cache.paths import node_at
 
 P = 4
@@ -92,6 +93,33 @@ def test_same_victims_as_the_general_path(closing: list[Hierarchy], amounts: lis
             serve(h, tokens)
     assert _state(fast) == _state(slow)
     _both(fast, slow, 3 * P)
+
+
+def test_the_tree_takes_the_one_pass_path(
+    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The twin tests above compare against the general path, so they would pass if `evict`
+    never took the one pass: a Full-only tiered tree's `evict` must call it (once per evict
+    with a target), and nothing else."""
+    h = _twins(closing)[0]
+    for tokens in (A, AB, D):
+        serve(h, tokens)
+    calls: list[int] = []
+
+    def one_pass(tree: UnifiedRadixCache, amount: int) -> None:
+        calls.append(amount)
+        evict_full_tiered(tree, amount)
+
+    monkeypatch.setattr(tree_module, "evict_full_tiered", one_pass)
+    monkeypatch.setattr(tree_module, "evict_targets", _refuse_general)
+    assert _fast(h.tree, 2 * P) == {"full": 2 * P}
+    assert _fast(h.tree, 0) == {"full": 0}
+    assert calls == [2 * P]
+    h.cache.check_integrity()
+
+
+def _refuse_general(tree: UnifiedRadixCache, targets: object) -> dict[str, int]:
+    raise AssertionError(f"the general path was taken for {targets}")
 
 
 @pytest.mark.parametrize("amount", [P, 3 * P, 100 * P])

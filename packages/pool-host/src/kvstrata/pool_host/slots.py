@@ -75,6 +75,12 @@ class HostSlotAllocator:
         self._free_address = self._pages.is_free.ctypes.data
 
     @property
+    def compiled(self) -> bool:
+        """Whether `alloc` and `free` of whole pages run in C (`slots.c`; False without a
+        compiler, with `KVSTRATA_NATIVE=0`, or when built inside `native.disabled()`)."""
+        return self._native is not None
+
+    @property
     def size(self) -> int:
         """Capacity in tokens."""
         return self.num_pages * self.page_size
