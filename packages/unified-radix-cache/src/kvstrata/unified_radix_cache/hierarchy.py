@@ -280,13 +280,8 @@ class HierarchicalCache:
         once (`finish_prefetch` right after, as `begin_request` does), so under wait_complete a
         CPU controller runs it on this thread (`TierController.runs_inline`).
         """
-        self.poll()
-        counters = self.counters
-        device = self.device_tree.match_prefix(key, max_len=max_len)
+        device, prefetch_id = self._match(key, max_len, wait_now)
         extra = device.host_hit_len
-        counters.queried_tokens += len(key)
-        counters.device_hit_tokens += device.prefix_len
-        counters.host_hit_tokens += extra
         last_host = device.last_host_node
         host_node = last_host if last_host is not None else device.last_node
         if last_host is not None:
@@ -294,6 +289,21 @@ class HierarchicalCache:
             host_indices = torch.from_numpy(run_above(last_host, extra, host=True).copy())
         else:
             host_indices = NO_SLOTS  # shared and empty: a torch op per match costs more
+        return tiers.TieredMatch(device, extra, host_indices, host_node, prefetch_id)
+
+    def _match(
+        self, key: RadixKey, max_len: int | None, wait_now: bool
+    ) -> tuple[MatchResult, int | None]:
+        """`match_prefix` up to its result: the one counted walk over both tiers (its
+        `MatchResult` carries the device and the host hit) and the prefetch id; no host
+        indices are gathered (`begin_request` loads by node, it never reads them)."""
+        self.poll()
+        counters = self.counters
+        device = self.device_tree.match_prefix(key, max_len=max_len)
+        extra = device.host_hit_len
+        counters.queried_tokens += len(key)
+        counters.device_hit_tokens += device.prefix_len
+        counters.host_hit_tokens += extra
         prefetch_id = None
         if self.controller.storage is not None:
             end = len(key) if max_len is None else min(len(key), max(max_len, 0))
@@ -309,7 +319,7 @@ class HierarchicalCache:
             and not self.writer.in_flight(node)
         ):
             self.writer.write(key[: device.prefix_len], node)
-        return tiers.TieredMatch(device, extra, host_indices, host_node, prefetch_id)
+        return device, prefetch_id
 
     def _prefetch_beyond(
         self, key: RadixKey, device: MatchResult, end: int, *, wait_now: bool = False
@@ -349,11 +359,11 @@ class HierarchicalCache:
         usable = len(key) - 1
         tree = self.device_tree
         self.writer.on_request()
-        match = self.match_prefix(key, max_len=usable, wait_now=True)
-        device_len, host_len = match.device.prefix_len, match.prefix_len
-        final = match.device
-        if match.prefetch_id is not None:
-            self.finish_prefetch(match.prefetch_id)
+        final, prefetch_id = self._match(key, usable, True)
+        device_len = final.prefix_len
+        host_len = device_len + final.host_hit_len
+        if prefetch_id is not None:
+            self.finish_prefetch(prefetch_id)
             final = self.tier.match_key(key, usable)
         host_node = final.last_host_node
         load: tiers.TierLoad | None = None

@@ -100,11 +100,32 @@ class HostWalks:
         access time, hit count or heap key changes, so a request counts one hit per node.
         O(K + depth x components)."""
         tree = self.tree
+        extras = self._extras
+        native = tree._native
+        if native is not None and not extras and touch:
+            # Full-only, compiled: one call walks, splits, touches the path and joins the
+            # device slots (the Python below gives the same answers).
+            tick = tree.next_tick()
+            path, on_device, host_bytes, joined = native.match_tiered(
+                tree.root, self._page_bytes, key.namespace, data, end, tree.split_node, tick
+            )
+            last = path[on_device - 1] if on_device else tree.root
+            last_host = path[-1] if len(path) > on_device else None
+            if last in self._device_heap:
+                self._device_heap.push(last)
+            if last_host is not None and last_host in self.heap:
+                self.heap.push(last_host)
+            slots = _NO_SLOTS if joined is None else np.frombuffer(joined, dtype=np.int64)
+            device_len = len(slots)
+            host_len = host_bytes // TOKEN_BYTES
+            if count:
+                tree.hit_tokens += device_len
+                tree.host_hit_tokens += host_len
+            return MatchResult(device_len, self._full.to_device(slots), last, host_len, last_host)
         path = tree.walk(key.namespace, data, end)
         on_device = 0
         while on_device < len(path) and len(path[on_device].value):
             on_device += 1
-        extras = self._extras
         device_end = on_device
         for component in extras:
             device_end = min(device_end, component.match_end(path[:on_device]))

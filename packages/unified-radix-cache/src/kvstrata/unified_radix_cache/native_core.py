@@ -16,6 +16,10 @@ answers; tests/test_radix_native.py compares both paths on random operations):
 - `match(root, page_bytes, namespace, data, end, split, tick)`: `descend` with `split`, then
   each path node gets `last_access = tick` and `hit_count += 1` (what `match_prefix` does),
   and the path's Full slots come back as one bytearray (`pos` bytes; None for an empty path).
+- `match_tiered(root, page_bytes, namespace, data, end, split, tick)`: the match of a Full-only
+  tree with a host tier (`HostWalks.match`): the same walk, split and touch as `match`; the
+  leading path nodes with device slots are the device hit (their slots joined, None when
+  none), the keys of the rest (off the device, on the host) the host hit's bytes.
 - `evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut,
   progress)`: the loop of `FullComponent._evict` with `tree.remove_leaf` / `truncate_leaf`
   inlined, for a Full-only device tree without events (no hook, journal or event to run):
@@ -87,6 +91,12 @@ class RadixCore(Protocol):
     match: Callable[
         [TreeNode, int, Namespace | None, bytes, int, SplitFn, int],
         tuple[list[TreeNode], int, bytearray | None],
+    ]
+    #: (root, page_bytes, namespace, data, end, split, tick)
+    #: -> (path, on_device, host_bytes, joined device slots)
+    match_tiered: Callable[
+        [TreeNode, int, Namespace | None, bytes, int, SplitFn, int],
+        tuple[list[TreeNode], int, int, bytearray | None],
     ]
     #: (heap, amount, page, page_bytes, root, no_children, pending, removed, cut, progress)
     #: -> (tokens freed, nodes removed)

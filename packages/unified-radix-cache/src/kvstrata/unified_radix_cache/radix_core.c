@@ -15,6 +15,12 @@ ValueError: no input makes this code read or write outside a buffer.
                                                last_access = tick and hit_count += 1;
                                                slots: bytearray of the path's Full slots
                                                (int64, pos bytes), None for an empty path
+    match_tiered(root, page_bytes, namespace, data, end, split, tick)
+        -> (path, on_device, host_bytes, slots) descend with `split` over a tree with a host
+                                               tier; `on_device` leading path nodes hold
+                                               device slots (joined into `slots`, None when
+                                               0), the rest's keys are `host_bytes` long;
+                                               then every path node is touched as by match
     evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut, progress)
         -> (freed, nodes removed)              FullComponent._evict on a Full-only device
                                                tree without events: leaves in heap order,
@@ -313,6 +319,113 @@ static PyObject *match(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_INCREF(slots);
     }
     return Py_BuildValue("(NnN)", path, pos, slots);
+fail:
+    Py_XDECREF(slots);
+    Py_DECREF(path);
+    return NULL;
+}
+
+/* Bytes of node.value (a C-contiguous buffer of 8-byte items): 0 (off the device) or `want`
+   (the key's); -1 with an exception otherwise. */
+static Py_ssize_t value_len(PyObject *node, Py_ssize_t want)
+{
+    PyObject *value = PyObject_GetAttr(node, s_value);
+    if (value == NULL)
+        return -1;
+    Py_buffer view;
+    if (PyObject_GetBuffer(value, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        Py_DECREF(value);
+        return -1;
+    }
+    Py_ssize_t len = view.len;
+    if (view.itemsize != 8 || (len != 0 && len != want)) {
+        PyErr_Format(PyExc_ValueError, "node value: %zd bytes of %zd-byte items for a key of "
+                     "%zd bytes", view.len, view.itemsize, want);
+        len = -1;
+    }
+    PyBuffer_Release(&view);
+    Py_DECREF(value);
+    return len;
+}
+
+/* Bytes of node.key (bytes), -1 with an exception otherwise. */
+static Py_ssize_t key_len(PyObject *node)
+{
+    PyObject *key = PyObject_GetAttr(node, s_key);
+    if (key == NULL)
+        return -1;
+    Py_ssize_t want = PyBytes_Check(key) ? PyBytes_GET_SIZE(key) : -1;
+    Py_DECREF(key);
+    if (want < 0)
+        PyErr_SetString(PyExc_TypeError, "node key must be bytes");
+    return want;
+}
+
+static PyObject *match_tiered(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "match_tiered(root, page_bytes, namespace, data, end, split, tick)");
+        return NULL;
+    }
+    Py_ssize_t ints[2], pos, partial;
+    if (ssize_args(args, WALK_INTS, ints) < 0)
+        return NULL;
+    Py_ssize_t pb = ints[0], end = ints[1];
+    if (!PyLong_Check(args[6])) {
+        PyErr_SetString(PyExc_TypeError, "tick must be an int");
+        return NULL;
+    }
+    PyObject *path = descend(args[0], pb, args[2], args[3], end, args[5], &pos, &partial);
+    if (path == NULL)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(path), on = 0, device_bytes = 0, host_bytes = 0;
+    PyObject *slots = NULL;
+    /* Device values are prefix-closed: the leading nodes with slots are the device hit. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *node = PyList_GET_ITEM(path, i);
+        Py_ssize_t want = key_len(node);
+        if (want < 0)
+            goto fail;
+        if (on == i) {
+            Py_ssize_t got = value_len(node, want);
+            if (got < 0)
+                goto fail;
+            if (got) {
+                on++;
+                device_bytes += got;
+                continue;
+            }
+        }
+        host_bytes += want;
+    }
+    if (on) {
+        slots = PyByteArray_FromStringAndSize(NULL, device_bytes);
+        if (slots == NULL)
+            goto fail;
+        char *out = PyByteArray_AS_STRING(slots);
+        Py_ssize_t at = 0;
+        for (Py_ssize_t i = 0; i < on; i++) {
+            PyObject *node = PyList_GET_ITEM(path, i);
+            Py_ssize_t want = key_len(node);
+            if (want < 0 || at + want > device_bytes) {
+                if (want >= 0)
+                    PyErr_SetString(PyExc_ValueError, "match_tiered: a node changed its key");
+                goto fail;
+            }
+            if (copy_value(node, out + at, want) < 0)
+                goto fail;
+            at += want;
+        }
+    } else {
+        slots = Py_None;
+        Py_INCREF(slots);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (touch(PyList_GET_ITEM(path, i), args[6]) < 0)
+            goto fail;
+    }
+    return Py_BuildValue("(NnnN)", path, on, host_bytes, slots);
 fail:
     Py_XDECREF(slots);
     Py_DECREF(path);

@@ -196,6 +196,9 @@ static PyMethodDef methods[] = {
      "walk(root, page_bytes, namespace, data, end, split) -> (path, pos, partial)"},
     {"match", (PyCFunction)(void (*)(void))match, METH_FASTCALL,
      "match(root, page_bytes, namespace, data, end, split, tick) -> (path, pos, slots)"},
+    {"match_tiered", (PyCFunction)(void (*)(void))match_tiered, METH_FASTCALL,
+     "match_tiered(root, page_bytes, namespace, data, end, split, tick) -> (path, on_device, "
+     "host_bytes, slots)"},
     {"check_slots", (PyCFunction)(void (*)(void))check_slots, METH_FASTCALL,
      "check_slots(slots, lo, hi, held, keep) -> bool"},
     {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL,
