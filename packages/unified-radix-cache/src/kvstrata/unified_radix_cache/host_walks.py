@@ -282,6 +282,40 @@ class HostWalks:
             self._device_heap.push(node)  # re-key the leaf for its new access time
         return InsertResult(prefix_len, 0, node, tuple(adopted), (), cached_len)
 
+    def revive_path(
+        self, node: TreeNode, slots: npt.NDArray[np.int64], checker: SlotChecker | None
+    ) -> None:
+        """`insert_full` of the key ending exactly at `node` with `slots` for the nodes below
+        its nearest on-device ancestor (all off the device; one slot per token of theirs, top
+        down) and the rest of the key the caller's cached prefix, without walking the key: a
+        Full-only load-back's commit when nothing can have changed the path since the load
+        was planned (`TierLoader`, inline). The same slot check and marks, tick, access times,
+        priorities (insert's priority 0), revives and heap pushes. O(depth)."""
+        path: list[TreeNode] = []
+        probe = node
+        while probe.parent is not None:
+            path.append(probe)
+            probe = probe.parent
+        path.reverse()
+        if checker is not None:
+            checker.check(slots, 0, len(slots))
+        tick = self.tree.next_tick()
+        at = 0
+        for item in path:
+            item.last_access = tick
+            if item.priority < 0:
+                item.priority = 0
+            if not len(item.value):
+                n = item.num_tokens
+                value = slots[at : at + n].copy()
+                self._revive(item, value)
+                if checker is not None:
+                    checker.hold(value)
+                at += n
+        assert at == len(slots), "the slots must cover the off-device nodes exactly"
+        if node in self._device_heap:
+            self._device_heap.push(node)  # re-key the leaf for its new access time
+
     def _revive_on_insert(self, node: TreeNode, start: int, call: InsertCall) -> None:
         """Off-device `node`, at token `start` of an insert's key, takes the caller's slots."""
         assert start >= call.cached_len, (

@@ -120,9 +120,17 @@ class TierLoader:
             core.unlock_move(locks)
             return self._done_load(LoadBack(0, self._core.tier.match_key(key)))
         load = TierLoad(num_tokens=end - start, handle=handle, finish=self._finish_load)
-        self._core.pending[handle.op_id] = PendingLoad(
+        pending = PendingLoad(
             key=key, start=start, locks=locks, legs=tuple(legs), device_slots=slots, load=load
         )
+        if wait_now and core.controller.runs_inline:
+            # The load ran on this thread (its ack is recorded): commit it now, as its wait
+            # would, with nothing in between that could change the path.
+            ack = core.controller.wait(handle.op_id, 0)
+            if ack is not None:
+                self._commit(pending, ack, node)
+                return load
+        core.pending[handle.op_id] = pending
         return load
 
     def _give_back_legs(self, legs: list[TransferLeg]) -> None:
@@ -161,9 +169,20 @@ class TierLoader:
         return load.result
 
     def commit(self, pending: PendingLoad, ack: Ack) -> None:
+        """Commit a load's acknowledgement (`TierCore.on_ack`): an ok load inserts its key
+        with the loaded slots (the nodes the key runs over take them again), a failed one
+        frees them; both release the load's locks."""
+        self._commit(pending, ack, None)
+
+    def _commit(self, pending: PendingLoad, ack: Ack, node: TreeNode | None) -> None:
+        """`commit`; `node`: the node the key ends at when nothing can have changed the path
+        since the load started (inline): a Full-only tree then revives the path from it
+        (`HostWalks.revive_path`) instead of walking the key again (the same state)."""
         tree = self._core.device_tree
         anchor = pending.device_receipt.anchor
-        if ack.ok:
+        if ack.ok and node is not None and not pending.legs and not tree.components[1:]:
+            self._commit_path(pending, node)
+        elif ack.ok:
             loaded = pending.device_slots
             if loaded.device != tree.full_device:
                 loaded = loaded.to(tree.full_device)
@@ -203,3 +222,19 @@ class TierLoader:
                 0, MatchResult(pending.start, tree.prefix_slots(anchor), anchor)
             )
         self._core.unlock_move(pending.locks)
+
+    def _commit_path(self, pending: PendingLoad, node: TreeNode) -> None:
+        """An ok Full-only load whose key ends at `node`: the off-device nodes above it take
+        the loaded slots (the insert's revive, without its walk); nothing is a duplicate."""
+        core = self._core
+        tree = core.device_tree
+        loaded = pending.device_slots
+        if loaded.device.type != "cpu":
+            loaded = loaded.cpu()
+        core.tier.revive_path(node, loaded.numpy(), tree._slot_checker)  # the insert's check
+        num = len(pending.key) - pending.start
+        core.counters.loaded_tokens += num
+        core.counters.bytes_h2d += num // core.page_size * core.page_bytes
+        pending.load.result = LoadBack(
+            num, MatchResult(len(pending.key), tree.prefix_slots(node), node)
+        )

@@ -1,0 +1,122 @@
+"""A load-back on a controller that runs it inline (CPU) completes in the call that starts it
+(`TierLoader.start(wait_now=True)`: its ack taken at once, a Full-only tree's path revived
+from the loaded node without walking the key) and leaves exactly the state the queued path
+leaves (a worker runs the load, `wait` takes its ack, the commit inserts the key): the same
+requests through both, with every transfer drained after each, give the same hits, trees
+and counters."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstrata.hybrid_cache import ControllerParams
+from kvstrata.testkit.refusals import tree_state
+from kvstrata.testkit.tiers import Hierarchy, Shape, make_hierarchy
+from kvstrata.unified_radix_cache import RadixKey
+from kvstrata.unified_radix_cache.host_walks import HostWalks
+from kvstrata.unified_radix_cache.node import TreeNode
+
+PAGE = 4
+PROMPTS = st.lists(
+    st.lists(st.integers(0, 2), min_size=1, max_size=4).map(
+        lambda pages: [t for p in pages for t in [p] * PAGE] + [9]
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+def _serve(h: Hierarchy, tokens: list[int]) -> tuple[int, int, int]:
+    cache = h.cache
+    req = cache.begin_request(RadixKey(tokens))
+    hit = req.hit
+    assert hit.load is None or hit.load.done  # committed before begin_request returns
+    need = -(-(len(tokens) - 1 - req.cached_len) // PAGE) * PAGE
+    slots = cache.alloc_tokens(need)
+    assert slots is not None
+    req.extend(slots)
+    cache.cache_finished_request(req)
+    cache.drain()
+    return hit.device_len, hit.host_len, hit.storage_len
+
+
+def _picture(h: Hierarchy) -> object:
+    """Both tiers (the testkit's `tree_state`, less its metrics: they include seconds) and the
+    transfer counters less the seconds waited."""
+    return (
+        dataclasses.replace(tree_state(h.tree, h.cache), metrics=()),
+        dataclasses.replace(h.cache.counters, transfer_wait_seconds=0.0),
+    )
+
+
+def _pair(shape: Shape) -> tuple[Hierarchy, Hierarchy]:
+    kw = {"page_size": PAGE, "device_pages": 6, "host_pages": 10}
+    inline = make_hierarchy(shape, controller_params=ControllerParams(run_inline=True), **kw)
+    queued = make_hierarchy(shape, controller_params=ControllerParams(run_inline=False), **kw)
+    assert inline.cache.controller.runs_inline and not queued.cache.controller.runs_inline
+    return inline, queued
+
+
+@settings(max_examples=30, deadline=None)
+@given(prompts=PROMPTS, shape=st.sampled_from(["full", "swa"]))
+def test_an_inline_load_back_leaves_the_state_the_queued_one_leaves(
+    prompts: list[list[int]], shape: Shape
+) -> None:
+    inline, queued = _pair(shape)
+    try:
+        for tokens in prompts:
+            assert _serve(inline, tokens) == _serve(queued, tokens)
+            assert _picture(inline) == _picture(queued)
+            inline.cache.check_integrity()
+            queued.cache.check_integrity()
+    finally:
+        inline.cache.controller.close()
+        queued.cache.controller.close()
+
+
+def test_an_inline_load_back_is_committed_when_start_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pushed off the device, a prefix comes back in one `start_load_back(wait_now=True)`:
+    no transfer is left in flight, the nodes hold the loaded slots (revived along the path,
+    no insert walk) and the handle's layers have all arrived; the queued controller needs
+    the wait for the same (its commit inserts the key)."""
+    revived: list[TreeNode] = []
+    original = HostWalks.revive_path
+
+    def spy(self: HostWalks, node: TreeNode, slots: Any, checker: Any) -> None:
+        revived.append(node)
+        original(self, node, slots, checker)
+
+    monkeypatch.setattr(HostWalks, "revive_path", spy)
+    for h in _pair("full"):
+        revived.clear()
+        try:
+            first = [1] * PAGE + [2] * PAGE + [9]
+            _serve(h, first)
+            for k in range(3, 6):  # the device fills: the first prompt's pages leave it
+                _serve(h, [k] * (2 * PAGE) + [9])
+            match = h.cache.match_prefix(RadixKey(first), max_len=2 * PAGE)
+            assert (match.device.prefix_len, match.host_hit_len) == (0, 2 * PAGE)
+            load = h.cache.start_load_back(match.host_node, wait_now=True)
+            assert load.num_tokens == 2 * PAGE
+            assert load.wait_layer(0, 10.0)
+            inline = h.cache.controller.runs_inline
+            assert load.done == inline
+            assert (h.cache.num_pending == 0) == inline
+            back = load.wait(10.0)
+            assert back is not None and back.loaded_len == 2 * PAGE
+            assert back.match.last_node is match.host_node
+            assert (
+                back.match.device_indices.tolist() == h.tree.prefix_slots(match.host_node).tolist()
+            )
+            assert h.cache.num_pending == 0
+            assert revived == ([match.host_node] if inline else [])
+            h.cache.check_integrity()
+        finally:
+            h.cache.controller.close()
