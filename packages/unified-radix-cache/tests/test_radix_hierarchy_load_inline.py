@@ -8,18 +8,28 @@ and counters."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstrata.hybrid_cache import ControllerParams
 from kvstrata.testkit.refusals import tree_state
-from kvstrata.testkit.tiers import Hierarchy, Shape, make_hierarchy
+from kvstrata.testkit.tiers import (
+    Hierarchy,
+    Shape,
+    check_hit,
+    compute,
+    make_hierarchy,
+    serve,
+)
 from kvstrata.unified_radix_cache import RadixKey
 from kvstrata.unified_radix_cache.host_walks import HostWalks
 from kvstrata.unified_radix_cache.node import TreeNode
+from kvstrata.unified_radix_cache.tiers import TierParams
 
 PAGE = 4
 PROMPTS = st.lists(
@@ -120,3 +130,61 @@ def test_an_inline_load_back_is_committed_when_start_returns(
             h.cache.check_integrity()
         finally:
             h.cache.controller.close()
+
+
+def test_a_load_back_waits_for_no_queued_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load conflicts with no write, so it waits for none: it reads only host pages the
+    tree holds (committed, host-locked until its ack) into device slots just allocated, while
+    a write reads device pages it holds locked into host slots no node holds before its ack.
+    The queued writes still go to the controller with the load (`TierWriter.flush`: one
+    wake-up, and the write timing, hence every answer, stays as it was), but on a queued
+    controller the load is acknowledged, with the right bytes, while a write it sent along is
+    still held inside its copy."""
+    h = make_hierarchy(
+        "full",
+        page_size=PAGE,
+        device_pages=6,
+        host_pages=16,
+        params=TierParams(prefetch_threshold=PAGE, write_batch=64),
+        controller_params=ControllerParams(run_inline=False),
+    )
+    cache = h.cache
+    try:
+        first = [1] * PAGE + [2] * PAGE + [3] * PAGE  # hits at most 2 pages
+        serve(h, first)
+        for k in range(3, 6):  # the device fills: the first prompt's pages leave it
+            serve(h, [k] * (2 * PAGE))
+        ids = torch.tensor([7] * (2 * PAGE), dtype=torch.int64)
+        req = cache.begin_request(RadixKey(ids))
+        slots = cache.alloc_tokens(2 * PAGE)
+        assert slots is not None
+        compute(h, ids, req, slots)
+        cache.cache_finished_request(req)
+        assert cache.writer.num_unsent == 1  # queued (write_batch 64), not sent
+
+        group = cache.controller.group
+        original = group.backup
+        entered, gate = threading.Event(), threading.Event()
+
+        def held_backup(*args: Any, **kwargs: Any) -> None:
+            entered.set()
+            assert gate.wait(10.0)
+            original(*args, **kwargs)
+
+        monkeypatch.setattr(group, "backup", held_backup)
+        try:
+            first_ids = torch.tensor(first, dtype=torch.int64)
+            back = cache.begin_request(RadixKey(first_ids))  # loads the first prompt back
+            assert entered.wait(10.0) and cache.writer.num_unsent == 0  # sent with the load
+            assert (back.hit.device_len, back.hit.host_len) == (0, 2 * PAGE)
+            assert back.hit.load is not None and back.hit.load.done
+            assert check_hit(h, first_ids, back) == 2 * PAGE  # the loaded KV, bit for bit
+            assert not gate.is_set() and cache.num_pending == 1  # the write: still in its copy
+        finally:
+            gate.set()
+        cache.drain()
+        cache.abort_request(back)
+        cache.check_integrity()
+        assert cache.counters.failed_ops == 0
+    finally:
+        cache.controller.close()

@@ -26,11 +26,12 @@ def key_of(tree: UnifiedRadixCache, node: TreeNode) -> RadixKey:
         probe = probe.parent
     if probe is not tree.root:
         raise ForeignNode(f"node {node.id} is not in this tree")
-    tokens = np.frombuffer(b"".join(reversed(parts)), dtype=np.int64)
+    data = b"".join(reversed(parts))
+    tokens = np.frombuffer(data, dtype=np.int64)
     ns = node.namespace
-    if ns is None:
-        return RadixKey(tokens)
-    return RadixKey(tokens, ns.extra_key, ns.cache_salt)
+    key = RadixKey(tokens) if ns is None else RadixKey(tokens, ns.extra_key, ns.cache_salt)
+    key.cached_bytes = data  # the walk's bytes: no conversion when the key is walked again
+    return key
 
 
 def held_len(tree: UnifiedRadixCache, key: RadixKey) -> int:
