@@ -548,12 +548,32 @@ class _SetRaising(FaultInjectingStorage):
         return super()._set_from(keys, views)
 
 
+@pytest.mark.parametrize("path", ["prefix", "members"])
 @pytest.mark.parametrize("verify_checksums", [True, False])
-def test_merged_backups_flag_only_the_pages_stored_per_op(verify_checksums: bool) -> None:
+def test_merged_backups_flag_only_the_pages_stored_per_op(
+    verify_checksums: bool, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Four backups in one merged batch, chunks of 3 pages that straddle them: a page whose
     write fails (or, with checksums, whose checksum write fails) ends its own op's stored
     prefix there and no other op's; a chunk whose batch_set raises fails the pages of every op
-    in it (FAILED only for an op with nothing stored), the other chunks' pages stay stored."""
+    in it (FAILED only for an op with nothing stored), the other chunks' pages stay stored.
+    Both ways: the Full-only fast path `run_backups` takes (a spy requires it) and the
+    per-member path any group takes, with the same acks and counters."""
+    taken: list[str] = []
+    prefix_path = StorageRunner._run_prefix_backups  # pyright: ignore[reportPrivateUsage]
+    if path == "prefix":
+
+        def spy(self: StorageRunner, tasks: list[BackupTask], name: str) -> None:
+            taken.append(name)
+            prefix_path(self, tasks, name)
+
+        monkeypatch.setattr(StorageRunner, "_run_prefix_backups", spy)
+    else:
+
+        def refuse(self: StorageRunner, tasks: list[BackupTask], name: str) -> None:
+            self._run_member_backups(tasks)  # pyright: ignore[reportPrivateUsage]
+
+        monkeypatch.setattr(StorageRunner, "_run_prefix_backups", refuse)
     tiers = make_tiers("full", host_pages=32)
     inner = MemoryStorage(capacity_bytes=1 << 24)
     keys = [prefix_keys(tiers, 4, salt=s) for s in range(4)]
@@ -563,10 +583,11 @@ def test_merged_backups_flag_only_the_pages_stored_per_op(verify_checksums: bool
     storage = _SetRaising(inner, raise_on=frozenset({keys[3][3]}))
     storage.set_rules(FaultRules(fail_keys=frozenset(fail)))
     acks: dict[int, tuple[AckStatus, int, BaseException | None]] = {}
+    stats = ControllerStats()
     runner = StorageRunner(
         group=tiers.group,
         storage=storage,
-        stats=ControllerStats(),
+        stats=stats,
         finish=lambda op, status, done, error: acks.__setitem__(op, (status, done, error)),
         clock=time.monotonic,
         batch_pages=3,
@@ -590,3 +611,12 @@ def test_merged_backups_flag_only_the_pages_stored_per_op(verify_checksums: bool
     assert acks[13][:2] == (AckStatus.PARTIAL, 3) and isinstance(acks[13][2], OSError)
     assert inner.batch_exists(keys[1]) == 4 and inner.batch_exists(keys[3]) == 3
     assert inner.batch_exists(keys[0]) == 2
+    assert taken == (["full"] if path == "prefix" else [])
+    # 16 pages set in 6 calls: 2 fail (the fault rules), the last call (one page) raises.
+    snap = stats.snapshot()
+    assert snap.storage_faults[FaultReason.WRITE_FAILED] == 2
+    assert snap.storage_faults[FaultReason.ERROR] == 1
+    page_bytes = tiers.group.page_bytes("full")
+    assert snap.pages[Direction.STORAGE_SET] == 13
+    assert snap.bytes[Direction.STORAGE_SET] == 13 * page_bytes
+    assert snap.backup_skipped_pages == 0
