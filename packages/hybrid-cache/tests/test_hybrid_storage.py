@@ -33,6 +33,7 @@ from kvstrata.hybrid_cache import (
 from kvstrata.hybrid_cache.metrics import ControllerStats, Direction, FaultReason
 from kvstrata.hybrid_cache.storage_io import (
     BackupTask,
+    PrefetchTask,
     StorageRunner,
     checksum_key,
     checksum_keys,
@@ -357,9 +358,31 @@ def test_timeout_policy_stops_at_its_allowance() -> None:
         assert controller.prefetch_inflight_pages() == {"full": 0}
 
 
+def _prefetch_path(path: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Make a Full-only group's prefetches take `path`: "prefix" (the fast path `_prefetch`
+    takes, which the returned list, filled per prefetch, proves) or "members" (any group's)."""
+    taken: list[str] = []
+    prefix_path = StorageRunner._prefetch_prefix  # pyright: ignore[reportPrivateUsage]
+
+    def spy(self: StorageRunner, task: PrefetchTask, name: str) -> None:
+        taken.append(name)
+        prefix_path(self, task, name)
+
+    def members(self: StorageRunner, task: PrefetchTask, name: str) -> None:
+        self._prefetch_members(task)  # pyright: ignore[reportPrivateUsage]
+
+    monkeypatch.setattr(StorageRunner, "_prefetch_prefix", spy if path == "prefix" else members)
+    return taken
+
+
+@pytest.mark.parametrize("path", ["prefix", "members"])
 @pytest.mark.parametrize("fault", ["fail", "corrupt", "raise", "stall"])
-def test_faults_shorten_the_hit_and_never_load_wrong_data(fault: str) -> None:
-    """Page 3 of 6 goes wrong after batch_exists said all 6 are there: the hit is 3 pages."""
+def test_faults_shorten_the_hit_and_never_load_wrong_data(
+    fault: str, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Page 3 of 6 goes wrong after batch_exists said all 6 are there: the hit is 3 pages.
+    Both ways: the Full-only fast path and any group's path."""
+    taken = _prefetch_path(path, monkeypatch)
     tiers = make_tiers("full")
     inner = MemoryStorage(capacity_bytes=1 << 24)
     keys = prefix_keys(tiers, N)
@@ -404,6 +427,8 @@ def test_faults_shorten_the_hit_and_never_load_wrong_data(fault: str) -> None:
         }
         assert faults[reason[fault]] == 1
         assert (ack.error is not None) == (fault == "raise")
+        assert controller.stats.snapshot().pages[Direction.STORAGE_GET] == 3
+    assert taken == (["full"] if path == "prefix" else [])
 
 
 def test_without_checksums_a_corrupt_page_would_go_unnoticed() -> None:
@@ -620,3 +645,38 @@ def test_merged_backups_flag_only_the_pages_stored_per_op(
     assert snap.pages[Direction.STORAGE_SET] == 13
     assert snap.bytes[Direction.STORAGE_SET] == 13 * page_bytes
     assert snap.backup_skipped_pages == 0
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_trusted_prefetch_skips_the_checks_and_lands_the_same_pages(inline: bool) -> None:
+    """`submit_prefetch(trusted=True)` (the tiers' path) does not run `check_keyed_pages` and
+    lands what the checked path lands, inline or on the worker; the checked path still
+    refuses a bad op before anything changes."""
+    tiers = make_tiers("full")
+    storage = MemoryStorage(capacity_bytes=1 << 24)
+    keys = prefix_keys(tiers, N)
+    checks: list[int] = []
+    check = tiers.group.check_keyed_pages
+
+    def spy(keys: Sequence[bytes], host_pages: dict[str, Sequence[int | None]]) -> object:
+        checks.append(len(keys))
+        return check(keys, host_pages)
+
+    with TierController(tiers.group, storage=storage) as controller:
+        expected = write_and_back_up(
+            controller, tiers, keys, [1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5]
+        )
+        wipe_host(tiers, list(range(10, 16)))
+        tiers.group.check_keyed_pages = spy  # type: ignore[method-assign]
+        host = list(range(10, 16))
+        op = PrefetchOp(keys=keys, host_pages=all_pages(tiers, host), num_tokens=24)
+        op_id = controller.submit_prefetch(op, inline=inline, trusted=True)
+        assert op_id is not None and checks == []
+        ack = controller.wait(op_id, TIMEOUT_S)
+        assert ack is not None and ack.status is AckStatus.DONE and ack.num_pages_done == N
+        load_and_check(controller, tiers, host, [8, 9, 10, 11, 12, 13], expected, N)
+        bad = PrefetchOp(keys=[b"", *keys[1:]], host_pages=all_pages(tiers, host), num_tokens=24)
+        with pytest.raises(InvalidOperation):
+            controller.submit_prefetch(bad, inline=inline)
+        assert checks == [N] and controller.prefetch_inflight_pages() == {"full": 0}
+        controller.check_integrity()

@@ -140,6 +140,18 @@ class StorageRunner:
         if self._should_stop(task):
             self.finish(task.op_id, AckStatus.PARTIAL, 0, None)
             return
+        if len(rules) == 1:
+            ((name, rule),) = rules.items()
+            if rule.kind is RestoreKind.PREFIX and None not in task.pages[name]:
+                self._prefetch_prefix(task, name)
+                return
+        self._prefetch_members(task)
+
+    def _prefetch_members(self, task: PrefetchTask) -> None:
+        """`_prefetch` of any group (at least one key): per page a slot, per member
+        availability flags."""
+        n = len(task.keys)
+        rules = self.group.rules
         listed = {name: self._listed(task, name) for name in rules}
         possible = {name: [False] * n for name in rules}
         error: BaseException | None = None
@@ -179,6 +191,37 @@ class StorageRunner:
         status = AckStatus.DONE if done == n else AckStatus.PARTIAL
         self.finish(task.op_id, status, done, error)
 
+    def _prefetch_prefix(self, task: PrefetchTask, name: str) -> None:
+        """`_prefetch` of a group whose one member restores a prefix (Full attention) and has
+        a page for every key: the same storage calls, counters and ack, without a slot tuple
+        or availability flag per page. The keys stored (with their checksums) bound the
+        prefix; what landed is the leading run of pages the batch_get calls delivered."""
+        keys = self.group.storage_keys(name, task.keys)
+        pages = cast("tuple[int, ...]", task.pages[name])
+        error: BaseException | None = None
+        try:
+            bound = self._exists_keys(keys)
+        except Exception as exc:  # a backend error ends this prefetch; the worker goes on
+            logger.warning("prefetch: batch_exists raised", exc_info=True)
+            self.stats.count_fault(FaultReason.ERROR)
+            error, bound = exc, 0
+        done = 0
+        for lo in range(0, bound, self.batch_pages):
+            if self._should_stop(task):
+                break
+            hi = min(lo + self.batch_pages, bound)
+            ok, call_error = self._get_pages(name, keys[lo:hi], list(pages[lo:hi]))
+            if call_error is not None:
+                error = call_error
+            landed = ok.count(True)  # a run of True, then only False
+            done = lo + landed
+            task.ready_pages = done
+            if landed < hi - lo:
+                break
+        task.ready_pages = done
+        status = AckStatus.DONE if done == len(keys) else AckStatus.PARTIAL
+        self.finish(task.op_id, status, done, error)
+
     def _should_stop(self, task: PrefetchTask) -> bool:
         if task.stop.is_set():
             return True
@@ -214,12 +257,18 @@ class StorageRunner:
         True then only False (the prefetch ends at the first bad page)."""
         if not batch:
             return [], None
-        target = self.group.get_targets(name, list(map(_PAGE, batch)))
-        keys = list(map(_KEY, batch))
+        return self._get_pages(name, list(map(_KEY, batch)), list(map(_PAGE, batch)))
+
+    def _get_pages(
+        self, name: str, keys: list[bytes], pages: list[int]
+    ) -> tuple[list[bool], BaseException | None]:
+        """`_get` of pages of one member: `keys[k]` is read into host page `pages[k]`."""
+        num = len(keys)
+        target = self.group.get_targets(name, pages)
         # Trusted storage call: bytes keys, and flat writable byte views (host page views or
         # staging buffers, and the checksums' bytearrays viewed here).
         buffers: list[memoryview] = list(target.buffers)
-        sums = [bytearray(_CRC_BYTES) for _ in batch] if self.verify_checksums else []
+        sums = [bytearray(_CRC_BYTES) for _ in range(num)] if self.verify_checksums else []
         if self.verify_checksums:
             keys += checksum_keys(keys)
             buffers += map(memoryview, sums)
@@ -227,34 +276,32 @@ class StorageRunner:
         try:
             found = self.storage.batch_get(keys, buffers, trusted=True)
         except Exception as exc:  # a backend error ends this prefetch; the worker goes on
-            logger.warning("prefetch: batch_get of %d pages raised", len(batch), exc_info=True)
+            logger.warning("prefetch: batch_get of %d pages raised", num, exc_info=True)
             self.stats.count_fault(FaultReason.ERROR)
-            return [False] * len(batch), exc
+            return [False] * num, exc
         elapsed = time.perf_counter() - start
         if self.call_timeout_s is not None and elapsed > self.call_timeout_s:
             self.stats.count_fault(FaultReason.TIMEOUT)
-            return [False] * len(batch), None
-        ok = found[: len(batch)]
+            return [False] * num, None
+        ok = found[:num]
         if self.verify_checksums:
             # A page without its checksum is a miss; one whose bytes disagree with it is corrupt.
-            ok = list(map(operator.and_, ok, found[len(batch) :]))
-            intact = [
-                good and page_checksum(view) == bytes(expected)
-                for good, view, expected in zip(ok, target.buffers, sums, strict=True)
-            ]
-            corrupt = sum(ok) - sum(intact)
+            # Every page's CRC is compared by C-level maps (a missing page's too: its flag is
+            # False either way).
+            ok = list(map(operator.and_, ok, found[num:]))
+            agree = map(operator.eq, page_checksums(target.buffers), map(bytes, sums))
+            intact = list(map(operator.and_, ok, agree))
+            corrupt = ok.count(True) - intact.count(True)
             if corrupt:
                 self.stats.count_fault(FaultReason.CORRUPT, corrupt)
-            misses = len(batch) - sum(ok)
+            misses = num - ok.count(True)
             ok = intact
         else:
-            misses = len(batch) - sum(ok)
+            misses = num - ok.count(True)
         if misses:
             self.stats.count_fault(FaultReason.MISS, misses)
-        good = 0
-        while good < len(ok) and ok[good]:
-            good += 1
-        ok = [True] * good + [False] * (len(ok) - good)
+        good = ok.index(False) if False in ok else num  # the leading run, found in C
+        ok = [True] * good + [False] * (num - good)
         target.commit(ok)
         self.stats.count_transfer(
             Direction.STORAGE_GET,

@@ -176,8 +176,9 @@ class TierPrefetcher:
         )
         self._writer.flush()  # the controller wakes for the prefetch: send the writes along
         try:
+            # Trusted: the tier's own page keys and host pages (of its allocators, none twice).
             op_id = core.controller.submit_prefetch(
-                op, inline=wait_now and op.policy is PrefetchPolicy.WAIT_COMPLETE
+                op, inline=wait_now and op.policy is PrefetchPolicy.WAIT_COMPLETE, trusted=True
             )
         except QueueFull:
             op_id = None
