@@ -228,7 +228,9 @@ def test_any_split_at_a_page_boundary_continues_the_chain(
     tokens=st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=40),
     salt=st.one_of(st.none(), st.binary(max_size=4)),
 )
-def test_chain_gives_the_checked_keys(hash_name: str, tokens: list[int], salt: bytes | None) -> None:
+def test_chain_gives_the_checked_keys(
+    hash_name: str, tokens: list[int], salt: bytes | None
+) -> None:
     """`chain` (the tiers' unchecked path) equals `page_keys` from a seed or a parent key,
     trailing partial page ignored, for every hash."""
     keyer = PageKeyer(page_size=4, namespace=b"ns", hash=hash_name)  # pyright: ignore[reportArgumentType]
