@@ -33,6 +33,7 @@ from kvstrata.hybrid_cache import (
 from kvstrata.hybrid_cache.metrics import ControllerStats, Direction, FaultReason
 from kvstrata.hybrid_cache.storage_io import (
     BackupTask,
+    PrefetchTask,
     StorageRunner,
     checksum_key,
     checksum_keys,
@@ -357,9 +358,31 @@ def test_timeout_policy_stops_at_its_allowance() -> None:
         assert controller.prefetch_inflight_pages() == {"full": 0}
 
 
+def _prefetch_path(path: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Make a Full-only group's prefetches take `path`: "prefix" (the fast path `_prefetch`
+    takes, which the returned list, filled per prefetch, proves) or "members" (any group's)."""
+    taken: list[str] = []
+    prefix_path = StorageRunner._prefetch_prefix  # pyright: ignore[reportPrivateUsage]
+
+    def spy(self: StorageRunner, task: PrefetchTask, name: str) -> None:
+        taken.append(name)
+        prefix_path(self, task, name)
+
+    def members(self: StorageRunner, task: PrefetchTask, name: str) -> None:
+        self._prefetch_members(task)  # pyright: ignore[reportPrivateUsage]
+
+    monkeypatch.setattr(StorageRunner, "_prefetch_prefix", spy if path == "prefix" else members)
+    return taken
+
+
+@pytest.mark.parametrize("path", ["prefix", "members"])
 @pytest.mark.parametrize("fault", ["fail", "corrupt", "raise", "stall"])
-def test_faults_shorten_the_hit_and_never_load_wrong_data(fault: str) -> None:
-    """Page 3 of 6 goes wrong after batch_exists said all 6 are there: the hit is 3 pages."""
+def test_faults_shorten_the_hit_and_never_load_wrong_data(
+    fault: str, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Page 3 of 6 goes wrong after batch_exists said all 6 are there: the hit is 3 pages.
+    Both ways: the Full-only fast path and any group's path."""
+    taken = _prefetch_path(path, monkeypatch)
     tiers = make_tiers("full")
     inner = MemoryStorage(capacity_bytes=1 << 24)
     keys = prefix_keys(tiers, N)
@@ -404,6 +427,8 @@ def test_faults_shorten_the_hit_and_never_load_wrong_data(fault: str) -> None:
         }
         assert faults[reason[fault]] == 1
         assert (ack.error is not None) == (fault == "raise")
+        assert controller.stats.snapshot().pages[Direction.STORAGE_GET] == 3
+    assert taken == (["full"] if path == "prefix" else [])
 
 
 def test_without_checksums_a_corrupt_page_would_go_unnoticed() -> None:
@@ -548,12 +573,32 @@ class _SetRaising(FaultInjectingStorage):
         return super()._set_from(keys, views)
 
 
+@pytest.mark.parametrize("path", ["prefix", "members"])
 @pytest.mark.parametrize("verify_checksums", [True, False])
-def test_merged_backups_flag_only_the_pages_stored_per_op(verify_checksums: bool) -> None:
+def test_merged_backups_flag_only_the_pages_stored_per_op(
+    verify_checksums: bool, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Four backups in one merged batch, chunks of 3 pages that straddle them: a page whose
     write fails (or, with checksums, whose checksum write fails) ends its own op's stored
     prefix there and no other op's; a chunk whose batch_set raises fails the pages of every op
-    in it (FAILED only for an op with nothing stored), the other chunks' pages stay stored."""
+    in it (FAILED only for an op with nothing stored), the other chunks' pages stay stored.
+    Both ways: the Full-only fast path `run_backups` takes (a spy requires it) and the
+    per-member path any group takes, with the same acks and counters."""
+    taken: list[str] = []
+    prefix_path = StorageRunner._run_prefix_backups  # pyright: ignore[reportPrivateUsage]
+    if path == "prefix":
+
+        def spy(self: StorageRunner, tasks: list[BackupTask], name: str) -> None:
+            taken.append(name)
+            prefix_path(self, tasks, name)
+
+        monkeypatch.setattr(StorageRunner, "_run_prefix_backups", spy)
+    else:
+
+        def refuse(self: StorageRunner, tasks: list[BackupTask], name: str) -> None:
+            self._run_member_backups(tasks)  # pyright: ignore[reportPrivateUsage]
+
+        monkeypatch.setattr(StorageRunner, "_run_prefix_backups", refuse)
     tiers = make_tiers("full", host_pages=32)
     inner = MemoryStorage(capacity_bytes=1 << 24)
     keys = [prefix_keys(tiers, 4, salt=s) for s in range(4)]
@@ -563,10 +608,11 @@ def test_merged_backups_flag_only_the_pages_stored_per_op(verify_checksums: bool
     storage = _SetRaising(inner, raise_on=frozenset({keys[3][3]}))
     storage.set_rules(FaultRules(fail_keys=frozenset(fail)))
     acks: dict[int, tuple[AckStatus, int, BaseException | None]] = {}
+    stats = ControllerStats()
     runner = StorageRunner(
         group=tiers.group,
         storage=storage,
-        stats=ControllerStats(),
+        stats=stats,
         finish=lambda op, status, done, error: acks.__setitem__(op, (status, done, error)),
         clock=time.monotonic,
         batch_pages=3,
@@ -590,3 +636,47 @@ def test_merged_backups_flag_only_the_pages_stored_per_op(verify_checksums: bool
     assert acks[13][:2] == (AckStatus.PARTIAL, 3) and isinstance(acks[13][2], OSError)
     assert inner.batch_exists(keys[1]) == 4 and inner.batch_exists(keys[3]) == 3
     assert inner.batch_exists(keys[0]) == 2
+    assert taken == (["full"] if path == "prefix" else [])
+    # 16 pages set in 6 calls: 2 fail (the fault rules), the last call (one page) raises.
+    snap = stats.snapshot()
+    assert snap.storage_faults[FaultReason.WRITE_FAILED] == 2
+    assert snap.storage_faults[FaultReason.ERROR] == 1
+    page_bytes = tiers.group.page_bytes("full")
+    assert snap.pages[Direction.STORAGE_SET] == 13
+    assert snap.bytes[Direction.STORAGE_SET] == 13 * page_bytes
+    assert snap.backup_skipped_pages == 0
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_trusted_prefetch_skips_the_checks_and_lands_the_same_pages(inline: bool) -> None:
+    """`submit_prefetch(trusted=True)` (the tiers' path) does not run `check_keyed_pages` and
+    lands what the checked path lands, inline or on the worker; the checked path still
+    refuses a bad op before anything changes."""
+    tiers = make_tiers("full")
+    storage = MemoryStorage(capacity_bytes=1 << 24)
+    keys = prefix_keys(tiers, N)
+    checks: list[int] = []
+    check = tiers.group.check_keyed_pages
+
+    def spy(keys: Sequence[bytes], host_pages: dict[str, Sequence[int | None]]) -> object:
+        checks.append(len(keys))
+        return check(keys, host_pages)
+
+    with TierController(tiers.group, storage=storage) as controller:
+        expected = write_and_back_up(
+            controller, tiers, keys, [1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5]
+        )
+        wipe_host(tiers, list(range(10, 16)))
+        tiers.group.check_keyed_pages = spy  # type: ignore[method-assign]
+        host = list(range(10, 16))
+        op = PrefetchOp(keys=keys, host_pages=all_pages(tiers, host), num_tokens=24)
+        op_id = controller.submit_prefetch(op, inline=inline, trusted=True)
+        assert op_id is not None and checks == []
+        ack = controller.wait(op_id, TIMEOUT_S)
+        assert ack is not None and ack.status is AckStatus.DONE and ack.num_pages_done == N
+        load_and_check(controller, tiers, host, [8, 9, 10, 11, 12, 13], expected, N)
+        bad = PrefetchOp(keys=[b"", *keys[1:]], host_pages=all_pages(tiers, host), num_tokens=24)
+        with pytest.raises(InvalidOperation):
+            controller.submit_prefetch(bad, inline=inline)
+        assert checks == [N] and controller.prefetch_inflight_pages() == {"full": 0}
+        controller.check_integrity()

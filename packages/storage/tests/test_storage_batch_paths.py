@@ -226,3 +226,55 @@ def test_a_released_view_after_a_strided_one_raises_the_first_error_in_order() -
     released.release()
     with pytest.raises(InvalidBuffer, match="C-contiguous"):
         flat_views([memoryview(bytearray(8))[::2], released], writable=False)
+
+
+class _ShortKeys(MemoryStorage):
+    max_key_bytes = 4
+
+
+def test_trusted_calls_give_the_checked_answers_and_counters() -> None:
+    """`trusted=True` (the tiers' path: bytes keys, flat byte memoryviews) skips the key and
+    buffer checks and nothing else: the same results, pages and counters as the checked call."""
+    pages = [bytes([i]) * 8 for i in range(5)]
+    stores = {trusted: MemoryStorage(capacity_bytes=1 << 20) for trusted in (False, True)}
+    for trusted, store in stores.items():
+        assert (
+            store.batch_set(_keys(3), list(map(memoryview, pages[:3])), trusted=trusted)
+            == [True] * 3
+        )
+        results = store.batch_set_results(_keys(5), list(map(memoryview, pages)), trusted=trusted)
+        assert results == [WriteResult.PRESENT] * 3 + [WriteResult.WRITTEN] * 2
+        assert store.batch_exists([*_keys(2), b"nope", b"k4"], trusted=trusted) == 2
+        out = [memoryview(bytearray(8)) for _ in range(3)]
+        assert store.batch_get([b"k4", b"nope", b"k0"], out, trusted=trusted) == [
+            True,
+            False,
+            True,
+        ]
+        assert bytes(out[0]) == pages[4] and bytes(out[2]) == pages[0]
+    checked, trusted_stats = (stores[t].stats() for t in (False, True))
+    assert [s.latency["set"].count for s in (checked, trusted_stats)] == [2, 2]
+    assert trusted_stats.latency["exists"].count == checked.latency["exists"].count == 1
+    assert trusted_stats.latency["get"].count == 1
+    assert (trusted_stats.pages_written, trusted_stats.hits, trusted_stats.misses) == (
+        checked.pages_written,
+        checked.hits,
+        checked.misses,
+    )
+    assert stores[True].lru_keys() == stores[False].lru_keys()
+
+
+def test_trusted_calls_still_check_lengths_and_the_backend_key_limit() -> None:
+    store = _ShortKeys(capacity_bytes=1 << 20)
+    with pytest.raises(BatchLengthMismatch):
+        store.batch_set([b"a", b"b"], [memoryview(b"x")], trusted=True)
+    with pytest.raises(BatchLengthMismatch):
+        store.batch_get([b"a"], [], trusted=True)
+    with pytest.raises(InvalidKey, match="at most 4"):
+        store.batch_set([b"a", b"toolong"], [memoryview(b"x")] * 2, trusted=True)
+    with pytest.raises(InvalidKey, match="at most 4"):
+        store.batch_exists([b"toolong"], trusted=True)
+    with pytest.raises(InvalidKey, match="at most 4"):
+        store.batch_get([b"toolong"], [memoryview(bytearray(1))], trusted=True)
+    assert store.stats().num_pages == 0
+    assert store.batch_set([b"abcd"], [memoryview(b"x")], trusted=True) == [True]

@@ -221,3 +221,22 @@ def test_any_split_at_a_page_boundary_continues_the_chain(
         assert head + keyer.page_keys(tokens[cut:], parent=head[-1]) == whole
     else:
         assert keyer.page_keys(tokens[cut:]) == whole
+
+
+@pytest.mark.parametrize("hash_name", HASHES)
+@given(
+    tokens=st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=40),
+    salt=st.one_of(st.none(), st.binary(max_size=4)),
+)
+def test_chain_gives_the_checked_keys(
+    hash_name: str, tokens: list[int], salt: bytes | None
+) -> None:
+    """`chain` (the tiers' unchecked path) equals `page_keys` from a seed or a parent key,
+    trailing partial page ignored, for every hash."""
+    keyer = PageKeyer(page_size=4, namespace=b"ns", hash=hash_name)  # pyright: ignore[reportArgumentType]
+    arr = np.array(tokens, dtype=np.int64)
+    seed = keyer.seed(cache_salt=salt)
+    assert keyer.chain(arr, seed) == keyer.page_keys(arr, cache_salt=salt)
+    parent = keyer.page_keys(np.arange(4, dtype=np.int64))[0]
+    assert keyer.chain(arr, parent) == keyer.page_keys(arr, parent=parent)
+    assert keyer.chain(arr[1:][::-1], parent) == keyer.page_keys(arr[1:][::-1], parent=parent)

@@ -305,7 +305,9 @@ class TierController:
             self._run_inline(self._load, [task])
         return handle
 
-    def submit_prefetch(self, op: PrefetchOp, *, inline: bool = False) -> int | None:
+    def submit_prefetch(
+        self, op: PrefetchOp, *, inline: bool = False, trusted: bool = False
+    ) -> int | None:
         """Queue a storage -> host prefetch of `op.keys` into the caller's host pages.
 
         Returns the op id, or None (nothing changed; counted as refused) when the host pages
@@ -315,9 +317,15 @@ class TierController:
 
         `inline=True` (the caller waits for its ack at once, under wait_complete) on a
         controller that `runs_inline`: the prefetch runs on this thread before the call returns
-        (a best_effort or timeout prefetch should stay queued: its caller does not wait)."""
+        (a best_effort or timeout prefetch should stay queued: its caller does not wait).
+
+        `trusted=True` is the tiers' path, as for `submit_backup`: the caller vouches for what
+        `check_keyed_pages` checks, and none of it is checked."""
         lane = self._storage_lane(self._prefetch)
-        pages = self.group.check_keyed_pages(op.keys, op.host_pages)
+        if trusted:
+            pages = self.group.keyed_pages(op.host_pages)
+        else:
+            pages = self.group.check_keyed_pages(op.keys, op.host_pages)
         if op.num_tokens < 0:
             raise InvalidOperation(f"num_tokens must be >= 0, got {op.num_tokens}")
         wanted = {name: len(listed) - listed.count(None) for name, listed in pages.items()}

@@ -43,7 +43,7 @@ from typing import TypeAlias, cast
 from kvstrata.hybrid_cache.group import PoolGroup
 from kvstrata.hybrid_cache.metrics import ControllerStats, Direction, FaultReason
 from kvstrata.hybrid_cache.ops import AckStatus, OpKind, PrefetchPolicy
-from kvstrata.hybrid_cache.restore import restorable_pages
+from kvstrata.hybrid_cache.restore import RestoreKind, restorable_pages
 from kvstrata.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -140,6 +140,18 @@ class StorageRunner:
         if self._should_stop(task):
             self.finish(task.op_id, AckStatus.PARTIAL, 0, None)
             return
+        if len(rules) == 1:
+            ((name, rule),) = rules.items()
+            if rule.kind is RestoreKind.PREFIX and None not in task.pages[name]:
+                self._prefetch_prefix(task, name)
+                return
+        self._prefetch_members(task)
+
+    def _prefetch_members(self, task: PrefetchTask) -> None:
+        """`_prefetch` of any group (at least one key): per page a slot, per member
+        availability flags."""
+        n = len(task.keys)
+        rules = self.group.rules
         listed = {name: self._listed(task, name) for name in rules}
         possible = {name: [False] * n for name in rules}
         error: BaseException | None = None
@@ -179,6 +191,37 @@ class StorageRunner:
         status = AckStatus.DONE if done == n else AckStatus.PARTIAL
         self.finish(task.op_id, status, done, error)
 
+    def _prefetch_prefix(self, task: PrefetchTask, name: str) -> None:
+        """`_prefetch` of a group whose one member restores a prefix (Full attention) and has
+        a page for every key: the same storage calls, counters and ack, without a slot tuple
+        or availability flag per page. The keys stored (with their checksums) bound the
+        prefix; what landed is the leading run of pages the batch_get calls delivered."""
+        keys = self.group.storage_keys(name, task.keys)
+        pages = cast("tuple[int, ...]", task.pages[name])
+        error: BaseException | None = None
+        try:
+            bound = self._exists_keys(keys)
+        except Exception as exc:  # a backend error ends this prefetch; the worker goes on
+            logger.warning("prefetch: batch_exists raised", exc_info=True)
+            self.stats.count_fault(FaultReason.ERROR)
+            error, bound = exc, 0
+        done = 0
+        for lo in range(0, bound, self.batch_pages):
+            if self._should_stop(task):
+                break
+            hi = min(lo + self.batch_pages, bound)
+            ok, call_error = self._get_pages(name, keys[lo:hi], list(pages[lo:hi]))
+            if call_error is not None:
+                error = call_error
+            landed = ok.count(True)  # a run of True, then only False
+            done = lo + landed
+            task.ready_pages = done
+            if landed < hi - lo:
+                break
+        task.ready_pages = done
+        status = AckStatus.DONE if done == len(keys) else AckStatus.PARTIAL
+        self.finish(task.op_id, status, done, error)
+
     def _should_stop(self, task: PrefetchTask) -> bool:
         if task.stop.is_set():
             return True
@@ -196,58 +239,69 @@ class StorageRunner:
         if not slots:
             return 0
         page_keys = list(map(_KEY, slots))
+        return self._exists_keys(page_keys)
+
+    def _exists_keys(self, page_keys: list[bytes]) -> int:
+        """How many of `page_keys` (non-empty), from the first, are stored (with their
+        checksums). Trusted storage call: the keys are the tier's own page keys (bytes)."""
         if not self.verify_checksums:
-            return self.storage.batch_exists(page_keys)
+            return self.storage.batch_exists(page_keys, trusted=True)
         # Each page key followed by its checksum's, interleaved by two slice assignments in C.
         keys = page_keys * 2
         keys[::2] = page_keys
         keys[1::2] = checksum_keys(page_keys)
-        return self.storage.batch_exists(keys) // 2
+        return self.storage.batch_exists(keys, trusted=True) // 2
 
     def _get(self, name: str, batch: list[_Slot]) -> tuple[list[bool], BaseException | None]:
         """Read `batch` into its host pages: per page whether it landed intact, as a run of
         True then only False (the prefetch ends at the first bad page)."""
         if not batch:
             return [], None
-        target = self.group.get_targets(name, list(map(_PAGE, batch)))
-        keys = list(map(_KEY, batch))
-        buffers: list[memoryview | bytearray] = list(target.buffers)
-        sums = [bytearray(_CRC_BYTES) for _ in batch] if self.verify_checksums else []
+        return self._get_pages(name, list(map(_KEY, batch)), list(map(_PAGE, batch)))
+
+    def _get_pages(
+        self, name: str, keys: list[bytes], pages: list[int]
+    ) -> tuple[list[bool], BaseException | None]:
+        """`_get` of pages of one member: `keys[k]` is read into host page `pages[k]`."""
+        num = len(keys)
+        target = self.group.get_targets(name, pages)
+        # Trusted storage call: bytes keys, and flat writable byte views (host page views or
+        # staging buffers, and the checksums' bytearrays viewed here).
+        buffers: list[memoryview] = list(target.buffers)
+        sums = [bytearray(_CRC_BYTES) for _ in range(num)] if self.verify_checksums else []
         if self.verify_checksums:
             keys += checksum_keys(keys)
-            buffers += sums
+            buffers += map(memoryview, sums)
         start = time.perf_counter()
         try:
-            found = self.storage.batch_get(keys, buffers)
+            found = self.storage.batch_get(keys, buffers, trusted=True)
         except Exception as exc:  # a backend error ends this prefetch; the worker goes on
-            logger.warning("prefetch: batch_get of %d pages raised", len(batch), exc_info=True)
+            logger.warning("prefetch: batch_get of %d pages raised", num, exc_info=True)
             self.stats.count_fault(FaultReason.ERROR)
-            return [False] * len(batch), exc
+            return [False] * num, exc
         elapsed = time.perf_counter() - start
         if self.call_timeout_s is not None and elapsed > self.call_timeout_s:
             self.stats.count_fault(FaultReason.TIMEOUT)
-            return [False] * len(batch), None
-        ok = found[: len(batch)]
+            return [False] * num, None
+        ok = found[:num]
         if self.verify_checksums:
             # A page without its checksum is a miss; one whose bytes disagree with it is corrupt.
-            ok = list(map(operator.and_, ok, found[len(batch) :]))
-            intact = [
-                good and page_checksum(view) == bytes(expected)
-                for good, view, expected in zip(ok, target.buffers, sums, strict=True)
-            ]
-            corrupt = sum(ok) - sum(intact)
+            # Every page's CRC is compared by C-level maps (a missing page's too: its flag is
+            # False either way).
+            ok = list(map(operator.and_, ok, found[num:]))
+            agree = map(operator.eq, page_checksums(target.buffers), map(bytes, sums))
+            intact = list(map(operator.and_, ok, agree))
+            corrupt = ok.count(True) - intact.count(True)
             if corrupt:
                 self.stats.count_fault(FaultReason.CORRUPT, corrupt)
-            misses = len(batch) - sum(ok)
+            misses = num - ok.count(True)
             ok = intact
         else:
-            misses = len(batch) - sum(ok)
+            misses = num - ok.count(True)
         if misses:
             self.stats.count_fault(FaultReason.MISS, misses)
-        good = 0
-        while good < len(ok) and ok[good]:
-            good += 1
-        ok = [True] * good + [False] * (len(ok) - good)
+        good = ok.index(False) if False in ok else num  # the leading run, found in C
+        ok = [True] * good + [False] * (num - good)
         target.commit(ok)
         self.stats.count_transfer(
             Direction.STORAGE_GET,
@@ -261,6 +315,16 @@ class StorageRunner:
 
     def run_backups(self, tasks: list[BackupTask]) -> None:
         self.stats.count_merged(OpKind.BACKUP, len(tasks) - 1)
+        rules = self.group.rules
+        if len(rules) == 1:
+            ((name, rule),) = rules.items()
+            if rule.kind is RestoreKind.PREFIX and all(None not in t.pages[name] for t in tasks):
+                self._run_prefix_backups(tasks, name)
+                return
+        self._run_member_backups(tasks)
+
+    def _run_member_backups(self, tasks: list[BackupTask]) -> None:
+        """`run_backups` of any group: per page a slot, per member availability flags."""
         rules = self.group.rules
         stored = {t.op_id: {name: [False] * len(t.keys) for name in rules} for t in tasks}
         errors: dict[int, BaseException] = {}
@@ -304,37 +368,111 @@ class StorageRunner:
             else:
                 self.finish(task.op_id, AckStatus.PARTIAL, done, error)
 
+    def _run_prefix_backups(self, tasks: list[BackupTask], name: str) -> None:
+        """`run_backups` of a group whose one member restores a prefix (Full attention) and
+        has a page for every key: the same storage calls, counters and acks, without a slot
+        tuple or availability flag per page. A task's pages restorable = the keys found
+        stored, then the leading run of pages its batch_set calls stored."""
+        # Per task: (found, lo, hi) -- its pages to set are keys[lo:hi] of the merged batch --
+        # or None when its batch_exists raised (the op fails alone, as in `run_backups`).
+        spans: list[tuple[int, int, int] | None] = []
+        errors: dict[int, BaseException] = {}
+        keys: list[bytes] = []
+        pages: list[int] = []
+        for task in tasks:
+            task_keys = self.group.storage_keys(name, task.keys)
+            try:
+                found = self._exists_keys(task_keys) if task_keys else 0
+            except Exception as exc:  # this op fails alone; the batch goes on
+                logger.warning("backup: batch_exists raised", exc_info=True)
+                self.stats.count_fault(FaultReason.ERROR)
+                errors[task.op_id] = exc
+                spans.append(None)
+                continue
+            self.stats.count_backup_skipped(found)
+            lo = len(keys)
+            keys += task_keys[found:]
+            pages += cast("tuple[int, ...]", task.pages[name])[found:]
+            spans.append((found, lo, len(keys)))
+        stored: list[bool] = []
+        chunk_errors: list[tuple[int, int, BaseException]] = []
+        step = self.batch_pages
+        for lo in range(0, len(keys), step):
+            ok, error = self._set_pages(name, keys[lo : lo + step], pages[lo : lo + step])
+            stored += ok
+            if error is not None:
+                chunk_errors.append((lo, lo + step, error))
+        for task, span in zip(tasks, spans, strict=True):
+            n = len(task.keys)
+            if span is None:
+                done = 0
+            else:
+                found, lo, hi = span
+                mine = stored[lo:hi]
+                done = found + (mine.index(False) if False in mine else hi - lo)
+                for clo, chi, error in chunk_errors:  # a failed call the task had pages in
+                    if lo < chi and clo < hi:
+                        errors[task.op_id] = error
+            error = errors.get(task.op_id)
+            if done == n:
+                self.finish(task.op_id, AckStatus.DONE, done, None)
+            elif error is not None and done == 0:
+                self.finish(task.op_id, AckStatus.FAILED, 0, error)
+            else:
+                self.finish(task.op_id, AckStatus.PARTIAL, done, error)
+
     def _set(self, slots: Sequence[_Slot]) -> tuple[list[bool], BaseException | None]:
         views = self._sources(slots)
-        keys = list(map(_KEY, slots))
-        buffers: list[memoryview | bytes] = list(views)
+        ok, error, num_ok, seconds = self._store(list(map(_KEY, slots)), views)
+        if error is None:
+            stored = Counter(map(_MEMBER, compress(slots, ok)))  # pages per member, in C
+            num_bytes = sum(self._page_bytes[name] * n for name, n in stored.items())
+            self._count_set(num_ok, num_bytes, seconds)
+        return ok, error
+
+    def _set_pages(
+        self, name: str, keys: list[bytes], pages: list[int]
+    ) -> tuple[list[bool], BaseException | None]:
+        """`_set` of pages of one member: `keys[k]` is stored from host page `pages[k]`."""
+        ok, error, num_ok, seconds = self._store(keys, self.group.set_sources(name, pages))
+        if error is None:
+            self._count_set(num_ok, num_ok * self._page_bytes[name], seconds)
+        return ok, error
+
+    def _store(
+        self, keys: list[bytes], views: list[memoryview]
+    ) -> tuple[list[bool], BaseException | None, int, float]:
+        """One batch_set of `views` under `keys` (and their checksums): per page whether it is
+        stored, the call's error, the pages stored and the call's seconds."""
+        num = len(keys)
+        buffers = views
         if self.verify_checksums:
             # Pages first, then their checksums: a reader trusts a page only with its checksum,
             # and a page whose checksum write failed is reported not stored.
-            keys += checksum_keys(keys)
-            buffers += page_checksums(views)
+            keys = keys + checksum_keys(keys)
+            buffers = views + list(map(memoryview, page_checksums(views)))
         start = time.perf_counter()
         try:
-            results = self.storage.batch_set(keys, buffers)
+            # Trusted: the tier's own page keys (bytes), flat byte views of host pages and of
+            # the checksums made here.
+            results = self.storage.batch_set(keys, buffers, trusted=True)
         except Exception as exc:  # these pages fail; other chunks and ops go on
-            logger.warning("backup: batch_set of %d pages raised", len(slots), exc_info=True)
+            logger.warning("backup: batch_set of %d pages raised", num, exc_info=True)
             self.stats.count_fault(FaultReason.ERROR)
-            return [False] * len(slots), exc
-        ok = results[: len(slots)]
+            return [False] * num, exc, 0, 0.0
+        seconds = time.perf_counter() - start
+        ok = results[:num]
         if self.verify_checksums:
-            ok = list(map(operator.and_, ok, results[len(slots) :]))  # page and checksum, in C
+            ok = list(map(operator.and_, ok, results[num:]))  # page and checksum, in C
         num_ok = ok.count(True)
-        if num_ok < len(ok):
-            self.stats.count_fault(FaultReason.WRITE_FAILED, len(ok) - num_ok)
-        stored = Counter(map(_MEMBER, compress(slots, ok)))  # pages per member, counted in C
-        num_bytes = sum(self._page_bytes[name] * n for name, n in stored.items())
+        if num_ok < num:
+            self.stats.count_fault(FaultReason.WRITE_FAILED, num - num_ok)
+        return ok, None, num_ok, seconds
+
+    def _count_set(self, num_pages: int, num_bytes: int, seconds: float) -> None:
         self.stats.count_transfer(
-            Direction.STORAGE_SET,
-            num_pages=num_ok,
-            num_bytes=num_bytes,
-            seconds=time.perf_counter() - start,
+            Direction.STORAGE_SET, num_pages=num_pages, num_bytes=num_bytes, seconds=seconds
         )
-        return ok, None
 
     def _sources(self, slots: Sequence[_Slot]) -> list[memoryview]:
         """The host bytes of each slot's page, one `set_sources` call per run of one member."""

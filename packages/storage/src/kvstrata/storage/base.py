@@ -16,7 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, TypeAlias
+from typing import Any, NamedTuple, Protocol, TypeAlias, cast
 
 import numpy.typing as npt
 
@@ -235,17 +235,25 @@ class Storage(ABC):
 
     # ------------------------------------------------------------------ public batch calls
 
-    def batch_exists(self, keys: Sequence[bytes]) -> int:
+    def batch_exists(self, keys: Sequence[bytes], *, trusted: bool = False) -> int:
         """How many keys, from the first, are stored consecutively: the count stops at the
         first missing key. A page whose write has not completed is not visible. Mutates
-        nothing but counters (a backend may refresh its index of pages written by others)."""
-        check_keys(keys, max_key_bytes=self.max_key_bytes)
+        nothing but counters (a backend may refresh its index of pages written by others).
+
+        `trusted=True` (the tiers' path, see `_check_trusted_keys`): the caller vouches that
+        `keys` is a list of non-empty bytes, so only a backend's key length limit is checked."""
+        if trusted:
+            self._check_trusted_keys(keys)
+        else:
+            check_keys(keys, max_key_bytes=self.max_key_bytes)
         start = time.perf_counter()
         found = self._exists_prefix(keys) if keys else 0
         self._observe("exists", start)
         return found
 
-    def batch_get(self, keys: Sequence[bytes], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def batch_get(
+        self, keys: Sequence[bytes], buffers: Sequence[PageBuffer], *, trusted: bool = False
+    ) -> list[bool]:
         """Copy each stored page into the buffer at the same position; True where it was.
 
         Each buffer must be writable and exactly the size of the stored page: a wrong size
@@ -253,9 +261,18 @@ class Storage(ABC):
         unspecified contents (a backend may have read it before its check failed). A page that
         fails a check is removed and reported False, never returned. Marks hits as recently
         used.
+
+        `trusted=True` (the tiers' path): the caller vouches that `keys` is a list of non-empty
+        bytes and `buffers` a list of writable flat byte memoryviews (format "B", 1-D,
+        C-contiguous), so neither is checked nor re-viewed; the batch lengths and a backend's
+        key length limit still are.
         """
-        check_keys(keys, max_key_bytes=self.max_key_bytes)
-        views = self._views(keys, buffers, writable=True)
+        if trusted:
+            self._check_trusted_keys(keys)
+            views = self._trusted_views(keys, buffers)
+        else:
+            check_keys(keys, max_key_bytes=self.max_key_bytes)
+            views = self._views(keys, buffers, writable=True)
         start = time.perf_counter()
         found = self._get_into(keys, views)
         elapsed = time.perf_counter() - start
@@ -272,17 +289,19 @@ class Storage(ABC):
             self._latency["get"].observe(elapsed)
         return found
 
-    def batch_set(self, keys: Sequence[bytes], buffers: Sequence[PageBuffer]) -> list[bool]:
+    def batch_set(
+        self, keys: Sequence[bytes], buffers: Sequence[PageBuffer], *, trusted: bool = False
+    ) -> list[bool]:
         """Store each buffer under its key; True where the page is stored afterwards.
         Same as `batch_set_results`, with each result reduced to "stored or not".
         """
-        results = self.batch_set_results(keys, buffers)
+        results = self.batch_set_results(keys, buffers, trusted=trusted)
         if WriteResult.FAILED not in results:
             return [True] * len(results)
         return [r is not WriteResult.FAILED for r in results]
 
     def batch_set_results(
-        self, keys: Sequence[bytes], buffers: Sequence[PageBuffer]
+        self, keys: Sequence[bytes], buffers: Sequence[PageBuffer], *, trusted: bool = False
     ) -> list[WriteResult]:
         """Store each buffer under its key; per page WRITTEN, PRESENT (already stored, skipped)
         or FAILED.
@@ -291,9 +310,16 @@ class Storage(ABC):
         skipped (PRESENT). May evict least recently used pages to make room, never a page of this
         batch. FAILED for a page that cannot be stored (larger than the capacity, an I/O error,
         disk full); other pages of the batch are unaffected, and a failed page is never visible.
+
+        `trusted=True` (the tiers' path): as for `batch_get`, with flat byte memoryviews that
+        may be read-only.
         """
-        check_keys(keys, max_key_bytes=self.max_key_bytes)
-        views = self._views(keys, buffers, writable=False)
+        if trusted:
+            self._check_trusted_keys(keys)
+            views = self._trusted_views(keys, buffers)
+        else:
+            check_keys(keys, max_key_bytes=self.max_key_bytes)
+            views = self._views(keys, buffers, writable=False)
         start = time.perf_counter()
         results = self._set_from(keys, views)
         elapsed = time.perf_counter() - start
@@ -392,6 +418,21 @@ class Storage(ABC):
         if len(keys) != len(buffers):
             raise BatchLengthMismatch(f"{len(keys)} keys but {len(buffers)} buffers")
         return flat_views(buffers, writable=writable)
+
+    def _check_trusted_keys(self, keys: Sequence[bytes]) -> None:
+        """What `trusted=True` still checks of the keys: the backend's key length limit (a
+        caller vouches for its keys' types, not for every backend's limit)."""
+        limit = self.max_key_bytes
+        if limit is not None and keys and max(map(len, keys)) > limit:
+            check_keys(keys, max_key_bytes=limit)  # names the key, raises InvalidKey
+
+    @staticmethod
+    def _trusted_views(keys: Sequence[bytes], buffers: Sequence[PageBuffer]) -> list[memoryview]:
+        """The caller's flat byte memoryviews as they are (`trusted=True`): only the lengths
+        are checked."""
+        if len(keys) != len(buffers):
+            raise BatchLengthMismatch(f"{len(keys)} keys but {len(buffers)} buffers")
+        return cast("list[memoryview]", buffers if type(buffers) is list else list(buffers))
 
     def _observe(self, operation: str, start: float) -> None:
         elapsed = time.perf_counter() - start

@@ -13,6 +13,7 @@ inputs share an encoding and keys are identical across processes and machines (n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Callable
@@ -88,7 +89,7 @@ class PageKeyer:
         self.key_bytes = KEY_BYTES[hash]
         self._digest: Callable[[bytes], _Hasher]
         if hash == "blake2b":
-            self._digest = lambda data: hashlib.blake2b(data, digest_size=16)
+            self._digest = functools.partial(hashlib.blake2b, digest_size=16)  # C, no frame
         elif hash == "xxh3":
             self._digest = xxhash.xxh3_128
         else:
@@ -153,24 +154,34 @@ class PageKeyer:
             return []
         if parent is None:
             parent = self._seed_of(extra_field, salt_field)
-        data = tokens[: num_pages * self.page_size].tobytes()
+        return self._chain(tokens[: num_pages * self.page_size].tobytes(), parent)
+
+    def chain(self, tokens: npt.NDArray[np.int64], parent: bytes) -> list[bytes]:
+        """`page_keys(tokens, parent=parent)` for a caller that vouches for its input (the
+        tiers' path: their keys' token arrays are validated when a request enters): `tokens`
+        a 1-D int64 array, `parent` a key of this keyer or its `seed()`. Nothing is checked;
+        the same keys."""
+        whole = tokens.size // self.page_size * self.page_size
+        return self._chain(tokens[:whole].astype("<i8", copy=False).tobytes(), parent)
+
+    def _chain(self, data: bytes, parent: bytes) -> list[bytes]:
+        """The keys of the whole pages of `data` (little-endian int64 tokens), from `parent`.
+
+        One hash call per page on `prev + page` (a short bytes concatenation: the same digest
+        as hashing `prev` then updating with the page) costs less than a hasher object and an
+        update: the per-page call overhead dominates at these sizes."""
         step = self.page_size * 8
         keys: list[bytes] = []
         prev = parent
         if self.hash == "xxh3":
-            # One call per page on `prev + page` (a short bytes concatenation) costs less than
-            # a hasher object and an update: the per-page call overhead dominates xxh3.
-            xxh3_128 = xxhash.xxh3_128_digest
+            xxh3_128 = xxhash.xxh3_128_digest  # bytes -> digest in one call
             for offset in range(0, len(data), step):
                 prev = xxh3_128(prev + data[offset : offset + step])
                 keys.append(prev)
             return keys
-        view = memoryview(data)
         digest = self._digest
         for offset in range(0, len(data), step):
-            h = digest(prev)
-            h.update(view[offset : offset + step])
-            prev = h.digest()
+            prev = digest(prev + data[offset : offset + step]).digest()
             keys.append(prev)
         return keys
 

@@ -141,17 +141,21 @@ class EventLog:
         while probe is not None and probe.parent is not None and probe.page_keys is None:
             missing.append(probe)
             probe = probe.parent
+        keyer = self.keyer
         for item in reversed(missing):
             parent = item.parent
             assert parent is not None
-            parent_key = parent.page_keys[-1] if parent.page_keys else None
-            ns = item.namespace
-            item.page_keys = self.keyer.page_keys(
-                item.tokens(),
-                extra_key=None if ns is None else ns.extra_key,
-                cache_salt=None if ns is None else ns.cache_salt,
-                parent=parent_key,
-            )
+            if parent.page_keys:
+                parent_key = parent.page_keys[-1]
+            else:  # the chain starts here: the seed of the node's namespace
+                ns = item.namespace
+                parent_key = keyer.seed(
+                    extra_key=None if ns is None else ns.extra_key,
+                    cache_salt=None if ns is None else ns.cache_salt,
+                )
+            # Unchecked hashing (`PageKeyer.chain`): a node's tokens are the int64 ids of a
+            # key validated when it entered the tree, and the parent key is this keyer's.
+            item.page_keys = keyer.chain(item.tokens(), parent_key)
         assert node.page_keys is not None
         return node.page_keys
 

@@ -107,19 +107,24 @@ class TierPrefetcher:
         if num_pages <= 0:
             self._core.counters.prefetches_skipped += 1
             return None
-        parent = self._core.tier.last_page_key(anchor) if start else None
+        keyer = self._core.keyer
+        # The chain goes on from the host prefix's last page key (the seed of the key's
+        # namespace at the root). Unchecked hashing (`PageKeyer.chain`): the key's tokens were
+        # validated when it entered the cache, and the parent key is this keyer's.
+        parent = (
+            self._core.tier.last_page_key(anchor)
+            if start
+            else keyer.seed(extra_key=key.extra_key, cache_salt=key.cache_salt)
+        )
         tokens = key.tokens()[start : start + num_pages * page]
-        first = self._probe_first_page(key, tokens[:page], parent)
+        first = self._probe_first_page(tokens[:page], parent)
         if first is False:
             self._core.counters.prefetches_skipped += 1
             return None
-        keyer = self._core.keyer
         if first is None:
-            keys = keyer.page_keys(
-                tokens, extra_key=key.extra_key, cache_salt=key.cache_salt, parent=parent
-            )
+            keys = keyer.chain(tokens, parent)
         else:  # the probe hashed the first page: the chain goes on from its key
-            keys = [first, *keyer.page_keys(tokens[page:], parent=first)]
+            keys = [first, *keyer.chain(tokens[page:], first)]
         core = self._core
         for transfer in core.transfers.values():
             num_pages = transfer.prefetch_pages(core, anchor, start, keys[:num_pages])
@@ -171,8 +176,9 @@ class TierPrefetcher:
         )
         self._writer.flush()  # the controller wakes for the prefetch: send the writes along
         try:
+            # Trusted: the tier's own page keys and host pages (of its allocators, none twice).
             op_id = core.controller.submit_prefetch(
-                op, inline=wait_now and op.policy is PrefetchPolicy.WAIT_COMPLETE
+                op, inline=wait_now and op.policy is PrefetchPolicy.WAIT_COMPLETE, trusted=True
             )
         except QueueFull:
             op_id = None
@@ -194,7 +200,7 @@ class TierPrefetcher:
         return op_id
 
     def _probe_first_page(
-        self, key: RadixKey, first_page: npt.NDArray[np.int64], parent: bytes | None
+        self, first_page: npt.NDArray[np.int64], parent: bytes
     ) -> bytes | Literal[False] | None:
         """Whether a Full-only tree under a waiting policy may skip the prefetch unhashed:
         False when storage lacks the first page beyond the host prefix, so `_stored_pages`
@@ -209,10 +215,12 @@ class TierPrefetcher:
             or core.transfers  # components with their own parts: they bound the prefetch first
         ):
             return None
-        first = core.keyer.page_keys(
-            first_page, extra_key=key.extra_key, cache_salt=key.cache_salt, parent=parent
-        )[0]
-        if storage.batch_exists([core.controller.group.storage_key(FULL, first)]) == 0:
+        first = core.keyer.chain(first_page, parent)[0]
+        # Trusted: a key of the tier's own keyer (bytes).
+        if (
+            storage.batch_exists([core.controller.group.storage_key(FULL, first)], trusted=True)
+            == 0
+        ):
             return False
         return first
 
@@ -227,7 +235,9 @@ class TierPrefetcher:
         if storage is None or self._core.params.prefetch_policy is PrefetchPolicy.BEST_EFFORT:
             return num_pages
         group = self._core.controller.group
-        found = storage.batch_exists([group.storage_key(FULL, k) for k in keys[:num_pages]])
+        found = storage.batch_exists(
+            [group.storage_key(FULL, k) for k in keys[:num_pages]], trusted=True
+        )
         if found == 0 or not self._core.transfers:
             return found
         return num_pages
