@@ -1,8 +1,11 @@
 """The one-pass device eviction of a Full-only tree with a host tier (`tree.evict` ->
-`evict_undo.evict_full_tiered`) against the general path it replaces (`evict_targets`, which
-the tree took before): twin hierarchies served the same requests must evict the same nodes
-(same victims, demotions, splits, heaps, host candidates, free lists), and refuse the same
-evicts (HeldSlotsNotAllocated, HeldSlotsRepeated) with the same message and nothing changed."""
+`evict_undo.evict_full_tiered`, whose walk is `host_evict.evict_device_full`) against the
+general path it replaces (`evict_targets` over the tier's per-node walk,
+`HostTier._evict_device_each`): twin hierarchies served the same requests must evict the same
+nodes (same victims, demotions, splits, heaps, host candidates, free lists), and refuse the
+same evicts (HeldSlotsNotAllocated, HeldSlotsRepeated) with the same message and nothing
+changed. The slow twin's host eviction takes the per-node path too (`HostTier._evict_each`),
+so the load-backs and writes between the evicts compare the one-frame host eviction as well."""
 
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ from kvstrata.unified_radix_cache import EvictRequest, RadixKey, UnifiedRadixCac
 from kvstrata.unified_radix_cache import tree as tree_module
 from kvstrata.unified_radix_cache.errors import HeldSlotsNotAllocated, HeldSlotsRepeated
 from kvstrata.unified_radix_cache.evict_undo import evict_full_tiered, evict_targets
+from kvstrata.unified_radix_cache.host_tier import HostTier
 from kvstrata.unified_radix_cache.paths import node_at
+from kvstrata.unified_radix_cache.policies import LeafHeap
 
 P = 4
 A = list(range(1, 3 * P + 1))
@@ -44,6 +49,10 @@ def _twins(closing: list[Hierarchy]) -> tuple[Hierarchy, Hierarchy]:
         h = make_hierarchy("full", page_size=P, device_pages=24, host_pages=48)
         closing.append(h)
         made.append(h)
+    tier = made[1].tree.host_tier
+    assert isinstance(tier, HostTier)
+    tier.evict_device = tier._evict_device_each
+    tier.evict = tier._evict_each
     return made[0], made[1]
 
 
@@ -172,28 +181,38 @@ def _leaf(h: Hierarchy, tokens: list[int]) -> torch.Tensor:
     return torch.from_numpy(node.value)
 
 
-def test_any_error_in_the_walk_rolls_back_as_the_general_path(closing: list[Hierarchy]) -> None:
-    """Not a refusal: an exception from inside the tier's device walk (here the second node it
-    takes off the device) puts everything back on both paths."""
+@pytest.mark.parametrize(("where", "nth"), [("pop_peeked", 2), ("push", 1), ("push", 2)])
+def test_any_error_in_the_walk_rolls_back_as_the_general_path(
+    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch, where: str, nth: int
+) -> None:
+    """Not a refusal: an exception from inside the tier's device walk puts everything back on
+    both paths. Injected into a heap step both walks take, after it changed the heap: the
+    device heap's pop of the `nth` node taken, or the `nth` push (a node joining the host
+    candidates, or a parent becoming a device leaf)."""
     fast, slow = _twins(closing)
     for tokens in (A, AB, AC, D):
         for h in (fast, slow):
             serve(h, tokens)
-    for h in (fast, slow):
-        tier = h.tree.host_tier
-        assert tier is not None
-        drop = tier._drop_device  # pyright: ignore[reportAttributeAccessIssue]
-        calls = [0]
+    heaps = {id(h.tree.components[0].heap): h for h in (fast, slow)}  # pyright: ignore[reportAttributeAccessIssue]
+    if where == "push":
+        heaps = {id(h.tree.host_tier.heap): h for h in (fast, slow)}  # pyright: ignore[reportOptionalMemberAccess]
+        heaps.update({id(h.tree.components[0].heap): h for h in (fast, slow)})  # pyright: ignore[reportAttributeAccessIssue]
+    calls: dict[int, int] = {}
+    original = getattr(LeafHeap, where)
+    armed = [False]
 
-        def failing(node: object, drop: Callable[[object], int] = drop, calls: list[int] = calls):
-            calls[0] += 1
-            if calls[0] == 2:
+    def failing(heap: LeafHeap, *args: object) -> None:
+        original(heap, *args)
+        h = heaps.get(id(heap))
+        if armed[0] and h is not None:
+            calls[id(h)] = calls.get(id(h), 0) + 1
+            if calls[id(h)] == nth:
                 raise RuntimeError("injected")
-            return drop(node)
 
-        tier._drop_device = failing  # pyright: ignore[reportAttributeAccessIssue]
+    monkeypatch.setattr(LeafHeap, where, failing)
+    armed[0] = True
     got = _both(fast, slow, 100 * P)
+    armed[0] = False
     assert got == ("RuntimeError", "injected")
-    for h in (fast, slow):
-        del h.tree.host_tier._drop_device  # pyright: ignore[reportOptionalMemberAccess, reportAttributeAccessIssue]
+    assert calls == {id(fast): nth, id(slow): nth}
     _both(fast, slow, 100 * P)
