@@ -111,8 +111,8 @@ class EvictJournal:
         tier = tree.host_tier
         self._candidates = list(tier.candidate_sizes) if tier is not None else None
         self._records: list[_Record] = []
-        # `type(c) is FullComponent` first: the ABC's isinstance costs more than the evict's
-        # own work on a Full-only tree.
+        # `type(c) is not FullComponent` first: an ABC's isinstance is slow, and Full is
+        # never an LRU-list component.
         self._lrus: list[LRUList] = [
             c.lru
             for c in components
@@ -304,34 +304,21 @@ def evict_full_tiered(tree: EvictingTree, amount: int) -> None:
     assert isinstance(full, FullComponent) and tier is not None, "a tiered Full-only tree"
     pending = full._pending
     start = len(pending)
-    slots: npt.NDArray[np.int64] | None = None
-    checked: torch.Tensor | None = None
     with EvictJournal(tree):
         tier.evict_device(amount)
         if len(pending) > start:
             slots = pending[start] if len(pending) == start + 1 else np.concatenate(pending[start:])
             if len(slots):
-                checked = _check_full(full, slots, repeats=not tree.check_slots)
-    if start == 0 and slots is not None and checked is not None and full.on_cpu:
-        # The queue is exactly the checked slots: free the tensor the check read (`flush`
-        # would join the same slots into a new one).
-        full.free_queued(slots, checked)
-    else:
-        full.flush()
+                _check_full(full, slots, repeats=not tree.check_slots)
+    full.flush()
 
 
-def _check_full(
-    full: FullComponent, slots: npt.NDArray[np.int64], *, repeats: bool
-) -> torch.Tensor | None:
-    """`check_frees` of Full slots (same checks, errors and messages). Returns the tensor
-    (`full.to_device(slots)`) the allocator's `check_allocated` passed, None when it has
-    none."""
+def _check_full(full: FullComponent, slots: npt.NDArray[np.int64], *, repeats: bool) -> None:
+    """`check_frees` of Full slots (same checks, errors and messages)."""
     check = getattr(full.allocator, "check_allocated", None)
-    tensor: torch.Tensor | None = None
     if callable(check):
-        tensor = full.to_device(slots)
         try:
-            check(tensor, "evict: full slots the tree holds")
+            check(full.to_device(slots), "evict: full slots the tree holds")
         except (IndexOutOfRange, NotAllocated, ReservedIndex) as exc:
             raise HeldSlotsNotAllocated(
                 "evict: the full allocator would refuse slots the tree holds (freed behind the "
@@ -341,7 +328,6 @@ def _check_full(
         raise HeldSlotsRepeated(
             "evict: the tree holds some full slots twice (a double free); nothing was evicted"
         )
-    return tensor
 
 
 def evict_targets(tree: EvictingTree, targets: Mapping[str, int]) -> dict[str, int]:

@@ -278,22 +278,6 @@ class FullComponent(TreeComponent):
                     held[slots[slots < len(held)]] = 0
             self.allocator.free(self.to_device(slots))
 
-    @property
-    def on_cpu(self) -> bool:
-        """Whether the allocator's slots live on the CPU (`to_device` shares memory)."""
-        return self._on_cpu
-
-    def free_queued(self, slots: npt.NDArray[np.int64], tensor: torch.Tensor) -> None:
-        """`flush()` when the queued frees are exactly `slots` (joined in queue order) and
-        `tensor` holds the same slots on the allocator's device (an evict that checked them
-        already made it): the same flags cleared, the same slots freed in one call, without
-        joining them again."""
-        self._pending.clear()
-        held = self.held
-        if held is not None:
-            held[slots[(slots >= 0) & (slots < len(held))]] = 0
-        self.allocator.free(tensor)
-
     def give_back(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
 
