@@ -9,18 +9,21 @@ so the load-backs and writes between the evicts compare the one-frame host evict
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 
 import pytest
 import torch
 
+from kvstrata.pool import native
 from kvstrata.testkit.refusals import refusing, tree_state
 from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, serve
 from kvstrata.unified_radix_cache import EvictRequest, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache import tree as tree_module
 from kvstrata.unified_radix_cache.errors import HeldSlotsNotAllocated, HeldSlotsRepeated
-from kvstrata.unified_radix_cache.evict_undo import evict_full_tiered, evict_targets
+from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_full_tiered, evict_targets
 from kvstrata.unified_radix_cache.host_tier import HostTier
+from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.paths import node_at
 from kvstrata.unified_radix_cache.policies import LeafHeap
 
@@ -41,6 +44,14 @@ def _general(tree: UnifiedRadixCache, amount: int) -> dict[str, int]:
 
 
 Evict = Callable[[UnifiedRadixCache, int], dict[str, int]]
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def walks(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test twice: the fast twin's walk compiled (`native_core`'s `demote`), then in
+    Python (hierarchies made inside `native.disabled()`)."""
+    with nullcontext() if request.param == "compiled" else native.disabled():
+        yield request.param
 
 
 def _twins(closing: list[Hierarchy]) -> tuple[Hierarchy, Hierarchy]:
@@ -181,38 +192,73 @@ def _leaf(h: Hierarchy, tokens: list[int]) -> torch.Tensor:
     return torch.from_numpy(node.value)
 
 
-@pytest.mark.parametrize(("where", "nth"), [("pop_peeked", 2), ("push", 1), ("push", 2)])
+@pytest.mark.parametrize(("where", "nth"), [("node", 1), ("node", 2), ("push", 1), ("push", 2)])
 def test_any_error_in_the_walk_rolls_back_as_the_general_path(
     closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch, where: str, nth: int
 ) -> None:
     """Not a refusal: an exception from inside the tier's device walk puts everything back on
-    both paths. Injected into a heap step both walks take, after it changed the heap: the
-    device heap's pop of the `nth` node taken, or the `nth` push (a node joining the host
-    candidates, or a parent becoming a device leaf)."""
+    both paths (the compiled walk and the per-node one). Injected into a step both walks
+    take, after it did its work: the journal's record of the `nth` node taken (before its
+    split or pop), or the `nth` heap push (a node joining the host candidates, or a parent
+    becoming a device leaf)."""
     fast, slow = _twins(closing)
     for tokens in (A, AB, AC, D):
         for h in (fast, slow):
             serve(h, tokens)
-    heaps = {id(h.tree.components[0].heap): h for h in (fast, slow)}  # pyright: ignore[reportAttributeAccessIssue]
-    if where == "push":
-        heaps = {id(h.tree.host_tier.heap): h for h in (fast, slow)}  # pyright: ignore[reportOptionalMemberAccess]
-        heaps.update({id(h.tree.components[0].heap): h for h in (fast, slow)})  # pyright: ignore[reportAttributeAccessIssue]
+    owners: dict[int, Hierarchy] = {}
+    for h in (fast, slow):
+        tier = h.tree.host_tier
+        assert isinstance(tier, HostTier)
+        owners[id(tier.heap)] = owners[id(h.tree.components[0].heap)] = h  # pyright: ignore[reportAttributeAccessIssue]
     calls: dict[int, int] = {}
-    original = getattr(LeafHeap, where)
+    cls = EvictJournal if where == "node" else LeafHeap
+    original = getattr(cls, where)
     armed = [False]
 
-    def failing(heap: LeafHeap, *args: object) -> None:
-        original(heap, *args)
-        h = heaps.get(id(heap))
+    def failing(self: object, node: TreeNode) -> None:
+        original(self, node)
+        h = (
+            owners.get(id(self))
+            if where == "push"
+            else next((h for h in (fast, slow) if h.tree._journal is self), None)
+        )
         if armed[0] and h is not None:
             calls[id(h)] = calls.get(id(h), 0) + 1
             if calls[id(h)] == nth:
                 raise RuntimeError("injected")
 
-    monkeypatch.setattr(LeafHeap, where, failing)
+    monkeypatch.setattr(cls, where, failing)
     armed[0] = True
     got = _both(fast, slow, 100 * P)
     armed[0] = False
     assert got == ("RuntimeError", "injected")
     assert calls == {id(fast): nth, id(slow): nth}
     _both(fast, slow, 100 * P)
+
+
+def test_the_compiled_walk_answers(
+    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch, walks: str
+) -> None:
+    """The twin tests would pass if the compiled walk were never taken: a tree made with the
+    compiled core must evict through `demote` (and one made inside `disabled()` must not)."""
+    h = _twins(closing)[0]
+    for tokens in (A, AB, D):
+        serve(h, tokens)
+    core = h.tree._native
+    assert (core is not None) == (walks == "compiled")
+    calls: list[int] = []
+    if core is not None:
+
+        class Spy:
+            def __getattr__(self, name: str) -> object:
+                return getattr(core, name)
+
+            def demote(self, *args: object) -> tuple[int, int]:
+                calls.append(1)
+                return core.demote(*args)  # pyright: ignore[reportArgumentType]
+
+        monkeypatch.setattr(h.tree, "_native", Spy())
+    assert _fast(h.tree, 2 * P) == {"full": 2 * P}
+    assert _fast(h.tree, 100 * P) == {"full": h.tree.components[0].evicted_total - 2 * P}
+    assert calls == ([1, 1] if walks == "compiled" else [])
+    h.cache.check_integrity()

@@ -467,3 +467,190 @@ static PyObject *evict(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     return Py_BuildValue("(nn)", freed, gone);
 }
+
+/* Whether `node`'s attribute `name` is the int 0 (1), another value (0), or an error (-1). */
+static int is_zero(PyObject *node, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(node, name);
+    if (v == NULL)
+        return -1;
+    int zero = PyLong_Check(v) && PyObject_Not(v) == 1;
+    Py_DECREF(v);
+    return zero;
+}
+
+/* Whether a child of `parent` holds device slots (1), none does (0), or an error (-1). */
+static int child_on_device(PyObject *parent)
+{
+    PyObject *children = PyObject_GetAttr(parent, s_children);
+    if (children == NULL)
+        return -1;
+    PyObject *values = PyMapping_Values(children);
+    Py_DECREF(children);
+    if (values == NULL)
+        return -1;
+    int found = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(values) && !found; i++) {
+        PyObject *value = PyObject_GetAttr(PyList_GET_ITEM(values, i), s_value);
+        Py_ssize_t n = value == NULL ? -1 : PyObject_Length(value);
+        Py_XDECREF(value);
+        found = n < 0 ? -1 : n > 0;
+    }
+    Py_DECREF(values);
+    return found;
+}
+
+/* host_evict.evict_device_full's per-victim step after the pop, for a victim with a host copy
+   (demote): its slots go to `pending`, its value becomes `empty`, it joins the host heap
+   when it is childless and host-unlocked, and its parent (not the root) joins the device heap
+   when it is unlocked, absent and without a child on the device. 0, or -1 on an error. */
+static int demote_one(PyObject *node, PyObject *value, PyObject *heap, PyObject *members,
+                      PyObject *hosts, PyObject *pending, PyObject *empty)
+{
+    if (PyList_Append(pending, value) < 0 || PyObject_SetAttr(node, s_value, empty) < 0)
+        return -1;
+    PyObject *children = PyObject_GetAttr(node, s_children);
+    Py_ssize_t n = children == NULL ? -1 : PyObject_Length(children);
+    Py_XDECREF(children);
+    if (n < 0)
+        return -1;
+    if (n == 0) {
+        int unlocked = is_zero(node, s_host_lock_ref);
+        if (unlocked < 0)
+            return -1;
+        if (unlocked) {
+            PyObject *r = PyObject_CallMethodOneArg(hosts, s_push, node);
+            if (r == NULL)
+                return -1;
+            Py_DECREF(r);
+        }
+    }
+    PyObject *parent = PyObject_GetAttr(node, s_parent);
+    if (parent == NULL)
+        return -1;
+    int rc = -1;
+    PyObject *grand = PyObject_GetAttr(parent, s_parent);
+    if (grand == NULL)
+        goto done;
+    int inner = grand != Py_None;
+    Py_DECREF(grand);
+    if (!inner) {
+        rc = 0;
+        goto done;
+    }
+    int unlocked = is_zero(parent, s_lock_ref);
+    if (unlocked <= 0) {
+        rc = unlocked;
+        goto done;
+    }
+    PyObject *id = PyObject_GetAttr(parent, s_id);
+    int present = id == NULL ? -1 : PyDict_Contains(members, id);
+    Py_XDECREF(id);
+    if (present != 0) {
+        rc = present < 0 ? -1 : 0;
+        goto done;
+    }
+    int busy = child_on_device(parent);
+    if (busy != 0) {
+        rc = busy < 0 ? -1 : 0;
+        goto done;
+    }
+    PyObject *r = PyObject_CallMethodOneArg(heap, s_push, parent);
+    if (r != NULL) {
+        Py_DECREF(r);
+        rc = 0;
+    }
+done:
+    Py_DECREF(parent);
+    return rc;
+}
+
+/* demote(heap, hosts, amount, page, pending, empty, note, split, remove): the loop of
+   host_evict.evict_device_full (see native_core.py). Returns (tokens freed, tokens demoted);
+   the caller counts the demoted ones on Full (removed leaves count themselves). */
+static PyObject *demote(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "demote(heap, hosts, amount, page, pending, empty, note, split, remove)");
+        return NULL;
+    }
+    PyObject *heap = args[0], *hosts = args[1], *pending = args[4], *empty = args[5];
+    PyObject *note = args[6], *split = args[7], *remove = args[8];
+    Py_ssize_t amount, page = PyLong_AsSsize_t(args[3]);
+    if ((page == -1 && PyErr_Occurred()) || clamp_amount(args[2], &amount) < 0)
+        return NULL;
+    if (page <= 0 || !PyList_CheckExact(pending)) {
+        PyErr_SetString(PyExc_ValueError, "demote: bad page size or pending list");
+        return NULL;
+    }
+    PyObject *members = PyObject_GetAttr(heap, s_members);
+    if (members == NULL)
+        return NULL;
+    if (!PyDict_CheckExact(members)) {
+        Py_DECREF(members);
+        PyErr_SetString(PyExc_TypeError, "demote: not a LeafHeap");
+        return NULL;
+    }
+    Py_ssize_t freed = 0, demoted = 0;
+    int failed = 0;
+    while (freed < amount && !failed) {
+        PyObject *entry = NULL;
+        PyObject *node = peek(heap, &entry);
+        if (node == NULL) {
+            failed = PyErr_Occurred() != NULL;
+            break;
+        }
+        PyObject *value = PyObject_GetAttr(node, s_value);
+        Py_ssize_t size = value == NULL ? -1 : PyObject_Length(value);
+        Py_ssize_t need = amount - freed;
+        Py_ssize_t pages = need / page + (need % page != 0);
+        Py_ssize_t keep = size < 0 || pages > size / page ? 0 : size - pages * page;
+        PyObject *r = NULL;
+        if (size < 0)
+            failed = 1;
+        else if (keep > 0)
+            r = PyObject_CallFunction(split, "On", node, keep);  /* records node, entry kept */
+        else if (note != Py_None)
+            r = PyObject_CallOneArg(note, node);  /* before the pop (its heap entry) */
+        else
+            r = Py_NewRef(Py_None);
+        if (!failed && r == NULL)
+            failed = 1;
+        Py_XDECREF(r);
+        if (!failed && keep > 0) {
+            Py_DECREF(value);
+            value = PyObject_GetAttr(node, s_value);
+            size = value == NULL ? -1 : PyObject_Length(value);
+            failed = size < 0;
+        }
+        if (!failed)
+            failed = pop_peeked(heap, node, entry) < 0;
+        if (!failed) {
+            PyObject *host = PyObject_GetAttr(node, s_host_value);
+            if (host == NULL) {
+                failed = 1;
+            } else if (host == Py_None) {
+                r = PyObject_CallOneArg(remove, node);  /* counts itself on Full */
+                failed = r == NULL;
+                Py_XDECREF(r);
+            } else {
+                failed = demote_one(node, value, heap, members, hosts, pending, empty) < 0;
+                if (!failed)
+                    demoted += size;
+            }
+            Py_XDECREF(host);
+            if (!failed)
+                freed += size;
+        }
+        Py_XDECREF(value);
+        Py_DECREF(node);
+        Py_DECREF(entry);
+        if (keep > 0)
+            break;
+    }
+    Py_DECREF(members);
+    if (failed)
+        return NULL;
+    return Py_BuildValue("(nn)", freed, demoted);
+}
