@@ -10,7 +10,6 @@ errors and the same roll-back (the tree's `EvictJournal` sees the same records).
 
 from __future__ import annotations
 
-from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,7 +17,6 @@ import numpy.typing as npt
 import torch
 
 from kvstrata.unified_radix_cache.node import NO_CHILDREN
-from kvstrata.unified_radix_cache.policies import LeafHeap
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.host_tier import HostTier
@@ -29,38 +27,9 @@ _NO_SLOTS = np.empty(0, dtype=np.int64)
 def evict_device_full(tier: HostTier, amount: int) -> int:
     """`evict_device` of a Full-only tree in one frame: the same steps in the same order
     (journal records, heap pops, splits, events, candidate pushes, device-leaf pushes),
-    with the heap's peek / pop and `_drop_device`'s Full-only part inlined. Inside an
-    evict's journal, without events, the loop is compiled (`native_core`'s `demote`: the
-    same steps; the journal, the splits, the removals and the heap pushes stay the Python
-    calls they are here)."""
+    with the heap's peek / pop and `_drop_device`'s Full-only part inlined."""
     tree = tier.tree
     heap = tier._device_heap
-    core = tree._native
-    journal = tree._journal
-    if (
-        core is not None
-        and journal is not None
-        and tree._events is None
-        and type(heap) is LeafHeap
-        and type(tier.heap) is LeafHeap
-    ):
-        full = tier._full
-        freed, demoted = core.demote(
-            heap,
-            tier.heap,
-            amount,
-            tree.page_size,
-            full._pending,
-            _NO_SLOTS,
-            journal.node,
-            tree.split_node,
-            partial(tree.remove_leaf, evicted=True),
-        )
-        # Demoted nodes are counted here (a removed leaf counted itself); if the loop raised,
-        # the journal puts the sizes back with everything else.
-        full.evictable_size -= demoted
-        full.evicted_total += demoted
-        return freed
     members = heap._members
     hosts = tier.heap
     full = tier._full

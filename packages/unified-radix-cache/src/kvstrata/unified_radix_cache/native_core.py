@@ -26,15 +26,6 @@ answers; tests/test_radix_native.py compares both paths on random operations):
   `heap.push`, MemoryError, KeyboardInterrupt from Python code it calls) the counts so far
   are in `progress` (a 16-byte bytearray, two int64) and `evict_leaves` still applies them.
   Targets of 2**63 and more are clamped (they free everything, as in Python).
-- `demote(heap, hosts, amount, page, pending, empty, note, split, remove)`: the device walk of
-  a Full-only tree with a host tier (`host_evict.evict_device_full`) inside an evict's journal,
-  without events: device leaves in heap order (`heap`), the last one split page-granular
-  (`split(node, keep)`: `tree.split_node`), each other one recorded first (`note(node)`:
-  the journal's `node`), popped, then removed (`remove(node)`, no host copy) or demoted (its
-  slots to `pending`, its value `empty`, it joins `hosts` when childless and host-unlocked,
-  its parent joins `heap` when it is an unlocked inner node left without a child on the
-  device). Returns (tokens freed, tokens demoted); the caller counts the demoted ones on Full.
-  Raises what a call raised, midway (the journal puts the tree back).
 - `drain(pending, held)`: `FullComponent.flush`'s array work: the queued slot arrays joined
   into one bytearray (None when there are none; the list emptied) and, with `held`, each slot
   inside the table cleared there (the table covers every slot the tree marked).
@@ -118,21 +109,6 @@ class RadixCore(Protocol):
     lock_path: Callable[[TreeNode, TreeNode, dict[int, TreeNode]], int | None]
     #: (anchor, leaf heap) -> tokens unlocked
     unlock_path: Callable[[TreeNode, LeafHeap], int]
-    #: (heap, hosts, amount, page, pending, empty, note, split, remove) -> (freed, demoted)
-    demote: Callable[
-        [
-            LeafHeap,
-            LeafHeap,
-            int,
-            int,
-            list[Slots],
-            Slots,
-            Callable[[TreeNode], None],
-            Callable[[TreeNode, int], TreeNode],
-            Callable[[TreeNode], int],
-        ],
-        tuple[int, int],
-    ]
     #: (pending, held) -> the pending slots joined (pending emptied, held flags cleared)
     drain: Callable[[list[Slots], npt.NDArray[np.int32] | None], bytearray | None]
     #: (slots, lo, hi, held, keep) -> whether they passed (and were marked when keep)

@@ -44,7 +44,7 @@ ValueError: no input makes this code read or write outside a buffer.
 
 static PyObject *s_children, *s_key, *s_value, *s_last_access, *s_hit_count;
 static PyObject *s_heap, *s_members, *s_heap_entry, *s_parent, *s_namespace, *s_lock_ref;
-static PyObject *s_push, *s_page_keys, *s_id, *s_host_value, *s_host_lock_ref;
+static PyObject *s_push, *s_page_keys, *s_id;
 static PyObject *heappop;  /* heapq.heappop */
 
 /* `node.children[k]` as a new reference; NULL without an error set when absent. */

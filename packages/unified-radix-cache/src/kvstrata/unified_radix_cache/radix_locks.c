@@ -201,9 +201,6 @@ static PyMethodDef methods[] = {
     {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL,
      "evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut, "
      "progress) -> (freed, nodes removed)"},
-    {"demote", (PyCFunction)(void (*)(void))demote, METH_FASTCALL,
-     "demote(heap, hosts, amount, page, pending, empty, note, split, remove) -> (freed, "
-     "demoted)"},
     {"drain", (PyCFunction)(void (*)(void))drain, METH_FASTCALL,
      "drain(pending, held) -> the pending slots joined (bytearray) or None"},
     {"lock_path", (PyCFunction)(void (*)(void))lock_path, METH_FASTCALL,
@@ -228,8 +225,7 @@ PyMODINIT_FUNC PyInit__kvstrata_radix_core(void)
         {&s_last_access, "last_access"}, {&s_hit_count, "hit_count"}, {&s_heap, "_heap"},
         {&s_members, "_members"},    {&s_heap_entry, "heap_entry"}, {&s_parent, "parent"},
         {&s_namespace, "namespace"}, {&s_lock_ref, "lock_ref"}, {&s_push, "push"},
-        {&s_page_keys, "page_keys"}, {&s_id, "id"}, {&s_host_value, "host_value"},
-        {&s_host_lock_ref, "host_lock_ref"},
+        {&s_page_keys, "page_keys"}, {&s_id, "id"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         *names[i].at = PyUnicode_InternFromString(names[i].name);
