@@ -10,16 +10,36 @@ errors and the same roll-back (the tree's `EvictJournal` sees the same records).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstrata.unified_radix_cache.node import NO_CHILDREN
+from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
 
 if TYPE_CHECKING:
-    from kvstrata.unified_radix_cache.host_tier import HostTier
+    from kvstrata.unified_radix_cache.components.base import SlotSink
+    from kvstrata.unified_radix_cache.components.full import FullComponent
+    from kvstrata.unified_radix_cache.policies import LeafHeap
+    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+
+
+class HostTier(Protocol):
+    """What these loops read and write on `host_tier.HostTier` (typed so, this module never
+    imports host_tier.py, which imports it)."""
+
+    tree: UnifiedRadixCache
+    heap: LeafHeap
+    host: SlotSink
+    evictable_size: int
+    evicted_total: int
+    _device_heap: LeafHeap
+    _full: FullComponent
+    _page_bytes: int
+
+    def _maybe_device_leaf(self, node: TreeNode) -> None: ...
+
 
 _NO_SLOTS = np.empty(0, dtype=np.int64)
 
