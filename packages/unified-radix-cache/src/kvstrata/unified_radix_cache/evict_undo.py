@@ -309,7 +309,7 @@ def evict_full_tiered(tree: EvictingTree, amount: int) -> None:
         if len(pending) > start:
             slots = pending[start] if len(pending) == start + 1 else np.concatenate(pending[start:])
             if len(slots):
-                _check_full(full, slots, repeats=not tree.check_slots)
+                check_frees(full, slots, repeats=not tree.check_slots)
     full.flush()
 
 
