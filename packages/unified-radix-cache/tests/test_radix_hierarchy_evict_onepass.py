@@ -1,23 +1,31 @@
 """The one-pass device eviction of a Full-only tree with a host tier (`tree.evict` ->
-`evict_undo.evict_full_tiered`) against the general path it replaces (`evict_targets`, which
-the tree took before): twin hierarchies served the same requests must evict the same nodes
-(same victims, demotions, splits, heaps, host candidates, free lists), and refuse the same
-evicts (HeldSlotsNotAllocated, HeldSlotsRepeated) with the same message and nothing changed."""
+`evict_undo.evict_full_tiered`, whose walk is `host_evict.evict_device_full`) against the
+general path it replaces (`evict_targets` over the tier's per-node walk,
+`HostTier._evict_device_each`): twin hierarchies served the same requests must evict the same
+nodes (same victims, demotions, splits, heaps, host candidates, free lists), and refuse the
+same evicts (HeldSlotsNotAllocated, HeldSlotsRepeated) with the same message and nothing
+changed. The slow twin's host eviction takes the per-node path too (`HostTier._evict_each`),
+so the load-backs and writes between the evicts compare the one-frame host eviction as well."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 
 import pytest
 import torch
 
+from kvstrata.pool import native
 from kvstrata.testkit.refusals import refusing, tree_state
 from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, serve
 from kvstrata.unified_radix_cache import EvictRequest, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache import tree as tree_module
 from kvstrata.unified_radix_cache.errors import HeldSlotsNotAllocated, HeldSlotsRepeated
-from kvstrata.unified_radix_cache.evict_undo import evict_full_tiered, evict_targets
+from kvstrata.unified_radix_cache.evict_undo import EvictJournal, evict_full_tiered, evict_targets
+from kvstrata.unified_radix_cache.host_tier import HostTier
+from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.paths import node_at
+from kvstrata.unified_radix_cache.policies import LeafHeap
 
 P = 4
 A = list(range(1, 3 * P + 1))
@@ -38,12 +46,24 @@ def _general(tree: UnifiedRadixCache, amount: int) -> dict[str, int]:
 Evict = Callable[[UnifiedRadixCache, int], dict[str, int]]
 
 
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def walks(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test twice: with the tree's compiled core (walks, `drain`), then without it
+    (hierarchies made inside `native.disabled()`, as CI's KVSTRATA_NATIVE=0 run)."""
+    with nullcontext() if request.param == "compiled" else native.disabled():
+        yield request.param
+
+
 def _twins(closing: list[Hierarchy]) -> tuple[Hierarchy, Hierarchy]:
     made = []
     for _ in range(2):
         h = make_hierarchy("full", page_size=P, device_pages=24, host_pages=48)
         closing.append(h)
         made.append(h)
+    tier = made[1].tree.host_tier
+    assert isinstance(tier, HostTier)
+    tier.evict_device = tier._evict_device_each
+    tier.evict = tier._evict_each
     return made[0], made[1]
 
 
@@ -172,28 +192,45 @@ def _leaf(h: Hierarchy, tokens: list[int]) -> torch.Tensor:
     return torch.from_numpy(node.value)
 
 
-def test_any_error_in_the_walk_rolls_back_as_the_general_path(closing: list[Hierarchy]) -> None:
-    """Not a refusal: an exception from inside the tier's device walk (here the second node it
-    takes off the device) puts everything back on both paths."""
+@pytest.mark.parametrize(("where", "nth"), [("node", 1), ("node", 2), ("push", 1), ("push", 2)])
+def test_any_error_in_the_walk_rolls_back_as_the_general_path(
+    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch, where: str, nth: int
+) -> None:
+    """Not a refusal: an exception from inside the tier's device walk puts everything back on
+    both paths (the one-frame walk and the per-node one). Injected into a step both walks
+    take, after it did its work: the journal's record of the `nth` node taken (before its
+    split or pop), or the `nth` heap push (a node joining the host candidates, or a parent
+    becoming a device leaf)."""
     fast, slow = _twins(closing)
     for tokens in (A, AB, AC, D):
         for h in (fast, slow):
             serve(h, tokens)
+    owners: dict[int, Hierarchy] = {}
     for h in (fast, slow):
         tier = h.tree.host_tier
-        assert tier is not None
-        drop = tier._drop_device  # pyright: ignore[reportAttributeAccessIssue]
-        calls = [0]
+        assert isinstance(tier, HostTier)
+        owners[id(tier.heap)] = owners[id(h.tree.components[0].heap)] = h  # pyright: ignore[reportAttributeAccessIssue]
+    calls: dict[int, int] = {}
+    cls = EvictJournal if where == "node" else LeafHeap
+    original = getattr(cls, where)
+    armed = [False]
 
-        def failing(node: object, drop: Callable[[object], int] = drop, calls: list[int] = calls):
-            calls[0] += 1
-            if calls[0] == 2:
+    def failing(self: object, node: TreeNode) -> None:
+        original(self, node)
+        h = (
+            owners.get(id(self))
+            if where == "push"
+            else next((h for h in (fast, slow) if h.tree._journal is self), None)
+        )
+        if armed[0] and h is not None:
+            calls[id(h)] = calls.get(id(h), 0) + 1
+            if calls[id(h)] == nth:
                 raise RuntimeError("injected")
-            return drop(node)
 
-        tier._drop_device = failing  # pyright: ignore[reportAttributeAccessIssue]
+    monkeypatch.setattr(cls, where, failing)
+    armed[0] = True
     got = _both(fast, slow, 100 * P)
+    armed[0] = False
     assert got == ("RuntimeError", "injected")
-    for h in (fast, slow):
-        del h.tree.host_tier._drop_device  # pyright: ignore[reportOptionalMemberAccess, reportAttributeAccessIssue]
+    assert calls == {id(fast): nth, id(slow): nth}
     _both(fast, slow, 100 * P)

@@ -111,7 +111,13 @@ class EvictJournal:
         tier = tree.host_tier
         self._candidates = list(tier.candidate_sizes) if tier is not None else None
         self._records: list[_Record] = []
-        self._lrus: list[LRUList] = [c.lru for c in components if isinstance(c, LRUListComponent)]
+        # `type(c) is not FullComponent` first: an ABC's isinstance is slow, and Full is
+        # never an LRU-list component.
+        self._lrus: list[LRUList] = [
+            c.lru
+            for c in components
+            if type(c) is not FullComponent and isinstance(c, LRUListComponent)
+        ]
         for lru in self._lrus:
             lru.start_log()
 

@@ -57,6 +57,7 @@ from kvstrata.unified_radix_cache.errors import (
     TreeLocked,
 )
 from kvstrata.unified_radix_cache.events import EventLog, KVEvent
+from kvstrata.unified_radix_cache.host_evict import evict_device_full, evict_host_full
 from kvstrata.unified_radix_cache.host_walks import HostWalks
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
 from kvstrata.unified_radix_cache.node import HeapEntry, TreeNode
@@ -157,7 +158,14 @@ class HostTier(HostWalks):
     def evict_device(self, amount: int) -> int:
         """Free at least `amount` device tokens from device leaves in policy order, the last one
         page-granular (split; the tail goes). A leaf with a host copy goes off the device and
-        stays; one without leaves the tree. Slots are queued on Full (the tree flushes)."""
+        stays; one without leaves the tree. Slots are queued on Full (the tree flushes).
+        A Full-only tree takes `host_evict.evict_device_full` (the same steps in one frame)."""
+        if not self._extras:
+            return evict_device_full(self, amount)
+        return self._evict_device_each(amount)
+
+    def _evict_device_each(self, amount: int) -> int:
+        """`evict_device` of any tree, a helper call per node (`_drop_device`)."""
         heap = self._device_heap
         tree = self.tree
         page = tree.page_size
@@ -396,7 +404,15 @@ class HostTier(HostWalks):
     def evict(self, amount: int) -> int:
         """Free at least `amount` host tokens (or all that may go): whole off-device, childless,
         host-unlocked nodes in the host policy's order; each leaves the tree. Returns the host
-        tokens freed (handed to the host allocator before this returns). O(k log n)."""
+        tokens freed (handed to the host allocator before this returns). O(k log n).
+        A Full-only tree without events takes `host_evict.evict_host_full` (the same steps
+        in one frame)."""
+        if not self._extras and not self.events_on and self.tree._journal is None:
+            return evict_host_full(self, amount)
+        return self._evict_each(amount)
+
+    def _evict_each(self, amount: int) -> int:
+        """`evict` of any tree, a helper call per node (`_evict_node`, `_finish`)."""
         batch = _Batch()
         while batch.tokens < amount:
             node = self.heap.pop()

@@ -1,0 +1,145 @@
+"""Host-tier eviction of a Full-only hierarchical tree, each pass in one frame.
+
+`HostTier.evict_device` (device eviction: a leaf with a host copy goes off the device, one
+without leaves the tree) and `HostTier.evict` (host eviction: off-device candidates leave the
+tree, their host pages go back in one free) send a tree without other components here. Each
+does the general path's steps in the same order (journal records, heap pops and pushes, splits,
+events, sizes, frees), with the per-node helper calls inlined: same victims, same order, same
+errors and the same roll-back (the tree's `EvictJournal` sees the same records).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
+
+if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.components.base import SlotSink
+    from kvstrata.unified_radix_cache.components.full import FullComponent
+    from kvstrata.unified_radix_cache.policies import LeafHeap
+    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
+
+
+class HostTier(Protocol):
+    """What these loops read and write on `host_tier.HostTier` (typed so, this module never
+    imports host_tier.py, which imports it)."""
+
+    tree: UnifiedRadixCache
+    heap: LeafHeap
+    host: SlotSink
+    evictable_size: int
+    evicted_total: int
+    _device_heap: LeafHeap
+    _full: FullComponent
+    _page_bytes: int
+
+    def _maybe_device_leaf(self, node: TreeNode) -> None: ...
+
+
+_NO_SLOTS = np.empty(0, dtype=np.int64)
+
+
+def evict_device_full(tier: HostTier, amount: int) -> int:
+    """`evict_device` of a Full-only tree in one frame: the same steps in the same order
+    (journal records, heap pops, splits, events, candidate pushes, device-leaf pushes),
+    with the heap's peek / pop and `_drop_device`'s Full-only part inlined."""
+    tree = tier.tree
+    heap = tier._device_heap
+    members = heap._members
+    hosts = tier.heap
+    full = tier._full
+    pending = full._pending
+    events = tree._events
+    page = tree.page_size
+    freed = 0
+    while freed < amount:
+        node = heap.peek()
+        if node is None:
+            break
+        keep = len(node.value) - -(-(amount - freed) // page) * page
+        journal = tree._journal
+        if keep > 0:
+            tree.split_node(node, keep)  # records `node` (heap entry included)
+        elif journal is not None:
+            journal.node(node)  # before the pop (its heap entry)
+        heap.pop_peeked(node)
+        value = node.value
+        size = len(value)
+        freed += size
+        if node.host_value is None:
+            # No host copy: no host child either (closure), and no device child (a leaf).
+            assert not node.children, f"device leaf {node.id} without host copy has children"
+            tree.remove_leaf(node, evicted=True)
+        else:
+            if events is not None:
+                events.removed(tree, node)
+            pending.append(value)
+            full.evictable_size -= size
+            full.evicted_total += size
+            node.value = _NO_SLOTS
+            if not node.children and node.host_lock_ref == 0:
+                hosts.push(node)  # `_add_candidate` without components to count
+            parent = node.parent
+            assert parent is not None, "the root is never evicted"
+            if parent.parent is not None and not parent.lock_ref and parent.id not in members:
+                for child in parent.children.values():
+                    if len(child.value):
+                        break
+                else:
+                    heap.push(parent)  # `_maybe_device_leaf`
+        if keep > 0:
+            break
+    return freed
+
+
+def evict_host_full(tier: HostTier, amount: int) -> int:
+    """`evict` of a Full-only tree without events, in one frame: the same steps in the same
+    order, with `_evict_node`, `tree.remove_leaf` and `on_child_gone` inlined for a
+    candidate (off the device: no device slots to queue, no event, no journal)."""
+    tree = tier.tree
+    root = tree.root
+    page_bytes = tier._page_bytes
+    heap = tier.heap
+    values: list[npt.NDArray[np.int64]] = []
+    tokens = 0
+    gone = 0
+    while tokens < amount:
+        node = heap.pop()
+        if node is None:
+            break
+        value = node.host_value
+        assert value is not None, f"host candidate {node.id} without a host value"
+        assert not node.children and node.lock_ref == 0 and not len(node.value), (
+            f"host candidate {node.id} is not an off-device leaf"
+        )
+        node.host_value = None
+        values.append(value)
+        tokens += len(value)
+        if tree._last_walk is not None:
+            tree._forget_walk()
+        parent = node.parent
+        assert parent is not None, "the root is never a candidate"
+        first = node.key[:page_bytes]
+        children = parent.children
+        del children[(node.namespace, first) if parent is root else first]
+        node.parent = None
+        gone += 1
+        if parent.parent is not None:
+            if not children:
+                parent.children = NO_CHILDREN
+            if len(parent.value):
+                tier._maybe_device_leaf(parent)
+            elif not parent.children and parent.host_lock_ref == 0:
+                heap.push(parent)  # `_maybe_host_candidate`
+    tier.evictable_size -= tokens
+    tier.evicted_total += tokens
+    tree.num_nodes -= gone
+    tree.flush_pending()
+    if values:
+        tier.host.free(torch.from_numpy(np.concatenate(values)))
+    return tokens
