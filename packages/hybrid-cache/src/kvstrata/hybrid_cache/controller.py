@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -37,6 +37,7 @@ from kvstrata.hybrid_cache.ops import (
     BackupOp,
     LoadOp,
     OpKind,
+    PagePairs,
     PrefetchOp,
     PrefetchPolicy,
     PrefetchProgress,
@@ -247,26 +248,56 @@ class TierController:
             checked = [self.group.count_moves(op.moves, copy=not now) for op in ops]
         else:
             checked = [self.group.check_moves(op.moves, copy=not now) for op in ops]
+        tasks = [
+            WriteTask(op_id=0, moves=moves, num_pages=num_pages, trusted=trusted)
+            for moves, num_pages in checked
+        ]
+        return self._submit_write_tasks(tasks, now)
+
+    def submit_write_pages(
+        self, ops: Sequence[Mapping[str, PagePairs]], *, inline: bool = False
+    ) -> list[int | None]:
+        """`submit_writes(..., trusted=True)` of writes given as page ids: per op, per member,
+        (device page ids, host page ids) as NumPy int64 arrays of equal length. The tiers'
+        path: the caller vouches for everything `check_moves` and the host pool's page plan
+        would check (known members; in range; no device page 0; no host page twice), none of
+        it is checked here or on the worker, and the pages go to the host pools' copy as they
+        are (no index tensor is made). The arrays must stay unchanged until the op's ack (the
+        batch runs before this returns with `inline=True` on a controller that
+        `runs_inline`). Returns and raises as `submit_writes`; the same acks and counters."""
+        tasks = [
+            WriteTask(
+                op_id=0,
+                moves={},
+                num_pages=sum(len(device) for device, _ in op.values()),
+                trusted=True,
+                pages=op,
+            )
+            for op in ops
+        ]
+        return self._submit_write_tasks(tasks, inline and self._inline)
+
+    def _submit_write_tasks(self, tasks: list[WriteTask], now: bool) -> list[int | None]:
+        """Admit `tasks` (op ids not yet given) oldest first: ids, None where the queue had no
+        room; run the admitted batch on this thread when `now`, else queue it (one wake-up)."""
         ids: list[int | None] = []
-        tasks: list[WriteTask] = []
+        admitted: list[WriteTask] = []
         with self._lock:
             if self._closed:
                 raise ControllerClosed(f"{OpKind.WRITE} submitted after close()")
             queue = self._write.queue
             room = queue.capacity - len(queue)
-            for moves, num_pages in checked:
-                if not now and len(tasks) >= room:
+            for task in tasks:
+                if not now and len(admitted) >= room:
                     ids.append(None)
                     continue
-                op_id = self._admit(OpKind.WRITE, num_pages, None)
-                tasks.append(
-                    WriteTask(op_id=op_id, moves=moves, num_pages=num_pages, trusted=trusted)
-                )
-                ids.append(op_id)
-            if tasks and not now:
-                queue.put_all(tasks)
-        if tasks and now:
-            self._run_inline_batches(self._write, tasks)
+                task.op_id = self._admit(OpKind.WRITE, task.num_pages, None)
+                admitted.append(task)
+                ids.append(task.op_id)
+            if admitted and not now:
+                queue.put_all(admitted)
+        if admitted and now:
+            self._run_inline_batches(self._write, admitted)
         return ids
 
     @property

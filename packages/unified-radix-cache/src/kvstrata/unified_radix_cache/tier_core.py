@@ -38,9 +38,10 @@ from kvstrata.hybrid_cache import (
     Ack,
     AckStatus,
     BackupOp,
+    PagePairs,
     TierController,
 )
-from kvstrata.pool_host import HostSlotAllocator
+from kvstrata.pool_host import HostSlotAllocator, vouched_pages
 from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.components.transfer import ComponentTransfer, TransferLeg
 from kvstrata.unified_radix_cache.errors import IntegrityError
@@ -217,6 +218,9 @@ class TierCore:
         self.transfers = transfers
         group = controller.group
         self.page_bytes = group.page_bytes(FULL)
+        #: Slots per page of each member's pools (what page ids of a write are counted in).
+        self.member_pages = {name: group.member(name).host.page_size for name in group.member_names}
+        self.full_page = self.member_pages[FULL]
         #: Per other component: bytes of one page of its host pool, and its host page size.
         self.comp_page_bytes = {name: group.page_bytes(name) for name in transfers}
         self.comp_page_tokens = {name: a.page_size for name, a in self.component_hosts.items()}
@@ -344,6 +348,16 @@ class TierCore:
                     if leg.host is not None:
                         out[leg.name] += len(leg.host)
         return out
+
+    def move_pages(self, name: str, device: torch.Tensor, host: torch.Tensor) -> PagePairs:
+        """Page ids of member `name` for a write of device slots `device` into host slots
+        `host` (whole aligned pages, as the components' hooks hand them out: not checked),
+        new arrays the caller's tensors do not share."""
+        page = self.member_pages[name]
+        device_pages, host_pages = vouched_pages(device, page), vouched_pages(host, page)
+        if page == 1:  # vouched_pages made no new array
+            return device_pages.copy(), host_pages.copy()
+        return device_pages, host_pages
 
     def leg_bytes(self, leg: TransferLeg, num_slots: int) -> int:
         """Bytes `num_slots` host slots of `leg`'s component move (whole host pages)."""
