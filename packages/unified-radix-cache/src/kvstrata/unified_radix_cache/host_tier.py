@@ -492,6 +492,11 @@ class HostTier(HostWalks):
             raise NoHostCopy(f"node {anchor.id} has no host value to lock")
         return self._lock(anchor)
 
+    def lock_trusted(self, anchor: TreeNode) -> HostReceipt:
+        """`lock` of a node the caller knows is in the tree with a host value, or the root
+        (e.g. `host_prefix` of a node it just device-locked): no check. O(depth)."""
+        return self._lock(anchor)
+
     def _lock(self, anchor: TreeNode) -> HostReceipt:
         """`lock` of a node known to be in the tree with a host value (a commit's own node)."""
         probe = anchor

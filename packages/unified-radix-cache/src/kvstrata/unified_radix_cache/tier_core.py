@@ -382,6 +382,13 @@ class TierCore:
             raise
         return MoveLocks(device, host)
 
+    def lock_write(self, device_node: TreeNode, host_node: TreeNode) -> MoveLocks:
+        """`lock_move` of a write: `host_node` is `tier.host_prefix(device_node)` (the node
+        itself or an ancestor, with a host value or the root), so the device lock's check that
+        `device_node` is in the tree covers it, and the host lock takes its trusted walk."""
+        device = self.device_tree.lock(device_node)
+        return MoveLocks(device, self.tier.lock_trusted(host_node))
+
     def unlock_move(self, locks: MoveLocks) -> None:
         """Release both locks of `lock_move`."""
         self.tier.unlock(locks.host)
@@ -398,11 +405,14 @@ class TierCore:
         return freed
 
     def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
-        slots = self.host_allocator.alloc(num_tokens)
-        if slots is None:
-            self.evict_host(num_tokens - self.host_allocator.available_size())
-            slots = self.host_allocator.alloc(num_tokens)
-        return slots
+        """`num_tokens` host slots, host-evicting the shortfall first when the allocator has
+        fewer free (it refuses exactly then, changing nothing: asking first saves the refused
+        call). None when even the eviction leaves too few."""
+        allocator = self.host_allocator
+        short = num_tokens - allocator.available_size()
+        if short > 0:
+            self.evict_host(short)
+        return allocator.alloc(num_tokens)
 
     def alloc_component_host(self, name: str, num: int) -> torch.Tensor | None:
         """`num` host slots of component `name`; when its pool is short, host-evicts (in the

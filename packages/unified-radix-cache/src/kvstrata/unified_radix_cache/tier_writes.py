@@ -85,7 +85,7 @@ class TierWriter:
         ]
         if start >= end and not plans:
             return None
-        locks = core.lock_move(node, anchor)
+        locks = core.lock_write(node, anchor)
         num = end - start if end > start else 0
         slots = core.alloc_host(num) if num else NO_SLOTS
         if slots is None:
