@@ -103,7 +103,9 @@ class PendingMove:
 
 @dataclass(kw_only=True, eq=False)
 class PendingWrite(PendingMove):
-    host_slots: torch.Tensor  # host token slots of key[start:]
+    #: Host token slots of key[start:], as the NumPy array of the allocator's tensor (the
+    #: write reads them as page ids and the commit as node values: no tensor round trip).
+    host_slots: npt.NDArray[np.int64]
 
 
 @dataclass(kw_only=True, eq=False)
@@ -325,7 +327,7 @@ class TierCore:
                     parts[component.name].append(slots)
         for p in self.pending.values():
             if isinstance(p, PendingWrite):
-                pages.append(p.host_slots.numpy())
+                pages.append(p.host_slots)
             elif isinstance(p, PendingPrefetch):
                 pages.append(p.host_slots[p.committed :].numpy())
             else:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from kvstrata.hybrid_cache import (
     Ack,
     AckStatus,
@@ -103,15 +105,16 @@ class TierWriter:
             return None
         # Page ids, made once here from the tree's own slots (no index tensor on the way).
         pages: dict[str, PagePairs] = {}
+        host_slots = slots.numpy()
         if num:
             page = core.full_page
-            pages[FULL] = (run_above(node, num)[::page] // page, slots.numpy()[::page] // page)
+            pages[FULL] = (run_above(node, num)[::page] // page, host_slots[::page] // page)
         for leg in legs:
             assert leg.host is not None
             device = core.transfers[leg.name].write_source(core, node, leg)
             pages[leg.name] = core.move_pages(leg.name, device, leg.host)
         pending = PendingWrite(
-            key=key, start=start, locks=locks, legs=tuple(legs), host_slots=slots
+            key=key, start=start, locks=locks, legs=tuple(legs), host_slots=host_slots
         )
         # Queued, not yet submitted: a temporary negative id until `_flush_writes` hands the
         # batch to the controller (one wake-up of its worker for the whole batch).
@@ -153,8 +156,8 @@ class TierWriter:
     def _roll_back_write(self, pending: PendingWrite) -> None:
         """Release what a write that moved nothing held: both locks, its host slots."""
         self._core.unlock_move(pending.locks)
-        if pending.host_slots.numel():
-            self._core.host_allocator.free(pending.host_slots)
+        if len(pending.host_slots):
+            self._core.host_allocator.free(torch.from_numpy(pending.host_slots))
         self._core.free_legs(pending.legs)
 
     def in_flight(self, node: TreeNode) -> bool:
@@ -195,7 +198,7 @@ class TierWriter:
             self._roll_back_write(pending)
             return
         core.device_tree.unlock(pending.device_receipt)
-        num = pending.host_slots.numel()
+        num = len(pending.host_slots)
         # The new host copy stays locked only for what follows that reads it: the components'
         # commits and a backup.
         locked = bool(pending.legs) or core.backups
