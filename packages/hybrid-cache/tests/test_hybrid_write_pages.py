@@ -20,15 +20,7 @@ from kvstrata.hybrid_cache import (
     TierController,
     WriteOp,
 )
-from kvstrata.testkit.tiers import (
-    Tiers,
-    assert_pages_equal,
-    device_pools,
-    make_tiers,
-    page_indices,
-    scramble,
-    snapshot,
-)
+from kvstrata.testkit import tiers as tk
 
 TIMEOUT_S = 10.0
 
@@ -37,7 +29,7 @@ def pairs(device: list[int], host: list[int]) -> dict[str, PagePairs]:
     return {"full": (np.array(device, dtype=np.int64), np.array(host, dtype=np.int64))}
 
 
-def host_bytes(tiers: Tiers, host_pages: list[int]) -> list[bytes]:
+def host_bytes(tiers: tk.Tiers, host_pages: list[int]) -> list[bytes]:
     host = tiers.group.member("full").host
     return [bytes(host.page_view(p)) for p in host_pages]
 
@@ -47,10 +39,10 @@ def test_write_pages_move_what_submit_writes_moves(inline: bool) -> None:
     ops = [([1, 2], [4, 5]), ([3], [9]), ([6, 7], [0, 1])]
     got: dict[str, list[bytes]] = {}
     for how in ("pages", "moves"):
-        tiers = make_tiers("full")
-        pool = device_pools(tiers)["full"]
+        tiers = tk.make_tiers("full")
+        pool = tk.device_pools(tiers)["full"]
         page = tiers.member_page_size("full")
-        scramble(pool, page_indices([1, 2, 3, 6, 7], page), seed=11)
+        tk.scramble(pool, tk.page_indices([1, 2, 3, 6, 7], page), seed=11)
         params = ControllerParams(run_inline=inline)
         with TierController(tiers.group, params=params) as controller:
             if how == "pages":
@@ -60,7 +52,7 @@ def test_write_pages_move_what_submit_writes_moves(inline: bool) -> None:
                     WriteOp(
                         moves={
                             "full": PageMove(
-                                device=page_indices(d, page), host=page_indices(h, page)
+                                device=tk.page_indices(d, page), host=tk.page_indices(h, page)
                             )
                         }
                     )
@@ -76,27 +68,27 @@ def test_write_pages_move_what_submit_writes_moves(inline: bool) -> None:
             controller.check_integrity()
         got[how] = host_bytes(tiers, [4, 5, 9, 0, 1])
         # The host pages hold the device pages' bytes.
-        before = snapshot(pool, page_indices([1, 2, 3, 6, 7], page))
-        scramble(pool, page_indices([1, 2, 3, 6, 7], page), seed=5)
+        before = tk.snapshot(pool, tk.page_indices([1, 2, 3, 6, 7], page))
+        tk.scramble(pool, tk.page_indices([1, 2, 3, 6, 7], page), seed=5)
         with TierController(tiers.group) as controller:
             handle = controller.submit_load(
                 LoadOp(
                     moves={
                         "full": PageMove(
-                            device=page_indices([1, 2, 3, 6, 7], page),
-                            host=page_indices([4, 5, 9, 0, 1], page),
+                            device=tk.page_indices([1, 2, 3, 6, 7], page),
+                            host=tk.page_indices([4, 5, 9, 0, 1], page),
                         )
                     }
                 ),
                 inline=True,
             )
             assert handle.wait_all(TIMEOUT_S)
-        assert_pages_equal(pool, page_indices([1, 2, 3, 6, 7], page), before, what=how)
+        tk.assert_pages_equal(pool, tk.page_indices([1, 2, 3, 6, 7], page), before, what=how)
     assert got["pages"] == got["moves"]
 
 
 def test_inline_write_pages_run_merged_on_the_callers_thread() -> None:
-    tiers = make_tiers("full")
+    tiers = tk.make_tiers("full")
     threads: list[str] = []
     backup_pages = tiers.group.backup_pages
 
@@ -111,11 +103,14 @@ def test_inline_write_pages_run_merged_on_the_callers_thread() -> None:
         assert [a.op_id for a in acks] == ids and all(a.ok for a in acks)
         assert controller.stats.snapshot().merged[OpKind.WRITE] == 1
         controller.check_integrity()
+        controller.close()
+        with pytest.raises(ControllerClosed):
+            controller.submit_write_pages([pairs([3], [6])], inline=True)
     assert threads == [threading.current_thread().name]  # one merged copy
 
 
 def test_a_merged_page_write_that_raises_is_retried_op_by_op() -> None:
-    tiers = make_tiers("full")
+    tiers = tk.make_tiers("full")
     backup_pages = tiers.group.backup_pages
 
     def refuse_page_9(name: str, device: np.ndarray, host: np.ndarray) -> int:
@@ -132,31 +127,3 @@ def test_a_merged_page_write_that_raises_is_retried_op_by_op() -> None:
         status = [acks[i].status for i in ids if i is not None]
         assert status == [AckStatus.DONE, AckStatus.FAILED, AckStatus.DONE]
         controller.check_integrity()
-
-
-def test_write_pages_refused_past_the_queue_room_and_after_close() -> None:
-    tiers = make_tiers("full")
-    gate_in, gate_open = threading.Event(), threading.Event()
-    backup_pages = tiers.group.backup_pages
-
-    def held(*args: object, **kwargs: object) -> int:
-        gate_in.set()
-        assert gate_open.wait(TIMEOUT_S)
-        return backup_pages(*args, **kwargs)  # type: ignore[arg-type]
-
-    tiers.group.backup_pages = held  # type: ignore[method-assign]
-    params = ControllerParams(run_inline=False, queue_capacity=2, max_merge_ops=1)
-    with TierController(tiers.group, params=params) as controller:
-        (first,) = controller.submit_write_pages([pairs([1], [0])])
-        assert first is not None and gate_in.wait(TIMEOUT_S)
-        ids = controller.submit_write_pages([pairs([p], [p]) for p in (2, 3, 4)])
-        assert ids[0] is not None and ids[1] is not None and ids[2] is None
-        gate_open.set()
-        for op_id in (first, ids[0], ids[1]):
-            assert op_id is not None
-            ack = controller.wait(op_id, TIMEOUT_S)
-            assert ack is not None and ack.ok
-        controller.check_integrity()
-        controller.close()
-        with pytest.raises(ControllerClosed):
-            controller.submit_write_pages([pairs([1], [0])], inline=True)

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -30,6 +31,8 @@ from kvstrata.pool_host import LayerCompletion, LayerLoad
 from kvstrata.pool_host.errors import LayerWaitTimeout
 
 logger = logging.getLogger(__name__)
+
+_Part = TypeVar("_Part")
 
 Finish = Callable[[int, AckStatus, int, BaseException | None], None]
 #: Acknowledge ops that all moved every page: (op id, pages) each, under one lock.
@@ -312,29 +315,28 @@ class _LoadStopped(Exception):
         self.position = position
 
 
+def _by_member(all_parts: list[Mapping[str, _Part]]) -> dict[str, list[_Part]]:
+    """Each member's parts of several writes or loads, members in order of first appearance,
+    parts in task order."""
+    parts: dict[str, list[_Part]] = {}
+    for moves in all_parts:
+        for name, part in moves.items():
+            parts.setdefault(name, []).append(part)
+    return parts
+
+
 def _merge_pages(all_pages: list[Mapping[str, PagePairs]]) -> dict[str, PagePairs]:
     """The page ids of several writes, concatenated per member (in task order)."""
-    names: list[str] = []
-    for pages in all_pages:
-        names.extend(n for n in pages if n not in names)
-    merged: dict[str, PagePairs] = {}
-    for name in names:
-        parts = [p[name] for p in all_pages if name in p]
-        merged[name] = (
-            np.concatenate([d for d, _ in parts]),
-            np.concatenate([h for _, h in parts]),
-        )
-    return merged
+    return {
+        name: (np.concatenate([d for d, _ in parts]), np.concatenate([h for _, h in parts]))
+        for name, parts in _by_member(all_pages).items()
+    }
 
 
 def _merge(all_moves: list[dict[str, PageMove]]) -> dict[str, PageMove]:
-    names: list[str] = []
-    for moves in all_moves:
-        names.extend(n for n in moves if n not in names)
-    merged: dict[str, PageMove] = {}
-    for name in names:
-        parts = [m[name] for m in all_moves if name in m]
-        merged[name] = PageMove(
+    return {
+        name: PageMove(
             device=torch.cat([p.device for p in parts]), host=torch.cat([p.host for p in parts])
         )
-    return merged
+        for name, parts in _by_member(list(all_moves)).items()
+    }
