@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,7 +148,9 @@ def test_submit_writes_validates_every_op_before_any_is_admitted() -> None:
             controller.submit_writes([good], inline=True)
 
 
-def test_submit_writes_past_the_queue_room_refuses_the_rest() -> None:
+@pytest.mark.parametrize("as_pages", [False, True], ids=["moves", "pages"])
+def test_submit_writes_past_the_queue_room_refuses_the_rest(as_pages: bool) -> None:
+    """`submit_writes` and `submit_write_pages` (the tiers' page ids) alike."""
     tiers = make_tiers("full")
     page = tiers.member_page_size("full")
     gate_in, gate_open = threading.Event(), threading.Event()
@@ -163,9 +166,13 @@ def test_submit_writes_past_the_queue_room_refuses_the_rest() -> None:
     with TierController(tiers.group, params=params) as controller:
         first = controller.submit_write(WriteOp(moves=full_move(page, [1], [0])))
         assert gate_in.wait(TIMEOUT_S)
-        ids = controller.submit_writes(
-            [WriteOp(moves=full_move(page, [p], [p])) for p in (2, 3, 4)]
-        )
+        if as_pages:
+            one = np.ones(1, dtype=np.int64)
+            ids = controller.submit_write_pages([{"full": (one * p, one * p)} for p in (2, 3, 4)])
+        else:
+            ids = controller.submit_writes(
+                [WriteOp(moves=full_move(page, [p], [p])) for p in (2, 3, 4)]
+            )
         assert ids[0] is not None and ids[1] is not None and ids[2] is None
         controller.check_integrity()
         gate_open.set()

@@ -197,7 +197,7 @@ def test_a_failed_write_leaves_no_host_state(hierarchy: Callable[..., Hierarchy]
     def broken(*args: object, **kwargs: object) -> None:
         raise OSError("copy engine fault")
 
-    h.cache.controller.group.backup = broken
+    h.cache.controller.group.backup_pages = broken  # the tiers write page ids
     a = list(range(1, 2 * P + 1))
     serve(h, a)
     node = node_at(h.tree, RadixKey(a))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -37,61 +37,23 @@ from kvstrata.hybrid_cache.ops import (
     BackupOp,
     LoadOp,
     OpKind,
+    PagePairs,
     PrefetchOp,
     PrefetchPolicy,
     PrefetchProgress,
     WriteOp,
 )
+from kvstrata.hybrid_cache.params import ControllerParams
 from kvstrata.hybrid_cache.storage_io import BackupTask, PrefetchTask, StorageRunner
 from kvstrata.hybrid_cache.transfers import LoadHandle, LoadTask, TransferRunner, WriteTask
 from kvstrata.hybrid_cache.workers import OpQueue, Worker
 from kvstrata.storage import Storage
 
+__all__ = ["ControllerParams", "TierController"]
+
 TaskT = TypeVar("TaskT", WriteTask, LoadTask, PrefetchTask, BackupTask)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ControllerParams:
-    """Tuning of a TierController. Defaults suit a scheduler that drains acks every step."""
-
-    queue_capacity: int = 256
-    """Operations that may wait per kind before a submit raises QueueFull."""
-    max_merge_ops: int = 64
-    """Consecutive writes (loads, backups) merged into one transfer, at most."""
-    storage_batch_pages: int = 128
-    """Pages per storage call: a prefetch checks its policy between calls."""
-    prefetch_host_share: float = 0.5
-    """Host pages held by prefetches in flight stay <= this share of each member's host pool."""
-    storage_call_timeout_s: float | None = None
-    """A storage call slower than this ends its prefetch at the last page before it (its pages
-    are not counted even if they arrive); None: no limit."""
-    verify_checksums: bool = True
-    """Store a CRC-32 beside each page on backup and check it on prefetch (storage_io.py)."""
-    run_inline: bool | None = None
-    """Run a load or prefetch submitted with `inline=True` (the caller waits for it at once)
-    and a batch of writes or backups given to `submit_writes` / `submit_backup(s)` with
-    `inline=True` on the caller's thread instead of handing it to a worker (backups only over
-    storage that is `in_process_memory`: a file or remote store's I/O overlaps on a worker).
-    None: when every device pool of the group is on the CPU (a copy there is a memcpy under the
-    GIL: a thread round trip buys no overlap and costs a GIL hand-off); False: always queue
-    (CUDA streams overlap with the forward)."""
-
-    def __post_init__(self) -> None:
-        if self.queue_capacity < 1 or self.max_merge_ops < 1 or self.storage_batch_pages < 1:
-            raise ValueError(
-                "queue_capacity, max_merge_ops and storage_batch_pages must be >= 1, got "
-                f"{self.queue_capacity}, {self.max_merge_ops}, {self.storage_batch_pages}"
-            )
-        if not 0.0 < self.prefetch_host_share <= 1.0:
-            raise ValueError(
-                f"prefetch_host_share must be in (0, 1], got {self.prefetch_host_share}"
-            )
-        if self.storage_call_timeout_s is not None and self.storage_call_timeout_s <= 0:
-            raise ValueError(
-                f"storage_call_timeout_s must be > 0, got {self.storage_call_timeout_s}"
-            )
 
 
 @dataclass(kw_only=True)
@@ -247,26 +209,56 @@ class TierController:
             checked = [self.group.count_moves(op.moves, copy=not now) for op in ops]
         else:
             checked = [self.group.check_moves(op.moves, copy=not now) for op in ops]
+        tasks = [
+            WriteTask(op_id=0, moves=moves, num_pages=num_pages, trusted=trusted)
+            for moves, num_pages in checked
+        ]
+        return self._submit_write_tasks(tasks, now)
+
+    def submit_write_pages(
+        self, ops: Sequence[Mapping[str, PagePairs]], *, inline: bool = False
+    ) -> list[int | None]:
+        """`submit_writes(..., trusted=True)` of writes given as page ids: per op, per member,
+        (device page ids, host page ids) as NumPy int64 arrays of equal length. The tiers'
+        path: the caller vouches for everything `check_moves` and the host pool's page plan
+        would check (known members; in range; no device page 0; no host page twice), none of
+        it is checked here or on the worker, and the pages go to the host pools' copy as they
+        are (no index tensor is made). The arrays must stay unchanged until the op's ack (the
+        batch runs before this returns with `inline=True` on a controller that
+        `runs_inline`). Returns and raises as `submit_writes`; the same acks and counters."""
+        tasks = [
+            WriteTask(
+                op_id=0,
+                moves={},
+                num_pages=sum(len(device) for device, _ in op.values()),
+                trusted=True,
+                pages=op,
+            )
+            for op in ops
+        ]
+        return self._submit_write_tasks(tasks, inline and self._inline)
+
+    def _submit_write_tasks(self, tasks: list[WriteTask], now: bool) -> list[int | None]:
+        """Admit `tasks` (op ids not yet given) oldest first: ids, None where the queue had no
+        room; run the admitted batch on this thread when `now`, else queue it (one wake-up)."""
         ids: list[int | None] = []
-        tasks: list[WriteTask] = []
+        admitted: list[WriteTask] = []
         with self._lock:
             if self._closed:
                 raise ControllerClosed(f"{OpKind.WRITE} submitted after close()")
             queue = self._write.queue
             room = queue.capacity - len(queue)
-            for moves, num_pages in checked:
-                if not now and len(tasks) >= room:
+            for task in tasks:
+                if not now and len(admitted) >= room:
                     ids.append(None)
                     continue
-                op_id = self._admit(OpKind.WRITE, num_pages, None)
-                tasks.append(
-                    WriteTask(op_id=op_id, moves=moves, num_pages=num_pages, trusted=trusted)
-                )
-                ids.append(op_id)
-            if tasks and not now:
-                queue.put_all(tasks)
-        if tasks and now:
-            self._run_inline_batches(self._write, tasks)
+                task.op_id = self._admit(OpKind.WRITE, task.num_pages, None)
+                admitted.append(task)
+                ids.append(task.op_id)
+            if admitted and not now:
+                queue.put_all(admitted)
+        if admitted and now:
+            self._run_inline_batches(self._write, admitted)
         return ids
 
     @property

@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvstrata.hybrid_cache.errors import InvalidOperation, InvalidPoolLayout, member_named
@@ -290,6 +292,18 @@ class PoolGroup:
         else:
             transfer = m.host.backup(m.device, device_indices, host_indices)
         transfer.wait()
+
+    def backup_pages(
+        self, name: str, device_pages: npt.NDArray[np.int64], host_pages: npt.NDArray[np.int64]
+    ) -> int:
+        """D2H of all layers of `name`'s device pages `device_pages[k]` into host pages
+        `host_pages[k]` (page ids the caller vouches for, as `backup(trusted=True)` takes its
+        indices: in range, no device page 0, no host page twice; nothing is checked or
+        converted); returns once the host bytes are complete. Returns the bytes of one page
+        of `name` (all layers)."""
+        m = self._members[name]
+        m.host.backup_planned(m.device, PagePlan(device_pages, host_pages)).wait()
+        return m.host.page_size_bytes
 
     def load_layers(
         self,

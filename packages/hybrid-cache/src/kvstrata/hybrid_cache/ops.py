@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 
@@ -81,6 +83,12 @@ class PageMove:
 
     device: torch.Tensor
     host: torch.Tensor
+
+
+#: One member's part of a trusted write (`TierController.submit_write_pages`): its device page
+#: ids and the host page ids they go to, 1-D int64 NumPy arrays of equal length (page ids, not
+#: token slots: slot s of a pool with pages of P slots is in page s // P).
+PagePairs = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -16,19 +16,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy as np
 import torch
 
 from kvstrata.hybrid_cache.errors import LayerLoadFailed, UnknownLayer
 from kvstrata.hybrid_cache.group import PoolGroup
 from kvstrata.hybrid_cache.metrics import ControllerStats, Direction
-from kvstrata.hybrid_cache.ops import AckStatus, OpKind, PageMove
+from kvstrata.hybrid_cache.ops import AckStatus, OpKind, PageMove, PagePairs
 from kvstrata.pool_host import LayerCompletion, LayerLoad
 from kvstrata.pool_host.errors import LayerWaitTimeout
 
 logger = logging.getLogger(__name__)
+
+_Part = TypeVar("_Part")
 
 Finish = Callable[[int, AckStatus, int, BaseException | None], None]
 #: Acknowledge ops that all moved every page: (op id, pages) each, under one lock.
@@ -105,6 +109,9 @@ class WriteTask:
     num_pages: int
     #: Submitted with `trusted=True`: the host pool takes its pages without checks.
     trusted: bool = False
+    #: Submitted as page ids (`TierController.submit_write_pages`, trusted): these, not
+    #: `moves`, name what moves; one page plan per member, no index tensor anywhere.
+    pages: Mapping[str, PagePairs] | None = None
 
 
 @dataclass(kw_only=True, eq=False)
@@ -137,7 +144,7 @@ class TransferRunner:
         self._stats.count_merged(OpKind.WRITE, len(tasks) - 1)
         if len(tasks) > 1:
             try:
-                self._write(_merge([t.moves for t in tasks]), all(t.trusted for t in tasks))
+                self._write_merged(tasks)
             except Exception:  # isolate the bad op: retried one by one below
                 logger.info(
                     "merged write of %d ops failed; retrying each", len(tasks), exc_info=True
@@ -147,7 +154,10 @@ class TransferRunner:
                 return
         for t in tasks:
             try:
-                self._write(t.moves, t.trusted)
+                if t.pages is not None:
+                    self._write_pages(t.pages)
+                else:
+                    self._write(t.moves, t.trusted)
             except Exception as exc:  # reported in the op's ack
                 logger.warning("write op %d failed", t.op_id, exc_info=True)
                 self._finish(t.op_id, AckStatus.FAILED, 0, exc)
@@ -184,6 +194,31 @@ class TransferRunner:
                 self._finish(t.op_id, AckStatus.FAILED, 0, error)
             else:
                 self._done(t)
+
+    def _write_merged(self, tasks: list[WriteTask]) -> None:
+        """One merged transfer per member of the tasks submitted as page ids, and one of
+        those submitted as moves (disjoint host pages: the order of the two does not matter)."""
+        paged = [t.pages for t in tasks if t.pages is not None]
+        if paged:
+            self._write_pages(paged[0] if len(paged) == 1 else _merge_pages(paged))
+        moved = [t for t in tasks if t.pages is None]
+        if moved:
+            self._write(_merge([t.moves for t in moved]), all(t.trusted for t in moved))
+
+    def _write_pages(self, pages: Mapping[str, PagePairs]) -> None:
+        """D2H of trusted page ids: one host-pool page plan per member, nothing converted."""
+        start = time.perf_counter()
+        num_pages = num_bytes = 0
+        for name, (device, host) in pages.items():
+            page_bytes = self._group.backup_pages(name, device, host)
+            num_pages += len(device)
+            num_bytes += len(device) * page_bytes
+        self._stats.count_transfer(
+            Direction.D2H,
+            num_pages=num_pages,
+            num_bytes=num_bytes,
+            seconds=time.perf_counter() - start,
+        )
 
     def _write(self, moves: dict[str, PageMove], trusted: bool) -> None:
         start = time.perf_counter()
@@ -280,14 +315,28 @@ class _LoadStopped(Exception):
         self.position = position
 
 
+def _by_member(all_parts: list[Mapping[str, _Part]]) -> dict[str, list[_Part]]:
+    """Each member's parts of several writes or loads, members in order of first appearance,
+    parts in task order."""
+    parts: dict[str, list[_Part]] = {}
+    for moves in all_parts:
+        for name, part in moves.items():
+            parts.setdefault(name, []).append(part)
+    return parts
+
+
+def _merge_pages(all_pages: list[Mapping[str, PagePairs]]) -> dict[str, PagePairs]:
+    """The page ids of several writes, concatenated per member (in task order)."""
+    return {
+        name: (np.concatenate([d for d, _ in parts]), np.concatenate([h for _, h in parts]))
+        for name, parts in _by_member(all_pages).items()
+    }
+
+
 def _merge(all_moves: list[dict[str, PageMove]]) -> dict[str, PageMove]:
-    names: list[str] = []
-    for moves in all_moves:
-        names.extend(n for n in moves if n not in names)
-    merged: dict[str, PageMove] = {}
-    for name in names:
-        parts = [m[name] for m in all_moves if name in m]
-        merged[name] = PageMove(
+    return {
+        name: PageMove(
             device=torch.cat([p.device for p in parts]), host=torch.cat([p.host for p in parts])
         )
-    return merged
+        for name, parts in _by_member(list(all_moves)).items()
+    }

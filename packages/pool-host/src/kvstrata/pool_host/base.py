@@ -38,6 +38,7 @@ import torch
 from kvstrata.core.histogram import LatencyHistogram
 from kvstrata.pool import KVPool
 from kvstrata.pool_host.completion import Direction, LayerCompletion, LayerLoad, Transfer
+from kvstrata.pool_host.copy_pages import RowCopy, row_copy
 from kvstrata.pool_host.errors import (
     BufferSizeMismatch,
     HostPoolTooSmall,
@@ -143,6 +144,11 @@ class HostPool(ABC, Generic[PoolT]):
         # The same rows seen by NumPy: a page view is then one NumPy index (no torch call).
         self._pages_np = None if self._pages is None else self._pages.numpy()
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # The compiled CPU gather-scatter of a backup's page rows (copy_pages.c), over every
+        # buffer in one call; None: the NumPy / torch copy (transfer.py), same bytes.
+        self._d2h_rows: RowCopy | None = (
+            row_copy(self._device_page_rows, self._host_rows) if self._copy_stream is None else None
+        )
         self._stats_lock = threading.Lock()
         self._calls: dict[Direction, int] = {"d2h": 0, "h2d": 0}
         self._pages_moved: dict[Direction, int] = {"d2h": 0, "h2d": 0}
@@ -232,9 +238,15 @@ class HostPool(ABC, Generic[PoolT]):
         if strategy is not CopyStrategy.empty and self.layout is HostLayout.page_first_direct:
             strategy = CopyStrategy.direct
 
+        compiled = self._d2h_rows if strategy is CopyStrategy.gather else None
+
         def body() -> int:
             if strategy is CopyStrategy.direct:
                 return self._backup_direct(device_pool, plan)
+            # Every buffer's rows in one C call; one it refuses (a page id out of range,
+            # nothing copied) takes the NumPy path, which raises as it always did.
+            if compiled is not None and compiled(plan.src_pages, plan.dst_pages):
+                return 1
             cache: dict[str, torch.Tensor] = {}
             return sum(
                 copy_rows(src, self._host_rows[i], plan, strategy, index_cache=cache)

@@ -345,7 +345,7 @@ class HostTier(HostWalks):
         receipt: HostReceipt,
         node: TreeNode,
         key: RadixKey,
-        new_slots: torch.Tensor,
+        new_slots: torch.Tensor | npt.NDArray[np.int64],
         *,
         keep_lock: bool = True,
     ) -> HostReceipt | None:
@@ -355,34 +355,40 @@ class HostTier(HostWalks):
         instead of matching the key from the root. Same effect, events and receipt as
         `commit`; falls back to it when `node` does not end at the key. With `keep_lock`
         False (nothing follows that needs the key's host copy locked, e.g. no backup) the
-        receipt is released and no new lock taken: returns None. O(depth)."""
+        receipt is released and no new lock taken: returns None. `new_slots` may be the
+        NumPy array of the slots (what the writer keeps: no tensor round trip). O(depth)."""
         end = len(key)
         missing: list[TreeNode] = []
         probe = node
         depth = 0
+        missing_len = 0  # tokens of the nodes without a host value
         closed = False  # a node below had a host value: every one above must too
         while probe.parent is not None:
+            n = len(probe.key) // TOKEN_BYTES
             if probe.host_value is None:
                 assert not closed, f"host values not prefix-closed above node {probe.id}"
                 missing.append(probe)
+                missing_len += n
             else:
                 closed = True
-            depth += probe.num_tokens
+            depth += n
             probe = probe.parent
         if depth != end or probe is not self.tree.root:
+            if isinstance(new_slots, np.ndarray):
+                new_slots = torch.from_numpy(new_slots)
             moved = self.commit(receipt, key, new_slots)
             if keep_lock:
                 return moved
             self.unlock(moved)
             return None
-        new = new_slots.numpy()
+        new = new_slots if isinstance(new_slots, np.ndarray) else new_slots.numpy()
         base = end - len(new)
         # Prefix-closed: the nodes without a host value are `node` and the ones right above.
-        pos = end - sum(item.num_tokens for item in missing)
+        pos = end - missing_len
         lo = pos - base
         assert lo >= 0, f"host commit: node {node.id} lacks a host copy inside the prefix"
         for item in reversed(missing):  # root side first, as `commit` (events in path order)
-            n = item.num_tokens
+            n = len(item.key) // TOKEN_BYTES
             self._set_host(item, new[lo : lo + n].copy())
             lo += n
         if pos > base:  # slots for pages that got a host copy meanwhile: not needed
@@ -506,6 +512,11 @@ class HostTier(HostWalks):
         self._check_in_tree(anchor)
         if anchor.parent is not None and anchor.host_value is None:
             raise NoHostCopy(f"node {anchor.id} has no host value to lock")
+        return self._lock(anchor)
+
+    def lock_trusted(self, anchor: TreeNode) -> HostReceipt:
+        """`lock` of a node the caller knows is in the tree with a host value, or the root
+        (e.g. `host_prefix` of a node it just device-locked): no check. O(depth)."""
         return self._lock(anchor)
 
     def _lock(self, anchor: TreeNode) -> HostReceipt:

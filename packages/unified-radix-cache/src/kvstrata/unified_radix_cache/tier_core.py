@@ -38,9 +38,10 @@ from kvstrata.hybrid_cache import (
     Ack,
     AckStatus,
     BackupOp,
+    PagePairs,
     TierController,
 )
-from kvstrata.pool_host import HostSlotAllocator
+from kvstrata.pool_host import HostSlotAllocator, vouched_pages
 from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.components.transfer import ComponentTransfer, TransferLeg
 from kvstrata.unified_radix_cache.errors import IntegrityError
@@ -102,7 +103,9 @@ class PendingMove:
 
 @dataclass(kw_only=True, eq=False)
 class PendingWrite(PendingMove):
-    host_slots: torch.Tensor  # host token slots of key[start:]
+    #: Host token slots of key[start:], as the NumPy array of the allocator's tensor (the
+    #: write reads them as page ids and the commit as node values: no tensor round trip).
+    host_slots: npt.NDArray[np.int64]
 
 
 @dataclass(kw_only=True, eq=False)
@@ -217,6 +220,9 @@ class TierCore:
         self.transfers = transfers
         group = controller.group
         self.page_bytes = group.page_bytes(FULL)
+        #: Slots per page of each member's pools (what page ids of a write are counted in).
+        self.member_pages = {name: group.member(name).host.page_size for name in group.member_names}
+        self.full_page = self.member_pages[FULL]
         #: Per other component: bytes of one page of its host pool, and its host page size.
         self.comp_page_bytes = {name: group.page_bytes(name) for name in transfers}
         self.comp_page_tokens = {name: a.page_size for name, a in self.component_hosts.items()}
@@ -321,7 +327,7 @@ class TierCore:
                     parts[component.name].append(slots)
         for p in self.pending.values():
             if isinstance(p, PendingWrite):
-                pages.append(p.host_slots.numpy())
+                pages.append(p.host_slots)
             elif isinstance(p, PendingPrefetch):
                 pages.append(p.host_slots[p.committed :].numpy())
             else:
@@ -344,6 +350,16 @@ class TierCore:
                     if leg.host is not None:
                         out[leg.name] += len(leg.host)
         return out
+
+    def move_pages(self, name: str, device: torch.Tensor, host: torch.Tensor) -> PagePairs:
+        """Page ids of member `name` for a write of device slots `device` into host slots
+        `host` (whole aligned pages, as the components' hooks hand them out: not checked),
+        new arrays the caller's tensors do not share."""
+        page = self.member_pages[name]
+        device_pages, host_pages = vouched_pages(device, page), vouched_pages(host, page)
+        if page == 1:  # vouched_pages made no new array
+            return device_pages.copy(), host_pages.copy()
+        return device_pages, host_pages
 
     def leg_bytes(self, leg: TransferLeg, num_slots: int) -> int:
         """Bytes `num_slots` host slots of `leg`'s component move (whole host pages)."""
@@ -368,6 +384,13 @@ class TierCore:
             raise
         return MoveLocks(device, host)
 
+    def lock_write(self, device_node: TreeNode, host_node: TreeNode) -> MoveLocks:
+        """`lock_move` of a write: `host_node` is `tier.host_prefix(device_node)` (the node
+        itself or an ancestor, with a host value or the root), so the device lock's check that
+        `device_node` is in the tree covers it, and the host lock takes its trusted walk."""
+        device = self.device_tree.lock(device_node)
+        return MoveLocks(device, self.tier.lock_trusted(host_node))
+
     def unlock_move(self, locks: MoveLocks) -> None:
         """Release both locks of `lock_move`."""
         self.tier.unlock(locks.host)
@@ -384,11 +407,14 @@ class TierCore:
         return freed
 
     def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
-        slots = self.host_allocator.alloc(num_tokens)
-        if slots is None:
-            self.evict_host(num_tokens - self.host_allocator.available_size())
-            slots = self.host_allocator.alloc(num_tokens)
-        return slots
+        """`num_tokens` host slots, host-evicting the shortfall first when the allocator has
+        fewer free (it refuses exactly then, changing nothing: asking first saves the refused
+        call). None when even the eviction leaves too few."""
+        allocator = self.host_allocator
+        short = num_tokens - allocator.available_size()
+        if short > 0:
+            self.evict_host(short)
+        return allocator.alloc(num_tokens)
 
     def alloc_component_host(self, name: str, num: int) -> torch.Tensor | None:
         """`num` host slots of component `name`; when its pool is short, host-evicts (in the

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from kvstrata.hybrid_cache import (
     Ack,
     AckStatus,
     BackupOp,
-    PageMove,
+    PagePairs,
     QueueFull,
-    WriteOp,
 )
 from kvstrata.unified_radix_cache.components.transfer import TransferLeg
 from kvstrata.unified_radix_cache.events import BlockStored
@@ -48,8 +49,8 @@ class TierWriter:
     def __init__(self, core: TierCore) -> None:
         self._core = core
         # Writes queued for the next batch: temporary id (negative, also the key of their
-        # record in `core.pending`) and the op to submit.
-        self._unsent: list[tuple[int, WriteOp]] = []
+        # record in `core.pending`) and the op to submit (page ids per member).
+        self._unsent: list[tuple[int, dict[str, PagePairs]]] = []
         self._unsent_ids = 0
         # Requests begun so far, and how many had begun when the oldest queued write was
         # queued (a queue that waited `write_batch` requests is sent even when short of one).
@@ -86,7 +87,7 @@ class TierWriter:
         ]
         if start >= end and not plans:
             return None
-        locks = core.lock_move(node, anchor)
+        locks = core.lock_write(node, anchor)
         num = end - start if end > start else 0
         slots = core.alloc_host(num) if num else NO_SLOTS
         if slots is None:
@@ -102,16 +103,18 @@ class TierWriter:
         if not num and not legs:
             core.unlock_move(locks)
             return None
-        moves: dict[str, PageMove] = {}
+        # Page ids, made once here from the tree's own slots (no index tensor on the way).
+        pages: dict[str, PagePairs] = {}
+        host_slots = slots.numpy()
         if num:
-            device_slots = core.device_full.to_device(run_above(node, num))
-            moves[FULL] = PageMove(device=device_slots, host=slots)
+            page = core.full_page
+            pages[FULL] = (run_above(node, num)[::page] // page, host_slots[::page] // page)
         for leg in legs:
             assert leg.host is not None
             device = core.transfers[leg.name].write_source(core, node, leg)
-            moves[leg.name] = PageMove(device=device, host=leg.host)
+            pages[leg.name] = core.move_pages(leg.name, device, leg.host)
         pending = PendingWrite(
-            key=key, start=start, locks=locks, legs=tuple(legs), host_slots=slots
+            key=key, start=start, locks=locks, legs=tuple(legs), host_slots=host_slots
         )
         # Queued, not yet submitted: a temporary negative id until `_flush_writes` hands the
         # batch to the controller (one wake-up of its worker for the whole batch).
@@ -121,7 +124,7 @@ class TierWriter:
             self._unsent_since = self._num_requests
         self._core.pending[temp_id] = pending
         self._core.num_unsent += 1
-        self._unsent.append((temp_id, WriteOp(moves=moves)))
+        self._unsent.append((temp_id, pages))
         if now or len(self._unsent) >= self._core.params.write_batch:
             return self.flush().get(temp_id)
         return temp_id
@@ -135,11 +138,9 @@ class TierWriter:
         submitted: dict[int, int] = {}
         if unsent:
             self._core.counters.write_batches += 1
-        # Trusted: the slots come from the tree's and the host tier's own allocators, over the
-        # group's pools (HierarchicalCache checks their sizes once, when built).
-        op_ids = self._core.controller.submit_writes(
-            [op for _, op in unsent], inline=True, trusted=True
-        )
+        # Trusted page ids: the slots come from the tree's and the host tier's own allocators,
+        # over the group's pools (HierarchicalCache checks their sizes once, when built).
+        op_ids = self._core.controller.submit_write_pages([op for _, op in unsent], inline=True)
         self._core.num_unsent -= len(unsent)
         for (temp_id, _), op_id in zip(unsent, op_ids, strict=True):
             pending = self._core.pending.pop(temp_id)
@@ -155,8 +156,8 @@ class TierWriter:
     def _roll_back_write(self, pending: PendingWrite) -> None:
         """Release what a write that moved nothing held: both locks, its host slots."""
         self._core.unlock_move(pending.locks)
-        if pending.host_slots.numel():
-            self._core.host_allocator.free(pending.host_slots)
+        if len(pending.host_slots):
+            self._core.host_allocator.free(torch.from_numpy(pending.host_slots))
         self._core.free_legs(pending.legs)
 
     def in_flight(self, node: TreeNode) -> bool:
@@ -197,7 +198,7 @@ class TierWriter:
             self._roll_back_write(pending)
             return
         core.device_tree.unlock(pending.device_receipt)
-        num = pending.host_slots.numel()
+        num = len(pending.host_slots)
         # The new host copy stays locked only for what follows that reads it: the components'
         # commits and a backup.
         locked = bool(pending.legs) or core.backups

@@ -1,0 +1,130 @@
+"""The compiled page-row copy of CPU backups (`copy_pages.c`) against the NumPy / torch path:
+twin pools, the host mirror of one built inside `kvstrata.pool.native.disabled()`, must end
+with the same host bytes and raise the same errors on every plan; the compiled call itself
+refuses what it cannot take without copying anything."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvstrata.pool import native
+from kvstrata.pool.base import DevicePool
+from kvstrata.pool_host import CopyStrategy, HostLayout, PagePlan
+from kvstrata.pool_host.base import HostPool
+from kvstrata.pool_host.copy_pages import RowCopy, row_copy
+from kvstrata.pool_host.errors import IndexOutOfRange
+from kvstrata.testkit.host_pools import (
+    HOST_CLASSES,
+    Family,
+    fill_random,
+    make_device_pool,
+    page_tokens,
+)
+
+pytestmark = pytest.mark.skipif(
+    row_copy([torch.zeros(2, 8, dtype=torch.uint8)], [torch.zeros(2, 8, dtype=torch.uint8)])
+    is None,
+    reason="no compiled page copy",
+)
+
+
+def host_bytes(host: HostPool[DevicePool], pages: set[int]) -> list[bytes]:
+    """The bytes of host `pages` (pages never written hold whatever the allocation held)."""
+    out = []
+    for p in sorted(pages):
+        buf = bytearray(host.page_size_bytes)
+        host.read_page_into(p, buf)
+        out.append(bytes(buf))
+    return out
+
+
+def twins(
+    family: Family, layout: HostLayout
+) -> tuple[DevicePool, HostPool[DevicePool], HostPool[DevicePool]]:
+    pool = make_device_pool(family, num_pages=24, num_layers=2)
+    fill_random(pool, seed=3)
+    cls = HOST_CLASSES[family]
+    fast = cls(pool, layout=layout, size=30 * pool.page_size)
+    with native.disabled():
+        slow = cls(pool, layout=layout, size=30 * pool.page_size)
+    return pool, fast, slow
+
+
+@pytest.mark.parametrize("layout", [HostLayout.page_first, HostLayout.layer_first], ids=str)
+@pytest.mark.parametrize("family", ["mha", "mamba"])
+def test_random_backups_give_the_same_host_bytes_as_the_numpy_path(
+    family: Family, layout: HostLayout
+) -> None:
+    pool, fast, slow = twins(family, layout)
+    assert fast._d2h_rows is not None and slow._d2h_rows is None
+    calls: list[int] = []
+    compiled = fast._d2h_rows
+
+    def spy(src: np.ndarray, dst: np.ndarray) -> bool:
+        calls.append(len(src))
+        return compiled(src, dst)
+
+    fast._d2h_rows = spy  # type: ignore[assignment]
+    rng = np.random.default_rng(7)
+    written: set[int] = set()
+    num_device = pool.num_rows // pool.page_size
+    for step in range(40):
+        n = int(rng.integers(0, 12))
+        src = rng.choice(np.arange(1, num_device), size=n, replace=False).astype(np.int64)
+        if step % 3 == 0:  # runs on both sides: packed rows copy them as one block
+            start = int(rng.integers(1, num_device - n)) if n < num_device - 1 else 1
+            src = np.arange(start, start + n, dtype=np.int64)
+        dst = rng.choice(np.arange(fast.num_pages), size=n, replace=False).astype(np.int64)
+        if step % 3 == 0:
+            dst = np.sort(dst)
+        for host in (fast, slow):
+            t = host.backup_planned(pool, PagePlan(src, dst))
+            assert t.num_pages == n
+        written.update(dst.tolist())
+        assert host_bytes(fast, written) == host_bytes(slow, written)
+        fill_random(pool, seed=100 + step)
+    assert calls  # the compiled copy answered
+
+
+def test_untrusted_backups_take_the_compiled_copy_and_keep_their_checks() -> None:
+    pool, fast, slow = twins("mha", HostLayout.page_first)
+    page = pool.page_size
+    for host in (fast, slow):
+        t = host.backup(pool, page_tokens([3, 1, 7], page), page_tokens([2, 9, 4], page))
+        assert t.strategy is CopyStrategy.gather
+    assert host_bytes(fast, {2, 9, 4}) == host_bytes(slow, {2, 9, 4})
+    for host in (fast, slow):
+        with pytest.raises(IndexOutOfRange):
+            host.backup(pool, page_tokens([3], page), page_tokens([99], page))
+
+
+def test_a_plan_out_of_range_raises_the_same_either_way() -> None:
+    pool, fast, slow = twins("mha", HostLayout.page_first)
+    bad = PagePlan(np.array([2, 500], dtype=np.int64), np.array([0, 1], dtype=np.int64))
+    before = host_bytes(fast, {0, 1})
+    errors = []
+    for host in (fast, slow):
+        with pytest.raises(IndexError) as info:
+            host.backup_planned(pool, bad)
+        errors.append(type(info.value))
+    assert errors[0] is errors[1]
+    assert host_bytes(fast, {0, 1}) == before  # the compiled call refused before any copy
+
+
+def test_row_copy_refuses_without_copying_and_converts_strided_plans() -> None:
+    src = [torch.arange(64, dtype=torch.uint8).view(8, 8)]
+    dst = [torch.zeros(4, 8, dtype=torch.uint8)]
+    copy = row_copy(src, dst)
+    assert isinstance(copy, RowCopy)
+    assert not copy(np.array([1, 8]), np.array([0, 1]))  # source page 8 of 8 rows
+    assert not copy(np.array([1]), np.array([-1]))
+    assert int(dst[0].sum()) == 0
+    strided = np.array([5, 0, 6, 0], dtype=np.int64)[::2]  # not contiguous
+    assert copy(strided, np.array([3, 2], dtype=np.int32))  # nor int64: converted
+    assert dst[0][3].tolist() == src[0][5].tolist() and dst[0][2].tolist() == src[0][6].tolist()
+    with pytest.raises(ValueError, match="equal length"):
+        copy(np.array([1, 2]), np.array([1]))
+    assert row_copy([torch.zeros(2, 8)], [torch.zeros(2, 8)]) is None  # not byte rows
+    assert row_copy(src, [torch.zeros(4, 4, dtype=torch.uint8)]) is None  # row lengths differ
