@@ -680,3 +680,124 @@ def test_a_trusted_prefetch_skips_the_checks_and_lands_the_same_pages(inline: bo
             controller.submit_prefetch(bad, inline=inline)
         assert checks == [N] and controller.prefetch_inflight_pages() == {"full": 0}
         controller.check_integrity()
+
+
+class _ExistsRaising(FaultInjectingStorage):
+    """A `batch_exists` holding one of `raise_exists` raises, a `batch_set` holding one of
+    `raise_set` raises (each whole call fails)."""
+
+    def __init__(
+        self, inner: Storage, *, raise_exists: frozenset[bytes], raise_set: frozenset[bytes]
+    ) -> None:
+        super().__init__(inner)
+        self.raise_exists = raise_exists
+        self.raise_set = raise_set
+
+    def _exists_prefix(self, keys: Sequence[bytes]) -> int:
+        if self.raise_exists & set(keys):
+            raise OSError("index unreachable")
+        return super()._exists_prefix(keys)
+
+    def _set_from(self, keys: Sequence[bytes], views: list[memoryview]) -> list[WriteResult]:
+        if self.raise_set & set(keys):
+            raise OSError("backend unreachable")
+        return super()._set_from(keys, views)
+
+
+def _runner(
+    tiers: Tiers,
+    storage: Storage,
+    acks: dict[int, tuple[AckStatus, int, BaseException | None]],
+    *,
+    batch_pages: int,
+) -> StorageRunner:
+    return StorageRunner(
+        group=tiers.group,
+        storage=storage,
+        stats=ControllerStats(),
+        finish=lambda op, status, done, error: acks.__setitem__(op, (status, done, error)),
+        clock=time.monotonic,
+        batch_pages=batch_pages,
+        call_timeout_s=None,
+        verify_checksums=True,
+    )
+
+
+@pytest.mark.parametrize("path", ["prefix", "members"])
+def test_a_raising_batch_exists_fails_its_backup_alone(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three merged backups: op 11's batch_exists raises (FAILED with the error, nothing of it
+    set), op 12's only batch_set raises (FAILED: nothing stored), op 10 is stored whole. Both
+    ways: the Full-only fast path and any group's path, the same acks and counters."""
+    taken: list[str] = []
+    prefix_path = StorageRunner._run_prefix_backups  # pyright: ignore[reportPrivateUsage]
+
+    def spy(self: StorageRunner, tasks: list[BackupTask], name: str) -> None:
+        taken.append(name)
+        prefix_path(self, tasks, name)
+
+    def members(self: StorageRunner, tasks: list[BackupTask], name: str) -> None:
+        self._run_member_backups(tasks)  # pyright: ignore[reportPrivateUsage]
+
+    monkeypatch.setattr(StorageRunner, "_run_prefix_backups", spy if path == "prefix" else members)
+    tiers = make_tiers("full", host_pages=32)
+    inner = MemoryStorage(capacity_bytes=1 << 24)
+    keys = [prefix_keys(tiers, 4, salt=s) for s in range(3)]
+    storage = _ExistsRaising(
+        inner, raise_exists=frozenset({keys[1][0]}), raise_set=frozenset({keys[2][0]})
+    )
+    acks: dict[int, tuple[AckStatus, int, BaseException | None]] = {}
+    runner = _runner(tiers, storage, acks, batch_pages=4)
+    tasks = [
+        BackupTask(
+            op_id=10 + i,
+            keys=tuple(k),
+            pages=tiers.group.check_keyed_pages(k, all_pages(tiers, list(range(4 * i, 4 * i + 4)))),
+        )
+        for i, k in enumerate(keys)
+    ]
+    runner.run_backups(tasks)
+    assert acks[10] == (AckStatus.DONE, 4, None)
+    for op in (11, 12):
+        assert acks[op][:2] == (AckStatus.FAILED, 0) and isinstance(acks[op][2], OSError)
+    assert [inner.batch_exists(k) for k in keys] == [4, 0, 0]
+    snap = runner.stats.snapshot()
+    assert snap.storage_faults[FaultReason.ERROR] == 2
+    assert snap.pages[Direction.STORAGE_SET] == 4
+    assert snap.backup_skipped_pages == 0
+    assert taken == (["full"] if path == "prefix" else [])
+
+
+@pytest.mark.parametrize("path", ["prefix", "members"])
+def test_a_raising_batch_exists_ends_the_prefetch_with_nothing_read(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefetch whose batch_exists raises: PARTIAL with 0 pages and the error, one ERROR
+    fault, no batch_get; the same both ways (Full-only fast path, any group's path)."""
+    taken = _prefetch_path(path, monkeypatch)
+    tiers = make_tiers("full")
+    inner = MemoryStorage(capacity_bytes=1 << 24)
+    keys = prefix_keys(tiers, N)
+    acks: dict[int, tuple[AckStatus, int, BaseException | None]] = {}
+    _runner(tiers, inner, acks, batch_pages=2).run_backups(
+        [BackupTask(op_id=1, keys=tuple(keys), pages={"full": tuple(range(N))})]
+    )
+    assert acks[1] == (AckStatus.DONE, N, None)
+    storage = _ExistsRaising(inner, raise_exists=frozenset({keys[0]}), raise_set=frozenset())
+    runner = _runner(tiers, storage, acks, batch_pages=2)
+    task = PrefetchTask(
+        op_id=2,
+        keys=tuple(keys),
+        pages={"full": tuple(range(10, 10 + N))},
+        policy=PrefetchPolicy.WAIT_COMPLETE,
+        deadline=None,
+    )
+    runner.run_prefetches([task])
+    assert acks[2][:2] == (AckStatus.PARTIAL, 0) and isinstance(acks[2][2], OSError)
+    assert task.ready_pages == 0
+    snap = runner.stats.snapshot()
+    assert snap.storage_faults[FaultReason.ERROR] == 1
+    assert snap.pages[Direction.STORAGE_GET] == 0
+    assert storage.stats().latency["get"].count == 0
+    assert taken == (["full"] if path == "prefix" else [])

@@ -4,11 +4,13 @@ page-by-page answers and errors."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from kvstrata.storage import MemoryStorage
+from kvstrata.storage import FileStorage, MemoryStorage
 from kvstrata.storage.base import WriteResult, flat_views, page_view
 from kvstrata.storage.errors import BatchLengthMismatch, InvalidBuffer, InvalidKey
 from kvstrata.storage.keys import SEED_CACHE_ENTRIES, PageKeyer
@@ -232,11 +234,21 @@ class _ShortKeys(MemoryStorage):
     max_key_bytes = 4
 
 
-def test_trusted_calls_give_the_checked_answers_and_counters() -> None:
+@pytest.mark.parametrize("backend", ["memory", "file"])
+def test_trusted_calls_give_the_checked_answers_and_counters(backend: str, tmp_path: Path) -> None:
     """`trusted=True` (the tiers' path: bytes keys, flat byte memoryviews) skips the key and
-    buffer checks and nothing else: the same results, pages and counters as the checked call."""
+    buffer checks and nothing else: the same results, pages and counters as the checked call,
+    on every backend (a file store reads and writes the caller's views as they are)."""
     pages = [bytes([i]) * 8 for i in range(5)]
-    stores = {trusted: MemoryStorage(capacity_bytes=1 << 20) for trusted in (False, True)}
+
+    def make(trusted: bool) -> MemoryStorage | FileStorage:
+        if backend == "memory":
+            return MemoryStorage(capacity_bytes=1 << 20)
+        root = tmp_path / str(trusted)
+        root.mkdir()
+        return FileStorage(root, capacity_bytes=1 << 20, namespace="trusted")
+
+    stores = {trusted: make(trusted) for trusted in (False, True)}
     for trusted, store in stores.items():
         assert (
             store.batch_set(_keys(3), list(map(memoryview, pages[:3])), trusted=trusted)
