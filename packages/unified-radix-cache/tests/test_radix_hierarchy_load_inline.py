@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -99,9 +100,9 @@ def test_an_inline_load_back_is_committed_when_start_returns(
     revived: list[TreeNode] = []
     original = HostWalks.revive_path
 
-    def spy(self: HostWalks, node: TreeNode, slots: Any, checker: Any) -> None:
+    def spy(self: HostWalks, node: TreeNode, slots: Any, checker: Any) -> bool:
         revived.append(node)
-        original(self, node, slots, checker)
+        return original(self, node, slots, checker)
 
     monkeypatch.setattr(HostWalks, "revive_path", spy)
     for h in _pair("full"):
@@ -187,4 +188,52 @@ def test_a_load_back_waits_for_no_queued_write(monkeypatch: pytest.MonkeyPatch) 
         cache.check_integrity()
         assert cache.counters.failed_ops == 0
     finally:
+        cache.controller.close()
+
+
+def test_an_inline_load_of_a_path_revived_meanwhile_commits_as_the_insert_does() -> None:
+    """The device room of a load may poll (`DeviceRoom.evict`), and that poll may commit an
+    earlier queued load of the same prefix: the nodes the inline load planned to revive are
+    on the device again when its ack comes. Its commit must then do what the insert commit
+    does (the slots loaded twice go back, the tree keeps the first load's), not hand its
+    slots to the wrong nodes."""
+    h = make_hierarchy("full", page_size=PAGE, device_pages=8, host_pages=16)
+    cache = h.cache
+    spare: torch.Tensor | None = None
+    try:
+        first = [1] * PAGE + [2] * PAGE + [3] * PAGE  # hits at most 2 pages
+        serve(h, first)
+        for k in range(3, 7):  # the device fills: the first prompt's pages leave it
+            serve(h, [k] * (2 * PAGE))
+        match = cache.match_prefix(RadixKey(first), max_len=2 * PAGE)
+        assert (match.device.prefix_len, match.host_hit_len) == (0, 2 * PAGE)
+        node = match.host_node
+        queued = cache.start_load_back(node)  # not wait_now: a worker runs it, its ack waits
+        deadline = time.monotonic() + 10.0
+        while cache.controller.num_pending() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert cache.controller.num_pending() == 0 and not queued.done
+        assert not len(node.value)
+        # No free device slot: the second load's room evicts, and its poll commits the first.
+        spare = h.allocator.alloc(h.allocator.available_size())
+        free_after_first = h.allocator.available_size()
+        inline = cache.start_load_back(node, wait_now=True)
+        assert queued.done and inline.done
+        first_back = queued.wait()
+        back = inline.wait()
+        assert first_back is not None and first_back.loaded_len == 2 * PAGE
+        assert back is not None and back.loaded_len == 2 * PAGE
+        assert len(node.value) == 2 * PAGE
+        assert back.match.last_node is node
+        assert back.match.device_indices.tolist() == h.tree.prefix_slots(node).tolist()
+        assert cache.num_pending == 0
+        if spare is not None:
+            h.allocator.free(spare)
+            spare = None
+        assert h.allocator.available_size() >= free_after_first  # nothing leaked
+        cache.check_integrity()
+        assert serve(h, first) == 2 * PAGE  # the tree's KV for the prefix, bit for bit
+    finally:
+        if spare is not None:
+            h.allocator.free(spare)
         cache.controller.close()
