@@ -191,47 +191,51 @@ def test_a_load_back_waits_for_no_queued_write(monkeypatch: pytest.MonkeyPatch) 
         cache.controller.close()
 
 
-def test_an_inline_load_of_a_path_revived_meanwhile_commits_as_the_insert_does() -> None:
+@pytest.mark.parametrize("upper", [False, True], ids=["same-node", "its-parent"])
+def test_an_inline_load_of_a_path_revived_meanwhile_commits_as_the_insert_does(
+    upper: bool,
+) -> None:
     """The device room of a load may poll (`DeviceRoom.evict`), and that poll may commit an
-    earlier queued load of the same prefix: the nodes the inline load planned to revive are
-    on the device again when its ack comes. Its commit must then do what the insert commit
-    does (the slots loaded twice go back, the tree keeps the first load's), not hand its
-    slots to the wrong nodes."""
+    earlier queued load of the same prefix (or of a shorter one): nodes the inline load
+    planned to revive are on the device again when its ack comes. Its commit must then do
+    what the insert commit does (the slots loaded twice go back, the tree keeps the first
+    load's), not hand its slots to the wrong nodes."""
     h = make_hierarchy("full", page_size=PAGE, device_pages=8, host_pages=16)
     cache = h.cache
     spare: torch.Tensor | None = None
     try:
         first = [1] * PAGE + [2] * PAGE + [3] * PAGE  # hits at most 2 pages
         serve(h, first)
-        for k in range(3, 7):  # the device fills: the first prompt's pages leave it
+        serve(h, [1] * PAGE + [4] * PAGE + [3] * PAGE)  # splits the first after one page
+        for k in range(5, 9):  # the device fills: both prompts' pages leave it
             serve(h, [k] * (2 * PAGE))
         match = cache.match_prefix(RadixKey(first), max_len=2 * PAGE)
         assert (match.device.prefix_len, match.host_hit_len) == (0, 2 * PAGE)
         node = match.host_node
-        queued = cache.start_load_back(node)  # not wait_now: a worker runs it, its ack waits
+        parent = node.parent
+        assert parent is not None and parent.num_tokens == PAGE and not len(parent.value)
+        queued = cache.start_load_back(parent if upper else node)  # a worker runs it
         deadline = time.monotonic() + 10.0
         while cache.controller.num_pending() and time.monotonic() < deadline:
             time.sleep(0.002)
-        assert cache.controller.num_pending() == 0 and not queued.done
-        assert not len(node.value)
+        assert cache.controller.num_pending() == 0 and not queued.done  # its ack waits
+        assert not len(node.value) and not len(parent.value)
         # No free device slot: the second load's room evicts, and its poll commits the first.
         spare = h.allocator.alloc(h.allocator.available_size())
-        free_after_first = h.allocator.available_size()
         inline = cache.start_load_back(node, wait_now=True)
         assert queued.done and inline.done
         first_back = queued.wait()
         back = inline.wait()
-        assert first_back is not None and first_back.loaded_len == 2 * PAGE
+        assert first_back is not None and first_back.loaded_len == (PAGE if upper else 2 * PAGE)
         assert back is not None and back.loaded_len == 2 * PAGE
-        assert len(node.value) == 2 * PAGE
+        assert len(node.value) == PAGE and len(parent.value) == PAGE
         assert back.match.last_node is node
         assert back.match.device_indices.tolist() == h.tree.prefix_slots(node).tolist()
         assert cache.num_pending == 0
         if spare is not None:
             h.allocator.free(spare)
             spare = None
-        assert h.allocator.available_size() >= free_after_first  # nothing leaked
-        cache.check_integrity()
+        cache.check_integrity()  # no slot leaked, no lock left
         assert serve(h, first) == 2 * PAGE  # the tree's KV for the prefix, bit for bit
     finally:
         if spare is not None:

@@ -56,7 +56,9 @@ class TierLoader:
         device: allocate device slots for its off-device part (evicting unlocked device data,
         never the prefix itself) and submit one layer-wise LoadOp. Returns at once; the caller
         waits per layer (`wait_layer`) and the nodes get their device slots only on the ack
-        (`TierLoad.wait`, `poll`, `drain`). Nothing to load or no device room: a done handle
+        (`TierLoad.wait`, `poll`, `drain`), except that with `wait_now` on a controller that
+        `runs_inline` the load runs on this thread and is committed before this returns (a
+        done handle). Nothing to load or no device room: a done handle
         with `loaded_len` 0 and the tree unchanged. Raises ForeignNode for a node not in the
         tree (e.g. host-evicted since the match)."""
         core = self._core
