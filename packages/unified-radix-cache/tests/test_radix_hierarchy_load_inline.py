@@ -241,3 +241,43 @@ def test_an_inline_load_of_a_path_revived_meanwhile_commits_as_the_insert_does(
         if spare is not None:
             h.allocator.free(spare)
         cache.controller.close()
+
+
+@pytest.mark.parametrize("run_inline", [True, False], ids=["inline", "queued"])
+def test_a_failed_load_back_in_begin_request_leaves_the_tree_as_it_was(
+    run_inline: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load whose copy raises: committed (inline: inside `start_load_back`) as a failure,
+    the same on both controllers: no hit, its device slots given back, its locks released,
+    one failed op, and the prefix still on the host."""
+    h = make_hierarchy(
+        "full",
+        page_size=PAGE,
+        device_pages=8,
+        host_pages=16,
+        controller_params=ControllerParams(run_inline=run_inline),
+    )
+    cache = h.cache
+    try:
+        first = [1] * PAGE + [2] * PAGE + [3] * PAGE  # hits at most 2 pages
+        serve(h, first)
+        for k in range(5, 9):  # the device fills: the first prompt's pages leave it
+            serve(h, [k] * (2 * PAGE))
+
+        def broken(*_args: object, **_kwargs: object) -> None:
+            raise OSError("copy engine fault")
+
+        monkeypatch.setattr(cache.controller.group, "load_layers", broken)
+        req = cache.begin_request(RadixKey(first))
+        assert req.hit.load is not None and req.hit.load.done
+        back = req.hit.load.wait()
+        assert back is not None and back.loaded_len == 0
+        assert (req.cached_len, req.hit.device_len, req.hit.host_len) == (0, 0, 0)
+        assert cache.counters.failed_ops == 1 and cache.counters.loaded_tokens == 0
+        assert cache.num_pending == 0
+        cache.abort_request(req)
+        match = cache.match_prefix(RadixKey(first), max_len=2 * PAGE)
+        assert (match.device.prefix_len, match.host_hit_len) == (0, 2 * PAGE)
+        cache.check_integrity()  # the load's slots freed, no lock left
+    finally:
+        cache.controller.close()
