@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -99,9 +100,9 @@ def test_an_inline_load_back_is_committed_when_start_returns(
     revived: list[TreeNode] = []
     original = HostWalks.revive_path
 
-    def spy(self: HostWalks, node: TreeNode, slots: Any, checker: Any) -> None:
+    def spy(self: HostWalks, node: TreeNode, slots: Any, checker: Any) -> bool:
         revived.append(node)
-        original(self, node, slots, checker)
+        return original(self, node, slots, checker)
 
     monkeypatch.setattr(HostWalks, "revive_path", spy)
     for h in _pair("full"):
@@ -186,5 +187,97 @@ def test_a_load_back_waits_for_no_queued_write(monkeypatch: pytest.MonkeyPatch) 
         cache.abort_request(back)
         cache.check_integrity()
         assert cache.counters.failed_ops == 0
+    finally:
+        cache.controller.close()
+
+
+@pytest.mark.parametrize("upper", [False, True], ids=["same-node", "its-parent"])
+def test_an_inline_load_of_a_path_revived_meanwhile_commits_as_the_insert_does(
+    upper: bool,
+) -> None:
+    """The device room of a load may poll (`DeviceRoom.evict`), and that poll may commit an
+    earlier queued load of the same prefix (or of a shorter one): nodes the inline load
+    planned to revive are on the device again when its ack comes. Its commit must then do
+    what the insert commit does (the slots loaded twice go back, the tree keeps the first
+    load's), not hand its slots to the wrong nodes."""
+    h = make_hierarchy("full", page_size=PAGE, device_pages=8, host_pages=16)
+    cache = h.cache
+    spare: torch.Tensor | None = None
+    try:
+        first = [1] * PAGE + [2] * PAGE + [3] * PAGE  # hits at most 2 pages
+        serve(h, first)
+        serve(h, [1] * PAGE + [4] * PAGE + [3] * PAGE)  # splits the first after one page
+        for k in range(5, 9):  # the device fills: both prompts' pages leave it
+            serve(h, [k] * (2 * PAGE))
+        match = cache.match_prefix(RadixKey(first), max_len=2 * PAGE)
+        assert (match.device.prefix_len, match.host_hit_len) == (0, 2 * PAGE)
+        node = match.host_node
+        parent = node.parent
+        assert parent is not None and parent.num_tokens == PAGE and not len(parent.value)
+        queued = cache.start_load_back(parent if upper else node)  # a worker runs it
+        deadline = time.monotonic() + 10.0
+        while cache.controller.num_pending() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert cache.controller.num_pending() == 0 and not queued.done  # its ack waits
+        assert not len(node.value) and not len(parent.value)
+        # No free device slot: the second load's room evicts, and its poll commits the first.
+        spare = h.allocator.alloc(h.allocator.available_size())
+        inline = cache.start_load_back(node, wait_now=True)
+        assert queued.done and inline.done
+        first_back = queued.wait()
+        back = inline.wait()
+        assert first_back is not None and first_back.loaded_len == (PAGE if upper else 2 * PAGE)
+        assert back is not None and back.loaded_len == 2 * PAGE
+        assert len(node.value) == PAGE and len(parent.value) == PAGE
+        assert back.match.last_node is node
+        assert back.match.device_indices.tolist() == h.tree.prefix_slots(node).tolist()
+        assert cache.num_pending == 0
+        if spare is not None:
+            h.allocator.free(spare)
+            spare = None
+        cache.check_integrity()  # no slot leaked, no lock left
+        assert serve(h, first) == 2 * PAGE  # the tree's KV for the prefix, bit for bit
+    finally:
+        if spare is not None:
+            h.allocator.free(spare)
+        cache.controller.close()
+
+
+@pytest.mark.parametrize("run_inline", [True, False], ids=["inline", "queued"])
+def test_a_failed_load_back_in_begin_request_leaves_the_tree_as_it_was(
+    run_inline: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load whose copy raises: committed (inline: inside `start_load_back`) as a failure,
+    the same on both controllers: no hit, its device slots given back, its locks released,
+    one failed op, and the prefix still on the host."""
+    h = make_hierarchy(
+        "full",
+        page_size=PAGE,
+        device_pages=8,
+        host_pages=16,
+        controller_params=ControllerParams(run_inline=run_inline),
+    )
+    cache = h.cache
+    try:
+        first = [1] * PAGE + [2] * PAGE + [3] * PAGE  # hits at most 2 pages
+        serve(h, first)
+        for k in range(5, 9):  # the device fills: the first prompt's pages leave it
+            serve(h, [k] * (2 * PAGE))
+
+        def broken(*_args: object, **_kwargs: object) -> None:
+            raise OSError("copy engine fault")
+
+        monkeypatch.setattr(cache.controller.group, "load_layers", broken)
+        req = cache.begin_request(RadixKey(first))
+        assert req.hit.load is not None and req.hit.load.done
+        back = req.hit.load.wait()
+        assert back is not None and back.loaded_len == 0
+        assert (req.cached_len, req.hit.device_len, req.hit.host_len) == (0, 0, 0)
+        assert cache.counters.failed_ops == 1 and cache.counters.loaded_tokens == 0
+        assert cache.num_pending == 0
+        cache.abort_request(req)
+        match = cache.match_prefix(RadixKey(first), max_len=2 * PAGE)
+        assert (match.device.prefix_len, match.host_hit_len) == (0, 2 * PAGE)
+        cache.check_integrity()  # the load's slots freed, no lock left
     finally:
         cache.controller.close()

@@ -284,18 +284,28 @@ class HostWalks:
 
     def revive_path(
         self, node: TreeNode, slots: npt.NDArray[np.int64], checker: SlotChecker | None
-    ) -> None:
+    ) -> bool:
         """`insert_full` of the key ending exactly at `node` with `slots` for the nodes below
         its nearest on-device ancestor (all off the device; one slot per token of theirs, top
         down) and the rest of the key the caller's cached prefix, without walking the key: a
         Full-only load-back's commit when nothing can have changed the path since the load
         was planned (`TierLoader`, inline). The same slot check and marks, tick, access times,
-        priorities (insert's priority 0), revives and heap pushes. O(depth)."""
+        priorities (insert's priority 0), revives and heap pushes. O(depth).
+
+        Returns False, changing nothing, when the off-device nodes above `node` do not hold
+        exactly `len(slots)` tokens: something revived part of the path since the load was
+        planned (the device room's poll may commit another load of it); the caller then
+        commits through the insert, which gives back the slots loaded twice."""
         path: list[TreeNode] = []
+        off_device = 0
         probe = node
         while probe.parent is not None:
             path.append(probe)
+            if not len(probe.value):
+                off_device += probe.num_tokens
             probe = probe.parent
+        if off_device != len(slots):
+            return False
         path.reverse()
         if checker is not None:
             checker.check(slots, 0, len(slots))
@@ -312,9 +322,9 @@ class HostWalks:
                 if checker is not None:
                     checker.hold(value)
                 at += n
-        assert at == len(slots), "the slots must cover the off-device nodes exactly"
         if node in self._device_heap:
             self._device_heap.push(node)  # re-key the leaf for its new access time
+        return True
 
     def _revive_on_insert(self, node: TreeNode, start: int, call: InsertCall) -> None:
         """Off-device `node`, at token `start` of an insert's key, takes the caller's slots."""

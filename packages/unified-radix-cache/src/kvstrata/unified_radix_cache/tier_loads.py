@@ -56,7 +56,9 @@ class TierLoader:
         device: allocate device slots for its off-device part (evicting unlocked device data,
         never the prefix itself) and submit one layer-wise LoadOp. Returns at once; the caller
         waits per layer (`wait_layer`) and the nodes get their device slots only on the ack
-        (`TierLoad.wait`, `poll`, `drain`). Nothing to load or no device room: a done handle
+        (`TierLoad.wait`, `poll`, `drain`), except that with `wait_now` on a controller that
+        `runs_inline` the load runs on this thread and is committed before this returns (a
+        done handle). Nothing to load or no device room: a done handle
         with `loaded_len` 0 and the tree unchanged. Raises ForeignNode for a node not in the
         tree (e.g. host-evicted since the match)."""
         core = self._core
@@ -125,7 +127,8 @@ class TierLoader:
         )
         if wait_now and core.controller.runs_inline:
             # The load ran on this thread (its ack is recorded): commit it now, as its wait
-            # would, with nothing in between that could change the path.
+            # would. (The device room above may have polled and committed another load of the
+            # same path meanwhile: `_commit_path` sees that and the insert commit runs.)
             ack = core.controller.wait(handle.op_id, 0)
             if ack is not None:
                 self._commit(pending, ack, node)
@@ -175,13 +178,20 @@ class TierLoader:
         self._commit(pending, ack, None)
 
     def _commit(self, pending: PendingLoad, ack: Ack, node: TreeNode | None) -> None:
-        """`commit`; `node`: the node the key ends at when nothing can have changed the path
-        since the load started (inline): a Full-only tree then revives the path from it
-        (`HostWalks.revive_path`) instead of walking the key again (the same state)."""
+        """`commit`; `node`: the node the key ends at, for a load committed in the call that
+        started it (inline): a Full-only tree then revives the path from it
+        (`HostWalks.revive_path`) instead of walking the key again (the same state), unless
+        part of the path came back to the device meanwhile (then the insert below)."""
         tree = self._core.device_tree
         anchor = pending.device_receipt.anchor
-        if ack.ok and node is not None and not pending.legs and not tree.components[1:]:
-            self._commit_path(pending, node)
+        if (
+            ack.ok
+            and node is not None
+            and not pending.legs
+            and not tree.components[1:]
+            and self._commit_path(pending, node)
+        ):
+            pass  # revived along the path
         elif ack.ok:
             loaded = pending.device_slots
             if loaded.device != tree.full_device:
@@ -223,18 +233,23 @@ class TierLoader:
             )
         self._core.unlock_move(pending.locks)
 
-    def _commit_path(self, pending: PendingLoad, node: TreeNode) -> None:
+    def _commit_path(self, pending: PendingLoad, node: TreeNode) -> bool:
         """An ok Full-only load whose key ends at `node`: the off-device nodes above it take
-        the loaded slots (the insert's revive, without its walk); nothing is a duplicate."""
+        the loaded slots (the insert's revive, without its walk); nothing is a duplicate.
+        False, changing nothing, when those nodes no longer hold exactly the loaded tokens
+        (`HostWalks.revive_path`)."""
         core = self._core
         tree = core.device_tree
         loaded = pending.device_slots
         if loaded.device.type != "cpu":
             loaded = loaded.cpu()
-        core.tier.revive_path(node, loaded.numpy(), tree._slot_checker)  # the insert's check
+        # The insert's slot check and marks.
+        if not core.tier.revive_path(node, loaded.numpy(), tree._slot_checker):
+            return False
         num = len(pending.key) - pending.start
         core.counters.loaded_tokens += num
         core.counters.bytes_h2d += num // core.page_size * core.page_bytes
         pending.load.result = LoadBack(
             num, MatchResult(len(pending.key), tree.prefix_slots(node), node)
         )
+        return True

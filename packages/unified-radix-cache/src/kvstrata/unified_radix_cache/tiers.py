@@ -114,9 +114,10 @@ class TierLoad:
     `wait_layer(i)` returns once layer i's pages are on the device, so an engine's attention
     for layer i waits only for layer i; the tree commits the load (the nodes get their device
     slots back) only on the op's acknowledgement: at `wait()`, or at the cache's next `poll` /
-    `drain`. Until then the loaded slots are not in the tree and a request must not be built
-    on them. A load that was not started (nothing to load, no device room) is done at once
-    with `loaded_len` 0. `num_tokens`: tokens being loaded.
+    `drain` (a load started with `wait_now=True` on a controller that runs it inline: before
+    `start_load_back` returns). Until then the loaded slots are not in the tree and a request
+    must not be built on them. A load that was not started (nothing to load, no device room)
+    is done at once with `loaded_len` 0. `num_tokens`: tokens being loaded.
     """
 
     def __init__(
