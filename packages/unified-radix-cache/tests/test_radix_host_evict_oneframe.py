@@ -22,6 +22,7 @@ from kvstrata.testkit.trees import make_full_allocator
 from kvstrata.unified_radix_cache import FullComponent, HostTier, UnifiedRadixCache
 from kvstrata.unified_radix_cache import host_tier as host_tier_module
 from kvstrata.unified_radix_cache.node import TreeNode
+from kvstrata.unified_radix_cache.policies import LeafHeap
 
 P = 4
 
@@ -220,3 +221,53 @@ def test_only_the_exact_classes_take_the_one_frame_loops(
     tree = tree_cls([full_cls(make_full_allocator(size=64, page_size=P))], page_size=P)
     tier = tier_cls(tree, make_full_allocator(size=64, page_size=P))
     assert tier._one_frame is one_frame
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_an_error_inside_host_eviction_leaves_the_per_node_loops_state(
+    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch, walks: str, nth: int
+) -> None:
+    """Host eviction has no roll-back: an exception from inside it (here the `nth` push of a
+    parent that became a candidate, after the push) leaves the nodes already taken out gone
+    and their host slots not yet freed. The one-frame loop must leave that state exactly as
+    the per-node loop does, sizes and node count included."""
+    made = []
+    for _ in range(2):
+        h = make_hierarchy("full", page_size=P, device_pages=9, host_pages=16)
+        closing.append(h)
+        made.append(h)
+    fast, slow = made
+    tiers = []
+    for h in made:
+        tier = h.tree.host_tier
+        assert isinstance(tier, HostTier)
+        tiers.append(tier)
+    tiers[1].evict = tiers[1]._evict_each
+    for tokens in _requests()[:12]:
+        for h in made:
+            serve(h, tokens)
+    assert _state(fast) == _state(slow)
+    pushes: dict[int, int] = {}
+    original = LeafHeap.push
+
+    def failing(heap: LeafHeap, node: TreeNode) -> None:
+        original(heap, node)
+        for tier in tiers:
+            if heap is tier.heap:
+                pushes[id(tier)] = pushes.get(id(tier), 0) + 1
+                if pushes[id(tier)] == nth:
+                    raise RuntimeError("injected")
+
+    monkeypatch.setattr(LeafHeap, "push", failing)
+    for tier in tiers:
+        with pytest.raises(RuntimeError, match="injected"):
+            tier.evict(10**6)
+    monkeypatch.undo()
+    assert pushes == {id(tiers[0]): nth, id(tiers[1]): nth}
+    # The per-node loop leaves the removed nodes' (empty) device values queued on Full; the
+    # next operation's flush drops them, freeing nothing.
+    for h in made:
+        h.tree.flush_pending()
+    assert _state(fast) == _state(slow)
+    assert fast.tree.num_nodes == slow.tree.num_nodes
+    assert tiers[0].evicted_total == tiers[1].evicted_total > 0

@@ -124,37 +124,41 @@ def evict_host_full(tier: HostTier, amount: int) -> int:
     values: list[npt.NDArray[np.int64]] = []
     tokens = 0
     gone = 0
-    while tokens < amount:
-        node = heap.pop()
-        if node is None:
-            break
-        value = node.host_value
-        assert value is not None, f"host candidate {node.id} without a host value"
-        assert not node.children and node.lock_ref == 0 and not len(node.value), (
-            f"host candidate {node.id} is not an off-device leaf"
-        )
-        node.host_value = None
-        values.append(value)
-        tokens += len(value)
-        if tree._last_walk is not None:
-            tree._forget_walk()
-        parent = node.parent
-        assert parent is not None, "the root is never a candidate"
-        first = node.key[:page_bytes]
-        children = parent.children
-        del children[(node.namespace, first) if parent is root else first]
-        node.parent = None
-        gone += 1
-        if parent.parent is not None:
-            if not children:
-                parent.children = NO_CHILDREN
-            if len(parent.value):
-                tier._maybe_device_leaf(parent)
-            elif not parent.children and parent.host_lock_ref == 0:
-                heap.push(parent)  # `_maybe_host_candidate`
-    tier.evictable_size -= tokens
-    tier.evicted_total += tokens
-    tree.num_nodes -= gone
+    try:
+        while tokens < amount:
+            node = heap.pop()
+            if node is None:
+                break
+            value = node.host_value
+            assert value is not None, f"host candidate {node.id} without a host value"
+            assert not node.children and node.lock_ref == 0 and not len(node.value), (
+                f"host candidate {node.id} is not an off-device leaf"
+            )
+            node.host_value = None
+            values.append(value)
+            tokens += len(value)
+            if tree._last_walk is not None:
+                tree._forget_walk()
+            parent = node.parent
+            assert parent is not None, "the root is never a candidate"
+            first = node.key[:page_bytes]
+            children = parent.children
+            del children[(node.namespace, first) if parent is root else first]
+            node.parent = None
+            gone += 1
+            if parent.parent is not None:
+                if not children:
+                    parent.children = NO_CHILDREN
+                if len(parent.value):
+                    tier._maybe_device_leaf(parent)
+                elif not parent.children and parent.host_lock_ref == 0:
+                    heap.push(parent)  # `_maybe_host_candidate`
+    finally:
+        # On an error from inside the loop too: the nodes already out of the tree are counted
+        # as the per-node loop counts them (neither rolls back; their host slots stay unfreed).
+        tier.evictable_size -= tokens
+        tier.evicted_total += tokens
+        tree.num_nodes -= gone
     tree.flush_pending()
     if values:
         tier.host.free(torch.from_numpy(np.concatenate(values)))
