@@ -5,7 +5,8 @@ general path it replaces (`evict_targets` over the tier's per-node walk,
 nodes (same victims, demotions, splits, heaps, host candidates, free lists), and refuse the
 same evicts (HeldSlotsNotAllocated, HeldSlotsRepeated) with the same message and nothing
 changed. The slow twin's host eviction takes the per-node path too (`HostTier._evict_each`),
-so the load-backs and writes between the evicts compare the one-frame host eviction as well."""
+but these requests never fill the host: test_radix_host_evict_oneframe.py compares the
+one-frame host eviction."""
 
 from __future__ import annotations
 

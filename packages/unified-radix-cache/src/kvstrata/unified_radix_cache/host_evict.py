@@ -5,7 +5,8 @@ without leaves the tree) and `HostTier.evict` (host eviction: off-device candida
 tree, their host pages go back in one free) send a tree without other components here. Each
 does the general path's steps in the same order (journal records, heap pops and pushes, splits,
 events, sizes, frees), with the per-node helper calls inlined: same victims, same order, same
-errors and the same roll-back (the tree's `EvictJournal` sees the same records).
+errors and the same roll-back (the tree's `EvictJournal` sees the same records). They serve
+only a tree of the exact classes (`serves`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
+from kvstrata.unified_radix_cache.policies import LeafHeap
+from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.components.base import SlotSink
-    from kvstrata.unified_radix_cache.components.full import FullComponent
-    from kvstrata.unified_radix_cache.policies import LeafHeap
-    from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 
 class HostTier(Protocol):
@@ -42,6 +43,21 @@ class HostTier(Protocol):
 
 
 _NO_SLOTS = np.empty(0, dtype=np.int64)
+
+
+def serves(tree: UnifiedRadixCache) -> bool:
+    """Whether these loops may serve `tree`'s host tier: a Full-only tree whose tree, Full
+    component and device heap are of the exact classes. The loops inline `remove_leaf`,
+    `FullComponent.queue_free` / `release` and the heap's membership test, so a subclass of
+    any of them keeps its overrides (the per-node loops call them), as the compiled
+    device-only eviction does (`native_core.install`)."""
+    components = tree.components
+    return (
+        len(components) == 1
+        and type(tree) is UnifiedRadixCache
+        and type(components[0]) is FullComponent
+        and type(components[0].heap) is LeafHeap
+    )
 
 
 def evict_device_full(tier: HostTier, amount: int) -> int:
@@ -108,37 +124,41 @@ def evict_host_full(tier: HostTier, amount: int) -> int:
     values: list[npt.NDArray[np.int64]] = []
     tokens = 0
     gone = 0
-    while tokens < amount:
-        node = heap.pop()
-        if node is None:
-            break
-        value = node.host_value
-        assert value is not None, f"host candidate {node.id} without a host value"
-        assert not node.children and node.lock_ref == 0 and not len(node.value), (
-            f"host candidate {node.id} is not an off-device leaf"
-        )
-        node.host_value = None
-        values.append(value)
-        tokens += len(value)
-        if tree._last_walk is not None:
-            tree._forget_walk()
-        parent = node.parent
-        assert parent is not None, "the root is never a candidate"
-        first = node.key[:page_bytes]
-        children = parent.children
-        del children[(node.namespace, first) if parent is root else first]
-        node.parent = None
-        gone += 1
-        if parent.parent is not None:
-            if not children:
-                parent.children = NO_CHILDREN
-            if len(parent.value):
-                tier._maybe_device_leaf(parent)
-            elif not parent.children and parent.host_lock_ref == 0:
-                heap.push(parent)  # `_maybe_host_candidate`
-    tier.evictable_size -= tokens
-    tier.evicted_total += tokens
-    tree.num_nodes -= gone
+    try:
+        while tokens < amount:
+            node = heap.pop()
+            if node is None:
+                break
+            value = node.host_value
+            assert value is not None, f"host candidate {node.id} without a host value"
+            assert not node.children and node.lock_ref == 0 and not len(node.value), (
+                f"host candidate {node.id} is not an off-device leaf"
+            )
+            node.host_value = None
+            values.append(value)
+            tokens += len(value)
+            if tree._last_walk is not None:
+                tree._forget_walk()
+            parent = node.parent
+            assert parent is not None, "the root is never a candidate"
+            first = node.key[:page_bytes]
+            children = parent.children
+            del children[(node.namespace, first) if parent is root else first]
+            node.parent = None
+            gone += 1
+            if parent.parent is not None:
+                if not children:
+                    parent.children = NO_CHILDREN
+                if len(parent.value):
+                    tier._maybe_device_leaf(parent)
+                elif not parent.children and parent.host_lock_ref == 0:
+                    heap.push(parent)  # `_maybe_host_candidate`
+    finally:
+        # On an error from inside the loop too: the nodes already out of the tree are counted
+        # as the per-node loop counts them (neither rolls back; their host slots stay unfreed).
+        tier.evictable_size -= tokens
+        tier.evicted_total += tokens
+        tree.num_nodes -= gone
     tree.flush_pending()
     if values:
         tier.host.free(torch.from_numpy(np.concatenate(values)))

@@ -57,7 +57,7 @@ from kvstrata.unified_radix_cache.errors import (
     TreeLocked,
 )
 from kvstrata.unified_radix_cache.events import EventLog, KVEvent
-from kvstrata.unified_radix_cache.host_evict import evict_device_full, evict_host_full
+from kvstrata.unified_radix_cache.host_evict import evict_device_full, evict_host_full, serves
 from kvstrata.unified_radix_cache.host_walks import HostWalks
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
 from kvstrata.unified_radix_cache.node import HeapEntry, TreeNode
@@ -133,6 +133,8 @@ class HostTier(HostWalks):
         if any(c.host is not None for c in extras):
             raise InvalidConfig("a component of this tree already has a host sink")
         super().__init__(tree, LeafHeap(make_policy(eviction_policy)))
+        # A subclass keeps the per-node helpers the one-frame loops inline.
+        self._one_frame = type(self) is HostTier and serves(tree)
         self.host = host
         self.keyer = keyer
         self._log = EventLog(keyer)
@@ -159,8 +161,9 @@ class HostTier(HostWalks):
         """Free at least `amount` device tokens from device leaves in policy order, the last one
         page-granular (split; the tail goes). A leaf with a host copy goes off the device and
         stays; one without leaves the tree. Slots are queued on Full (the tree flushes).
-        A Full-only tree takes `host_evict.evict_device_full` (the same steps in one frame)."""
-        if not self._extras:
+        A Full-only tree (exact classes) takes `host_evict.evict_device_full` (the same steps
+        in one frame)."""
+        if self._one_frame:
             return evict_device_full(self, amount)
         return self._evict_device_each(amount)
 
@@ -411,9 +414,9 @@ class HostTier(HostWalks):
         """Free at least `amount` host tokens (or all that may go): whole off-device, childless,
         host-unlocked nodes in the host policy's order; each leaves the tree. Returns the host
         tokens freed (handed to the host allocator before this returns). O(k log n).
-        A Full-only tree without events takes `host_evict.evict_host_full` (the same steps
-        in one frame)."""
-        if not self._extras and not self.events_on and self.tree._journal is None:
+        A Full-only tree (exact classes) without events takes `host_evict.evict_host_full`
+        (the same steps in one frame)."""
+        if self._one_frame and not self.events_on and self.tree._journal is None:
             return evict_host_full(self, amount)
         return self._evict_each(amount)
 
