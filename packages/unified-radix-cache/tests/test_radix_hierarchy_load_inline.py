@@ -164,15 +164,15 @@ def test_a_load_back_waits_for_no_queued_write(monkeypatch: pytest.MonkeyPatch) 
         assert cache.writer.num_unsent == 1  # queued (write_batch 64), not sent
 
         group = cache.controller.group
-        original = group.backup
+        original = group.backup_pages  # the tiers' writes copy page ids (submit_write_pages)
         entered, gate = threading.Event(), threading.Event()
 
-        def held_backup(*args: Any, **kwargs: Any) -> None:
+        def held_backup(*args: Any, **kwargs: Any) -> Any:
             entered.set()
             assert gate.wait(10.0)
-            original(*args, **kwargs)
+            return original(*args, **kwargs)
 
-        monkeypatch.setattr(group, "backup", held_backup)
+        monkeypatch.setattr(group, "backup_pages", held_backup)
         try:
             first_ids = torch.tensor(first, dtype=torch.int64)
             back = cache.begin_request(RadixKey(first_ids))  # loads the first prompt back
