@@ -186,3 +186,35 @@ def test_row_copy_refuses_buffers_it_cannot_take() -> None:
     ):
         with pytest.raises(ValueError, match="RowCopy"):
             RowCopy(cast(copy_pages.CopyModule, module), src, dst)
+
+
+def test_the_compiled_call_raises_on_arguments_it_cannot_take() -> None:
+    """The extension's own argument checks (no crash, no copy, buffers released: run under
+    `python -X dev` in CI)."""
+    module = native.native_extension(copy_pages.SOURCE, copy_pages.MODULE_NAME).module
+    assert module is not None
+    src = torch.arange(16, dtype=torch.uint8).view(2, 8)
+    dst = torch.zeros(2, 8, dtype=torch.uint8)
+    table = np.array([src.data_ptr(), 8, dst.data_ptr(), 8, 8], dtype=np.int64)
+    one = np.ones(1, dtype=np.int64)
+    copy = module.copy_pages
+    with pytest.raises(TypeError):
+        copy(table, 2, 2, one)  # four arguments
+    with pytest.raises(TypeError):
+        copy(table, "2", 2, one, one)  # a row count that is not an int
+    with pytest.raises(TypeError):
+        copy(table, 2, 2, [1], one)  # not a buffer
+    with pytest.raises(TypeError, match="dst_pages must be an int64 array"):
+        copy(table, 2, 2, one, one.astype(np.int32))
+    with pytest.raises(TypeError, match="table must be an int64 array"):
+        copy(table.astype(np.float64), 2, 2, one, one)
+    with pytest.raises(ValueError, match="contiguous"):  # NumPy's refusal of the buffer
+        copy(table, 2, 2, np.ones(4, dtype=np.int64)[::2], np.ones(2, dtype=np.int64))
+    with pytest.raises(ValueError, match="5 entries per buffer"):
+        copy(table[:4], 2, 2, one, one)
+    with pytest.raises(ValueError, match="equal length"):
+        copy(table, 2, 2, one, np.ones(2, dtype=np.int64))
+    assert copy(table, 2, 2, one, np.array([2], dtype=np.int64)) == -1  # row 2 of 2
+    assert int(dst.sum()) == 0
+    assert copy(table, 2, 2, one, np.zeros(1, dtype=np.int64)) == 1
+    assert dst[0].tolist() == src[1].tolist()
