@@ -127,3 +127,56 @@ def test_a_merged_page_write_that_raises_is_retried_op_by_op() -> None:
         status = [acks[i].status for i in ids if i is not None]
         assert status == [AckStatus.DONE, AckStatus.FAILED, AckStatus.DONE]
         controller.check_integrity()
+
+
+def test_a_merged_batch_of_moves_and_page_ids_writes_in_submit_order() -> None:
+    """Two queued writes of one host page, the older given as moves, the newer as page ids,
+    merged into one batch on the worker: the host page ends with the newer one's bytes, as
+    when both are moves (queue order, whatever API each came through)."""
+    tiers = tk.make_tiers("full")
+    pool = tk.device_pools(tiers)["full"]
+    page = tiers.member_page_size("full")
+    tk.scramble(pool, tk.page_indices([1, 2, 3], page), seed=11)
+    newer_bytes = tk.snapshot(pool, tk.page_indices([2], page))
+    gate_in, gate_open = threading.Event(), threading.Event()
+    backup = tiers.group.backup
+
+    def held(*args: object, **kwargs: object) -> object:
+        gate_in.set()
+        assert gate_open.wait(TIMEOUT_S)
+        return backup(*args, **kwargs)  # type: ignore[arg-type]
+
+    tiers.group.backup = held  # type: ignore[method-assign]
+
+    def move(device: int, host: int) -> WriteOp:
+        return WriteOp(
+            moves={
+                "full": PageMove(
+                    device=tk.page_indices([device], page), host=tk.page_indices([host], page)
+                )
+            }
+        )
+
+    with TierController(tiers.group, params=ControllerParams(run_inline=False)) as controller:
+        first = controller.submit_write(move(3, 7))  # holds the worker: the next two queue
+        assert gate_in.wait(TIMEOUT_S)
+        older = controller.submit_writes([move(1, 4)], trusted=True)[0]
+        newer = controller.submit_write_pages([pairs([2], [4])])[0]
+        gate_open.set()
+        for op_id in (first, older, newer):
+            ack = controller.wait(op_id, TIMEOUT_S) if op_id is not None else None
+            assert ack is not None and ack.ok
+        assert controller.stats.snapshot().merged[OpKind.WRITE] == 1  # one batch of the two
+        tk.scramble(pool, tk.page_indices([2], page), seed=5)
+        handle = controller.submit_load(
+            LoadOp(
+                moves={
+                    "full": PageMove(
+                        device=tk.page_indices([2], page), host=tk.page_indices([4], page)
+                    )
+                }
+            ),
+            inline=True,
+        )
+        assert handle.wait_all(TIMEOUT_S)
+    tk.assert_pages_equal(pool, tk.page_indices([2], page), newer_bytes, what="host page 4")

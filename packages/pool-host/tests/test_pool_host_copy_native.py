@@ -5,13 +5,15 @@ refuses what it cannot take without copying anything."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import pytest
 import torch
 
 from kvstrata.pool import native
 from kvstrata.pool.base import DevicePool
-from kvstrata.pool_host import CopyStrategy, HostLayout, PagePlan
+from kvstrata.pool_host import CopyStrategy, HostLayout, PagePlan, copy_pages
 from kvstrata.pool_host.base import HostPool
 from kvstrata.pool_host.copy_pages import RowCopy, row_copy
 from kvstrata.pool_host.errors import IndexOutOfRange
@@ -59,12 +61,13 @@ def test_random_backups_give_the_same_host_bytes_as_the_numpy_path(
 ) -> None:
     pool, fast, slow = twins(family, layout)
     assert fast._d2h_rows is not None and slow._d2h_rows is None
-    calls: list[int] = []
+    calls: list[bool] = []
     compiled = fast._d2h_rows
 
     def spy(src: np.ndarray, dst: np.ndarray) -> bool:
-        calls.append(len(src))
-        return compiled(src, dst)
+        done = compiled(src, dst)
+        calls.append(done)
+        return done
 
     fast._d2h_rows = spy  # type: ignore[assignment]
     rng = np.random.default_rng(7)
@@ -85,15 +88,27 @@ def test_random_backups_give_the_same_host_bytes_as_the_numpy_path(
         written.update(dst.tolist())
         assert host_bytes(fast, written) == host_bytes(slow, written)
         fill_random(pool, seed=100 + step)
-    assert calls  # the compiled copy answered
+    # The compiled copy answered, every time (a refusal would let the NumPy path copy the
+    # same bytes and the comparison above pass without it).
+    assert calls and all(calls)
 
 
 def test_untrusted_backups_take_the_compiled_copy_and_keep_their_checks() -> None:
     pool, fast, slow = twins("mha", HostLayout.page_first)
     page = pool.page_size
+    compiled = fast._d2h_rows
+    assert compiled is not None
+    answers: list[bool] = []
+
+    def spy(src: np.ndarray, dst: np.ndarray) -> bool:
+        answers.append(compiled(src, dst))
+        return answers[-1]
+
+    fast._d2h_rows = spy  # type: ignore[assignment]
     for host in (fast, slow):
         t = host.backup(pool, page_tokens([3, 1, 7], page), page_tokens([2, 9, 4], page))
         assert t.strategy is CopyStrategy.gather
+    assert answers == [True]  # the compiled copy moved them
     assert host_bytes(fast, {2, 9, 4}) == host_bytes(slow, {2, 9, 4})
     for host in (fast, slow):
         with pytest.raises(IndexOutOfRange):
@@ -124,7 +139,82 @@ def test_row_copy_refuses_without_copying_and_converts_strided_plans() -> None:
     strided = np.array([5, 0, 6, 0], dtype=np.int64)[::2]  # not contiguous
     assert copy(strided, np.array([3, 2], dtype=np.int32))  # nor int64: converted
     assert dst[0][3].tolist() == src[0][5].tolist() and dst[0][2].tolist() == src[0][6].tolist()
-    with pytest.raises(ValueError, match="equal length"):
-        copy(np.array([1, 2]), np.array([1]))
+    before = dst[0].clone()
+    assert not copy(np.array([1, 2]), np.array([1]))  # lengths differ: refused, NumPy decides
+    assert not copy(np.array([1.0]), np.array([0]))  # float ids are not truncated
+    assert torch.equal(dst[0], before)
     assert row_copy([torch.zeros(2, 8)], [torch.zeros(2, 8)]) is None  # not byte rows
     assert row_copy(src, [torch.zeros(4, 4, dtype=torch.uint8)]) is None  # row lengths differ
+
+
+@pytest.mark.parametrize(
+    "src, dst",
+    [
+        (np.array([2.0, 3.7]), np.array([0.0, 1.0])),  # float ids: never truncated
+        (np.array([True, True]), np.array([True, False])),  # a mask, not ids
+        (np.array([2], dtype=np.int64), np.array([0, 1], dtype=np.int64)),  # lengths differ
+    ],
+    ids=["float", "bool", "lengths"],
+)
+def test_a_plan_outside_the_contract_answers_as_the_numpy_path(
+    src: np.ndarray, dst: np.ndarray
+) -> None:
+    """`backup_planned` is public: whatever a plan the compiled copy cannot take as it is,
+    the twin built inside `native.disabled()` decides the outcome (error or bytes)."""
+    pool, fast, slow = twins("mha", HostLayout.page_first)
+    outcome: list[object] = []
+    for host in (fast, slow):
+        try:
+            host.backup_planned(pool, PagePlan(src, dst))
+            outcome.append(host_bytes(host, {0, 1}))
+        except (IndexError, ValueError) as exc:
+            outcome.append(type(exc))
+    assert outcome[0] == outcome[1]
+
+
+def test_row_copy_refuses_buffers_it_cannot_take() -> None:
+    """`RowCopy` holds raw addresses: rows that are not packed CPU byte rows of equal length
+    (a float tensor's stride counts elements, not bytes) are refused when it is built."""
+    module = native.native_extension(copy_pages.SOURCE, copy_pages.MODULE_NAME).module
+    assert module is not None
+    rows = torch.zeros(2, 8, dtype=torch.uint8)
+    for src, dst in (
+        ([torch.zeros(2, 8)], [rows]),  # float32 rows
+        ([rows.t()], [torch.zeros(8, 2, dtype=torch.uint8)]),  # strided byte rows
+        ([rows], [torch.zeros(2, 4, dtype=torch.uint8)]),  # row lengths differ
+        ([rows, rows], [rows]),  # one destination per source
+    ):
+        with pytest.raises(ValueError, match="RowCopy"):
+            RowCopy(cast(copy_pages.CopyModule, module), src, dst)
+
+
+def test_the_compiled_call_raises_on_arguments_it_cannot_take() -> None:
+    """The extension's own argument checks (no crash, no copy, buffers released: run under
+    `python -X dev` in CI)."""
+    module = native.native_extension(copy_pages.SOURCE, copy_pages.MODULE_NAME).module
+    assert module is not None
+    src = torch.arange(16, dtype=torch.uint8).view(2, 8)
+    dst = torch.zeros(2, 8, dtype=torch.uint8)
+    table = np.array([src.data_ptr(), 8, dst.data_ptr(), 8, 8], dtype=np.int64)
+    one = np.ones(1, dtype=np.int64)
+    copy = module.copy_pages
+    with pytest.raises(TypeError):
+        copy(table, 2, 2, one)  # four arguments
+    with pytest.raises(TypeError):
+        copy(table, "2", 2, one, one)  # a row count that is not an int
+    with pytest.raises(TypeError):
+        copy(table, 2, 2, [1], one)  # not a buffer
+    with pytest.raises(TypeError, match="dst_pages must be an int64 array"):
+        copy(table, 2, 2, one, one.astype(np.int32))
+    with pytest.raises(TypeError, match="table must be an int64 array"):
+        copy(table.astype(np.float64), 2, 2, one, one)
+    with pytest.raises(ValueError, match="contiguous"):  # NumPy's refusal of the buffer
+        copy(table, 2, 2, np.ones(4, dtype=np.int64)[::2], np.ones(2, dtype=np.int64))
+    with pytest.raises(ValueError, match="5 entries per buffer"):
+        copy(table[:4], 2, 2, one, one)
+    with pytest.raises(ValueError, match="equal length"):
+        copy(table, 2, 2, one, np.ones(2, dtype=np.int64))
+    assert copy(table, 2, 2, one, np.array([2], dtype=np.int64)) == -1  # row 2 of 2
+    assert int(dst.sum()) == 0
+    assert copy(table, 2, 2, one, np.zeros(1, dtype=np.int64)) == 1
+    assert dst[0].tolist() == src[1].tolist()

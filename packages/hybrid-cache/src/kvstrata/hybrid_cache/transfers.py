@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import groupby
 from typing import TypeVar
 
 import numpy as np
@@ -196,14 +197,16 @@ class TransferRunner:
                 self._done(t)
 
     def _write_merged(self, tasks: list[WriteTask]) -> None:
-        """One merged transfer per member of the tasks submitted as page ids, and one of
-        those submitted as moves (disjoint host pages: the order of the two does not matter)."""
-        paged = [t.pages for t in tasks if t.pages is not None]
-        if paged:
-            self._write_pages(paged[0] if len(paged) == 1 else _merge_pages(paged))
-        moved = [t for t in tasks if t.pages is None]
-        if moved:
-            self._write(_merge([t.moves for t in moved]), all(t.trusted for t in moved))
+        """One merged transfer per member of each run of consecutive tasks submitted the same
+        way (page ids, or moves), the runs in queue order: two writes of one host page end
+        with the newer one's bytes whichever API each came through."""
+        for paged, run in groupby(tasks, key=lambda t: t.pages is not None):
+            batch = list(run)
+            if paged:
+                pages = [t.pages for t in batch if t.pages is not None]
+                self._write_pages(pages[0] if len(pages) == 1 else _merge_pages(pages))
+            else:
+                self._write(_merge([t.moves for t in batch]), all(t.trusted for t in batch))
 
     def _write_pages(self, pages: Mapping[str, PagePairs]) -> None:
         """D2H of trusted page ids: one host-pool page plan per member, nothing converted."""

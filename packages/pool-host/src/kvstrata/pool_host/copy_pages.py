@@ -45,6 +45,12 @@ def _usable(rows: Sequence[torch.Tensor]) -> bool:
     )
 
 
+def _integers(pages: object) -> bool:
+    """An integer NumPy array (what converts to int64 page ids without changing a value's
+    meaning; out-of-range values are then refused by the C code's range check)."""
+    return isinstance(pages, np.ndarray) and pages.dtype.kind in "iu"
+
+
 class RowCopy:
     """Copies row `src_pages[k]` of every buffer of `src` to row `dst_pages[k]` of the buffer
     of the same index in `dst`, in one compiled call. Holds raw addresses: both sides' buffers
@@ -53,8 +59,14 @@ class RowCopy:
     def __init__(
         self, module: CopyModule, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
     ) -> None:
-        assert len(src) == len(dst), "one destination buffer per source buffer"
-        assert all(s.shape[1] == d.shape[1] for s, d in zip(src, dst, strict=True))
+        # The C code trusts the table: refuse here what it would read or write wrongly.
+        if len(src) != len(dst) or not (_usable(src) and _usable(dst)):
+            raise ValueError(
+                "RowCopy takes one destination per source buffer, each 2-D uint8 CPU rows with "
+                "packed columns (stride(1) == 1)"
+            )
+        if any(s.shape[1] != d.shape[1] for s, d in zip(src, dst, strict=True)):
+            raise ValueError("RowCopy: a source and its destination rows differ in length")
         self._copy = module.copy_pages
         self._buffers = (list(src), list(dst))  # alive as long as the addresses below
         self._table = np.array(
@@ -69,10 +81,16 @@ class RowCopy:
 
     def __call__(self, src_pages: npt.NDArray[np.int64], dst_pages: npt.NDArray[np.int64]) -> bool:
         """Copy the rows; False, having copied nothing, when a page id is out of range on its
-        side. The arrays (int64, of equal length) are made contiguous when they are not."""
+        side or the arrays are not integer arrays of one shape (the caller's NumPy path then
+        answers: it raises, or indexes as NumPy does). Integer arrays are made contiguous
+        int64 when they are not."""
         try:
             got = self._copy(self._table, self._src_rows, self._dst_rows, src_pages, dst_pages)
         except (TypeError, ValueError, BufferError):  # a strided or non-int64 plan: convert
+            if not (
+                _integers(src_pages) and _integers(dst_pages) and src_pages.shape == dst_pages.shape
+            ):
+                return False  # float ids are never truncated, a bool array is a mask
             src = np.ascontiguousarray(src_pages, dtype=np.int64)
             dst = np.ascontiguousarray(dst_pages, dtype=np.int64)
             got = self._copy(self._table, self._src_rows, self._dst_rows, src, dst)
