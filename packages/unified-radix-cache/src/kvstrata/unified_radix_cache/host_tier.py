@@ -9,18 +9,14 @@ host value (it is kept only for its host copy):
                              \\ D (host only) - E (host only)  host hit beyond A: D E
 
 The tier attaches itself to the tree (`tree.host_tier`), which then sends match, insert and Full
-eviction here instead of its Full-only fast path (the match and insert walks are in
-host_walks.py, `HostWalks`, which `HostTier` extends):
-- match: the device hit is the run of on-device nodes; the host hit continues over off-device
-  nodes (`MatchResult.host_hit_len`, `last_host_node`);
-- insert: an off-device node the key runs over takes the caller's slots again (revive; reported
-  as adopted, so the caller does not free them);
-- device eviction: device leaves are on-device nodes without an on-device child; one with a host
-  copy goes off the device (the node stays), one without leaves the tree (it has no children);
-- host eviction: off-device, childless, host-unlocked nodes in the host policy's order; the node
-  leaves the tree (storage keeps its pages). Host eviction for another component's host pool
-  takes only candidates holding slots of that pool, and nothing unless they hold enough
-  (`evict_for`).
+eviction here (the walks: host_walks.py, `HostWalks`; a Full-only tree's evictions in one frame:
+host_evict.py). Match: the device hit is the run of on-device nodes, the host hit continues over
+off-device ones (`MatchResult.host_hit_len`, `last_host_node`). Insert: an off-device node the
+key runs over takes the caller's slots again (revive; reported as adopted). Device eviction:
+a device leaf (on-device, no on-device child) with a host copy goes off the device (the node
+stays), one without leaves the tree. Host eviction: off-device, childless, host-unlocked nodes
+in the host policy's order leave the tree (storage keeps their pages); for another component's
+host pool it takes only candidates holding enough slots of that pool (`evict_for`).
 
 Hybrid trees: every other component keeps its host copy of a node in `node.comp_hosts` (a
 per-token slot array, or one slot for data at the end of the run), in slots of the host sink
@@ -519,11 +515,10 @@ class HostTier(HostWalks):
 
     def lock_trusted(self, anchor: TreeNode) -> HostReceipt:
         """`lock` of a node the caller knows is in the tree with a host value, or the root
-        (e.g. `host_prefix` of a node it just device-locked): no check. O(depth)."""
+        (a commit's own node, `host_prefix` of a node it just device-locked): no check."""
         return self._lock(anchor)
 
     def _lock(self, anchor: TreeNode) -> HostReceipt:
-        """`lock` of a node known to be in the tree with a host value (a commit's own node)."""
         probe = anchor
         while probe.parent is not None:
             value = probe.host_value
