@@ -1,7 +1,9 @@
 """The compiled tiered match (`match_tiered`) and the inline load-back's path revive
 (`HostWalks.revive_path`) inline overridable steps (`tree.walk`, `HostWalks._touch`,
 `tree.insert`), so, as the one-frame evictions (`host_evict.serves`), only a tree, Full
-component and host tier of the exact classes take them: a subclass keeps its overrides."""
+component and host tier of the exact classes take them: a subclass keeps its overrides. So
+does a `HierarchicalCache` subclass's `match_prefix`, which `begin_request` skips only for the
+exact class."""
 
 from __future__ import annotations
 
@@ -11,14 +13,16 @@ from typing import Any
 import pytest
 
 from kvstrata.build import build_tiers
-from kvstrata.testkit.tiers import Hierarchy, Tiers, make_system, serve
+from kvstrata.testkit.tiers import Hierarchy, Tiers, make_hierarchy, make_system, serve
 from kvstrata.testkit.trees import make_full_allocator
 from kvstrata.unified_radix_cache import FullComponent, HostTier, RadixKey, UnifiedRadixCache
+from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
 from kvstrata.unified_radix_cache.host_walks import HostWalks
 from kvstrata.unified_radix_cache.native_core import native_core
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.results import InsertResult
 from kvstrata.unified_radix_cache.tier_loads import TierLoader
+from kvstrata.unified_radix_cache.tiers import TieredMatch
 
 P = 4
 needs_core = pytest.mark.skipif(native_core() is None, reason="no compiled radix core")
@@ -142,3 +146,33 @@ def test_only_the_exact_host_tier_takes_the_compiled_match(
     key = RadixKey(list(range(1, 1 + 2 * P)))
     tree.match_prefix(key)
     assert _TouchingTier.touches == (1 if python else 0)
+
+
+class _MatchingCache(HierarchicalCache):
+    """Counts its `match_prefix` calls."""
+
+    matches = 0
+
+    def match_prefix(self, key: RadixKey, **kwargs: Any) -> TieredMatch:
+        type(self).matches += 1
+        return super().match_prefix(key, **kwargs)
+
+
+@pytest.mark.parametrize(("subclass", "expected"), [(False, 0), (True, 1)])
+def test_begin_request_of_a_cache_subclass_matches_through_its_match_prefix(
+    closing: list[Hierarchy], subclass: bool, expected: int
+) -> None:
+    """`begin_request` takes the counted walk (`_match`) without building the `TieredMatch`
+    only for the exact class: a subclass's `match_prefix` runs once per request, with the
+    same hits."""
+    h = make_hierarchy("full", page_size=P, device_pages=9, host_pages=16)
+    closing.append(h)
+    if subclass:
+        h.cache.__class__ = _MatchingCache
+    _MatchingCache.matches = 0
+    tokens = list(range(1, 1 + 3 * P))
+    serve(h, tokens)
+    req = h.cache.begin_request(RadixKey([*tokens, 7]))
+    assert req.hit.device_len == 3 * P
+    assert _MatchingCache.matches == 2 * expected
+    h.cache.abort_request(req)
