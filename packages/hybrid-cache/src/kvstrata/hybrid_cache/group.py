@@ -218,7 +218,8 @@ class PoolGroup:
         self, moves: Mapping[str, PageMove], *, copy: bool = True
     ) -> tuple[dict[str, PageMove], int]:
         """What `check_moves` returns, checking nothing: for moves the caller vouches for
-        (`TierController.submit_writes(trusted=True)`: the tiers' own allocator indices)."""
+        (`TierController.submit_writes(trusted=True)`: a caller's own allocator indices; the
+        tiers' writes go as page ids, `submit_write_pages`, and never come here)."""
         counted: dict[str, PageMove] = {}
         num_pages = 0
         for name, move in moves.items():

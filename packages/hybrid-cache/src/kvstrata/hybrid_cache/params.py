@@ -24,9 +24,10 @@ class ControllerParams:
     """Store a CRC-32 beside each page on backup and check it on prefetch (storage_io.py)."""
     run_inline: bool | None = None
     """Run a load or prefetch submitted with `inline=True` (the caller waits for it at once)
-    and a batch of writes or backups given to `submit_writes` / `submit_backup(s)` with
-    `inline=True` on the caller's thread instead of handing it to a worker (backups only over
-    storage that is `in_process_memory`: a file or remote store's I/O overlaps on a worker).
+    and a batch of writes or backups given to `submit_writes` / `submit_write_pages` /
+    `submit_backup(s)` with `inline=True` on the caller's thread instead of handing it to a
+    worker (backups only over storage that is `in_process_memory`: a file or remote store's
+    I/O overlaps on a worker).
     None: when every device pool of the group is on the CPU (a copy there is a memcpy under the
     GIL: a thread round trip buys no overlap and costs a GIL hand-off); False: always queue
     (CUDA streams overlap with the forward)."""

@@ -359,7 +359,11 @@ class HierarchicalCache:
         usable = len(key) - 1
         tree = self.device_tree
         self.writer.on_request()
-        final, prefetch_id = self._match(key, usable, True)
+        if type(self).match_prefix is HierarchicalCache.match_prefix:
+            final, prefetch_id = self._match(key, usable, True)
+        else:  # a subclass keeps its `match_prefix` (`_match` is its part up to the result)
+            match = self.match_prefix(key, max_len=usable, wait_now=True)
+            final, prefetch_id = match.device, match.prefetch_id
         device_len = final.prefix_len
         host_len = device_len + final.host_hit_len
         if prefetch_id is not None:

@@ -60,6 +60,10 @@ class HostWalks:
         #: `_add_candidate` / `_drop_candidate`, `HostTier.set_host` and `HostTier.on_split`,
         #: so `HostTier.evict_for` knows in O(1) whether evicting can help at all.
         self.candidate_sizes = [0] * len(tree.components)
+        #: Whether the compiled match and the inline path revive may serve this tier: only
+        #: exact classes (`HostTier` sets it, `host_evict.serves`), since both inline
+        #: overridable steps (`tree.walk`, `_touch`, `_result`, `tree.insert`, `insert_full`).
+        self._one_frame = False
 
     def _add_candidate(self, node: TreeNode) -> None:
         """`node` joins the host heap (a re-push only re-keys it; the counts move once)."""
@@ -102,9 +106,10 @@ class HostWalks:
         tree = self.tree
         extras = self._extras
         native = tree._native
-        if native is not None and not extras and touch:
-            # Full-only, compiled: one call walks, splits, touches the path and joins the
-            # device slots (the Python below gives the same answers).
+        if native is not None and self._one_frame and touch:
+            # Full-only of the exact classes, compiled: one call walks, splits, touches the
+            # path and joins the device slots (the Python below gives the same answers; a
+            # subclass keeps its `walk` / `_touch` / `_result` overrides there).
             tick = tree.next_tick()
             path, on_device, host_bytes, joined = native.match_tiered(
                 tree.root, self._page_bytes, key.namespace, data, end, tree.split_node, tick

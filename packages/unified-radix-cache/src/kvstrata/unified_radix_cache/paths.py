@@ -1,5 +1,5 @@
 """Read-only walks over a `UnifiedRadixCache` for the hierarchical mode: the key of a node,
-how much of a key a tree holds, the node ending exactly at a key, a prefix's page keys.
+how much of a key a tree holds, the node ending exactly at a key.
 
 Unlike `match_prefix` they change nothing: no access time, hit count, counter or split, so the
 cache can ask one tier about another's prefix without disturbing its eviction order.
@@ -52,14 +52,3 @@ def node_at(tree: UnifiedRadixCache, key: RadixKey) -> TreeNode | None:
         return None  # nodes hold whole pages: none ends inside one
     path, pos, _ = descend(tree.root, page_bytes, key.namespace, data, len(data), None)
     return path[-1] if path and pos == len(data) else None
-
-
-def prefix_page_keys(tree: UnifiedRadixCache, node: TreeNode) -> list[bytes]:
-    """Chained page keys of the whole prefix ending at `node`, root first (computed and cached
-    on the nodes by the tree's keyer: the tree must have events on). O(depth + pages)."""
-    parts: list[list[bytes]] = []
-    probe = node
-    while probe.parent is not None:
-        parts.append(tree.page_keys(probe))
-        probe = probe.parent
-    return [k for part in reversed(parts) for k in part]

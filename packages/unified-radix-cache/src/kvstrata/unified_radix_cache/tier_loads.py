@@ -179,7 +179,7 @@ class TierLoader:
 
     def _commit(self, pending: PendingLoad, ack: Ack, node: TreeNode | None) -> None:
         """`commit`; `node`: the node the key ends at, for a load committed in the call that
-        started it (inline): a Full-only tree then revives the path from it
+        started it (inline): a Full-only tree of the exact classes then revives the path from it
         (`HostWalks.revive_path`) instead of walking the key again (the same state), unless
         part of the path came back to the device meanwhile (then the insert below)."""
         tree = self._core.device_tree
@@ -188,7 +188,7 @@ class TierLoader:
             ack.ok
             and node is not None
             and not pending.legs
-            and not tree.components[1:]
+            and self._core.tier._one_frame  # Full-only, exact classes (no insert override)
             and self._commit_path(pending, node)
         ):
             pass  # revived along the path
