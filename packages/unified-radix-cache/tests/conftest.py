@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import ParamSpec, Protocol
+from typing import Any, ParamSpec, Protocol
 
 import pytest
 
@@ -27,6 +27,21 @@ class _Cache(Protocol):
 class _Built(Protocol):
     @property
     def cache(self) -> _Cache: ...
+
+
+@pytest.fixture
+def counting() -> Callable[[object, list[str]], Any]:
+    """Wraps a compiled core so every function fetched from it is named in `calls` first."""
+
+    def wrap(core: object, calls: list[str]) -> Any:
+        class Counting:
+            def __getattr__(self, name: str) -> Any:
+                calls.append(name)
+                return getattr(core, name)
+
+        return Counting()
+
+    return wrap
 
 
 @pytest.fixture(params=TREE_FAMILIES)

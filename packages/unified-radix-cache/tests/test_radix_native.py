@@ -8,6 +8,7 @@ exception, never a crash) and the insert-after-match walk reuse on the compiled 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from kvstrata.unified_radix_cache.errors import (
     SlotNotAllocated,
     SlotOutOfRange,
 )
-from kvstrata.unified_radix_cache.native_core import RadixCore, native_core
+from kvstrata.unified_radix_cache.native_core import native_core
 from kvstrata.unified_radix_cache.node import TreeNode
 
 CORE = native_core()
@@ -154,22 +155,15 @@ NativeMatchesPython.TestCase.settings = settings(
 TestNativeMatchesPython = needs_core(NativeMatchesPython.TestCase)
 
 
-def _counting(core: RadixCore, calls: list[str]) -> Any:
-    class Counting:
-        def __getattr__(self, name: str) -> Any:
-            calls.append(name)
-            return getattr(core, name)
-
-    return Counting()
-
-
 @needs_core
-def test_insert_after_its_match_walks_once_on_the_compiled_path() -> None:
+def test_insert_after_its_match_walks_once_on_the_compiled_path(
+    counting: Callable[[object, list[str]], Any],
+) -> None:
     kit = make_tree("full", page_size=4)
     kit.put(list(range(8)))
     assert CORE is not None
     calls: list[str] = []
-    kit.tree._native = _counting(CORE, calls)
+    kit.tree._native = counting(CORE, calls)
     key = RadixKey([*range(4), 50, 51, 52, 53, 54, 55, 56, 57])
     assert kit.tree.match_prefix(key).prefix_len == 4  # splits [0..7] after 4
     slots = kit.alloc(12)

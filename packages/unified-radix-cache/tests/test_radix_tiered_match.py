@@ -8,6 +8,7 @@ exception; and only a Full-only tree takes it."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from kvstrata.pool import native
 from kvstrata.testkit.refusals import tree_state
 from kvstrata.testkit.tiers import Hierarchy, make_hierarchy
 from kvstrata.unified_radix_cache import RadixKey
-from kvstrata.unified_radix_cache.native_core import RadixCore, native_core
+from kvstrata.unified_radix_cache.native_core import native_core
 
 CORE = native_core()
 needs_core = pytest.mark.skipif(CORE is None, reason="no compiled radix core (no compiler?)")
@@ -57,15 +58,6 @@ def _counters(h: Hierarchy) -> object:
     return dataclasses.replace(h.cache.counters, transfer_wait_seconds=0.0)
 
 
-def _counting(core: RadixCore, calls: list[str]) -> Any:
-    class Counting:
-        def __getattr__(self, name: str) -> Any:
-            calls.append(name)
-            return getattr(core, name)
-
-    return Counting()
-
-
 @needs_core
 @settings(max_examples=40, deadline=None)
 @given(prompts=PROMPTS)
@@ -88,12 +80,14 @@ def test_the_compiled_tiered_match_gives_the_python_answers(prompts: list[list[i
 
 @needs_core
 @pytest.mark.parametrize(("shape", "expected"), [("full", 1), ("mamba", 0), ("swa", 0)])
-def test_only_a_full_only_tiered_tree_takes_the_compiled_match(shape: Any, expected: int) -> None:
+def test_only_a_full_only_tiered_tree_takes_the_compiled_match(
+    shape: Any, expected: int, counting: Callable[[object, list[str]], Any]
+) -> None:
     h = make_hierarchy(shape, page_size=PAGE)
     try:
         assert CORE is not None
         calls: list[str] = []
-        h.tree._native = _counting(CORE, calls)
+        h.tree._native = counting(CORE, calls)
         tokens = [1] * PAGE + [2] * PAGE + [9]
         _serve(h, tokens)
         calls.clear()
