@@ -156,12 +156,9 @@ class StorageRunner:
         possible = {name: [False] * n for name in rules}
         error: BaseException | None = None
         for name, slots in listed.items():
-            try:
-                found = self._exists(slots)
-            except Exception as exc:  # a backend error ends this prefetch; the worker goes on
-                logger.warning("prefetch: batch_exists raised", exc_info=True)
-                self.stats.count_fault(FaultReason.ERROR)
-                error, found = exc, 0
+            found, exists_error = self._prefetch_exists(list(map(_KEY, slots)))
+            if exists_error is not None:
+                error = exists_error
             flags = possible[name]
             for position in map(_POSITION, slots[:found]):
                 flags[position] = True
@@ -198,13 +195,7 @@ class StorageRunner:
         prefix; what landed is the leading run of pages the batch_get calls delivered."""
         keys = self.group.storage_keys(name, task.keys)
         pages = cast("tuple[int, ...]", task.pages[name])
-        error: BaseException | None = None
-        try:
-            bound = self._exists_keys(keys)
-        except Exception as exc:  # a backend error ends this prefetch; the worker goes on
-            logger.warning("prefetch: batch_exists raised", exc_info=True)
-            self.stats.count_fault(FaultReason.ERROR)
-            error, bound = exc, 0
+        bound, error = self._prefetch_exists(keys)
         done = 0
         for lo in range(0, bound, self.batch_pages):
             if self._should_stop(task):
@@ -240,6 +231,19 @@ class StorageRunner:
             return 0
         page_keys = list(map(_KEY, slots))
         return self._exists_keys(page_keys)
+
+    def _prefetch_exists(self, page_keys: list[bytes]) -> tuple[int, BaseException | None]:
+        """A prefetch's `_exists_keys` (0 for no keys): how many are stored, and the error a
+        raising backend gave (logged, counted as an ERROR fault, 0 stored), else None. The
+        error ends that prefetch; the worker goes on."""
+        if not page_keys:
+            return 0, None
+        try:
+            return self._exists_keys(page_keys), None
+        except Exception as exc:
+            logger.warning("prefetch: batch_exists raised", exc_info=True)
+            self.stats.count_fault(FaultReason.ERROR)
+            return 0, exc
 
     def _exists_keys(self, page_keys: list[bytes]) -> int:
         """How many of `page_keys` (non-empty), from the first, are stored (with their
