@@ -9,15 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from kvstrata.build import build_tiers
 from kvstrata.pool import native
 from kvstrata.testkit.refusals import tree_state
-from kvstrata.testkit.tiers import Hierarchy, Tiers, make_hierarchy, make_system, serve
+from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, serve
 from kvstrata.testkit.trees import make_full_allocator
 from kvstrata.unified_radix_cache import FullComponent, HostTier, UnifiedRadixCache
 from kvstrata.unified_radix_cache import host_tier as host_tier_module
@@ -140,19 +138,13 @@ class _CountingFull(FullComponent):
 
 def _hierarchy_of(tree_cls: type[UnifiedRadixCache], full_cls: type[FullComponent]) -> Hierarchy:
     """`make_hierarchy("full")` (device 9 pages, host 16) over a tree of these classes."""
-    system = make_system("full", page_size=P, device_pages=9)
-    tree = tree_cls([full_cls(system.kv_allocator)], page_size=P)
-    system = replace(system, tree=tree)
-    tiered = build_tiers(system, host_tokens=16 * P)
-    tiers = Tiers(
-        shape="full",
-        system=system,
-        pools=system.layers,
-        hosts=dict(tiered.host_pools),
-        group=tiered.controller.group,
+    return make_hierarchy(
+        "full",
         page_size=P,
+        device_pages=9,
+        host_pages=16,
+        tree=lambda system: tree_cls([full_cls(system.kv_allocator)], page_size=P),
     )
-    return Hierarchy(tiers=tiers, tiered=tiered)
 
 
 def test_a_tree_subclass_keeps_its_remove_leaf_in_host_eviction(

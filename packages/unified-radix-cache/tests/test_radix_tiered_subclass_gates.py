@@ -7,13 +7,11 @@ exact class."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from kvstrata.build import build_tiers
-from kvstrata.testkit.tiers import Hierarchy, Tiers, make_hierarchy, make_system, serve
+from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, serve
 from kvstrata.testkit.trees import make_full_allocator
 from kvstrata.unified_radix_cache import FullComponent, HostTier, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
@@ -47,19 +45,13 @@ class _SeeingTree(UnifiedRadixCache):
 
 def _hierarchy_of(tree_cls: type[UnifiedRadixCache]) -> Hierarchy:
     """`make_hierarchy("full")` (device 9 pages, host 16) over a tree of `tree_cls`."""
-    system = make_system("full", page_size=P, device_pages=9)
-    tree = tree_cls([FullComponent(system.kv_allocator)], page_size=P)
-    system = replace(system, tree=tree)
-    tiered = build_tiers(system, host_tokens=16 * P)
-    tiers = Tiers(
-        shape="full",
-        system=system,
-        pools=system.layers,
-        hosts=dict(tiered.host_pools),
-        group=tiered.controller.group,
+    return make_hierarchy(
+        "full",
         page_size=P,
+        device_pages=9,
+        host_pages=16,
+        tree=lambda system: tree_cls([FullComponent(system.kv_allocator)], page_size=P),
     )
-    return Hierarchy(tiers=tiers, tiered=tiered)
 
 
 def _requests() -> list[list[int]]:

@@ -14,8 +14,8 @@ checks every hit against the stand-in forward (`write_prefix_kv`, `write_prefix_
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Literal, TypeVar, get_args
 
 import torch
@@ -284,8 +284,10 @@ def make_hierarchy(
     seed: int = 0,
     device: str = "cpu",
     enable_events: bool = False,
+    tree: Callable[[MemorySystem], UnifiedRadixCache] | None = None,
 ) -> Hierarchy:
-    """`build_tiers` over `make_system(shape)`: `device_pages` device pages (page 0 reserved;
+    """`build_tiers` over `make_system(shape)` (its tree replaced by `tree(system)` when given,
+    e.g. a subclass over the system's allocators): `device_pages` device pages (page 0 reserved;
     Mamba: as many state slots), host mirrors of `host_pages` pages (Mamba: state slots), and a
     controller (with `storage` when given) under `params` (default: `write_policy`, prefetch
     threshold one page). Device bytes are seeded noise; `enable_events`: the tree queues KV
@@ -297,6 +299,8 @@ def make_hierarchy(
         device=device,
         enable_events=enable_events,
     )
+    if tree is not None:
+        system = replace(system, tree=tree(system))
     tiered = build_tiers(
         system,
         host_tokens=host_pages * page_size,
