@@ -619,14 +619,7 @@ def test_merged_backups_flag_only_the_pages_stored_per_op(
         call_timeout_s=None,
         verify_checksums=verify_checksums,
     )
-    tasks = [
-        BackupTask(
-            op_id=10 + i,
-            keys=tuple(k),
-            pages=tiers.group.check_keyed_pages(k, all_pages(tiers, list(range(4 * i, 4 * i + 4)))),
-        )
-        for i, k in enumerate(keys)
-    ]
+    tasks = _four_page_tasks(tiers, keys)
     runner.run_backups(tasks)
     # Chunks of to_set (16 slots): [0.0 0.1 0.2] [0.3 1.0 1.1] [1.2 1.3 2.0] [2.1 2.2 2.3]
     # [3.0 3.1 3.2] [3.3]: the last raises.
@@ -704,6 +697,18 @@ class _ExistsRaising(FaultInjectingStorage):
         return super()._set_from(keys, views)
 
 
+def _four_page_tasks(tiers: Tiers, keys: list[list[bytes]]) -> list[BackupTask]:
+    """One backup task per key list (op ids 10, 11, ...), task i over host pages 4i .. 4i+3."""
+    return [
+        BackupTask(
+            op_id=10 + i,
+            keys=tuple(k),
+            pages=tiers.group.check_keyed_pages(k, all_pages(tiers, list(range(4 * i, 4 * i + 4)))),
+        )
+        for i, k in enumerate(keys)
+    ]
+
+
 def _runner(
     tiers: Tiers,
     storage: Storage,
@@ -749,14 +754,7 @@ def test_a_raising_batch_exists_fails_its_backup_alone(
     )
     acks: dict[int, tuple[AckStatus, int, BaseException | None]] = {}
     runner = _runner(tiers, storage, acks, batch_pages=4)
-    tasks = [
-        BackupTask(
-            op_id=10 + i,
-            keys=tuple(k),
-            pages=tiers.group.check_keyed_pages(k, all_pages(tiers, list(range(4 * i, 4 * i + 4)))),
-        )
-        for i, k in enumerate(keys)
-    ]
+    tasks = _four_page_tasks(tiers, keys)
     runner.run_backups(tasks)
     assert acks[10] == (AckStatus.DONE, 4, None)
     for op in (11, 12):

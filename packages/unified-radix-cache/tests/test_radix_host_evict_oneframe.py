@@ -15,7 +15,7 @@ import pytest
 
 from kvstrata.pool import native
 from kvstrata.testkit.refusals import tree_state
-from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, serve
+from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, returning_prompts, serve
 from kvstrata.testkit.trees import make_full_allocator
 from kvstrata.unified_radix_cache import FullComponent, HostTier, UnifiedRadixCache
 from kvstrata.unified_radix_cache import host_tier as host_tier_module
@@ -26,16 +26,8 @@ P = 4
 
 
 def _requests() -> list[list[int]]:
-    """Prompts sharing prefixes, more than the device (8 pages) or the host (16) holds, some
-    coming back (host hits load back, which takes device room and host locks)."""
-    base = [list(range(100 * i + 1, 100 * i + 1 + 3 * P)) for i in range(6)]
-    out: list[list[int]] = []
-    for i, prefix in enumerate(base):
-        out.append(prefix)
-        out.append([*prefix, *range(1000 + 10 * i, 1000 + 10 * i + 2 * P)])
-        out.append(base[i // 2])
-        out.append([*base[(i + 3) % 6], *range(2000 + 10 * i, 2000 + 10 * i + 2 * P)])
-    return out
+    """`returning_prompts`: more than the device or the host holds, some coming back."""
+    return returning_prompts(P)
 
 
 @pytest.fixture(params=["compiled", "python"])

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, serve
+from kvstrata.testkit.tiers import Hierarchy, make_hierarchy, returning_prompts, serve
 from kvstrata.testkit.trees import make_full_allocator
 from kvstrata.unified_radix_cache import FullComponent, HostTier, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
@@ -55,16 +55,8 @@ def _hierarchy_of(tree_cls: type[UnifiedRadixCache]) -> Hierarchy:
 
 
 def _requests() -> list[list[int]]:
-    """Prompts sharing prefixes, more than the device (9 pages) or the host (16) holds, some
-    coming back (host hits load back)."""
-    base = [list(range(100 * i + 1, 100 * i + 1 + 3 * P)) for i in range(6)]
-    out: list[list[int]] = []
-    for i, prefix in enumerate(base):
-        out.append(prefix)
-        out.append([*prefix, *range(1000 + 10 * i, 1000 + 10 * i + 2 * P)])
-        out.append(base[i // 2])
-        out.append([*base[(i + 3) % 6], *range(2000 + 10 * i, 2000 + 10 * i + 2 * P)])
-    return out
+    """`returning_prompts`: more than the device or the host holds, some coming back."""
+    return returning_prompts(P)
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:

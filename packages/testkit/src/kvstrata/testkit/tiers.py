@@ -320,6 +320,20 @@ def make_hierarchy(
     return Hierarchy(tiers=tiers, tiered=tiered)
 
 
+def returning_prompts(page_size: int) -> list[list[int]]:
+    """24 prompts over six 3-page prefixes: each prefix, it extended by 2 pages, an earlier
+    prefix again and another one extended, so that a small device (about 8 pages) and host
+    (about 16) overflow and host hits load back (taking device room and host locks)."""
+    base = [list(range(100 * i + 1, 100 * i + 1 + 3 * page_size)) for i in range(6)]
+    out: list[list[int]] = []
+    for i, prefix in enumerate(base):
+        out.append(prefix)
+        out.append([*prefix, *range(1000 + 10 * i, 1000 + 10 * i + 2 * page_size)])
+        out.append(base[i // 2])
+        out.append([*base[(i + 3) % 6], *range(2000 + 10 * i, 2000 + 10 * i + 2 * page_size)])
+    return out
+
+
 def scramble_free_device(h: Hierarchy, *, seed: int) -> None:
     """Overwrite every free device slot with other bytes (full KV, the SWA slots in step, free
     Mamba state slots): whatever is read from them next must have been loaded anew."""
