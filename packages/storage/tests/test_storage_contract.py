@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvstrata.storage import FaultInjectingStorage, FileStorage, MemoryStorage, Storage
+from kvstrata.storage.base import WriteResult
 from kvstrata.storage.errors import (
     BatchLengthMismatch,
     BufferSizeMismatch,
@@ -209,6 +210,22 @@ def test_stats_count_pages_bytes_hits_and_misses(make: Factory) -> None:
     assert (stats.pages_read, stats.bytes_read, stats.hits, stats.misses) == (2, 200, 2, 1)
     assert stats.latency["set"].count == 1 and stats.latency["get"].count == 1
     assert stats.num_pages == 2
+
+
+def test_stats_count_only_the_bytes_of_pages_written_or_hit(make: Factory) -> None:
+    storage = make(1000)
+    put(storage, b"old", size=30)
+    results = storage.batch_set_results(
+        [b"old", b"big", b"new"], [b"\x01" * 30, b"\x02" * 5000, b"\x03" * 70]
+    )
+    assert results == [WriteResult.PRESENT, WriteResult.FAILED, WriteResult.WRITTEN]
+    stats = storage.stats()
+    assert (stats.pages_written, stats.bytes_written, stats.write_failures) == (2, 100, 1)
+    found = storage.batch_get(
+        [b"new", b"big", b"old"], [bytearray(70), bytearray(5000), bytearray(30)]
+    )
+    assert found == [True, False, True]
+    assert (storage.stats().pages_read, storage.stats().bytes_read) == (2, 100)
 
 
 def test_negative_capacity_is_refused(make: Factory) -> None:

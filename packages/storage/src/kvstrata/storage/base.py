@@ -267,20 +267,12 @@ class Storage(ABC):
         C-contiguous), so neither is checked nor re-viewed; the batch lengths and a backend's
         key length limit still are.
         """
-        if trusted:
-            self._check_trusted_keys(keys)
-            views = self._trusted_views(keys, buffers)
-        else:
-            check_keys(keys, max_key_bytes=self.max_key_bytes)
-            views = self._views(keys, buffers, writable=True)
+        views = self._checked_views(keys, buffers, trusted=trusted, writable=True)
         start = time.perf_counter()
         found = self._get_into(keys, views)
         elapsed = time.perf_counter() - start
         num_hits = found.count(True)
-        if num_hits == len(views):  # all hits: the page sizes summed in C
-            hit_bytes = sum(map(len, views))  # len of a flat byte view is its nbytes
-        else:
-            hit_bytes = sum(v.nbytes for v, ok in zip(views, found, strict=True) if ok)
+        hit_bytes = _bytes_of(views, found, True, num_hits)
         with self._counters_lock:
             self._hits += num_hits
             self._misses += len(keys) - num_hits
@@ -314,22 +306,12 @@ class Storage(ABC):
         `trusted=True` (the tiers' path): as for `batch_get`, with flat byte memoryviews that
         may be read-only.
         """
-        if trusted:
-            self._check_trusted_keys(keys)
-            views = self._trusted_views(keys, buffers)
-        else:
-            check_keys(keys, max_key_bytes=self.max_key_bytes)
-            views = self._views(keys, buffers, writable=False)
+        views = self._checked_views(keys, buffers, trusted=trusted, writable=False)
         start = time.perf_counter()
         results = self._set_from(keys, views)
         elapsed = time.perf_counter() - start
         num_written = results.count(WriteResult.WRITTEN)
-        if num_written == len(views):  # all written: the page sizes summed in C
-            bytes_written = sum(map(len, views))  # len of a flat byte view is its nbytes
-        else:
-            bytes_written = sum(
-                v.nbytes for v, r in zip(views, results, strict=True) if r is WriteResult.WRITTEN
-            )
+        bytes_written = _bytes_of(views, results, WriteResult.WRITTEN, num_written)
         num_failed = results.count(WriteResult.FAILED)
         with self._counters_lock:
             self._pages_written += num_written
@@ -412,29 +394,47 @@ class Storage(ABC):
 
     # ------------------------------------------------------------------ internals
 
-    def _views(
-        self, keys: Sequence[bytes], buffers: Sequence[PageBuffer], *, writable: bool
+    def _checked_views(
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[PageBuffer],
+        *,
+        trusted: bool,
+        writable: bool,
     ) -> list[memoryview]:
+        """The checks of `batch_get` (`writable`) and `batch_set_results`, keys first, then
+        the batch lengths; the buffers as flat byte views. With `trusted=True` the keys are
+        checked only against the backend's key length limit (a caller vouches for its keys'
+        types, not for every backend's limit) and the caller's flat byte memoryviews are taken
+        as they are."""
+        if trusted:
+            self._check_trusted_keys(keys)
+        else:
+            check_keys(keys, max_key_bytes=self.max_key_bytes)
         if len(keys) != len(buffers):
             raise BatchLengthMismatch(f"{len(keys)} keys but {len(buffers)} buffers")
+        if trusted:
+            return cast("list[memoryview]", buffers if type(buffers) is list else list(buffers))
         return flat_views(buffers, writable=writable)
 
     def _check_trusted_keys(self, keys: Sequence[bytes]) -> None:
-        """What `trusted=True` still checks of the keys: the backend's key length limit (a
-        caller vouches for its keys' types, not for every backend's limit)."""
+        """What `trusted=True` still checks of the keys: the backend's key length limit."""
         limit = self.max_key_bytes
         if limit is not None and keys and max(map(len, keys)) > limit:
             check_keys(keys, max_key_bytes=limit)  # names the key, raises InvalidKey
-
-    @staticmethod
-    def _trusted_views(keys: Sequence[bytes], buffers: Sequence[PageBuffer]) -> list[memoryview]:
-        """The caller's flat byte memoryviews as they are (`trusted=True`): only the lengths
-        are checked."""
-        if len(keys) != len(buffers):
-            raise BatchLengthMismatch(f"{len(keys)} keys but {len(buffers)} buffers")
-        return cast("list[memoryview]", buffers if type(buffers) is list else list(buffers))
 
     def _observe(self, operation: str, start: float) -> None:
         elapsed = time.perf_counter() - start
         with self._counters_lock:
             self._latency[operation].observe(elapsed)
+
+
+def _bytes_of(
+    views: list[memoryview], outcomes: Sequence[object], done: object, num_done: int
+) -> int:
+    """The bytes of the pages whose outcome is `done` (`num_done` of them), for the read and
+    write counters; when every page is done, the page sizes summed in C (len of a flat byte
+    view is its nbytes)."""
+    if num_done == len(views):
+        return sum(map(len, views))
+    return sum(v.nbytes for v, outcome in zip(views, outcomes, strict=True) if outcome is done)
