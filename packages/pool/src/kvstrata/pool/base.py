@@ -239,24 +239,19 @@ class DevicePool(ABC):
         synchronise the current stream before reading `out`. An empty `page_ids` is a no-op.
         """
         moved = self._checked_native(page_ids, out, gather=True, allow_dummy=allow_dummy)
-        if moved is not None:
-            self.counters.pages_read += moved
-            self.counters.bytes_read += moved * self.page_size_bytes
-            return
-        ids = self._page_ids(page_ids, allow_dummy=allow_dummy, distinct=False)
-        self._check_flat(out, ids.numel(), "out")
-        n = ids.numel()
-        if n:
-            if out.device == self.device:
+        if moved is None:
+            ids = self._flat_ids(page_ids, out, "out", allow_dummy=allow_dummy, distinct=False)
+            moved = ids.numel()
+            if moved and out.device == self.device:
                 self._pages.gather(ids, out)
-            else:
+            elif moved:
                 staging = torch.empty(
-                    (n, self.page_size_bytes), dtype=torch.uint8, device=self.device
+                    (moved, self.page_size_bytes), dtype=torch.uint8, device=self.device
                 )
                 self._pages.gather(ids, staging)
                 out.copy_(staging, non_blocking=non_blocking)
-        self.counters.pages_read += n
-        self.counters.bytes_read += n * self.page_size_bytes
+        self.counters.pages_read += moved
+        self.counters.bytes_read += moved * self.page_size_bytes
 
     def write_pages(
         self,
@@ -275,33 +270,33 @@ class DevicePool(ABC):
         current stream has passed it. An empty `page_ids` is a no-op.
         """
         moved = self._checked_native(page_ids, src, gather=False, allow_dummy=allow_dummy)
-        if moved is not None:
-            self.counters.pages_written += moved
-            self.counters.bytes_written += moved * self.page_size_bytes
-            return
-        ids = self._page_ids(page_ids, allow_dummy=allow_dummy, distinct=True)
-        self._check_flat(src, ids.numel(), "src")
-        n = ids.numel()
-        if n:
-            if src.device != self.device:
-                src = src.to(self.device, non_blocking=non_blocking)
-            self._pages.scatter(ids, src)
-        self.counters.pages_written += n
-        self.counters.bytes_written += n * self.page_size_bytes
+        if moved is None:
+            ids = self._flat_ids(page_ids, src, "src", allow_dummy=allow_dummy, distinct=True)
+            moved = ids.numel()
+            if moved:
+                self._pages.scatter(ids, src.to(self.device, non_blocking=non_blocking))
+        self.counters.pages_written += moved
+        self.counters.bytes_written += moved * self.page_size_bytes
 
-    def _page_ids(
-        self, page_ids: torch.Tensor, *, allow_dummy: bool, distinct: bool
+    def _flat_ids(
+        self,
+        page_ids: torch.Tensor,
+        flat: torch.Tensor,
+        what: str,
+        *,
+        allow_dummy: bool,
+        distinct: bool,
     ) -> torch.Tensor:
+        """The checked Python path's checks of read_pages / write_pages, ids first, then the
+        flat buffer `what`: the ids as int64 on the pool's device."""
         ids = check_index_tensor(page_ids, what="page_ids")
         check_index_range(
             ids, limit=self.num_pages, what="page_ids", allow_zero=allow_dummy, distinct=distinct
         )
-        return ids.to(device=self.device, dtype=torch.int64)
-
-    def _check_flat(self, buf: torch.Tensor, n: int, what: str) -> None:
-        problem = self._flat_problem(buf, n, what)
+        problem = self._flat_problem(flat, ids.numel(), what)
         if problem is not None:
             raise BufferMismatch(problem)
+        return ids.to(device=self.device, dtype=torch.int64)
 
     def _flat_problem(self, buf: object, n: int, what: str) -> str | None:
         """Why `buf` cannot be the flat buffer of `n` pages, or None when it can."""
