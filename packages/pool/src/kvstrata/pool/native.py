@@ -74,26 +74,22 @@ _T = TypeVar("_T")
 
 
 class NativeCopies:
-    """The compiled `kv_gather` / `kv_scatter` (see `page_copy.c` for the exact contract), as
-    ctypes functions taking raw addresses and byte counts, positionally:
+    """The compiled `kv_copy` (see `page_copy.c` for the exact contract), as a ctypes function
+    taking raw addresses and byte counts, positionally:
 
-        gather(out, row, offset, stride, stack, num_pages, width, num_buffers, ids, n, stream,
-               check, allow_zero) -> 0 | refused
-        scatter(stack, num_pages, width, num_buffers, src, row, offset, stride, ids, n, stream,
-                check, allow_zero) -> 0 | refused
+        copy(stack, num_pages, width, num_buffers, flat, row, offset, stride, ids, n, stream,
+             check, allow_zero, scatter) -> 0 | refused
 
-    piece (b, ids[i]) of `stack` <-> `out/src + i * row + offset + b * stride`. With `check` the
-    ids are checked first (range, page 0 unless `allow_zero`, repeats for scatter) and a
-    refusal (non-zero) copies nothing. Callers pass live buffers of the right geometry: the C
-    code trusts them."""
+    piece (b, ids[i]) of `stack` -> `flat + i * row + offset + b * stride` (a gather), or the
+    other way with `scatter`. With `check` the ids are checked first (range, page 0 unless
+    `allow_zero`, repeats for a scatter) and a refusal (non-zero) copies nothing. Callers pass
+    live buffers of the right geometry: the C code trusts them."""
 
     def __init__(self, library: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self.gather = library.kv_gather
-        self.scatter = library.kv_scatter
-        args = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64]
-        self.gather.argtypes = self.scatter.argtypes = args
-        self.gather.restype = self.scatter.restype = _I64
+        self.copy = library.kv_copy
+        self.copy.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR] + [_I64] * 5
+        self.copy.restype = _I64
 
 
 class NativeBuild(NamedTuple):
@@ -188,7 +184,7 @@ def native_status() -> str:
     if made.library is None:
         return f"numpy: {made.reason}"
     if native_copies() is None:
-        return f"numpy: {made.path} lacks kv_gather / kv_scatter (built as C++?)"
+        return f"numpy: {made.path} lacks kv_copy (built as C++?)"
     return f"native: {made.path}"
 
 

@@ -2,8 +2,8 @@
 
    A buffer stack is B buffers x num_pages pages x W bytes (piece (b, p) at
    stack + (b * num_pages + p) * W). A caller's flat buffer holds page i's piece of buffer b at
-   out + i * row + offset + b * stride. kv_gather copies pieces (b, ids[i]) out, kv_scatter in,
-   for every i < n and b < B, in (i, b) order.
+   flat + i * row + offset + b * stride. kv_copy copies pieces (b, ids[i]) out (a gather) or
+   in (a scatter), for every i < n and b < B, in (i, b) order.
 
    Why C: at page size 1 a page set is thousands of small pieces at random addresses, and one
    core copying them with memcpy waits on each piece's cache misses in turn. Here the gather
@@ -154,56 +154,47 @@ static int64_t check_ids(const int64_t *ids, int64_t n, int64_t num_pages, int64
     return found;
 }
 
-/* `check`: 0 = none (a later stack of the same call), else check the ids first (distinct for
-   scatter). Returns 0 after copying, or check_ids' refusal having copied nothing. */
-int64_t kv_gather(uint8_t *out, int64_t row, int64_t offset, int64_t stride, const uint8_t *stack,
-                  int64_t num_pages, int64_t w, int64_t nb, const int64_t *ids, int64_t n,
-                  int64_t stream, int64_t check, int64_t allow_zero) {
+/* One stack's copy: with `scatter`, from `flat` into the stack, else (a gather) from the
+   stack out to `flat`. `check`: 0 = none (a later stack of the same call), else check the ids
+   first (distinct for a scatter). Returns 0 after copying, or check_ids' refusal having copied nothing. */
+int64_t kv_copy(uint8_t *stack, int64_t num_pages, int64_t w, int64_t nb, uint8_t *flat,
+                int64_t row, int64_t offset, int64_t stride, const int64_t *ids, int64_t n,
+                int64_t stream, int64_t check, int64_t allow_zero, int64_t scatter) {
     if (check) {
-        int64_t refused = check_ids(ids, n, num_pages, allow_zero, 0);
+        int64_t refused = check_ids(ids, n, num_pages, allow_zero, scatter);
         if (refused) {
             return refused;
         }
     }
     int mode = stream_mode(stream);
-    int64_t reach = w < PREFETCH_BYTES ? w : PREFETCH_BYTES;
-    int64_t pi = PREFETCH_AHEAD / nb, pb = PREFETCH_AHEAD % nb; /* the piece prefetched next */
-    for (int64_t i = 0; i < n; i++) {
-        uint8_t *dst = out + i * row + offset;
-        const uint8_t *src = stack + ids[i] * w;
-        for (int64_t b = 0; b < nb; b++) {
-            if (pi < n) {
-                const uint8_t *p = stack + (pb * num_pages + ids[pi]) * w;
-                for (int64_t o = 0; o < reach; o += 64) {
-                    __builtin_prefetch(p + o, 0, 3);
-                }
-                if (++pb == nb) {
-                    pb = 0;
-                    ++pi;
-                }
+    if (scatter) {
+        for (int64_t i = 0; i < n; i++) {
+            const uint8_t *from = flat + i * row + offset;
+            uint8_t *dst = stack + ids[i] * w;
+            for (int64_t b = 0; b < nb; b++) {
+                copy_piece(dst + b * num_pages * w, from + b * stride, w, mode);
             }
-            copy_piece(dst + b * stride, src + b * num_pages * w, w, mode);
         }
-    }
-    fence(mode);
-    return 0;
-}
-
-int64_t kv_scatter(uint8_t *stack, int64_t num_pages, int64_t w, int64_t nb, const uint8_t *src,
-                   int64_t row, int64_t offset, int64_t stride, const int64_t *ids, int64_t n,
-                   int64_t stream, int64_t check, int64_t allow_zero) {
-    if (check) {
-        int64_t refused = check_ids(ids, n, num_pages, allow_zero, 1);
-        if (refused) {
-            return refused;
-        }
-    }
-    int mode = stream_mode(stream);
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *from = src + i * row + offset;
-        uint8_t *dst = stack + ids[i] * w;
-        for (int64_t b = 0; b < nb; b++) {
-            copy_piece(dst + b * num_pages * w, from + b * stride, w, mode);
+    } else {
+        int64_t reach = w < PREFETCH_BYTES ? w : PREFETCH_BYTES;
+        /* pi, pb: the piece prefetched next */
+        int64_t pi = PREFETCH_AHEAD / nb, pb = PREFETCH_AHEAD % nb;
+        for (int64_t i = 0; i < n; i++) {
+            uint8_t *dst = flat + i * row + offset;
+            const uint8_t *src = stack + ids[i] * w;
+            for (int64_t b = 0; b < nb; b++) {
+                if (pi < n) {
+                    const uint8_t *p = stack + (pb * num_pages + ids[pi]) * w;
+                    for (int64_t o = 0; o < reach; o += 64) {
+                        __builtin_prefetch(p + o, 0, 3);
+                    }
+                    if (++pb == nb) {
+                        pb = 0;
+                        ++pi;
+                    }
+                }
+                copy_piece(dst + b * stride, src + b * num_pages * w, w, mode);
+            }
         }
     }
     fence(mode);

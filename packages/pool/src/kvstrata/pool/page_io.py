@@ -252,18 +252,12 @@ class PageLayout:
         n = ids.shape[0]
         stream = STREAM_MODE if n * self.page_size_bytes >= STREAM_MIN_BYTES else 0
         ids_at, flat_at, row = ids.data_ptr(), flat.data_ptr(), flat.stride(0)
-        first = check
+        first, scatter = check, not gather
         for at, num_pages, width, buffers, offset, stride in self._native_stacks:
-            if gather:
-                refused = native.gather(
-                    flat_at, row, offset, stride, at, num_pages, width, buffers, ids_at, n,
-                    stream, first, allow_zero,
-                )  # fmt: skip
-            else:
-                refused = native.scatter(
-                    at, num_pages, width, buffers, flat_at, row, offset, stride, ids_at, n,
-                    stream, first, allow_zero,
-                )  # fmt: skip
+            refused = native.copy(
+                at, num_pages, width, buffers, flat_at, row, offset, stride, ids_at, n, stream,
+                first, allow_zero, scatter,
+            )  # fmt: skip
             if refused:
                 assert first, "the C copies refused ids they were not asked to check"
                 return False
