@@ -125,24 +125,18 @@ class LoadTask:
     trusted: bool = False
 
 
+@dataclass(kw_only=True, eq=False)
 class TransferRunner:
-    """Runs batches of write and load tasks on the write and load workers."""
+    """Runs batches of write and load tasks on the write and load workers, with what the
+    controller hands it."""
 
-    def __init__(
-        self,
-        *,
-        group: PoolGroup,
-        stats: ControllerStats,
-        finish: Finish,
-        finish_done: FinishDone,
-    ) -> None:
-        self._group = group
-        self._stats = stats
-        self._finish = finish
-        self._finish_done = finish_done
+    group: PoolGroup
+    stats: ControllerStats
+    finish: Finish
+    finish_done: FinishDone
 
     def run_writes(self, tasks: list[WriteTask]) -> None:
-        self._stats.count_merged(OpKind.WRITE, len(tasks) - 1)
+        self.stats.count_merged(OpKind.WRITE, len(tasks) - 1)
         if len(tasks) > 1:
             try:
                 self._write_merged(tasks)
@@ -161,15 +155,15 @@ class TransferRunner:
                     self._write(t.moves, t.trusted)
             except Exception as exc:  # reported in the op's ack
                 logger.warning("write op %d failed", t.op_id, exc_info=True)
-                self._finish(t.op_id, AckStatus.FAILED, 0, exc)
+                self.finish(t.op_id, AckStatus.FAILED, 0, exc)
             else:
                 self._done(t)
 
     def _done(self, *tasks: WriteTask | LoadTask) -> None:
-        self._finish_done([(t.op_id, t.num_pages) for t in tasks])
+        self.finish_done([(t.op_id, t.num_pages) for t in tasks])
 
     def run_loads(self, tasks: list[LoadTask]) -> None:
-        self._stats.count_merged(OpKind.LOAD, len(tasks) - 1)
+        self.stats.count_merged(OpKind.LOAD, len(tasks) - 1)
         start = 0
         if len(tasks) > 1:
             try:
@@ -192,7 +186,7 @@ class TransferRunner:
                 logger.warning("load op %d failed", t.op_id, exc_info=True)
                 error = stop.__cause__ or stop
                 t.handle.fail(error)
-                self._finish(t.op_id, AckStatus.FAILED, 0, error)
+                self.finish(t.op_id, AckStatus.FAILED, 0, error)
             else:
                 self._done(t)
 
@@ -213,10 +207,10 @@ class TransferRunner:
         start = time.perf_counter()
         num_pages = num_bytes = 0
         for name, (device, host) in pages.items():
-            page_bytes = self._group.backup_pages(name, device, host)
+            page_bytes = self.group.backup_pages(name, device, host)
             num_pages += len(device)
             num_bytes += len(device) * page_bytes
-        self._stats.count_transfer(
+        self.stats.count_transfer(
             Direction.D2H,
             num_pages=num_pages,
             num_bytes=num_bytes,
@@ -227,9 +221,9 @@ class TransferRunner:
         start = time.perf_counter()
         for name, move in moves.items():
             if trusted:
-                self._group.backup(name, move.device, move.host, trusted=True)
+                self.group.backup(name, move.device, move.host, trusted=True)
             else:
-                self._group.backup(name, move.device, move.host)
+                self.group.backup(name, move.device, move.host)
         self._count(Direction.D2H, moves, start)
 
     def _load(self, moves: dict[str, PageMove], tasks: list[LoadTask], first: int) -> None:
@@ -239,25 +233,25 @@ class TransferRunner:
 
         Consecutive layers of one member go to the host pool as one `load_layers` call, which
         checks the indices once instead of per layer (a full-only model: one call)."""
-        layer_ids = self._group.layer_ids
+        layer_ids = self.group.layer_ids
         start = time.perf_counter()
         last: dict[str, LayerLoad] = {}
         for member, positions in self._runs(moves, first):
             move = moves[member]
             fan_out = _LayerFanOut(
                 {
-                    self._group.layer_route(layer_ids[p]).local_layer_id: layer_ids[p]
+                    self.group.layer_route(layer_ids[p]).local_layer_id: layer_ids[p]
                     for p in positions
                 },
                 [t.handle for t in tasks if member in t.moves],
             )
             try:
                 if all(t.trusted for t in tasks):
-                    loads = self._group.load_layers(
+                    loads = self.group.load_layers(
                         member, move.host, move.device, fan_out, trusted=True
                     )
                 else:
-                    loads = self._group.load_layers(member, move.host, move.device, fan_out)
+                    loads = self.group.load_layers(member, move.host, move.device, fan_out)
             except Exception as exc:
                 raise _LoadStopped(positions[fan_out.num_marked]) from exc
             if loads:
@@ -269,8 +263,8 @@ class TransferRunner:
         self._count(Direction.H2D, moves, start)
 
     def _count(self, direction: Direction, moves: dict[str, PageMove], start: float) -> None:
-        num_pages, num_bytes = self._group.volume(moves)
-        self._stats.count_transfer(
+        num_pages, num_bytes = self.group.volume(moves)
+        self.stats.count_transfer(
             direction,
             num_pages=num_pages,
             num_bytes=num_bytes,
@@ -281,9 +275,9 @@ class TransferRunner:
         """Layer positions from `first` on, of members in `moves`, cut into runs of one member.
         Layers of members not moved were marked at submit and do not cut a run."""
         runs: list[tuple[str, list[int]]] = []
-        layer_ids = self._group.layer_ids
+        layer_ids = self.group.layer_ids
         for position in range(first, len(layer_ids)):
-            member = self._group.layer_route(layer_ids[position]).member
+            member = self.group.layer_route(layer_ids[position]).member
             if member not in moves:
                 continue
             if runs and runs[-1][0] == member:
