@@ -18,6 +18,7 @@ import os
 import stat
 import time
 from collections import OrderedDict
+from dataclasses import KW_ONLY, dataclass, field
 from typing import NamedTuple
 
 from kvstrata.storage.directory import PageFile, is_orphan, legacy_files, scan
@@ -38,28 +39,22 @@ class Room(NamedTuple):
     victims: list[tuple[str, int]]  # (page path, file bytes)
 
 
+@dataclass(eq=False)
 class PageIndex:
     """Page path -> file bytes in LRU order, the paths this process is writing, and eviction
     (the caller counts the victims of each `Room`)."""
 
-    def __init__(
-        self,
-        root: str,
-        *,
-        capacity_bytes: int,
-        ledger: DirectoryLedger,
-        write_timeout_s: float,
-    ) -> None:
-        self._root = root
-        self.capacity_bytes = capacity_bytes
-        self._ledger = ledger
-        self.write_timeout_s = write_timeout_s
-        self.entries: OrderedDict[str, int] = OrderedDict()
-        self.indexed_bytes = 0
-        # Paths a batch_set of ours is writing (admitted, not yet indexed) -> how many batches:
-        # a reader that finds such a page already renamed into place leaves it to the writer.
-        self.writing: dict[str, int] = {}
-        self._last_rescan = 0.0
+    root: str
+    _: KW_ONLY
+    capacity_bytes: int
+    ledger: DirectoryLedger
+    write_timeout_s: float
+    entries: OrderedDict[str, int] = field(default_factory=OrderedDict[str, int], init=False)
+    indexed_bytes: int = field(default=0, init=False)
+    #: Paths a batch_set of ours is writing (admitted, not yet indexed) -> how many batches:
+    #: a reader that finds such a page already renamed into place leaves it to the writer.
+    writing: dict[str, int] = field(default_factory=dict[str, int], init=False)
+    _last_rescan: float = field(default=0.0, init=False)
 
     def put_locked(self, path: str, size: int) -> None:
         """Index `path` as the most recently used page (replacing an entry of the same path)."""
@@ -113,7 +108,7 @@ class PageIndex:
         except OSError as exc:
             _log.warning("cannot remove %s: %s", path, exc)
             return False
-        self._ledger.add(-min(current.st_size, self._ledger.used_bytes))
+        self.ledger.add(-min(current.st_size, self.ledger.used_bytes))
         return True
 
     def make_room_locked(self, size: int, *, protect: frozenset[str], rescan: bool = True) -> Room:
@@ -122,7 +117,7 @@ class PageIndex:
         removed frees nothing, and its entry is dropped), and take them out of the index.
         Evicts nothing when that cannot make enough room; then, if this process's index ran
         out, rescans the directory once (at most every RESCAN_INTERVAL_S) and tries again."""
-        need = self._ledger.used_bytes + size - self.capacity_bytes
+        need = self.ledger.used_bytes + size - self.capacity_bytes
         if need <= 0:
             return Room(True, [])
         if size > self.capacity_bytes:
@@ -177,16 +172,16 @@ class PageIndex:
                     _log.warning("cannot recycle %s: %s", path, exc)
             if self.remove_locked(path, same_as=None):
                 continue  # _remove_locked took its bytes off the ledger
-        self._ledger.add(size - freed)
+        self.ledger.add(size - freed)
         return recycled
 
     def rebuild_locked(self) -> int:
         """Under both locks, for the first storage to open the directory: remove every temp
         file (no other storage has the directory open, so none is being written) and the files
         of the old layout, index every page, and return their bytes (the ledger's new value)."""
-        for path in legacy_files(self._root):
+        for path in legacy_files(self.root):
             unlink_quietly(path)
-        pages, temps = scan(self._root)
+        pages, temps = scan(self.root)
         for temp in temps:
             unlink_quietly(temp.path)
         self.index_found(pages)
@@ -197,7 +192,7 @@ class PageIndex:
         recently used end, oldest first: pages this process never used go first), and reclaim
         orphaned temp files (their bytes stay in the ledger until the next rebuild: a killed
         writer's reservation cannot be told apart from a live one's). Whether it found any."""
-        pages, temps = scan(self._root)
+        pages, temps = scan(self.root)
         now = time.time()
         for temp in temps:
             if is_orphan(temp.path, now, self.write_timeout_s):
