@@ -13,6 +13,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import InitVar, dataclass, field
 from typing import Generic, TypeVar
 
 from kvstrata.hybrid_cache.errors import QueueFull
@@ -94,32 +95,27 @@ class OpQueue(Generic[T]):
             self._cond.notify_all()
 
 
+@dataclass(kw_only=True, eq=False)
 class Worker(Generic[T]):
-    """A daemon thread running `run_batch` over batches from one `OpQueue`.
+    """A daemon thread (named `name`) running `run_batch` over batches from one `OpQueue`.
 
     `run_batch` acknowledges its own operations. If it raises, `on_error(batch, exc)` must
     acknowledge every operation of the batch that is not yet acknowledged; an exception from
     `on_error` itself is logged and the worker still continues.
     """
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        queue: OpQueue[T],
-        run_batch: Callable[[list[T]], None],
-        on_error: Callable[[list[T], Exception], None],
-        max_batch: int,
-        merges: Callable[[T, T], bool],
-    ) -> None:
-        self._queue = queue
-        self._run_batch = run_batch
-        self._on_error = on_error
-        self._max_batch = max_batch
-        self._merges = merges
+    name: InitVar[str]
+    queue: OpQueue[T]
+    run_batch: Callable[[list[T]], None]
+    on_error: Callable[[list[T], Exception], None]
+    max_batch: int
+    merges: Callable[[T, T], bool]
+    num_batches: int = field(default=0, init=False)
+    num_errors: int = field(default=0, init=False)
+    _thread: threading.Thread = field(init=False)
+
+    def __post_init__(self, name: str) -> None:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self.num_batches = 0
-        self.num_errors = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -135,18 +131,18 @@ class Worker(Generic[T]):
 
     def _loop(self) -> None:
         while True:
-            batch = self._queue.take_batch(max_items=self._max_batch, merges=self._merges)
+            batch = self.queue.take_batch(max_items=self.max_batch, merges=self.merges)
             if batch is None:
                 return
             self.num_batches += 1
             try:
-                self._run_batch(batch)
+                self.run_batch(batch)
             except Exception as exc:  # a worker reports every failure and keeps serving
                 self.num_errors += 1
                 logger.exception(
-                    "%s worker: batch of %d operations raised", self._queue.kind, len(batch)
+                    "%s worker: batch of %d operations raised", self.queue.kind, len(batch)
                 )
                 try:
-                    self._on_error(batch, exc)
+                    self.on_error(batch, exc)
                 except Exception:  # the report itself failed: log it, keep the worker alive
-                    logger.exception("%s worker: reporting a failed batch raised", self._queue.kind)
+                    logger.exception("%s worker: reporting a failed batch raised", self.queue.kind)
