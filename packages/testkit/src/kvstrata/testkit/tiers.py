@@ -43,7 +43,7 @@ from kvstrata.testkit.refusals import tree_state
 from kvstrata.unified_radix_cache import CacheRequest, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
 from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
-from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
+from kvstrata.unified_radix_cache.tiers import TierLoad, TierParams, WritePolicy
 
 Shape = Literal["full", "swa", "mamba"]
 SHAPES: tuple[Shape, ...] = get_args(Shape)
@@ -358,7 +358,8 @@ def serve_bare(h: Hierarchy, tokens: list[int], *, drain: bool) -> tuple[int, in
     page = h.tiers.page_size
     req = cache.begin_request(RadixKey(tokens))
     hit = req.hit
-    assert hit.load is None or hit.load.done, "a load is committed before begin_request returns"
+    load = hit.load
+    assert load is None or (isinstance(load, TierLoad) and load.done), "load left uncommitted"
     slots = cache.alloc_tokens(-(-(len(tokens) - 1 - req.cached_len) // page) * page)
     assert slots is not None
     req.extend(slots)
