@@ -1,12 +1,13 @@
 """Spies for tests of threaded code. `record_calls(monkeypatch, obj, name)` replaces
 `obj.name`, for one test, by a wrapper that notes each call (the method's name, the calling
 thread's name and the arguments) in a list and then runs the original, returning what it
-returns. `Gate().wrap(fn)` holds every caller of `fn` until the test opens the gate."""
+returns. `Gate().wrap(fn)` holds every caller of `fn` until the test opens the gate.
+`ResultSpy(inner, methods)` stands in for an object and keeps what those methods returned."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,3 +61,26 @@ class Gate:
             return fn(*args, **kwargs)
 
         return gated
+
+
+class ResultSpy:
+    """Stands in for an object (a compiled path's wrapper): a call of one of the `recorded`
+    methods goes to `inner` and its result is kept in `results`, in call order; any other
+    attribute is `inner`'s own."""
+
+    def __init__(self, inner: object, recorded: Iterable[str]) -> None:
+        self.inner = inner
+        self.recorded = frozenset(recorded)
+        self.results: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name not in self.recorded:
+            return attr
+
+        def recording(*args: Any) -> Any:
+            result = attr(*args)
+            self.results.append(result)
+            return result
+
+        return recording
