@@ -12,9 +12,10 @@ import torch
 
 from kvstrata.allocator import PagedAllocator
 from kvstrata.allocator.errors import IntegrityError
-from kvstrata.allocator.native import FALLBACK, NativeDecode, native_decode
+from kvstrata.allocator.native import FALLBACK, native_decode
 from kvstrata.pool import native
 from kvstrata.testkit.allocators import idx, make_paged
+from kvstrata.testkit.spies import ResultSpy
 
 pytestmark = pytest.mark.skipif(native_decode() is None, reason="no compiled decode round")
 
@@ -220,29 +221,13 @@ def test_check_allocated_in_one_call_raises_what_the_numpy_path_raises(checked: 
         both(fast, slow, lambda a, c=probe: a.check_allocated(c.to(torch.int32), "probe"))
 
 
-class _Spy:
-    """The engine's `NativeDecode` with every result of `free_slots` / `check_slots` kept."""
-
-    def __init__(self, inner: NativeDecode) -> None:
-        self.inner = inner
-        self.alloc_decode = inner.alloc_decode
-        self.results: list[int] = []
-
-    def free_slots(self, *args: object) -> int:
-        self.results.append(self.inner.free_slots(*args))
-        return self.results[-1]
-
-    def check_slots(self, *args: object) -> int:
-        self.results.append(self.inner.check_slots(*args))
-        return self.results[-1]
-
-
 @pytest.mark.parametrize("checked", [True, False])
 def test_whole_page_frees_and_checks_are_the_c_code_s(checked: bool) -> None:
     """The twins above agree whether or not the C code answers; here it must answer (no
     fallback) a tree's whole-page free, of any length, and a check of handed-out slots."""
     fast, slow = twins(page_size=8, num_pages=512, checked=checked)
-    spy = _Spy(fast._engine._native)  # type: ignore[attr-defined]
+    # The engine's `NativeDecode` with every result of `free_slots` / `check_slots` kept.
+    spy = ResultSpy(fast._engine._native, ("free_slots", "check_slots"))  # type: ignore[attr-defined]
     fast._engine._native = spy  # type: ignore[attr-defined]
     held = both(fast, slow, lambda a: a.alloc(8 * 300))  # over RUN_COLLAPSE_MIN slots
     assert isinstance(held, list)

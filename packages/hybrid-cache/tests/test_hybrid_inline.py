@@ -25,6 +25,7 @@ from kvstrata.hybrid_cache import (
 from kvstrata.pool_host import HostLayout
 from kvstrata.storage import MemoryStorage, PageKeyer
 from kvstrata.storage.base import WriteResult
+from kvstrata.testkit.spies import Gate, record_calls
 from kvstrata.testkit.tiers import (
     assert_pages_equal,
     device_pools,
@@ -54,23 +55,14 @@ def test_a_cpu_group_runs_inline_by_default_and_the_flag_overrides() -> None:
         assert not controller.runs_inline
 
 
-def test_inline_writes_and_load_run_on_the_callers_thread_bit_identical() -> None:
+def test_inline_writes_and_load_run_on_the_callers_thread_bit_identical(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     tiers = make_tiers("full")
     pool = device_pools(tiers)["full"]
     page = tiers.member_page_size("full")
-    threads: list[str] = []
-    backup, load_layers = tiers.group.backup, tiers.group.load_layers
-
-    def spy_backup(*args: object, **kwargs: object) -> object:
-        threads.append(threading.current_thread().name)
-        return backup(*args, **kwargs)  # type: ignore[arg-type]
-
-    def spy_load(*args: object, **kwargs: object) -> object:
-        threads.append(threading.current_thread().name)
-        return load_layers(*args, **kwargs)  # type: ignore[arg-type]
-
-    tiers.group.backup = spy_backup  # type: ignore[method-assign]
-    tiers.group.load_layers = spy_load  # type: ignore[method-assign]
+    calls = record_calls(monkeypatch, tiers.group, "backup")
+    record_calls(monkeypatch, tiers.group, "load_layers", into=calls)
     with TierController(tiers.group) as controller:
         before = snapshot(pool, page_indices([1, 2, 3], page))
         ops = [WriteOp(moves=full_move(page, [p], [h])) for p, h in ((1, 4), (2, 5), (3, 6))]
@@ -89,21 +81,17 @@ def test_inline_writes_and_load_run_on_the_callers_thread_bit_identical() -> Non
         assert ack is not None and ack.ok and ack.num_pages_done == 3
         assert_pages_equal(pool, page_indices([7, 8, 9], page), before, what="inline cycle")
         controller.check_integrity()
-    me = threading.current_thread().name
-    assert threads and all(t == me for t in threads), threads
+    threads = [c.thread for c in calls]
+    assert [c.method for c in calls] == ["backup", "load_layers"]
+    assert all(t == threading.current_thread().name for t in threads), threads
 
 
-def test_without_inline_the_same_submits_go_to_the_workers() -> None:
+def test_without_inline_the_same_submits_go_to_the_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     tiers = make_tiers("full")
     page = tiers.member_page_size("full")
-    seen: list[str] = []
-    backup = tiers.group.backup
-
-    def spy(*args: object, **kwargs: object) -> object:
-        seen.append(threading.current_thread().name)
-        return backup(*args, **kwargs)  # type: ignore[arg-type]
-
-    tiers.group.backup = spy  # type: ignore[method-assign]
+    seen = record_calls(monkeypatch, tiers.group, "backup")
     params = ControllerParams(run_inline=False)
     with TierController(tiers.group, params=params) as controller:
         ids = controller.submit_writes([WriteOp(moves=full_move(page, [1], [0]))], inline=True)
@@ -111,7 +99,7 @@ def test_without_inline_the_same_submits_go_to_the_workers() -> None:
         ack = controller.wait(ids[0], TIMEOUT_S)
         assert ack is not None and ack.ok
         controller.check_integrity()
-    assert seen == ["kvstrata-tier-write"]
+    assert [c.thread for c in seen] == ["kvstrata-tier-write"]
 
 
 def test_an_inline_op_that_fails_is_acked_failed_and_nothing_escapes() -> None:
@@ -149,23 +137,18 @@ def test_submit_writes_validates_every_op_before_any_is_admitted() -> None:
 
 
 @pytest.mark.parametrize("as_pages", [False, True], ids=["moves", "pages"])
-def test_submit_writes_past_the_queue_room_refuses_the_rest(as_pages: bool) -> None:
+def test_submit_writes_past_the_queue_room_refuses_the_rest(
+    as_pages: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`submit_writes` and `submit_write_pages` (the tiers' page ids) alike."""
     tiers = make_tiers("full")
     page = tiers.member_page_size("full")
-    gate_in, gate_open = threading.Event(), threading.Event()
-    backup = tiers.group.backup
-
-    def held(*args: object, **kwargs: object) -> object:
-        gate_in.set()
-        assert gate_open.wait(TIMEOUT_S)
-        return backup(*args, **kwargs)  # type: ignore[arg-type]
-
-    tiers.group.backup = held  # type: ignore[method-assign]
+    gate = Gate(TIMEOUT_S)
+    monkeypatch.setattr(tiers.group, "backup", gate.wrap(tiers.group.backup))
     params = ControllerParams(run_inline=False, queue_capacity=2, max_merge_ops=1)
     with TierController(tiers.group, params=params) as controller:
         first = controller.submit_write(WriteOp(moves=full_move(page, [1], [0])))
-        assert gate_in.wait(TIMEOUT_S)
+        assert gate.entered.wait(TIMEOUT_S)
         if as_pages:
             one = np.ones(1, dtype=np.int64)
             ids = controller.submit_write_pages([{"full": (one * p, one * p)} for p in (2, 3, 4)])
@@ -175,7 +158,7 @@ def test_submit_writes_past_the_queue_room_refuses_the_rest(as_pages: bool) -> N
             )
         assert ids[0] is not None and ids[1] is not None and ids[2] is None
         controller.check_integrity()
-        gate_open.set()
+        gate.opened.set()
         for op_id in (first, ids[0], ids[1]):
             ack = controller.wait(op_id, TIMEOUT_S)
             assert ack is not None and ack.ok
@@ -264,20 +247,13 @@ class _ThreadNoting(MemoryStorage):
 @pytest.mark.parametrize("memory", [True, False], ids=["in-process", "io-store"])
 @pytest.mark.parametrize("run_inline", [True, False])
 def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(
-    run_inline: bool, memory: bool, trusted: bool
+    run_inline: bool, memory: bool, trusted: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Inline only on an inline controller over in-process memory storage: a store with I/O
     (file, Ray) keeps its backups on the worker, where the I/O overlaps the caller. The
     tiers' `trusted=True` stores the same pages without `check_keyed_pages`."""
     tiers = make_tiers("full")
-    checks: list[int] = []
-    check_keyed_pages = tiers.group.check_keyed_pages
-
-    def spy(*args: object, **kwargs: object) -> object:
-        checks.append(1)
-        return check_keyed_pages(*args, **kwargs)  # type: ignore[arg-type]
-
-    tiers.group.check_keyed_pages = spy  # type: ignore[method-assign]
+    checks = record_calls(monkeypatch, tiers.group, "check_keyed_pages")
     page = tiers.member_page_size("full")
     storage = _ThreadNoting()
     storage.in_process_memory = memory
@@ -320,35 +296,19 @@ def test_inline_backups_run_on_the_callers_thread_and_queue_otherwise(
 
 
 @pytest.mark.parametrize("run_inline", [True, False])
-def test_trusted_submits_move_the_same_bytes_without_the_checks(run_inline: bool) -> None:
+def test_trusted_submits_move_the_same_bytes_without_the_checks(
+    run_inline: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`trusted=True` (the tiers' path) skips `check_moves` and the host pool's page checks
     (`count_moves`, `backup_planned`, `load_layers_planned`) and moves what the checked path
     moves, inline or on the workers; the checked path still refuses a bad op."""
     tiers = make_tiers("full")
     pool = device_pools(tiers)["full"]
     page = tiers.member_page_size("full")
-    checks: list[str] = []
-    check_moves = tiers.group.check_moves
-
-    def spy(*args: object, **kwargs: object) -> object:
-        checks.append("checked")
-        return check_moves(*args, **kwargs)  # type: ignore[arg-type]
-
-    tiers.group.check_moves = spy  # type: ignore[method-assign]
+    checks = record_calls(monkeypatch, tiers.group, "check_moves")
     host = tiers.group.member("full").host
-    plans: list[str] = []
-    plan_d2h, plan_h2d = host.plan_d2h, host.plan_h2d
-
-    def spy_d2h(*args: torch.Tensor) -> object:
-        plans.append("d2h")
-        return plan_d2h(*args)
-
-    def spy_h2d(*args: torch.Tensor) -> object:
-        plans.append("h2d")
-        return plan_h2d(*args)
-
-    host.plan_d2h = spy_d2h  # type: ignore[method-assign]
-    host.plan_h2d = spy_h2d  # type: ignore[method-assign]
+    plans = record_calls(monkeypatch, host, "plan_d2h")
+    record_calls(monkeypatch, host, "plan_h2d", into=plans)
     params = ControllerParams(run_inline=run_inline)
     with TierController(tiers.group, params=params) as controller:
         before = snapshot(pool, page_indices([1, 2, 3], page))
@@ -367,11 +327,11 @@ def test_trusted_submits_move_the_same_bytes_without_the_checks(run_inline: bool
         assert not checks and not plans
         with pytest.raises(InvalidOperation):
             controller.submit_writes([WriteOp(moves=full_move(page, [0], [1]))], inline=True)
-        assert checks == ["checked"]
+        assert len(checks) == 1
         # The checked path still has the host pool plan (and check) its pages.
         (op_id,) = controller.submit_writes([WriteOp(moves=full_move(page, [7], [1]))])
         assert op_id is not None
         ack = controller.wait(op_id, TIMEOUT_S)
         assert ack is not None and ack.ok
-        assert plans == ["d2h"]
+        assert [c.method for c in plans] == ["plan_d2h"]
         controller.check_integrity()

@@ -44,6 +44,7 @@ from kvstrata.pool_host import HostLayout
 from kvstrata.storage import FaultInjectingStorage, MemoryStorage, PageKeyer, Storage
 from kvstrata.storage.base import WriteResult
 from kvstrata.storage.faults import FaultRules
+from kvstrata.testkit.spies import record_calls
 from kvstrata.testkit.tiers import (
     SHAPES,
     Shape,
@@ -641,37 +642,33 @@ def test_merged_backups_flag_only_the_pages_stored_per_op(
 
 
 @pytest.mark.parametrize("inline", [True, False])
-def test_a_trusted_prefetch_skips_the_checks_and_lands_the_same_pages(inline: bool) -> None:
+def test_a_trusted_prefetch_skips_the_checks_and_lands_the_same_pages(
+    inline: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`submit_prefetch(trusted=True)` (the tiers' path) does not run `check_keyed_pages` and
     lands what the checked path lands, inline or on the worker; the checked path still
     refuses a bad op before anything changes."""
     tiers = make_tiers("full")
     storage = MemoryStorage(capacity_bytes=1 << 24)
     keys = prefix_keys(tiers, N)
-    checks: list[int] = []
-    check = tiers.group.check_keyed_pages
-
-    def spy(keys: Sequence[bytes], host_pages: dict[str, Sequence[int | None]]) -> object:
-        checks.append(len(keys))
-        return check(keys, host_pages)
-
     with TierController(tiers.group, storage=storage) as controller:
         expected = write_and_back_up(
             controller, tiers, keys, [1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5]
         )
         wipe_host(tiers, list(range(10, 16)))
-        tiers.group.check_keyed_pages = spy  # type: ignore[method-assign]
+        checks = record_calls(monkeypatch, tiers.group, "check_keyed_pages")
         host = list(range(10, 16))
         op = PrefetchOp(keys=keys, host_pages=all_pages(tiers, host), num_tokens=24)
         op_id = controller.submit_prefetch(op, inline=inline, trusted=True)
-        assert op_id is not None and checks == []
+        assert op_id is not None and not checks
         ack = controller.wait(op_id, TIMEOUT_S)
         assert ack is not None and ack.status is AckStatus.DONE and ack.num_pages_done == N
         load_and_check(controller, tiers, host, [8, 9, 10, 11, 12, 13], expected, N)
         bad = PrefetchOp(keys=[b"", *keys[1:]], host_pages=all_pages(tiers, host), num_tokens=24)
         with pytest.raises(InvalidOperation):
             controller.submit_prefetch(bad, inline=inline)
-        assert checks == [N] and controller.prefetch_inflight_pages() == {"full": 0}
+        assert [len(c.args[0]) for c in checks] == [N]  # the checked submit's keys
+        assert controller.prefetch_inflight_pages() == {"full": 0}
         controller.check_integrity()
 
 

@@ -27,6 +27,7 @@ from kvstrata.hybrid_cache import (
 )
 from kvstrata.pool_host import HostLayout
 from kvstrata.testkit.pools import DEVICES
+from kvstrata.testkit.spies import Gate
 from kvstrata.testkit.tiers import (
     SHAPES,
     Shape,
@@ -58,28 +59,10 @@ def same_pages(tiers: Tiers, pages: list[int]) -> dict[str, list[int]]:
     return dict.fromkeys(tiers.group.member_names, pages)
 
 
-class Gate:
-    """Blocks a wrapped function until opened: holds a worker inside its current batch."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.opened = threading.Event()
-        self.calls = 0
-
-    def wrap(self, fn: Callable[..., object]) -> Callable[..., object]:
-        def gated(*args: object, **kwargs: object) -> object:
-            self.calls += 1
-            self.entered.set()
-            assert self.opened.wait(TIMEOUT_S), "gate never opened"
-            return fn(*args, **kwargs)
-
-        return gated
-
-
 def hold_worker_in_a_write(tiers: Tiers, controller: TierController) -> tuple[Gate, int]:
     """Gate the group's backups and submit a write of device page 1 to host page 0; returns
     the gate and the write's op id once the worker is inside it (held until `gate.opened`)."""
-    gate = Gate()
+    gate = Gate(TIMEOUT_S)
     tiers.group.backup = gate.wrap(tiers.group.backup)  # type: ignore[method-assign]
     op_id = controller.submit_write(WriteOp(moves=moves_for(tiers, {"full": [1]}, {"full": [0]})))
     assert gate.entered.wait(TIMEOUT_S)
@@ -243,7 +226,7 @@ def test_merged_loads_run_one_layer_walk_and_each_op_is_acked() -> None:
         expected = {
             n: snapshot(p, page_indices([1, 2, 3], tiers.page_size)) for n, p in pools.items()
         }
-        gate = Gate()
+        gate = Gate(TIMEOUT_S)
         tiers.group.load_layers = gate.wrap(tiers.group.load_layers)  # type: ignore[method-assign]
 
         def load(dst: int, host: int) -> LoadHandle:

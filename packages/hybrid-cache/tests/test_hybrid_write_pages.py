@@ -21,6 +21,7 @@ from kvstrata.hybrid_cache import (
     WriteOp,
 )
 from kvstrata.testkit import tiers as tk
+from kvstrata.testkit.spies import Gate, record_calls
 
 TIMEOUT_S = 10.0
 
@@ -87,16 +88,11 @@ def test_write_pages_move_what_submit_writes_moves(inline: bool) -> None:
     assert got["pages"] == got["moves"]
 
 
-def test_inline_write_pages_run_merged_on_the_callers_thread() -> None:
+def test_inline_write_pages_run_merged_on_the_callers_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     tiers = tk.make_tiers("full")
-    threads: list[str] = []
-    backup_pages = tiers.group.backup_pages
-
-    def spy(*args: object, **kwargs: object) -> int:
-        threads.append(threading.current_thread().name)
-        return backup_pages(*args, **kwargs)  # type: ignore[arg-type]
-
-    tiers.group.backup_pages = spy  # type: ignore[method-assign]
+    calls = record_calls(monkeypatch, tiers.group, "backup_pages")
     with TierController(tiers.group) as controller:
         ids = controller.submit_write_pages([pairs([1], [4]), pairs([2], [5])], inline=True)
         acks = controller.poll_acks()  # done before the call returned
@@ -106,7 +102,7 @@ def test_inline_write_pages_run_merged_on_the_callers_thread() -> None:
         controller.close()
         with pytest.raises(ControllerClosed):
             controller.submit_write_pages([pairs([3], [6])], inline=True)
-    assert threads == [threading.current_thread().name]  # one merged copy
+    assert [c.thread for c in calls] == [threading.current_thread().name]  # one merged copy
 
 
 def test_a_merged_page_write_that_raises_is_retried_op_by_op() -> None:
@@ -129,7 +125,9 @@ def test_a_merged_page_write_that_raises_is_retried_op_by_op() -> None:
         controller.check_integrity()
 
 
-def test_a_merged_batch_of_moves_and_page_ids_writes_in_submit_order() -> None:
+def test_a_merged_batch_of_moves_and_page_ids_writes_in_submit_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Two queued writes of one host page, the older given as moves, the newer as page ids,
     merged into one batch on the worker: the host page ends with the newer one's bytes, as
     when both are moves (queue order, whatever API each came through)."""
@@ -138,15 +136,8 @@ def test_a_merged_batch_of_moves_and_page_ids_writes_in_submit_order() -> None:
     page = tiers.member_page_size("full")
     tk.scramble(pool, tk.page_indices([1, 2, 3], page), seed=11)
     newer_bytes = tk.snapshot(pool, tk.page_indices([2], page))
-    gate_in, gate_open = threading.Event(), threading.Event()
-    backup = tiers.group.backup
-
-    def held(*args: object, **kwargs: object) -> object:
-        gate_in.set()
-        assert gate_open.wait(TIMEOUT_S)
-        return backup(*args, **kwargs)  # type: ignore[arg-type]
-
-    tiers.group.backup = held  # type: ignore[method-assign]
+    gate = Gate(TIMEOUT_S)
+    monkeypatch.setattr(tiers.group, "backup", gate.wrap(tiers.group.backup))
 
     def move(device: int, host: int) -> WriteOp:
         return WriteOp(
@@ -159,10 +150,10 @@ def test_a_merged_batch_of_moves_and_page_ids_writes_in_submit_order() -> None:
 
     with TierController(tiers.group, params=ControllerParams(run_inline=False)) as controller:
         first = controller.submit_write(move(3, 7))  # holds the worker: the next two queue
-        assert gate_in.wait(TIMEOUT_S)
+        assert gate.entered.wait(TIMEOUT_S)
         older = controller.submit_writes([move(1, 4)], trusted=True)[0]
         newer = controller.submit_write_pages([pairs([2], [4])])[0]
-        gate_open.set()
+        gate.opened.set()
         for op_id in (first, older, newer):
             ack = controller.wait(op_id, TIMEOUT_S) if op_id is not None else None
             assert ack is not None and ack.ok

@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata.pool_host import HostLayout, HostPool, MHAHostPool, PagePlan, vouched_pages
+from kvstrata.pool_host import (
+    HostLayout,
+    HostPool,
+    LayerCompletion,
+    MHAHostPool,
+    PagePlan,
+    vouched_pages,
+)
 from kvstrata.pool_host.errors import PoolMismatch
 from kvstrata.testkit.host_pools import (
     DTYPES,
@@ -21,6 +28,7 @@ from kvstrata.testkit.host_pools import (
     read_flat,
     zero_pool,
 )
+from kvstrata.testkit.pools import DEVICES
 
 PAGE_FIRST = (HostLayout.page_first, HostLayout.page_first_direct)
 
@@ -32,29 +40,49 @@ def make_host(
     return cls(device_pool, layout=layout, size=num_pages * device_pool.page_size)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(HostLayout), ids=str)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_round_trip_is_bit_identical(
-    family: Family, layout: HostLayout, dtype: torch.dtype
+    family: Family, layout: HostLayout, dtype: torch.dtype, device: str
 ) -> None:
+    """On CUDA the host memory is pinned, the backup has an event and the per-layer
+    completion makes the current stream wait for each layer's copy."""
     # KV families as a pipeline stage holding global layers 2..4: loads report global ids.
-    pool = make_device_pool(family, dtype=dtype, start_layer=0 if family == "mamba" else 2)
+    start_layer = 0 if family == "mamba" else 2
+    pool = make_device_pool(family, dtype=dtype, start_layer=start_layer, device=device)
     fill_random(pool, seed=1)
     host = make_host(family, pool, layout)
     host.check_integrity()
+    cuda = device == "cuda"
+    assert host.allocator.pinned == cuda
     P = pool.page_size
     device_pages = [3, 4, 5, 9, 1, 11]  # runs (3..5), then singles
     host_pages = [0, 1, 2, 6, 7, 3]
     expected = read_flat(pool, device_pages)
-    transfer = host.backup(pool, page_tokens(device_pages, P), page_tokens(host_pages, P))
+    transfer = host.backup(
+        pool, page_tokens(device_pages, P).to(device), page_tokens(host_pages, P)
+    )
+    assert (transfer.event is not None) == cuda
     transfer.wait()
+    assert transfer.done()
     assert transfer.num_pages == 6
     assert transfer.num_bytes == 6 * pool.page_size_bytes
+    if layout is not HostLayout.layer_first:
+        for page, row in zip(host_pages, expected, strict=True):
+            assert bytes(host.page_view(page)) == row.numpy().tobytes()
 
     zero_pool(pool)  # every byte that lands from now on must come from the host
     targets = [2, 7, 8, 10, 12, 1]
-    loads = host.load_layers(pool, page_tokens(host_pages, P), page_tokens(targets, P))
+    completion = LayerCompletion(host.layer_ids)
+    loads = host.load_layers(
+        pool, page_tokens(host_pages, P), page_tokens(targets, P), completion=completion
+    )
+    for layer in host.layer_ids:
+        completion.wait(layer)  # on CUDA the current stream now waits for that layer's event
+    if cuda:
+        torch.cuda.current_stream().synchronize()
     assert [load.layer_id for load in loads] == list(host.layer_ids)
     assert host.layer_ids == (range(3) if family == "mamba" else range(2, 5))
     assert torch.equal(read_flat(pool, targets), expected)

@@ -26,11 +26,17 @@ from kvstrata.pool_host.errors import (
 )
 
 
+def _taken(alloc: HostSlotAllocator, num_pages: int) -> torch.Tensor:
+    """`alloc.alloc_pages(num_pages)`, which must succeed."""
+    pages = alloc.alloc_pages(num_pages)
+    assert pages is not None, f"{num_pages} pages refused"
+    return pages
+
+
 def test_fresh_allocations_are_contiguous_and_ascending() -> None:
     alloc = HostSlotAllocator(num_pages=8, page_size=4)
-    first = alloc.alloc_pages(3)
-    second = alloc.alloc_pages(2)
-    assert first is not None and second is not None
+    first = _taken(alloc, 3)
+    second = _taken(alloc, 2)
     assert first.tolist() == [0, 1, 2]
     assert second.tolist() == [3, 4]
     assert alloc.available_size() == 3 * 4
@@ -59,19 +65,15 @@ def test_alloc_too_many_returns_none_and_changes_nothing() -> None:
 
 def test_freed_pages_are_reused_lowest_first_once_fresh_pages_run_out() -> None:
     alloc = HostSlotAllocator(num_pages=6, page_size=1)
-    pages = alloc.alloc_pages(6)
-    assert pages is not None
+    _taken(alloc, 6)
     alloc.free_pages(torch.tensor([4, 1, 2]))
-    again = alloc.alloc_pages(3)
-    assert again is not None
-    assert again.tolist() == [1, 2, 4]
+    assert _taken(alloc, 3).tolist() == [1, 2, 4]
     alloc.check_integrity()
 
 
 def test_double_free_is_refused_without_change() -> None:
     alloc = HostSlotAllocator(num_pages=4, page_size=1)
-    pages = alloc.alloc_pages(2)
-    assert pages is not None
+    pages = _taken(alloc, 2)
     alloc.free_pages(pages[:1])
     with pytest.raises(DoubleFree):
         alloc.free_pages(pages)  # page 0 already free: page 1 must stay allocated
@@ -116,13 +118,11 @@ def test_non_integer_ids_are_refused_not_truncated() -> None:
 
 def test_free_does_not_alias_the_callers_tensor() -> None:
     alloc = HostSlotAllocator(num_pages=4, page_size=1)
-    pages = alloc.alloc_pages(2)
-    assert pages is not None
+    pages = _taken(alloc, 2)
     alloc.free_pages(pages)
     pages.fill_(3)  # the caller reuses its tensor: the allocator must have kept a copy
     alloc.check_integrity()
-    again = alloc.alloc_pages(4)
-    assert again is not None and sorted(again.tolist()) == [0, 1, 2, 3]
+    assert sorted(_taken(alloc, 4).tolist()) == [0, 1, 2, 3]
 
 
 def test_corrupt_free_list_is_detected_as_double_allocation() -> None:

@@ -13,7 +13,8 @@ import torch
 
 from kvstrata.pool import native
 from kvstrata.pool_host import HostSlotAllocator
-from kvstrata.pool_host.slots import FALLBACK, NativeSlots, native_slots
+from kvstrata.pool_host.slots import FALLBACK, native_slots
+from kvstrata.testkit.spies import ResultSpy
 
 pytestmark = pytest.mark.skipif(native_slots() is None, reason="no compiled host slots")
 
@@ -105,28 +106,12 @@ def test_a_corrupt_free_list_is_refused_by_both_paths() -> None:
         assert a._pages._fresh.tolist() == [0, 1, 2, 3] and not a._pages.is_free[0]
 
 
-class _Spy:
-    """The allocator's `NativeSlots` with every result kept."""
-
-    def __init__(self, inner: NativeSlots) -> None:
-        self.inner = inner
-        self.results: list[int] = []
-
-    def give(self, *args: object) -> int:
-        self.results.append(self.inner.give(*args))
-        return self.results[-1]
-
-    def take(self, *args: object) -> int:
-        self.results.append(self.inner.take(*args))
-        return self.results[-1]
-
-
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_whole_page_allocs_and_frees_are_the_c_code_s(page_size: int) -> None:
     """The twins above agree whether or not the C code answers; here it must answer (no
     fallback) allocs and frees of whole pages, also after given-back pages were merged."""
     fast, slow = twins(16, page_size)
-    spy = _Spy(fast._native)  # pyright: ignore[reportArgumentType]
+    spy = ResultSpy(fast._native, ("give", "take"))  # the `NativeSlots`, its results kept
     fast._native = spy  # pyright: ignore[reportAttributeAccessIssue]
     got = [both(fast, slow, lambda a, n=n: a.alloc(n * page_size)) for n in (5, 6, 5)]
     for slots in got[1], got[0]:

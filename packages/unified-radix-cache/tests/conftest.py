@@ -9,7 +9,7 @@ import pytest
 
 from kvstrata.testkit.tiers import Hierarchy, Shape, make_hierarchy, serve
 from kvstrata.testkit.trees import TREE_FAMILIES
-from kvstrata.unified_radix_cache import RadixKey, TreeNode
+from kvstrata.unified_radix_cache import FullComponent, RadixKey, TreeNode, UnifiedRadixCache
 from kvstrata.unified_radix_cache.paths import node_at
 
 _P = ParamSpec("_P")
@@ -77,6 +77,28 @@ def hierarchy(closing: list[_Built]) -> Callable[..., Hierarchy]:
     """testkit's `make_hierarchy` (same arguments: shape first, page size 4 by default) whose
     hierarchies are closed when the test ends (through `closing`)."""
     return _closed_at_teardown(make_hierarchy, closing)
+
+
+@pytest.fixture
+def full_hierarchy_of(
+    closing: list[_Built],
+) -> Callable[[type[UnifiedRadixCache], type[FullComponent]], Hierarchy]:
+    """`full_hierarchy_of(tree_cls, full_cls)`: a Full-only hierarchy sized for testkit's
+    `returning_prompts` (page 4, device 9 pages, host 16: both overflow) whose tree is a
+    `tree_cls` over one `full_cls` on the system's KV allocator (subclasses whose overrides a
+    test watches); closed when the test ends (through `closing`)."""
+    make = _closed_at_teardown(make_hierarchy, closing)
+
+    def build(tree_cls: type[UnifiedRadixCache], full_cls: type[FullComponent]) -> Hierarchy:
+        return make(
+            "full",
+            page_size=4,
+            device_pages=9,
+            host_pages=16,
+            tree=lambda system: tree_cls([full_cls(system.kv_allocator)], page_size=4),
+        )
+
+    return build
 
 
 def _end_node(h: Hierarchy, tokens: list[int]) -> TreeNode:

@@ -7,7 +7,6 @@ and counters."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from typing import Any
@@ -18,14 +17,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstrata.hybrid_cache import ControllerParams
-from kvstrata.testkit.refusals import tree_state
 from kvstrata.testkit.tiers import (
     Hierarchy,
     Shape,
+    assert_served_alike,
     check_hit,
     compute,
     make_hierarchy,
+    page_prompts,
     serve,
+    serve_bare,
 )
 from kvstrata.unified_radix_cache import RadixKey
 from kvstrata.unified_radix_cache.host_walks import HostWalks
@@ -33,36 +34,17 @@ from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.tiers import TierParams
 
 PAGE = 4
-PROMPTS = st.lists(
-    st.lists(st.integers(0, 2), min_size=1, max_size=4).map(
-        lambda pages: [t for p in pages for t in [p] * PAGE] + [9]
-    ),
-    min_size=1,
-    max_size=25,
-)
+#: Three pages: a later request hits at most the first two.
+FIRST = [1] * PAGE + [2] * PAGE + [3] * PAGE
 
 
-def _serve(h: Hierarchy, tokens: list[int]) -> tuple[int, int, int]:
-    cache = h.cache
-    req = cache.begin_request(RadixKey(tokens))
-    hit = req.hit
-    assert hit.load is None or hit.load.done  # committed before begin_request returns
-    need = -(-(len(tokens) - 1 - req.cached_len) // PAGE) * PAGE
-    slots = cache.alloc_tokens(need)
-    assert slots is not None
-    req.extend(slots)
-    cache.cache_finished_request(req)
-    cache.drain()
-    return hit.device_len, hit.host_len, hit.storage_len
-
-
-def _picture(h: Hierarchy) -> object:
-    """Both tiers (the testkit's `tree_state`, less its metrics: they include seconds) and the
-    transfer counters less the seconds waited."""
-    return (
-        dataclasses.replace(tree_state(h.tree, h.cache), metrics=()),
-        dataclasses.replace(h.cache.counters, transfer_wait_seconds=0.0),
-    )
+def _pushed_off(h: Hierarchy, fillers: range, *prompts: list[int]) -> None:
+    """Serves `FIRST` and `prompts` (testkit's `serve`), then two pages of each token in
+    `fillers`: the device fills and the pages served first leave it (kept on the host)."""
+    for tokens in (FIRST, *prompts):
+        serve(h, tokens)
+    for k in fillers:
+        serve(h, [k] * (2 * PAGE))
 
 
 def _pair(shape: Shape) -> tuple[Hierarchy, Hierarchy]:
@@ -74,20 +56,11 @@ def _pair(shape: Shape) -> tuple[Hierarchy, Hierarchy]:
 
 
 @settings(max_examples=30, deadline=None)
-@given(prompts=PROMPTS, shape=st.sampled_from(["full", "swa"]))
+@given(prompts=page_prompts(PAGE), shape=st.sampled_from(["full", "swa"]))
 def test_an_inline_load_back_leaves_the_state_the_queued_one_leaves(
     prompts: list[list[int]], shape: Shape
 ) -> None:
-    inline, queued = _pair(shape)
-    try:
-        for tokens in prompts:
-            assert _serve(inline, tokens) == _serve(queued, tokens)
-            assert _picture(inline) == _picture(queued)
-            inline.cache.check_integrity()
-            queued.cache.check_integrity()
-    finally:
-        inline.cache.controller.close()
-        queued.cache.controller.close()
+    assert_served_alike(*_pair(shape), prompts, drain=True)
 
 
 def test_an_inline_load_back_is_committed_when_start_returns(
@@ -109,9 +82,9 @@ def test_an_inline_load_back_is_committed_when_start_returns(
         revived.clear()
         try:
             first = [1] * PAGE + [2] * PAGE + [9]
-            _serve(h, first)
+            serve_bare(h, first, drain=True)
             for k in range(3, 6):  # the device fills: the first prompt's pages leave it
-                _serve(h, [k] * (2 * PAGE) + [9])
+                serve_bare(h, [k] * (2 * PAGE) + [9], drain=True)
             match = h.cache.match_prefix(RadixKey(first), max_len=2 * PAGE)
             assert (match.device.prefix_len, match.host_hit_len) == (0, 2 * PAGE)
             load = h.cache.start_load_back(match.host_node, wait_now=True)
@@ -151,10 +124,7 @@ def test_a_load_back_waits_for_no_queued_write(monkeypatch: pytest.MonkeyPatch) 
     )
     cache = h.cache
     try:
-        first = [1] * PAGE + [2] * PAGE + [3] * PAGE  # hits at most 2 pages
-        serve(h, first)
-        for k in range(3, 6):  # the device fills: the first prompt's pages leave it
-            serve(h, [k] * (2 * PAGE))
+        _pushed_off(h, range(3, 6))
         ids = torch.tensor([7] * (2 * PAGE), dtype=torch.int64)
         req = cache.begin_request(RadixKey(ids))
         slots = cache.alloc_tokens(2 * PAGE)
@@ -174,7 +144,7 @@ def test_a_load_back_waits_for_no_queued_write(monkeypatch: pytest.MonkeyPatch) 
 
         monkeypatch.setattr(group, "backup_pages", held_backup)
         try:
-            first_ids = torch.tensor(first, dtype=torch.int64)
+            first_ids = torch.tensor(FIRST, dtype=torch.int64)
             back = cache.begin_request(RadixKey(first_ids))  # loads the first prompt back
             assert entered.wait(10.0) and cache.writer.num_unsent == 0  # sent with the load
             assert (back.hit.device_len, back.hit.host_len) == (0, 2 * PAGE)
@@ -204,12 +174,8 @@ def test_an_inline_load_of_a_path_revived_meanwhile_commits_as_the_insert_does(
     cache = h.cache
     spare: torch.Tensor | None = None
     try:
-        first = [1] * PAGE + [2] * PAGE + [3] * PAGE  # hits at most 2 pages
-        serve(h, first)
-        serve(h, [1] * PAGE + [4] * PAGE + [3] * PAGE)  # splits the first after one page
-        for k in range(5, 9):  # the device fills: both prompts' pages leave it
-            serve(h, [k] * (2 * PAGE))
-        match = cache.match_prefix(RadixKey(first), max_len=2 * PAGE)
+        _pushed_off(h, range(5, 9), [1] * PAGE + [4] * PAGE + [3] * PAGE)  # splits FIRST
+        match = cache.match_prefix(RadixKey(FIRST), max_len=2 * PAGE)
         assert (match.device.prefix_len, match.host_hit_len) == (0, 2 * PAGE)
         node = match.host_node
         parent = node.parent
@@ -236,7 +202,7 @@ def test_an_inline_load_of_a_path_revived_meanwhile_commits_as_the_insert_does(
             h.allocator.free(spare)
             spare = None
         cache.check_integrity()  # no slot leaked, no lock left
-        assert serve(h, first) == 2 * PAGE  # the tree's KV for the prefix, bit for bit
+        assert serve(h, FIRST) == 2 * PAGE  # the tree's KV for the prefix, bit for bit
     finally:
         if spare is not None:
             h.allocator.free(spare)
@@ -259,16 +225,13 @@ def test_a_failed_load_back_in_begin_request_leaves_the_tree_as_it_was(
     )
     cache = h.cache
     try:
-        first = [1] * PAGE + [2] * PAGE + [3] * PAGE  # hits at most 2 pages
-        serve(h, first)
-        for k in range(5, 9):  # the device fills: the first prompt's pages leave it
-            serve(h, [k] * (2 * PAGE))
+        _pushed_off(h, range(5, 9))
 
         def broken(*_args: object, **_kwargs: object) -> None:
             raise OSError("copy engine fault")
 
         monkeypatch.setattr(cache.controller.group, "load_layers", broken)
-        req = cache.begin_request(RadixKey(first))
+        req = cache.begin_request(RadixKey(FIRST))
         assert req.hit.load is not None and req.hit.load.done
         back = req.hit.load.wait()
         assert back is not None and back.loaded_len == 0
@@ -276,7 +239,7 @@ def test_a_failed_load_back_in_begin_request_leaves_the_tree_as_it_was(
         assert cache.counters.failed_ops == 1 and cache.counters.loaded_tokens == 0
         assert cache.num_pending == 0
         cache.abort_request(req)
-        match = cache.match_prefix(RadixKey(first), max_len=2 * PAGE)
+        match = cache.match_prefix(RadixKey(FIRST), max_len=2 * PAGE)
         assert (match.device.prefix_len, match.host_hit_len) == (0, 2 * PAGE)
         cache.check_integrity()  # the load's slots freed, no lock left
     finally:

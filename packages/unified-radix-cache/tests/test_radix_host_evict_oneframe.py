@@ -128,26 +128,15 @@ class _CountingFull(FullComponent):
         return super().release(node, node_goes)
 
 
-def _hierarchy_of(tree_cls: type[UnifiedRadixCache], full_cls: type[FullComponent]) -> Hierarchy:
-    """`make_hierarchy("full")` (device 9 pages, host 16) over a tree of these classes."""
-    return make_hierarchy(
-        "full",
-        page_size=P,
-        device_pages=9,
-        host_pages=16,
-        tree=lambda system: tree_cls([full_cls(system.kv_allocator)], page_size=P),
-    )
-
-
 def test_a_tree_subclass_keeps_its_remove_leaf_in_host_eviction(
-    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch
+    full_hierarchy_of: Callable[[type[UnifiedRadixCache], type[FullComponent]], Hierarchy],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The one-frame host eviction inlines `remove_leaf`: a subclass of the tree does not get
     it (as the compiled device-only eviction), so every node host eviction takes out still
     goes through the override."""
     freed = _spy(monkeypatch)
-    h = _hierarchy_of(_CountingTree, FullComponent)
-    closing.append(h)
+    h = full_hierarchy_of(_CountingTree, FullComponent)
     for tokens in _requests():
         serve(h, tokens)
     tree = h.tree
@@ -159,14 +148,14 @@ def test_a_tree_subclass_keeps_its_remove_leaf_in_host_eviction(
 
 
 def test_a_full_component_subclass_keeps_its_queue_free_and_release(
-    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch
+    full_hierarchy_of: Callable[[type[UnifiedRadixCache], type[FullComponent]], Hierarchy],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The one-frame loops inline `FullComponent.queue_free` (a demotion) and `release` (a
     host-evicted node): a subclass of the component keeps both, as it keeps its own
     `take_pending` (no compiled `drain`)."""
     freed = _spy(monkeypatch)
-    h = _hierarchy_of(UnifiedRadixCache, _CountingFull)
-    closing.append(h)
+    h = full_hierarchy_of(UnifiedRadixCache, _CountingFull)
     for tokens in _requests():
         serve(h, tokens)
     full = h.tree.components[0]

@@ -7,7 +7,15 @@ import torch
 
 from kvstrata.allocator import SWAAllocator
 from kvstrata.testkit.trees import TreeKit, make_tree
-from kvstrata.unified_radix_cache import EvictRequest, RadixKey, SWAComponent, SWAInsert
+from kvstrata.unified_radix_cache import (
+    ComponentInsert,
+    EvictRequest,
+    InsertResult,
+    RadixKey,
+    SWAComponent,
+    SWAInsert,
+    TreeNode,
+)
 from kvstrata.unified_radix_cache.errors import InvalidInsert
 
 X, Y, Z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
@@ -17,6 +25,26 @@ def _swa(kit: TreeKit) -> SWAComponent:
     component = kit.tree.component("swa")
     assert isinstance(component, SWAComponent)
     return component
+
+
+def _node(kit: TreeKit, tokens: list[int]) -> TreeNode:
+    """The node whose own tokens are `tokens`."""
+    return next(n for n in kit.tree.iter_nodes() if n.tokens().tolist() == tokens)
+
+
+def _insert(
+    kit: TreeKit, tokens: list[int], *, dropped: int = 0
+) -> tuple[torch.Tensor, InsertResult]:
+    """`tokens` inserted with fresh slots, as a finished request whose first `dropped` SWA
+    slots its engine already freed (the window passed them: `SWAInsert(evicted_len)`).
+    Returns the slots and the result (the caller frees the duplicates)."""
+    assert isinstance(kit.full, SWAAllocator)
+    slots = kit.alloc(len(tokens))
+    inputs: dict[str, ComponentInsert] | None = None
+    if dropped:
+        kit.full.free_swa(slots[:dropped])
+        inputs = {"swa": SWAInsert(evicted_len=dropped)}
+    return slots, kit.tree.insert(RadixKey(tokens), slots, inputs=inputs)
 
 
 def _tombstoned(window: int) -> TreeKit:
@@ -35,7 +63,7 @@ def _tombstoned(window: int) -> TreeKit:
 def test_swa_eviction_tombstones_internal_nodes_and_removes_leaves() -> None:
     kit = _tombstoned(window=4)
     tree, swa = kit.tree, _swa(kit)
-    node_x = next(n for n in tree.iter_nodes() if n.tokens().tolist() == X)
+    node_x = _node(kit, X)
     assert not swa.is_live(node_x) and node_x.num_tokens == 4
     assert tree.evictable_size("full") == 8 and tree.evictable_size("swa") == 4
     assert isinstance(kit.full, SWAAllocator)
@@ -87,13 +115,12 @@ def test_locked_window_is_never_tombstoned() -> None:
 def test_insert_revives_a_tombstone_from_the_callers_live_slots() -> None:
     kit = _tombstoned(window=4)
     tree = kit.tree
-    slots = kit.alloc(8)
-    result = tree.insert(RadixKey(X + Z), slots)
+    slots, result = _insert(kit, X + Z)
     assert result.prefix_len == 8 and result.adopted == ((0, 4),)
     duplicates = result.duplicates(slots)
     assert duplicates.tolist() == slots[4:].tolist()
     kit.full.free(duplicates)
-    node_x = next(n for n in tree.iter_nodes() if n.tokens().tolist() == X)
+    node_x = _node(kit, X)
     assert _swa(kit).is_live(node_x)
     assert node_x.value.tolist() == slots[:4].tolist()
     assert tree.match_prefix(RadixKey([*X, 77])).prefix_len == 4  # no tombstone left
@@ -108,7 +135,7 @@ def test_a_locked_tombstone_takes_the_callers_swa_pages_under_its_full_slots() -
     tree, swa = kit.tree, _swa(kit)
     assert isinstance(kit.full, SWAAllocator)
     receipt = tree.lock(tree.match_prefix(RadixKey(X + Z)).last_node)
-    node_x = next(n for n in tree.iter_nodes() if n.tokens().tolist() == X)
+    node_x = _node(kit, X)
     assert node_x.lock_ref and not swa.is_live(node_x)
     kept = node_x.value.tolist()
     slots = kit.alloc(8)
@@ -128,11 +155,7 @@ def test_a_locked_tombstone_takes_the_callers_swa_pages_under_its_full_slots() -
 
 def test_no_revival_where_the_caller_already_dropped_its_window() -> None:
     kit = _tombstoned(window=4)
-    tree = kit.tree
-    slots = kit.alloc(8)
-    assert isinstance(kit.full, SWAAllocator)
-    kit.full.free_swa(slots[:4])
-    result = tree.insert(RadixKey(X + Z), slots, inputs={"swa": SWAInsert(evicted_len=4)})
+    slots, result = _insert(kit, X + Z, dropped=4)
     assert result.adopted == ()
     kit.full.free(result.duplicates(slots))
     kit.check()
@@ -144,10 +167,7 @@ def test_new_leaf_is_tombstoned_where_the_window_was_dropped(
 ) -> None:
     kit = make_tree("swa", page_size=page_size, sliding_window=2)
     tree = kit.tree
-    assert isinstance(kit.full, SWAAllocator)
-    slots = kit.alloc(8)
-    kit.full.free_swa(slots[:evicted_len])
-    tree.insert(RadixKey(list(range(8))), slots, inputs={"swa": SWAInsert(evicted_len=evicted_len)})
+    _insert(kit, list(range(8)), dropped=evicted_len)
     boundary = -(-evicted_len // page_size) * page_size
     assert tree.evictable_size("swa") == 8 - boundary
     assert tree.evictable_size("full") == 8

@@ -7,6 +7,7 @@ exact class."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -43,17 +44,6 @@ class _SeeingTree(UnifiedRadixCache):
         return super().insert(key, value, **kwargs)
 
 
-def _hierarchy_of(tree_cls: type[UnifiedRadixCache]) -> Hierarchy:
-    """`make_hierarchy("full")` (device 9 pages, host 16) over a tree of `tree_cls`."""
-    return make_hierarchy(
-        "full",
-        page_size=P,
-        device_pages=9,
-        host_pages=16,
-        tree=lambda system: tree_cls([FullComponent(system.kv_allocator)], page_size=P),
-    )
-
-
 def _requests() -> list[list[int]]:
     """`returning_prompts`: more than the device or the host holds, some coming back."""
     return returning_prompts(P)
@@ -80,14 +70,15 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 @pytest.mark.parametrize("tree_cls", [UnifiedRadixCache, _SeeingTree])
 def test_a_tree_subclass_keeps_its_walk_and_insert(
-    closing: list[Hierarchy], monkeypatch: pytest.MonkeyPatch, tree_cls: type[UnifiedRadixCache]
+    full_hierarchy_of: Callable[[type[UnifiedRadixCache], type[FullComponent]], Hierarchy],
+    monkeypatch: pytest.MonkeyPatch,
+    tree_cls: type[UnifiedRadixCache],
 ) -> None:
     """Every tiered match of a subclass walks through its `walk`, every load-back commits
     through its `insert` (one per finished request and one per load-back); the exact classes
     revive the loaded path instead (the spy shows this test sees the difference)."""
     seen = _spy(monkeypatch)
-    h = _hierarchy_of(tree_cls)
-    closing.append(h)
+    h = full_hierarchy_of(tree_cls, FullComponent)
     assert h.cache.controller.runs_inline
     for tokens in _requests():
         serve(h, tokens)

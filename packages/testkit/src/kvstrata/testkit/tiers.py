@@ -14,11 +14,12 @@ checks every hit against the stand-in forward (`write_prefix_kv`, `write_prefix_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal, TypeVar, get_args
 
 import torch
+from hypothesis import strategies as st
 
 from kvstrata.allocator import MambaSlotAllocator, PagedAllocator, SWAAllocator
 from kvstrata.build import (
@@ -38,10 +39,11 @@ from kvstrata.pool_host import HostLayout
 from kvstrata.storage import PageKeyer, Storage
 from kvstrata.testkit.host_pools import page_tokens
 from kvstrata.testkit.pools import fill_random_bytes
+from kvstrata.testkit.refusals import tree_state
 from kvstrata.unified_radix_cache import CacheRequest, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache
 from kvstrata.unified_radix_cache.node import ComponentValue, TreeNode
-from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
+from kvstrata.unified_radix_cache.tiers import TierLoad, TierParams, WritePolicy
 
 Shape = Literal["full", "swa", "mamba"]
 SHAPES: tuple[Shape, ...] = get_args(Shape)
@@ -332,6 +334,65 @@ def returning_prompts(page_size: int) -> list[list[int]]:
         out.append(base[i // 2])
         out.append([*base[(i + 3) % 6], *range(2000 + 10 * i, 2000 + 10 * i + 2 * page_size)])
     return out
+
+
+def page_prompts(page_size: int) -> st.SearchStrategy[list[list[int]]]:
+    """1 to 25 prompts over a small alphabet in whole pages (1 to 4 pages, each of one token
+    0-2) plus the token an engine computes (9): prefixes are shared, a small device (about 6
+    pages) fills and evicts, and host hits load back."""
+    return st.lists(
+        st.lists(st.integers(0, 2), min_size=1, max_size=4).map(
+            lambda pages: [t for p in pages for t in [p] * page_size] + [9]
+        ),
+        min_size=1,
+        max_size=25,
+    )
+
+
+def serve_bare(h: Hierarchy, tokens: list[int], *, drain: bool) -> tuple[int, int, int]:
+    """One request with no KV computed or checked (unlike `serve`): begin (its load, if any,
+    committed: `begin_request` promises it), device slots for the rest but the last token in
+    whole pages, finish; `drain`: then wait for every transfer. Returns the hit's device,
+    host and storage lengths."""
+    cache = h.cache
+    page = h.tiers.page_size
+    req = cache.begin_request(RadixKey(tokens))
+    hit = req.hit
+    load = hit.load
+    assert load is None or (isinstance(load, TierLoad) and load.done), "load left uncommitted"
+    slots = cache.alloc_tokens(-(-(len(tokens) - 1 - req.cached_len) // page) * page)
+    assert slots is not None
+    req.extend(slots)
+    cache.cache_finished_request(req)
+    if drain:
+        cache.drain()
+    return hit.device_len, hit.host_len, hit.storage_len
+
+
+def tiers_picture(h: Hierarchy) -> tuple[object, object]:
+    """Both tiers (`refusals.tree_state`, less its metrics: they include seconds) and the
+    cache's transfer counters, less the seconds waited: equal for hierarchies in one state."""
+    return (
+        replace(tree_state(h.tree, h.cache), metrics=()),
+        replace(h.cache.counters, transfer_wait_seconds=0.0),
+    )
+
+
+def assert_served_alike(
+    a: Hierarchy, b: Hierarchy, prompts: Iterable[list[int]], *, drain: bool
+) -> None:
+    """Serves each prompt through `a` and `b` (`serve_bare`), asserting after each the same
+    hits, the same `tiers_picture` and both caches' integrity; closes both controllers when
+    done (also on a failure)."""
+    try:
+        for tokens in prompts:
+            assert serve_bare(a, tokens, drain=drain) == serve_bare(b, tokens, drain=drain)
+            assert tiers_picture(a) == tiers_picture(b)
+            a.cache.check_integrity()
+            b.cache.check_integrity()
+    finally:
+        a.cache.controller.close()
+        b.cache.controller.close()
 
 
 def scramble_free_device(h: Hierarchy, *, seed: int) -> None:
