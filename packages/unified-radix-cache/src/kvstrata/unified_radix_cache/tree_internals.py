@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
+from kvstrata.unified_radix_cache.evict_undo import EvictingTree
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
@@ -20,46 +22,32 @@ if TYPE_CHECKING:
 
     from kvstrata.unified_radix_cache.components.base import ComponentInsert, TreeComponent
     from kvstrata.unified_radix_cache.components.full import FullComponent
-    from kvstrata.unified_radix_cache.events import EventLog
-    from kvstrata.unified_radix_cache.evict_undo import EvictJournal
     from kvstrata.unified_radix_cache.key import Namespace, RadixKey
     from kvstrata.unified_radix_cache.node import TreeNode
-    from kvstrata.unified_radix_cache.policies import LeafHeap
     from kvstrata.unified_radix_cache.results import InsertResult, LockReceipt, MatchResult
-    from kvstrata.unified_radix_cache.tier_hooks import TreeTier
 
 
-class TreeInternals(Protocol):
-    """Fields and operations of `UnifiedRadixCache` its helper modules use."""
+class TreeInternals(EvictingTree, Protocol):
+    """Fields and operations of `UnifiedRadixCache` its helper modules use: those an evict
+    uses (`evict_undo.EvictingTree`: sizes, heap, events, journal, root, components) and
+    these."""
 
     # -- configuration and state (see `UnifiedRadixCache.__init__`) ----------------------------
     page_size: int
-    num_nodes: int
     hit_tokens: int
-    host_tier: TreeTier | None
     _uid: int
-    _page_bytes: int
     _full: FullComponent
     _components: tuple[TreeComponent, ...]
     _extras: tuple[TreeComponent, ...]
     _by_name: dict[str, TreeComponent]
     _num_components: int
     _root: TreeNode
-    _heap: LeafHeap
     _tick: int
     _ids: Iterator[int]
     _receipts: dict[int, LockReceipt]
     _receipt_ids: Iterator[int]
-    _events: EventLog | None
-    _journal: EvictJournal | None
 
     # -- reads ------------------------------------------------------------------------------
-    @property
-    def root(self) -> TreeNode: ...
-
-    @property
-    def components(self) -> tuple[TreeComponent, ...]: ...
-
     @property
     def full_device(self) -> torch.device: ...
 
