@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.key import Namespace, RadixKey
     from kvstrata.unified_radix_cache.node import TreeNode
     from kvstrata.unified_radix_cache.results import InsertResult, LockReceipt, MatchResult
+    from kvstrata.unified_radix_cache.slot_checks import SlotChecker
 
 
 class TreeInternals(EvictingTree, Protocol):
@@ -35,6 +36,7 @@ class TreeInternals(EvictingTree, Protocol):
     # -- configuration and state (see `UnifiedRadixCache.__init__`) ----------------------------
     page_size: int
     hit_tokens: int
+    inserted_tokens: int
     _uid: int
     _full: FullComponent
     _components: tuple[TreeComponent, ...]
@@ -46,6 +48,8 @@ class TreeInternals(EvictingTree, Protocol):
     _ids: Iterator[int]
     _receipts: dict[int, LockReceipt]
     _receipt_ids: Iterator[int]
+    _slot_checker: SlotChecker | None
+    _last_walk: tuple[RadixKey, int, list[TreeNode], int] | None
 
     # -- reads ------------------------------------------------------------------------------
     @property
@@ -59,18 +63,6 @@ class TreeInternals(EvictingTree, Protocol):
     def walk(self, namespace: Namespace | None, data: bytes, end: int) -> list[TreeNode]: ...
 
     def split_node(self, node: TreeNode, num_tokens: int) -> TreeNode: ...
-
-    def add_leaf(
-        self,
-        parent: TreeNode,
-        data: bytes,
-        pos: int,
-        end: int,
-        slots: npt.NDArray[np.int64],
-        namespace: Namespace | None,
-        tick: int,
-        priority: int,
-    ) -> TreeNode: ...
 
     def flush_pending(self) -> None: ...
 
