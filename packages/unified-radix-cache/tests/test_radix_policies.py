@@ -90,3 +90,45 @@ def test_lru_list_order_touch_and_insert_before() -> None:
     lru.discard(c)
     assert lru.pop_lru() is b and lru.pop_lru() is d and lru.pop_lru() is a
     assert lru.pop_lru() is None and len(lru) == 0
+
+
+@given(
+    st.lists(st.integers(1, 4), min_size=0, max_size=8),
+    st.integers(0, 40),
+    st.sampled_from([1, 2, 4]),
+)
+def test_leaf_heap_victims_take_whole_leaves_then_a_tail(
+    pages: list[int], amount: int, page: int
+) -> None:
+    """`victims(amount, page)`: leaves in heap order, whole while they fit, then the first
+    that does not keeps its head (whole pages) and ends the run; taking each whole one out of
+    the heap is the caller's part."""
+    heap = LeafHeap(LRUPolicy())
+    nodes = []
+    for i, n in enumerate(pages):
+        node = TreeNode(
+            i, b"\0" * 8 * n * page, np.zeros(n * page, dtype=np.int64), None, None, i, 1
+        )
+        heap.push(node)
+        nodes.append(node)
+    got: list[tuple[int, int]] = []
+    for node, keep in heap.victims(amount, page):
+        got.append((node.id, keep))
+        if keep <= 0:
+            heap.pop_peeked(node)
+    want: list[tuple[int, int]] = []
+    freed = 0
+    for node in nodes:
+        if freed >= amount:
+            break
+        size = len(node.value)
+        need = -(-(amount - freed) // page) * page  # what is left, rounded up to whole pages
+        want.append((node.id, size - need))
+        if size > need:
+            break
+        freed += size
+    assert got == want
+    for node_id, keep in got:
+        assert keep <= 0 or (keep % page == 0 and 0 < keep < len(nodes[node_id].value))
+    assert len(heap) == len(nodes) - sum(1 for _, keep in got if keep <= 0)
+    heap.check_integrity()

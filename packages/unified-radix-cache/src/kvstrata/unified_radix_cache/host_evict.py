@@ -63,7 +63,7 @@ def serves(tree: UnifiedRadixCache) -> bool:
 def evict_device_full(tier: HostTier, amount: int) -> int:
     """`evict_device` of a Full-only tree in one frame: the same steps in the same order
     (journal records, heap pops, splits, events, candidate pushes, device-leaf pushes),
-    with the heap's peek / pop and `_drop_device`'s Full-only part inlined."""
+    with the heap's `victims` / pop and `_drop_device`'s Full-only part inlined."""
     tree = tier.tree
     heap = tier._device_heap
     members = heap._members

@@ -167,13 +167,8 @@ class HostTier(HostWalks):
         """`evict_device` of any tree, a helper call per node (`_drop_device`)."""
         heap = self._device_heap
         tree = self.tree
-        page = tree.page_size
         freed = 0
-        while freed < amount:
-            node = heap.peek()
-            if node is None:
-                break
-            keep = len(node.value) - -(-(amount - freed) // page) * page
+        for node, keep in heap.victims(amount, tree.page_size):
             if keep > 0:
                 # The lower half keeps the node's identity and heap entry (still the top); the
                 # split records `node` as it was for a refused evict (heap entry included).
@@ -193,28 +188,21 @@ class HostTier(HostWalks):
         time a match set on an inner node, and change the order the evict then takes; the keys
         end ties by node id). O(k log n) for k nodes."""
         heap = self._device_heap
-        page = self.tree.page_size
         popped: list[tuple[TreeNode, HeapEntry]] = []
         pushed: list[TreeNode] = []
         gone: set[int] = set()
         slots: list[npt.NDArray[np.int64]] = []
-        freed = 0
         try:
-            while freed < amount:
-                node = heap.peek()
-                if node is None:
-                    break
+            for node, keep in heap.victims(amount, self.tree.page_size):
                 entry = node.heap_entry
                 assert entry is not None, "a node in the heap has its entry"
                 heap.pop_peeked(node)
                 popped.append((node, entry))
                 value = node.value
-                keep = len(value) - -(-(amount - freed) // page) * page
                 if keep > 0:
                     slots.append(value[keep:])
                     break
                 slots.append(value)
-                freed += len(value)
                 gone.add(node.id)
                 parent = node.parent
                 assert parent is not None, "the root is never evicted"

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from kvstrata.unified_radix_cache import structure
 from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.errors import InvalidInsert
 from kvstrata.unified_radix_cache.hybrid import insert_walk
@@ -281,7 +282,7 @@ class HostWalks:
             at += n
         prefix_len = pos // TOKEN_BYTES
         if pos < end:
-            leaf = tree.add_leaf(node, data, pos, end, slots, namespace, tick, priority)
+            leaf = structure.add_leaf(tree, node, data, pos, end, slots, namespace, tick, priority)
             return InsertResult(prefix_len, len(leaf.value), leaf, tuple(adopted), (), cached_len)
         if node in self._device_heap:
             self._device_heap.push(node)  # re-key the leaf for its new access time

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvstrata.unified_radix_cache import structure
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.results import InsertCall, InsertResult, MatchResult
@@ -123,7 +124,7 @@ def insert_walk(
     node = path[-1] if path else root
     prefix_len = pos // TOKEN_BYTES
     if pos < end:
-        node = tree.add_leaf(node, call.data, pos, end, slots, namespace, tick, priority)
+        node = structure.add_leaf(tree, node, call.data, pos, end, slots, namespace, tick, priority)
         # A component may split the new leaf (SWA window boundary); `node` keeps the tail,
         # so it still ends at the key's end.
         for component in extras:

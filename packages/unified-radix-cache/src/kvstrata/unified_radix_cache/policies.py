@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import ClassVar
 
 from kvstrata.unified_radix_cache.errors import IntegrityError, InvalidConfig
@@ -184,6 +185,24 @@ class LeafHeap:
                 return node
             heapq.heappop(heap)
         return None
+
+    def victims(self, amount: int, page: int) -> Iterator[tuple[TreeNode, int]]:
+        """The leaves an eviction of at least `amount` tokens takes, in heap order, page-granular:
+        each with `keep`, the tokens (whole pages of `page`) it keeps. A leaf with `keep` <= 0
+        goes whole: the caller takes it out of the heap before asking for the next. The first
+        with `keep` > 0 is the last: only its tail goes (at most `page - 1` tokens more than
+        asked). Each counts `len(node.value)` tokens, read before it is yielded."""
+        freed = 0
+        while freed < amount:
+            node = self.peek()
+            if node is None:
+                return
+            size = len(node.value)
+            keep = size - -(-(amount - freed) // page) * page
+            yield node, keep
+            if keep > 0:
+                return
+            freed += size
 
     def pop_peeked(self, node: TreeNode) -> None:
         """Remove `node`, which the last `peek()` returned (its entry is on top of the heap)."""

@@ -243,91 +243,10 @@ static int touch(PyObject *node, PyObject *tick)
     return rc;
 }
 
-/* Copy node.value (a C-contiguous buffer of 8-byte items, `want` bytes) to out. */
-static int copy_value(PyObject *node, char *out, Py_ssize_t want)
-{
-    PyObject *value = PyObject_GetAttr(node, s_value);
-    if (value == NULL)
-        return -1;
-    Py_buffer view;
-    if (PyObject_GetBuffer(value, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        Py_DECREF(value);
-        return -1;
-    }
-    int rc = 0;
-    if (view.itemsize != 8 || view.len != want) {
-        PyErr_Format(PyExc_ValueError, "node value: %zd bytes of %zd-byte items for a key of "
-                     "%zd bytes", view.len, view.itemsize, want);
-        rc = -1;
-    } else {
-        memcpy(out, view.buf, (size_t)want);
-    }
-    PyBuffer_Release(&view);
-    Py_DECREF(value);
-    return rc;
-}
-
-static PyObject *match(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError,
-                        "match(root, page_bytes, namespace, data, end, split, tick)");
-        return NULL;
-    }
-    Py_ssize_t ints[2], pos, partial;
-    if (ssize_args(args, WALK_INTS, ints) < 0)
-        return NULL;
-    Py_ssize_t pb = ints[0], end = ints[1];
-    if (!PyLong_Check(args[6])) {
-        PyErr_SetString(PyExc_TypeError, "tick must be an int");
-        return NULL;
-    }
-    PyObject *path = descend(args[0], pb, args[2], args[3], end, args[5], &pos, &partial);
-    if (path == NULL)
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(path);
-    PyObject *slots = NULL;
-    if (n) {
-        slots = PyByteArray_FromStringAndSize(NULL, pos);
-        if (slots == NULL)
-            goto fail;
-        char *out = PyByteArray_AS_STRING(slots);
-        Py_ssize_t at = 0;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *node = PyList_GET_ITEM(path, i);
-            if (touch(node, args[6]) < 0)
-                goto fail;
-            PyObject *key = PyObject_GetAttr(node, s_key);
-            if (key == NULL)
-                goto fail;
-            Py_ssize_t want = PyBytes_Check(key) ? PyBytes_GET_SIZE(key) : -1;
-            Py_DECREF(key);
-            if (want < 0 || at + want > pos) {
-                PyErr_SetString(PyExc_ValueError, "match: path keys longer than the match");
-                goto fail;
-            }
-            if (copy_value(node, out + at, want) < 0)
-                goto fail;
-            at += want;
-        }
-        if (at != pos) {
-            PyErr_SetString(PyExc_ValueError, "match: path keys shorter than the match");
-            goto fail;
-        }
-    } else {
-        slots = Py_None;
-        Py_INCREF(slots);
-    }
-    return Py_BuildValue("(NnN)", path, pos, slots);
-fail:
-    Py_XDECREF(slots);
-    Py_DECREF(path);
-    return NULL;
-}
-
-/* Bytes of node.value (a C-contiguous buffer of 8-byte items): 0 (off the device) or `want`
-   (the key's); -1 with an exception otherwise. */
-static Py_ssize_t value_len(PyObject *node, Py_ssize_t want)
+/* Bytes of node.value (a C-contiguous buffer of 8-byte items): `want` (the key's), or 0 (off
+   the device) where `may_be_empty`; copied to `out` when it is not NULL. -1 with an exception
+   otherwise. */
+static Py_ssize_t read_value(PyObject *node, Py_ssize_t want, int may_be_empty, char *out)
 {
     PyObject *value = PyObject_GetAttr(node, s_value);
     if (value == NULL)
@@ -338,10 +257,12 @@ static Py_ssize_t value_len(PyObject *node, Py_ssize_t want)
         return -1;
     }
     Py_ssize_t len = view.len;
-    if (view.itemsize != 8 || (len != 0 && len != want)) {
+    if (view.itemsize != 8 || (len != want && (len != 0 || !may_be_empty))) {
         PyErr_Format(PyExc_ValueError, "node value: %zd bytes of %zd-byte items for a key of "
                      "%zd bytes", view.len, view.itemsize, want);
         len = -1;
+    } else if (out != NULL) {
+        memcpy(out, view.buf, (size_t)len);
     }
     PyBuffer_Release(&view);
     Py_DECREF(value);
@@ -361,75 +282,114 @@ static Py_ssize_t key_len(PyObject *node)
     return want;
 }
 
-static PyObject *match_tiered(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* The values of path[0:count] joined into a bytearray of `total` bytes, each as long as its
+   node's key (None when count is 0), or NULL with an exception. */
+static PyObject *join_values(PyObject *path, Py_ssize_t count, Py_ssize_t total, const char *who)
+{
+    if (count == 0)
+        Py_RETURN_NONE;
+    PyObject *slots = PyByteArray_FromStringAndSize(NULL, total);
+    if (slots == NULL)
+        return NULL;
+    char *out = PyByteArray_AS_STRING(slots);
+    Py_ssize_t at = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *node = PyList_GET_ITEM(path, i);
+        Py_ssize_t want = key_len(node);
+        if (want < 0)
+            goto fail;
+        if (at + want > total) {
+            PyErr_Format(PyExc_ValueError, "%s: path keys longer than the match", who);
+            goto fail;
+        }
+        if (read_value(node, want, 0, out + at) < 0)
+            goto fail;
+        at += want;
+    }
+    if (at != total) {
+        PyErr_Format(PyExc_ValueError, "%s: path keys shorter than the match", who);
+        goto fail;
+    }
+    return slots;
+fail:
+    Py_DECREF(slots);
+    return NULL;
+}
+
+/* touch() on every node of path. */
+static int touch_path(PyObject *path, PyObject *tick)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(path); i++) {
+        if (touch(PyList_GET_ITEM(path, i), tick) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* match (tiered 0) and match_tiered (1): the walk of their 7 arguments (root, page_bytes,
+   namespace, data, end, split, tick), the device slots joined, the path touched. */
+static PyObject *match_path(PyObject *const *args, Py_ssize_t nargs, int tiered)
 {
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError,
-                        "match_tiered(root, page_bytes, namespace, data, end, split, tick)");
+                        tiered ? "match_tiered(root, page_bytes, namespace, data, end, split, tick)"
+                               : "match(root, page_bytes, namespace, data, end, split, tick)");
         return NULL;
     }
     Py_ssize_t ints[2], pos, partial;
     if (ssize_args(args, WALK_INTS, ints) < 0)
         return NULL;
-    Py_ssize_t pb = ints[0], end = ints[1];
     if (!PyLong_Check(args[6])) {
         PyErr_SetString(PyExc_TypeError, "tick must be an int");
         return NULL;
     }
-    PyObject *path = descend(args[0], pb, args[2], args[3], end, args[5], &pos, &partial);
+    PyObject *path = descend(args[0], ints[0], args[2], args[3], ints[1], args[5], &pos, &partial);
     if (path == NULL)
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(path), on = 0, device_bytes = 0, host_bytes = 0;
+    Py_ssize_t n = PyList_GET_SIZE(path), on = n, device_bytes = pos, host_bytes = 0;
     PyObject *slots = NULL;
-    /* Device values are prefix-closed: the leading nodes with slots are the device hit. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *node = PyList_GET_ITEM(path, i);
-        Py_ssize_t want = key_len(node);
-        if (want < 0)
-            goto fail;
-        if (on == i) {
-            Py_ssize_t got = value_len(node, want);
-            if (got < 0)
-                goto fail;
-            if (got) {
-                on++;
-                device_bytes += got;
-                continue;
-            }
-        }
-        host_bytes += want;
-    }
-    if (on) {
-        slots = PyByteArray_FromStringAndSize(NULL, device_bytes);
-        if (slots == NULL)
-            goto fail;
-        char *out = PyByteArray_AS_STRING(slots);
-        Py_ssize_t at = 0;
-        for (Py_ssize_t i = 0; i < on; i++) {
+    if (tiered) {
+        /* Device values are prefix-closed: the leading nodes with slots are the device hit,
+           the keys of the rest the host hit. */
+        on = device_bytes = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *node = PyList_GET_ITEM(path, i);
             Py_ssize_t want = key_len(node);
-            if (want < 0 || at + want > device_bytes) {
-                if (want >= 0)
-                    PyErr_SetString(PyExc_ValueError, "match_tiered: a node changed its key");
+            if (want < 0)
                 goto fail;
+            if (on == i) {
+                Py_ssize_t got = read_value(node, want, 1, NULL);
+                if (got < 0)
+                    goto fail;
+                if (got) {
+                    on++;
+                    device_bytes += got;
+                    continue;
+                }
             }
-            if (copy_value(node, out + at, want) < 0)
-                goto fail;
-            at += want;
+            host_bytes += want;
         }
-    } else {
-        slots = Py_None;
-        Py_INCREF(slots);
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (touch(PyList_GET_ITEM(path, i), args[6]) < 0)
-            goto fail;
-    }
-    return Py_BuildValue("(NnnN)", path, on, host_bytes, slots);
+    slots = join_values(path, on, device_bytes, tiered ? "match_tiered" : "match");
+    if (slots == NULL || touch_path(path, args[6]) < 0)
+        goto fail;
+    if (tiered)
+        return Py_BuildValue("(NnnN)", path, on, host_bytes, slots);
+    return Py_BuildValue("(NnN)", path, pos, slots);
 fail:
     Py_XDECREF(slots);
     Py_DECREF(path);
     return NULL;
+}
+
+static PyObject *match(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return match_path(args, nargs, 0);
+}
+
+static PyObject *match_tiered(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return match_path(args, nargs, 1);
 }
 
 static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int writable)

@@ -1,5 +1,6 @@
-"""Node structure edits of `UnifiedRadixCache`: split a node at a page boundary, take a leaf
-out of the tree. Components reach them through the tree's `split_node` / `remove_leaf`.
+"""Node structure edits of `UnifiedRadixCache`: split a node at a page boundary, add a leaf,
+take a leaf out of the tree. Components reach them through the tree's `split_node` /
+`remove_leaf`; the insert walks (tree.py, hybrid.py, host_walks.py) call `add_leaf`.
 """
 
 from __future__ import annotations
@@ -64,6 +65,53 @@ def split_node(tree: TreeInternals, node: TreeNode, num_tokens: int) -> TreeNode
     for component in tree._extras:
         component.on_split(upper, node)
     return upper
+
+
+def add_leaf(
+    tree: TreeInternals,
+    parent: TreeNode,
+    data: bytes,
+    pos: int,
+    end: int,
+    slots: npt.NDArray[np.int64],
+    namespace: Namespace | None,
+    tick: int,
+    priority: int,
+    *,
+    mark: bool = True,
+) -> TreeNode:
+    """A new on-device leaf of `tree` under `parent` for key bytes `data[pos:end]` with a copy
+    of its slots (device sizes, heap and events updated; marked held for the slot check unless
+    `mark` is False: the check did it). `parent` must be on the device (or the root)."""
+    tree._last_walk = None
+    heap = tree._heap
+    if parent.heap_entry is not None:
+        heap.discard(parent)  # no longer a leaf
+    tree.num_nodes += 1
+    leaf = TreeNode(
+        next(tree._ids),
+        data[pos:end],
+        slots[pos // TOKEN_BYTES : end // TOKEN_BYTES].copy(),
+        parent,
+        namespace,
+        tick,
+        tree._num_components,
+    )
+    leaf.priority = priority
+    if mark and tree._slot_checker is not None:
+        tree._slot_checker.hold(leaf.value)
+    first = data[pos : pos + tree._page_bytes]
+    children = parent.children
+    if children is NO_CHILDREN:
+        parent.children = children = {}
+    children[(namespace, first) if parent is tree._root else first] = leaf
+    size = (end - pos) // TOKEN_BYTES
+    tree._full.evictable_size += size
+    tree.inserted_tokens += size
+    heap.push(leaf)
+    if tree._events is not None:
+        tree._events.stored(tree, leaf)
+    return leaf
 
 
 def remove_leaf(tree: TreeInternals, node: TreeNode, *, evicted: bool) -> int:

@@ -39,7 +39,7 @@ from kvstrata.unified_radix_cache.insert_inputs import as_priority, check_inputs
 from kvstrata.unified_radix_cache.integrity import check_tree
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, Namespace, RadixKey
 from kvstrata.unified_radix_cache.native_core import RadixCore, install, native_core
-from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
+from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.policies import EvictionPolicy, make_policy
 from kvstrata.unified_radix_cache.render import render_tree
 from kvstrata.unified_radix_cache.request import CacheRequest
@@ -402,56 +402,13 @@ class UnifiedRadixCache:
                 node.priority = priority
         prefix_len = pos // TOKEN_BYTES
         if pos < end:
-            leaf = self.add_leaf(node, data, pos, end, slots, namespace, tick, priority, False)
+            leaf = structure.add_leaf(
+                self, node, data, pos, end, slots, namespace, tick, priority, mark=False
+            )
             return InsertResult(prefix_len, len(leaf.value), leaf, (), (), cached_len)
         if node.heap_entry is not None:
             self._heap.push(node)  # re-key the leaf for its new access time
         return InsertResult(prefix_len, 0, node, (), (), cached_len)
-
-    def add_leaf(
-        self,
-        parent: TreeNode,
-        data: bytes,
-        pos: int,
-        end: int,
-        slots: npt.NDArray[np.int64],
-        namespace: Namespace | None,
-        tick: int,
-        priority: int,
-        mark: bool = True,
-    ) -> TreeNode:
-        """A new on-device leaf under `parent` for key bytes `data[pos:end]` with a copy of its
-        slots (device sizes, heap and events updated; marked held for the slot check unless
-        `mark` is False: the check did it). `parent` must be on the device (or the root)."""
-        self._last_walk = None
-        heap = self._heap
-        if parent.heap_entry is not None:
-            heap.discard(parent)  # no longer a leaf
-        self.num_nodes += 1
-        leaf = TreeNode(
-            next(self._ids),
-            data[pos:end],
-            slots[pos // TOKEN_BYTES : end // TOKEN_BYTES].copy(),
-            parent,
-            namespace,
-            tick,
-            self._num_components,
-        )
-        leaf.priority = priority
-        if mark and self._slot_checker is not None:
-            self._slot_checker.hold(leaf.value)
-        first = data[pos : pos + self._page_bytes]
-        children = parent.children
-        if children is NO_CHILDREN:
-            parent.children = children = {}
-        children[(namespace, first) if parent is self._root else first] = leaf
-        size = (end - pos) // TOKEN_BYTES
-        self._full.evictable_size += size
-        self.inserted_tokens += size
-        heap.push(leaf)
-        if self._events is not None:
-            self._events.stored(self, leaf)
-        return leaf
 
     # ------------------------------------------------------------------------------------------
     # Structure (component API: components call these from their hooks)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
+from kvstrata.unified_radix_cache.evict_undo import EvictingTree
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
@@ -20,46 +22,36 @@ if TYPE_CHECKING:
 
     from kvstrata.unified_radix_cache.components.base import ComponentInsert, TreeComponent
     from kvstrata.unified_radix_cache.components.full import FullComponent
-    from kvstrata.unified_radix_cache.events import EventLog
-    from kvstrata.unified_radix_cache.evict_undo import EvictJournal
     from kvstrata.unified_radix_cache.key import Namespace, RadixKey
     from kvstrata.unified_radix_cache.node import TreeNode
-    from kvstrata.unified_radix_cache.policies import LeafHeap
     from kvstrata.unified_radix_cache.results import InsertResult, LockReceipt, MatchResult
-    from kvstrata.unified_radix_cache.tier_hooks import TreeTier
+    from kvstrata.unified_radix_cache.slot_checks import SlotChecker
 
 
-class TreeInternals(Protocol):
-    """Fields and operations of `UnifiedRadixCache` its helper modules use."""
+class TreeInternals(EvictingTree, Protocol):
+    """Fields and operations of `UnifiedRadixCache` its helper modules use: those an evict
+    uses (`evict_undo.EvictingTree`: sizes, heap, events, journal, root, components) and
+    these."""
 
     # -- configuration and state (see `UnifiedRadixCache.__init__`) ----------------------------
     page_size: int
-    num_nodes: int
     hit_tokens: int
-    host_tier: TreeTier | None
+    inserted_tokens: int
     _uid: int
-    _page_bytes: int
     _full: FullComponent
     _components: tuple[TreeComponent, ...]
     _extras: tuple[TreeComponent, ...]
     _by_name: dict[str, TreeComponent]
     _num_components: int
     _root: TreeNode
-    _heap: LeafHeap
     _tick: int
     _ids: Iterator[int]
     _receipts: dict[int, LockReceipt]
     _receipt_ids: Iterator[int]
-    _events: EventLog | None
-    _journal: EvictJournal | None
+    _slot_checker: SlotChecker | None
+    _last_walk: tuple[RadixKey, int, list[TreeNode], int] | None
 
     # -- reads ------------------------------------------------------------------------------
-    @property
-    def root(self) -> TreeNode: ...
-
-    @property
-    def components(self) -> tuple[TreeComponent, ...]: ...
-
     @property
     def full_device(self) -> torch.device: ...
 
@@ -71,18 +63,6 @@ class TreeInternals(Protocol):
     def walk(self, namespace: Namespace | None, data: bytes, end: int) -> list[TreeNode]: ...
 
     def split_node(self, node: TreeNode, num_tokens: int) -> TreeNode: ...
-
-    def add_leaf(
-        self,
-        parent: TreeNode,
-        data: bytes,
-        pos: int,
-        end: int,
-        slots: npt.NDArray[np.int64],
-        namespace: Namespace | None,
-        tick: int,
-        priority: int,
-    ) -> TreeNode: ...
 
     def flush_pending(self) -> None: ...
 

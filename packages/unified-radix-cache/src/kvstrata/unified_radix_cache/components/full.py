@@ -148,16 +148,11 @@ class FullComponent(TreeComponent):
         tree = self.tree
         heap = self.heap
         assert heap is not None
-        page = tree.page_size
         freed = 0
-        while freed < amount:
-            node = heap.peek()
-            if node is None:
-                break
-            # Page-granular: the leaf keeps its head (and its heap entry: the policy key does
-            # not change) and gives up just enough tail pages.
-            keep = len(node.value) - -(-(amount - freed) // page) * page
+        for node, keep in heap.victims(amount, tree.page_size):
             if keep > 0:
+                # The last leaf keeps its head (and its heap entry: the policy key does not
+                # change) and gives up just enough tail pages.
                 if cut is not None:
                     cut.append((node, node.value, node.key, node.page_keys))
                 freed += tree.truncate_leaf(node, keep)
