@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstrata.allocator import SlotCounter
 from kvstrata.plan import (
     BlockTrace,
     HitCurve,
@@ -25,7 +24,7 @@ from kvstrata.plan import (
 )
 from kvstrata.replay import TraceFormatError
 from kvstrata.testkit import WORKSPACE_ROOT
-from kvstrata.unified_radix_cache import EvictRequest, FullComponent, RadixKey, UnifiedRadixCache
+from kvstrata.testkit.trees import lru_prefix_hits
 
 SHARED_TRACE = WORKSPACE_ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
@@ -76,26 +75,11 @@ def reference_hits(chains: list[list[int]], capacity: int) -> int:
 
 
 def tree_hits(chains: list[list[int]], capacity: int, *, page_size: int = 1) -> int:
-    """Block hits of kvstrata's UnifiedRadixCache (LRU) driven as `bench radix` drives it: match
-    the whole key, lock the match, evict what the new pages need beyond `capacity` blocks,
-    insert, unlock. The tree never holds more than `capacity` blocks."""
+    """Block hits of kvstrata's UnifiedRadixCache (LRU) driven as `bench radix` drives it
+    (`lru_prefix_hits`), never holding more than `capacity` blocks."""
     t = page_size
-    sink = SlotCounter()
-    tree = UnifiedRadixCache([FullComponent(sink)], page_size=t, eviction_policy="lru")
-    limit = capacity * t
-    hits = 0
-    for chain in chains:
-        key = RadixKey(array("q", [b * t + j for b in chain for j in range(t)]))
-        match = tree.match_prefix(key)
-        hits += match.prefix_len // t
-        receipt = tree.lock(match.last_node)
-        excess = tree.total_size() + len(key) - match.prefix_len - limit
-        if excess > 0:
-            tree.evict(EvictRequest.full(excess))
-        tree.insert(key, sink.take_numpy(len(key)))
-        tree.unlock(receipt)
-        assert tree.total_size() <= limit
-    return hits
+    keys = (array("q", [b * t + j for b in chain for j in range(t)]) for chain in chains)
+    return lru_prefix_hits(keys, page_size=t, capacity_tokens=capacity * t) // t
 
 
 @st.composite

@@ -8,33 +8,12 @@ import json
 from array import array
 
 import pytest
-import torch
 
 from kvstrata.testkit import WORKSPACE_ROOT
-from kvstrata.unified_radix_cache import EvictRequest, FullComponent, RadixKey, UnifiedRadixCache
+from kvstrata.testkit.trees import lru_prefix_hits
 
 TRACE = WORKSPACE_ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 T = P = 16
-
-
-class _Slots:
-    """Stand-in allocator: fresh slot numbers, never runs out."""
-
-    device = torch.device("cpu")
-    size = 1 << 62
-
-    def __init__(self) -> None:
-        self.next = 0
-
-    def available_size(self) -> int:
-        return 1 << 62
-
-    def free(self, indices: torch.Tensor) -> None:
-        pass
-
-    def take(self, n: int) -> torch.Tensor:
-        self.next += n
-        return torch.arange(self.next - n, self.next)
 
 
 @pytest.fixture(scope="module")
@@ -49,26 +28,9 @@ def keys() -> list[array]:
 
 
 def _replay(keys: list[array], capacity_blocks: int) -> float:
-    slots = _Slots()
-    tree = UnifiedRadixCache([FullComponent(slots)], page_size=P, eviction_policy="lru")
-    cap = capacity_blocks * T
-    hit = total = 0
-    for tokens in keys:
-        key = RadixKey(tokens)
-        m = tree.match_prefix(key)
-        hit += m.prefix_len
-        total += len(tokens)
-        if cap:
-            receipt = tree.lock(m.last_node)
-            excess = tree.total_size() + len(tokens) - m.prefix_len - cap
-            if excess > 0:
-                tree.evict(EvictRequest.full(excess))
-            tree.insert(key, slots.take(len(tokens)))
-            tree.unlock(receipt)
-            assert tree.total_size() <= cap
-        else:
-            tree.insert(key, slots.take(len(tokens)))
-    return 100.0 * hit / total
+    """Token hit rate (%) of the LRU tree at `capacity_blocks` (0: unbounded)."""
+    hit = lru_prefix_hits(keys, page_size=P, capacity_tokens=capacity_blocks * T or None)
+    return 100.0 * hit / sum(len(tokens) for tokens in keys)
 
 
 @pytest.mark.slow

@@ -173,7 +173,6 @@ def run_reference_replay(args: argparse.Namespace, out: TextIO) -> int:
     from kvstrata.build import BuildError, ModelMemorySpec
     from kvstrata.pool_host.errors import HostPoolError
     from kvstrata.replay import KVMismatch, ReplayError, WorkloadSpec, generate_workload
-    from kvstrata.replay.compare import tier_params
     from kvstrata.replay.model import load_model_config, run_reference
     from kvstrata.replay.reference_engine import check_reference_model
     from kvstrata.storage.errors import StorageError
@@ -187,7 +186,6 @@ def run_reference_replay(args: argparse.Namespace, out: TextIO) -> int:
         requests = generate_workload(workload)[:limit]
         running = args.max_running_requests or 8
         build = model_build(args, requests, extra_tokens=args.max_new_tokens, rows=running)
-        tiers = tier_config(args, name="reference", capacity_tokens=None)
         result = run_reference(
             config,
             build,
@@ -198,10 +196,7 @@ def run_reference_replay(args: argparse.Namespace, out: TextIO) -> int:
             max_running=running,
             seed=args.seed,
             verify=args.verify,
-            host_ratio=args.host_ratio,
-            host_bytes=args.host_bytes,
-            storage_url=args.storage,
-            tier_params=tier_params(tiers) if tiers.tiered else None,
+            tiers=tier_config(args, name="reference", capacity_tokens=None),
         )
     except KVMismatch as exc:
         print_error(str(exc), label="verification failed")

@@ -19,15 +19,13 @@ from prometheus_client.registry import Collector
 
 from kvstrata.build import build_memory_system
 from kvstrata.build.tiers import build_tiers
-from kvstrata.hybrid_cache import PrefetchPolicy
 from kvstrata.replay.engine import ReplayEngine, unbounded_capacity
 from kvstrata.replay.errors import ReplayOptionError
 from kvstrata.replay.exporter import ConfigCollector, replay_collectors
 from kvstrata.replay.model import ModelBuild
 from kvstrata.replay.request import ReplayRequest
 from kvstrata.replay.stats import ReplayStats
-from kvstrata.unified_radix_cache.errors import InvalidConfig
-from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
+from kvstrata.replay.tier_config import TIERS, TierConfig, tier_params
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -45,9 +43,6 @@ __all__ = [
     "tier_params",
 ]
 
-#: The tiers, top first.
-TIERS: tuple[str, ...] = ("device", "host", "storage")
-
 #: The default comparison's device holds this share of the workload's distinct pages (at least
 #: the longest request): small enough that the device alone evicts much of what comes back.
 DEFAULT_DEVICE_SHARE = 0.3
@@ -56,37 +51,6 @@ DEFAULT_HOST_RATIO = 2.0
 #: Bytes of the default comparison's memory storage: about three times what the embedded
 #: workload backs up (its distinct pages, ~10 MB for the default model), so the plot shows use.
 DEFAULT_STORAGE_BYTES = 32 << 20
-
-
-@dataclass(frozen=True, kw_only=True)
-class TierConfig:
-    """One memory system to replay through. `capacity_tokens` None: room for every prompt.
-    At most one of `host_ratio` / `host_bytes`; `storage_url` needs a host tier (a ratio of 2
-    is used when neither is given)."""
-
-    name: str
-    capacity_tokens: int | None
-    host_ratio: float | None = None
-    host_bytes: int | None = None
-    storage_url: str | None = None
-    write_policy: str = "write_through"
-    prefetch_policy: str = "wait_complete"
-    prefetch_threshold: int = 256
-
-    @property
-    def tiered(self) -> bool:
-        return (
-            self.host_ratio is not None
-            or self.host_bytes is not None
-            or self.storage_url is not None
-        )
-
-    @property
-    def tiers(self) -> tuple[str, ...]:
-        """The tiers this configuration has, top first."""
-        if self.storage_url is not None:
-            return TIERS
-        return TIERS[:2] if self.tiered else TIERS[:1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,14 +153,7 @@ def run_configuration(
     if sample_every < 1:
         raise ReplayOptionError(f"sample_every must be >= 1, got {sample_every}")
     if model is not None:
-        built, tiers = model.build(
-            policy=policy,
-            device=device,
-            host_ratio=config.host_ratio,
-            host_bytes=config.host_bytes,
-            storage_url=config.storage_url,
-            tier_params=tier_params(config) if config.tiered else None,
-        )
+        built, tiers = model.build(policy=policy, device=device, tiers=config)
         system = built.system
     else:
         system = _build_system(
@@ -279,18 +236,6 @@ def _build_tiers(config: TierConfig, system: MemorySystem) -> TieredSystem | Non
         storage_url=config.storage_url,
         params=tier_params(config),
     )
-
-
-def tier_params(config: TierConfig) -> TierParams:
-    """The hierarchical cache's parameters of `config` (ReplayOptionError when out of range)."""
-    try:
-        return TierParams(
-            write_policy=WritePolicy(config.write_policy),
-            prefetch_policy=PrefetchPolicy(config.prefetch_policy),
-            prefetch_threshold=config.prefetch_threshold,
-        )
-    except (InvalidConfig, ValueError) as exc:
-        raise ReplayOptionError(str(exc)) from exc
 
 
 def _sample(

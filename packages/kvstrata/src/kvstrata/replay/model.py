@@ -41,7 +41,7 @@ from kvstrata.replay.reference_engine import (
     check_reference_model,
 )
 from kvstrata.replay.request import ReplayRequest
-from kvstrata.unified_radix_cache.tiers import TierParams
+from kvstrata.replay.tier_config import TierConfig, tier_params
 
 __all__ = [
     "ModelBuild",
@@ -84,33 +84,36 @@ class ModelBuild:
     sizing: SizingParams
 
     def build(
-        self,
-        *,
-        policy: str,
-        device: str,
-        host_ratio: float | None = None,
-        host_bytes: int | None = None,
-        storage_url: str | None = None,
-        tier_params: TierParams | None = None,
+        self, *, policy: str, device: str, tiers: TierConfig | None = None
     ) -> tuple[BuiltSystem, TieredSystem | None]:
-        """The system of the plan and, with a host size or storage, its host tier (ratio 2
-        when only storage is given) sized by the plan (checked against the free host
-        memory). Raises what `build_with_plan` and `build_tiers` raise, before allocating."""
-        if storage_url is not None and host_ratio is None and host_bytes is None:
-            host_ratio = 2.0
+        """The system of the plan and, when `tiers` asks for a host size or storage
+        (`TierConfig.tiered`), its host tier (ratio 2 when only storage is given) sized by the
+        plan (checked against the free host memory) under `tier_params(tiers)`. Raises
+        ReplayOptionError for out-of-range tier policies, then what `build_with_plan` and
+        `build_tiers` raise, before allocating."""
+        host_ratio = host_bytes = storage_url = params = None
+        if tiers is not None and tiers.tiered:
+            params = tier_params(tiers)
+            host_ratio, host_bytes, storage_url = (
+                tiers.host_ratio,
+                tiers.host_bytes,
+                tiers.storage_url,
+            )
+            if storage_url is not None and host_ratio is None and host_bytes is None:
+                host_ratio = 2.0
         sizing = replace(self.sizing, host_ratio=host_ratio, host_bytes=host_bytes)
         options = BuildOptions(sizing=sizing, policy=policy, device=device)
         built = build_with_plan(self.spec, self.budget, options)
         host = built.plan.host
         if host is None:
             return built, None
-        tiers = build_tiers(
+        tiered = build_tiers(
             built.system,
             host_tokens=host.full_tokens,
             storage_url=storage_url,
-            params=tier_params,
+            params=params,
         )
-        return built, tiers
+        return built, tiered
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,15 +149,12 @@ def run_reference(
     max_running: int,
     seed: int = 0,
     verify: bool = False,
-    host_ratio: float | None = None,
-    host_bytes: int | None = None,
-    storage_url: str | None = None,
-    tier_params: TierParams | None = None,
+    tiers: TierConfig | None = None,
 ) -> ReferenceRun:
     """Prefill every prompt of `requests` and decode `max_new_tokens` greedily with the
-    reference model (seeded weights) over the memory system `model` builds (with tiers when
-    asked). `verify`: run again, cache off, on a fresh system of the same plan and raise
-    KVMismatch unless every logit of every step is bitwise the same.
+    reference model (seeded weights) over the memory system `model` builds (with the host tier
+    and storage `tiers` asks for). `verify`: run again, cache off, on a fresh system of the
+    same plan and raise KVMismatch unless every logit of every step is bitwise the same.
 
     Prompts must be token ids below the model's vocabulary (the embedded workload drawn from
     it). Raises ReferenceModelTooLarge / ReplayOptionError (`check_reference_model`) and
@@ -173,22 +173,12 @@ def run_reference(
             f"a prompt holds token ids past the model's vocab_size {vocab_size}"
         )
 
-    def make(tiered: bool) -> tuple[BuiltSystem, TieredSystem | None]:
-        if not tiered:
-            return model.build(policy=policy, device=device)
-        return model.build(
-            policy=policy,
-            device=device,
-            host_ratio=host_ratio,
-            host_bytes=host_bytes,
-            storage_url=storage_url,
-            tier_params=tier_params,
-        )
-
     def engine_run(cache_prefixes: bool) -> tuple[EngineRun, int, BuiltSystem, int | None]:
-        built, tiers = make(cache_prefixes)
+        built, tiered = model.build(
+            policy=policy, device=device, tiers=tiers if cache_prefixes else None
+        )
         system = built.system
-        cache = (tiers or system).cache
+        cache = (tiered or system).cache
         try:
             reference = ReferenceModel(config, system, seed=seed)
             engine = ReferenceEngine(
@@ -200,10 +190,10 @@ def run_reference(
             )
             run = engine.run(prompts, max_new_tokens)
         finally:
-            if tiers is not None:
-                tiers.close()
-        (tiers or system).check_integrity()
-        host = None if tiers is None else tiers.host_tokens
+            if tiered is not None:
+                tiered.close()
+        (tiered or system).check_integrity()
+        host = None if tiered is None else tiered.host_tokens
         return run, cache.evicted_tokens, built, host
 
     started = time.perf_counter()

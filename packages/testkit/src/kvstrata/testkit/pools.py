@@ -10,7 +10,8 @@ reference that page I/O is checked against.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -47,48 +48,26 @@ POOL_DTYPES: tuple[torch.dtype, ...] = (
 )
 
 
+#: The small shape of each factory below; its keyword arguments replace any of these fields.
+MHA_SPEC = MHASpec(num_layers=3, num_kv_heads=2, head_dim=4)
+MLA_SPEC = MLASpec(num_layers=3, kv_lora_rank=8, qk_rope_head_dim=4)
+MAMBA_SPEC = MambaSpec(
+    num_layers=2, conv_dim=6, conv_kernel=4, num_heads=2, head_dim=3, state_size=4
+)
+
+
 def make_mha_pool(
-    *,
-    num_layers: int = 3,
-    num_kv_heads: int = 2,
-    head_dim: int = 4,
-    v_head_dim: int | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    start_layer: int = 0,
-    size: int = 32,
-    page_size: int = 4,
-    device: torch.device | str = "cpu",
+    *, size: int = 32, page_size: int = 4, device: torch.device | str = "cpu", **fields: Any
 ) -> MHAKVPool:
-    spec = MHASpec(
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        v_head_dim=v_head_dim,
-        dtype=dtype,
-        start_layer=start_layer,
-    )
-    return MHAKVPool(spec, size=size, page_size=page_size, device=device)
+    """An MHA pool of `MHA_SPEC` with `fields` (any `MHASpec` field) replaced."""
+    return MHAKVPool(replace(MHA_SPEC, **fields), size=size, page_size=page_size, device=device)
 
 
 def make_mla_pool(
-    *,
-    num_layers: int = 3,
-    kv_lora_rank: int = 8,
-    qk_rope_head_dim: int = 4,
-    dtype: torch.dtype = torch.bfloat16,
-    start_layer: int = 0,
-    size: int = 32,
-    page_size: int = 4,
-    device: torch.device | str = "cpu",
+    *, size: int = 32, page_size: int = 4, device: torch.device | str = "cpu", **fields: Any
 ) -> MLAKVPool:
-    spec = MLASpec(
-        num_layers=num_layers,
-        kv_lora_rank=kv_lora_rank,
-        qk_rope_head_dim=qk_rope_head_dim,
-        dtype=dtype,
-        start_layer=start_layer,
-    )
-    return MLAKVPool(spec, size=size, page_size=page_size, device=device)
+    """An MLA pool of `MLA_SPEC` with `fields` (any `MLASpec` field) replaced."""
+    return MLAKVPool(replace(MLA_SPEC, **fields), size=size, page_size=page_size, device=device)
 
 
 def make_swa_pool(
@@ -118,29 +97,11 @@ def make_swa_pool(
 
 
 def make_mamba_pool(
-    *,
-    num_layers: int = 2,
-    conv_dim: int = 6,
-    conv_kernel: int = 4,
-    num_heads: int = 2,
-    head_dim: int = 3,
-    state_size: int = 4,
-    conv_dtype: torch.dtype = torch.bfloat16,
-    ssm_dtype: torch.dtype = torch.float32,
-    size: int = 8,
-    device: torch.device | str = "cpu",
+    *, size: int = 8, device: torch.device | str = "cpu", **fields: Any
 ) -> MambaPool:
-    spec = MambaSpec(
-        num_layers=num_layers,
-        conv_dim=conv_dim,
-        conv_kernel=conv_kernel,
-        num_heads=num_heads,
-        head_dim=head_dim,
-        state_size=state_size,
-        conv_dtype=conv_dtype,
-        ssm_dtype=ssm_dtype,
-    )
-    return MambaPool(spec, size=size, device=device)
+    """A Mamba pool of `MAMBA_SPEC` (bf16 conv, fp32 SSM state) with `fields` (any `MambaSpec`
+    field) replaced."""
+    return MambaPool(replace(MAMBA_SPEC, **fields), size=size, device=device)
 
 
 def make_req_to_token_pool(

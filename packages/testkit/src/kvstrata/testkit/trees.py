@@ -4,21 +4,32 @@
 allocators (TokenAllocator at page size 1, PagedAllocator above; SWAAllocator; a
 MambaSlotAllocator and a small MambaPool), small enough for property tests. The returned
 `TreeKit` allocates Full slots for a test and checks every invariant in one call.
+`lru_prefix_hits` replays token sequences through a Full-only LRU tree of bounded size (as
+`kvstrata bench radix` drives one) and counts the hit tokens.
 """
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from kvstrata.allocator import MambaSlotAllocator, PagedAllocator, SWAAllocator, TokenAllocator
+from kvstrata.allocator import (
+    MambaSlotAllocator,
+    PagedAllocator,
+    SlotCounter,
+    SWAAllocator,
+    TokenAllocator,
+)
 from kvstrata.allocator.base import SlotAllocator
 from kvstrata.pool import MambaPool
 from kvstrata.pool.native import disabled
 from kvstrata.testkit.pools import make_mamba_pool
 from kvstrata.unified_radix_cache import (
     ComponentInsert,
+    EvictRequest,
     FullComponent,
     InsertResult,
     MambaComponent,
@@ -157,3 +168,29 @@ def make_tree(
         disable=disable,
     )
     return TreeKit(tree=tree, family=family, full=full, mamba=kit_mamba, mamba_pool=kit_pool)
+
+
+def lru_prefix_hits(
+    requests: Iterable[array], *, page_size: int, capacity_tokens: int | None = None
+) -> int:
+    """Hit tokens of a Full-only UnifiedRadixCache (LRU eviction, fresh slot numbers that never
+    run out) driven as `kvstrata bench radix` drives it: per request (whole pages of tokens),
+    match the whole key, lock the match, evict what the new tokens need beyond
+    `capacity_tokens` (None: unbounded), insert, unlock. Asserts the tree never holds more
+    than `capacity_tokens`."""
+    slots = SlotCounter()
+    tree = UnifiedRadixCache([FullComponent(slots)], page_size=page_size, eviction_policy="lru")
+    hits = 0
+    for tokens in requests:
+        key = RadixKey(tokens)
+        match = tree.match_prefix(key)
+        hits += match.prefix_len
+        receipt = tree.lock(match.last_node)
+        if capacity_tokens is not None:
+            excess = tree.total_size() + len(key) - match.prefix_len - capacity_tokens
+            if excess > 0:
+                tree.evict(EvictRequest.full(excess))
+        tree.insert(key, slots.take_numpy(len(key)))
+        tree.unlock(receipt)
+        assert capacity_tokens is None or tree.total_size() <= capacity_tokens
+    return hits
