@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -226,6 +226,28 @@ def test_stats_count_only_the_bytes_of_pages_written_or_hit(make: Factory) -> No
     )
     assert found == [True, False, True]
     assert (storage.stats().pages_read, storage.stats().bytes_read) == (2, 100)
+
+
+class _TruthyFlags(MemoryStorage):
+    """A backend whose `_get_into` flags hits with `1` / numpy's `True` instead of `True`
+    (truthy, equal to True, not the same object)."""
+
+    def __init__(self, flag: object) -> None:
+        super().__init__(capacity_bytes=1 << 20)
+        self.flag = flag
+
+    def _get_into(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
+        return [self.flag if ok else 0 for ok in super()._get_into(keys, views)]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("flag", [1, np.True_], ids=["int", "numpy"])
+def test_bytes_read_counts_hits_a_backend_flags_with_truthy_values(flag: object) -> None:
+    storage = _TruthyFlags(flag)
+    put(storage, b"a", size=30)
+    found = storage.batch_get([b"a", b"gone"], [bytearray(30), bytearray(70)])
+    assert found == [True, False]
+    stats = storage.stats()
+    assert (stats.hits, stats.pages_read, stats.bytes_read) == (1, 1, 30)
 
 
 def test_negative_capacity_is_refused(make: Factory) -> None:

@@ -156,7 +156,8 @@ static int64_t check_ids(const int64_t *ids, int64_t n, int64_t num_pages, int64
 
 /* One stack's copy: with `scatter`, from `flat` into the stack, else (a gather) from the
    stack out to `flat`. `check`: 0 = none (a later stack of the same call), else check the ids
-   first (distinct for a scatter). Returns 0 after copying, or check_ids' refusal having copied nothing. */
+   first (distinct for a scatter). Returns 0 after copying, or check_ids' refusal having
+   copied nothing. */
 int64_t kv_copy(uint8_t *stack, int64_t num_pages, int64_t w, int64_t nb, uint8_t *flat,
                 int64_t row, int64_t offset, int64_t stride, const int64_t *ids, int64_t n,
                 int64_t stream, int64_t check, int64_t allow_zero, int64_t scatter) {

@@ -14,7 +14,7 @@ import operator
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeAlias, cast
 
@@ -272,7 +272,7 @@ class Storage(ABC):
         found = self._get_into(keys, views)
         elapsed = time.perf_counter() - start
         num_hits = found.count(True)
-        hit_bytes = _bytes_of(views, found, True, num_hits)
+        hit_bytes = _bytes_of(views, found, num_hits)
         with self._counters_lock:
             self._hits += num_hits
             self._misses += len(keys) - num_hits
@@ -311,7 +311,7 @@ class Storage(ABC):
         results = self._set_from(keys, views)
         elapsed = time.perf_counter() - start
         num_written = results.count(WriteResult.WRITTEN)
-        bytes_written = _bytes_of(views, results, WriteResult.WRITTEN, num_written)
+        bytes_written = _bytes_of(views, (r is WriteResult.WRITTEN for r in results), num_written)
         num_failed = results.count(WriteResult.FAILED)
         with self._counters_lock:
             self._pages_written += num_written
@@ -429,12 +429,11 @@ class Storage(ABC):
             self._latency[operation].observe(elapsed)
 
 
-def _bytes_of(
-    views: list[memoryview], outcomes: Sequence[object], done: object, num_done: int
-) -> int:
-    """The bytes of the pages whose outcome is `done` (`num_done` of them), for the read and
-    write counters; when every page is done, the page sizes summed in C (len of a flat byte
-    view is its nbytes)."""
+def _bytes_of(views: list[memoryview], done: Iterable[object], num_done: int) -> int:
+    """The bytes of the pages whose flag in `done` is true (`num_done` of them), for the read
+    and write counters; when every page is done, the page sizes summed in C (len of a flat
+    byte view is its nbytes). A flag counts by its truth: a backend's `_get_into` may flag a
+    hit with 1 or numpy's True."""
     if num_done == len(views):
         return sum(map(len, views))
-    return sum(v.nbytes for v, outcome in zip(views, outcomes, strict=True) if outcome is done)
+    return sum(v.nbytes for v, ok in zip(views, done, strict=True) if ok)
