@@ -10,13 +10,15 @@ from typing import cast
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstrata.pool import native
 from kvstrata.pool.base import DevicePool
-from kvstrata.pool_host import CopyStrategy, HostLayout, PagePlan, copy_pages
+from kvstrata.pool_host import CopyStrategy, HostLayout, LayerCompletion, PagePlan, copy_pages
 from kvstrata.pool_host.base import HostPool
 from kvstrata.pool_host.copy_pages import RowCopy, row_copy
-from kvstrata.pool_host.errors import IndexOutOfRange
+from kvstrata.pool_host.errors import IndexOutOfRange, LayerLoadFailed, ReservedIndex
 from kvstrata.testkit.host_pools import (
     HOST_CLASSES,
     Family,
@@ -218,3 +220,137 @@ def test_the_compiled_call_raises_on_arguments_it_cannot_take() -> None:
     assert int(dst.sum()) == 0
     assert copy(table, 2, 2, one, np.zeros(1, dtype=np.int64)) == 1
     assert dst[0].tolist() == src[1].tolist()
+
+
+# --- loads (host -> device): every layer's rows in one compiled call ------------------------------
+
+
+def load_twins(
+    family: Family, layout: HostLayout
+) -> tuple[list[DevicePool], list[HostPool[DevicePool]]]:
+    """Two identical device pools, a host mirror of each (the second built inside
+    `native.disabled()`), every host page filled with the same bytes by a backup."""
+    pools = [make_device_pool(family, num_pages=24, num_layers=3) for _ in range(2)]
+    for pool in pools:
+        fill_random(pool, seed=5)
+    cls = HOST_CLASSES[family]
+    fast = cls(pools[0], layout=layout, size=30 * pools[0].page_size)
+    with native.disabled():
+        slow = cls(pools[1], layout=layout, size=30 * pools[1].page_size)
+    rng = np.random.default_rng(11)
+    num_device = pools[0].num_rows // pools[0].page_size
+    src = rng.choice(np.arange(1, num_device), size=fast.num_pages, replace=True)
+    plan = PagePlan(src.astype(np.int64), np.arange(fast.num_pages, dtype=np.int64))
+    for pool, host in zip(pools, (fast, slow), strict=True):
+        host.backup_planned(pool, plan)
+        fill_random(pool, seed=6)  # the device rows a load overwrites differ from the host's
+    return pools, [fast, slow]
+
+
+def device_bytes(pool: DevicePool) -> list[bytes]:
+    return [b.view(torch.uint8).numpy().tobytes() for b in pool.layer_buffers()]
+
+
+def spy_loads(host: HostPool[DevicePool]) -> list[bool]:
+    """Record every answer of `host`'s compiled load copy."""
+    compiled = host._h2d_rows
+    assert compiled is not None
+    answers: list[bool] = []
+
+    def spy(src: np.ndarray, dst: np.ndarray, buffers: list[int]) -> bool:
+        answers.append(compiled(src, dst, buffers))
+        return answers[-1]
+
+    host._h2d_rows = spy  # type: ignore[assignment]
+    return answers
+
+
+def load_outcome(
+    host: HostPool[DevicePool], pool: DevicePool, plan: PagePlan, layers: list[int]
+) -> tuple[object, ...]:
+    """What a planned load did: its reports (copy counts aside: the compiled call is one),
+    the marked layers, the h2d counters and the device bytes; or the error's type."""
+    completion = LayerCompletion(layers)
+    try:
+        loads = host.load_layers_planned(pool, plan, completion=completion, layer_ids=layers)
+    except (IndexError, ValueError) as exc:
+        return type(exc), completion.num_loaded, device_bytes(pool)
+    reports = [(ld.layer_id, ld.num_pages, ld.num_bytes, ld.strategy, ld.event) for ld in loads]
+    h2d = host.stats().h2d
+    counters = (h2d.calls, h2d.pages, h2d.bytes, h2d.latency.count)
+    return reports, completion.num_loaded, counters, device_bytes(pool)
+
+
+@pytest.mark.parametrize("layout", [HostLayout.page_first, HostLayout.layer_first], ids=str)
+@pytest.mark.parametrize("family", ["mha", "mamba"])
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_random_loads_give_the_same_device_bytes_as_the_numpy_path(
+    family: Family, layout: HostLayout, data: st.DataObject
+) -> None:
+    pools, (fast, slow) = load_twins(family, layout)
+    answers = spy_loads(fast)
+    num_device = pools[0].num_rows // pools[0].page_size
+    for _ in range(4):
+        n = data.draw(st.integers(0, 10))
+        dst = data.draw(st.permutations(range(1, num_device)))[:n]
+        src = data.draw(st.lists(st.integers(0, fast.num_pages - 1), min_size=n, max_size=n))
+        layers = data.draw(st.permutations(list(fast.layer_ids)))
+        layers = layers[: data.draw(st.integers(1, len(layers)))]
+        plan = PagePlan(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
+        outcomes = [
+            load_outcome(h, p, plan, layers) for h, p in zip((fast, slow), pools, strict=True)
+        ]
+        assert outcomes[0] == outcomes[1]
+    # The compiled copy answered every non-empty load (an empty one is no gather).
+    assert all(answers)
+
+
+def test_untrusted_loads_take_the_compiled_copy_and_keep_their_checks() -> None:
+    pools, (fast, slow) = load_twins("mha", HostLayout.page_first)
+    page = pools[0].page_size
+    answers = spy_loads(fast)
+    for host, pool in zip((fast, slow), pools, strict=True):
+        loads = host.load_layers(pool, page_tokens([3, 1, 7], page), page_tokens([2, 9, 4], page))
+        assert [ld.strategy for ld in loads] == [CopyStrategy.gather] * 3
+    assert answers == [True]  # one call for the three layers
+    assert device_bytes(pools[0]) == device_bytes(pools[1])
+    for host, pool in zip((fast, slow), pools, strict=True):
+        with pytest.raises(ReservedIndex):
+            host.load_layers(pool, page_tokens([3], page), page_tokens([0], page))
+        with pytest.raises(IndexOutOfRange):
+            host.load_layers(pool, page_tokens([99], page), page_tokens([1], page))
+    assert answers == [True]
+
+
+def test_a_load_plan_out_of_range_raises_the_same_either_way() -> None:
+    pools, (fast, slow) = load_twins("mha", HostLayout.layer_first)
+    answers = spy_loads(fast)
+    bad = PagePlan(np.array([2, 500], dtype=np.int64), np.array([3, 4], dtype=np.int64))
+    before = device_bytes(pools[0])
+    outcomes = [load_outcome(h, p, bad, [0, 1]) for h, p in zip((fast, slow), pools, strict=True)]
+    assert outcomes[0] == outcomes[1] and outcomes[0][0] is IndexError
+    assert answers == [False] and device_bytes(pools[0]) == before  # refused, nothing copied
+
+
+def test_a_compiled_load_whose_mark_raises_fails_the_completion() -> None:
+    """After the one compiled copy, layers are marked in order; a mark that raises fails the
+    completion (its waiters wake with the error) as a failing per-layer copy does."""
+    pools, (fast, _) = load_twins("mha", HostLayout.page_first)
+    answers = spy_loads(fast)
+
+    class Refusing(LayerCompletion):
+        def mark_loaded(self, layer_id: int, event: torch.cuda.Event | None = None) -> None:
+            if layer_id == 1:
+                raise RuntimeError("consumer gone")
+            super().mark_loaded(layer_id, event)
+
+    completion = Refusing(fast.layer_ids)
+    plan = PagePlan(np.array([0], dtype=np.int64), np.array([1], dtype=np.int64))
+    with pytest.raises(RuntimeError, match="consumer gone"):
+        fast.load_layers_planned(pools[0], plan, completion=completion)
+    assert answers == [True]
+    completion.wait(0, timeout=1)
+    for layer in (1, 2):
+        with pytest.raises(LayerLoadFailed, match=f"layer {layer}"):
+            completion.wait(layer, timeout=1)

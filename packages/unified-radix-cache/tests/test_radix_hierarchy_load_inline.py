@@ -230,7 +230,7 @@ def test_a_failed_load_back_in_begin_request_leaves_the_tree_as_it_was(
         def broken(*_args: object, **_kwargs: object) -> None:
             raise OSError("copy engine fault")
 
-        monkeypatch.setattr(cache.controller.group, "load_layers", broken)
+        monkeypatch.setattr(cache.controller.group, "load_pages", broken)  # the tiers' loads
         req = cache.begin_request(RadixKey(FIRST))
         assert req.hit.load is not None and req.hit.load.done
         back = req.hit.load.wait()

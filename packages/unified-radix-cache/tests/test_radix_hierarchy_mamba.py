@@ -181,7 +181,7 @@ def test_a_failed_load_frees_the_state_slot_too(
     def broken(*args: object, **kwargs: object) -> None:
         raise OSError("copy engine fault")
 
-    h.cache.controller.group.load_layers = broken  # type: ignore[method-assign]
+    h.cache.controller.group.load_pages = broken  # type: ignore[method-assign]
     back = h.cache.load_back(node)
     assert back.loaded_len == 0 and back.match.prefix_len == 0
     assert not node.on_device and extra_host_copy(node) is not None

@@ -270,7 +270,7 @@ def test_a_failed_load_leaves_the_tree_unchanged(hierarchy: Callable[..., Hierar
     def broken(*args: object, **kwargs: object) -> None:
         raise OSError("copy engine fault")
 
-    group.load_layers = broken  # type: ignore[method-assign]
+    group.load_pages = broken  # type: ignore[method-assign]  # the tiers' loads
     load = h.cache.start_load_back(node)
     first = h.tiers.pools.layer_ids[0]
     with pytest.raises(LayerLoadFailed):

@@ -37,6 +37,7 @@ from kvstrata.hybrid_cache.ops import (
     BackupOp,
     LoadOp,
     OpKind,
+    PageMove,
     PagePairs,
     PrefetchOp,
     PrefetchPolicy,
@@ -281,21 +282,34 @@ class TierController:
             moves, num_pages = self.group.count_moves(op.moves, copy=not now)
         else:
             moves, num_pages = self.group.check_moves(op.moves, copy=not now)
+        return self._submit_load_task(now, moves, num_pages, trusted)
+
+    def submit_load_pages(self, op: Mapping[str, PagePairs], *, inline: bool = False) -> LoadHandle:
+        """`submit_load(trusted=True)` of page ids per member, (device, host) int64 arrays
+        unchanged until the ack: as `submit_write_pages` for writes (the same vouching, no
+        index tensor; on CPU a member's layers in one compiled copy); returns as submit_load."""
+        num_pages = sum(len(device) for device, _ in op.values())
+        return self._submit_load_task(inline and self._inline, {}, num_pages, True, op)
+
+    def _submit_load_task(
+        self,
+        now: bool,
+        moves: dict[str, PageMove],
+        num_pages: int,
+        trusted: bool,
+        pages: Mapping[str, PagePairs] | None = None,
+    ) -> LoadHandle:
+        """Admit one load (its moves, or its page ids); run it here when `now`, else queue it."""
         with self._lock:
             op_id = self._admit(OpKind.LOAD, num_pages, None if now else self._load.queue)
-            handle = LoadHandle(
-                op_id=op_id,
-                completion=self.group.completion(self.group.layers_of(moves)),
-                stats=self.stats,
-            )
-            task = LoadTask(
-                op_id=op_id, moves=moves, num_pages=num_pages, handle=handle, trusted=trusted
+            task = LoadTask.admitted(
+                self.group, self.stats, op_id, moves, num_pages, trusted, pages
             )
             if not now:
                 self._load.queue.put(task)
         if now:
             self._run_inline(self._load, [task])
-        return handle
+        return task.handle
 
     def submit_prefetch(
         self, op: PrefetchOp, *, inline: bool = False, trusted: bool = False

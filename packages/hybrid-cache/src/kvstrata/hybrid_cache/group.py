@@ -23,7 +23,7 @@ import numpy.typing as npt
 import torch
 
 from kvstrata.hybrid_cache.errors import InvalidOperation, InvalidPoolLayout, member_named
-from kvstrata.hybrid_cache.ops import PageMove
+from kvstrata.hybrid_cache.ops import PageMove, PagePairs
 from kvstrata.hybrid_cache.restore import RestoreKind, RestoreRule
 from kvstrata.hybrid_cache.router import HybridPool
 from kvstrata.pool import MambaPool, MHAKVPool, MLAKVPool
@@ -34,7 +34,6 @@ from kvstrata.pool_host import (
     LayerCompletion,
     LayerLoad,
     PagePlan,
-    Transfer,
     vouched_pages,
 )
 
@@ -157,7 +156,15 @@ class PoolGroup:
         suffix = MEMBER_KEY_SEPARATOR + name.encode()
         return [key + suffix for key in keys]
 
-    def layers_of(self, moves: Mapping[str, PageMove]) -> frozenset[int]:
+    def page_volume(self, pages: Mapping[str, PagePairs]) -> tuple[int, int]:
+        """(pages, bytes) of all layers of page ids `pages` (what `volume` gives for moves)."""
+        num_pages = num_bytes = 0
+        for name, (device, _) in pages.items():
+            num_pages += len(device)
+            num_bytes += len(device) * self._members[name].host.page_size_bytes
+        return num_pages, num_bytes
+
+    def layers_of(self, moves: Mapping[str, object]) -> frozenset[int]:
         """Global layer ids whose member appears in `moves`."""
         return frozenset(layer for layer, r in self._routes.items() if r.member in moves)
 
@@ -285,14 +292,13 @@ class PoolGroup:
         `trusted`: the indices are taken as whole aligned pages in range, no host page twice
         (`count_moves`), their page ids read without a check."""
         m = self.member(name)
-        transfer: Transfer
         if trusted:
             page = m.host.page_size
-            plan = PagePlan(vouched_pages(device_indices, page), vouched_pages(host_indices, page))
-            transfer = m.host.backup_planned(m.device, plan)
-        else:
-            transfer = m.host.backup(m.device, device_indices, host_indices)
-        transfer.wait()
+            self.backup_pages(
+                name, vouched_pages(device_indices, page), vouched_pages(host_indices, page)
+            )
+            return
+        m.host.backup(m.device, device_indices, host_indices).wait()
 
     def backup_pages(
         self, name: str, device_pages: npt.NDArray[np.int64], host_pages: npt.NDArray[np.int64]
@@ -322,14 +328,36 @@ class PoolGroup:
         m = self.member(name)
         if trusted:
             page = m.host.page_size
-            plan = PagePlan(vouched_pages(host_indices, page), vouched_pages(device_indices, page))
-            return m.host.load_layers_planned(
-                m.device, plan, completion=completion, layer_ids=completion.layer_ids
+            return self.load_pages(
+                name,
+                vouched_pages(device_indices, page),
+                vouched_pages(host_indices, page),
+                completion,
             )
         return m.host.load_layers(
             m.device,
             host_indices,
             device_indices,
+            completion=completion,
+            layer_ids=completion.layer_ids,
+        )
+
+    def load_pages(
+        self,
+        name: str,
+        device_pages: npt.NDArray[np.int64],
+        host_pages: npt.NDArray[np.int64],
+        completion: LayerCompletion,
+    ) -> list[LayerLoad]:
+        """`load_layers(trusted=True)` of page ids: host page `host_pages[k]` of `name` into
+        device page `device_pages[k]`, one layer at a time as `load_layers`, the pages taken as
+        `backup_pages` takes them (in range, no device page 0, no device page twice; nothing
+        is checked or converted: one host-pool page plan, all layers copied in one compiled
+        call on CPU)."""
+        m = self._members[name]
+        return m.host.load_layers_planned(
+            m.device,
+            PagePlan(host_pages, device_pages),
             completion=completion,
             layer_ids=completion.layer_ids,
         )

@@ -54,7 +54,7 @@ class LoadHandle:
         self._completion = completion
         self._layers = frozenset(completion.layer_ids)
         self._last = max(self._layers, default=None)
-        self._stats = stats
+        self.stats = stats
         self._error: BaseException | None = None
 
     def wait_layer(self, layer_id: int, timeout_s: float | None = None) -> bool:
@@ -74,7 +74,7 @@ class LoadHandle:
                 f"load op {self.op_id} failed before layer {layer_id} arrived"
             ) from (self._error or exc)
         finally:
-            self._stats.count_wait(time.perf_counter() - start)
+            self.stats.count_wait(time.perf_counter() - start)
         return True
 
     def wait_all(self, timeout_s: float | None = None) -> bool:
@@ -123,6 +123,38 @@ class LoadTask:
     handle: LoadHandle
     #: Submitted with `trusted=True`: the host pool takes its pages without checks.
     trusted: bool = False
+    #: Submitted as page ids (`TierController.submit_load_pages`, trusted): these, not
+    #: `moves`, name what moves, as for a WriteTask.
+    pages: Mapping[str, PagePairs] | None = None
+
+    @classmethod
+    def admitted(
+        cls,
+        group: PoolGroup,
+        stats: ControllerStats,
+        op_id: int,
+        moves: dict[str, PageMove],
+        num_pages: int,
+        trusted: bool,
+        pages: Mapping[str, PagePairs] | None,
+    ) -> LoadTask:
+        """The task of an admitted load (its moves, or its page ids), with its handle: the
+        layers of members it does not move are ready at once."""
+        completion = group.completion(group.layers_of(moves if pages is None else pages))
+        handle = LoadHandle(op_id=op_id, completion=completion, stats=stats)
+        return cls(
+            op_id=op_id,
+            moves=moves,
+            num_pages=num_pages,
+            handle=handle,
+            trusted=trusted,
+            pages=pages,
+        )
+
+    @property
+    def members(self) -> Mapping[str, object]:
+        """What the task moves, per member (its page ids or its moves)."""
+        return self.moves if self.pages is None else self.pages
 
 
 @dataclass(kw_only=True, eq=False)
@@ -163,11 +195,19 @@ class TransferRunner:
         self.finish_done([(t.op_id, t.num_pages) for t in tasks])
 
     def run_loads(self, tasks: list[LoadTask]) -> None:
-        self.stats.count_merged(OpKind.LOAD, len(tasks) - 1)
+        """Merged when every task was submitted the same way (page ids, or moves); a mixed
+        batch runs op by op, in queue order."""
+        paged = [t.pages for t in tasks if t.pages is not None]
+        mixed = 0 < len(paged) < len(tasks)
+        self.stats.count_merged(OpKind.LOAD, 0 if mixed else len(tasks) - 1)
         start = 0
-        if len(tasks) > 1:
+        if len(tasks) > 1 and not mixed:
+            if paged:
+                moves, pages = {}, _merge_pages(paged)
+            else:
+                moves, pages = _merge([t.moves for t in tasks]), None
             try:
-                self._load(_merge([t.moves for t in tasks]), tasks, 0)
+                self._load(moves, pages, tasks, 0)
             except _LoadStopped as stop:  # isolate the bad op: retried one by one below
                 logger.info(
                     "merged load of %d ops failed at layer position %d; retrying each",
@@ -181,7 +221,7 @@ class TransferRunner:
                 return
         for t in tasks:
             try:
-                self._load(t.moves, [t], start)
+                self._load(t.moves, t.pages, [t], start)
             except _LoadStopped as stop:  # reported in the op's ack and to its waiters
                 logger.warning("load op %d failed", t.op_id, exc_info=True)
                 error = stop.__cause__ or stop
@@ -205,17 +245,9 @@ class TransferRunner:
     def _write_pages(self, pages: Mapping[str, PagePairs]) -> None:
         """D2H of trusted page ids: one host-pool page plan per member, nothing converted."""
         start = time.perf_counter()
-        num_pages = num_bytes = 0
         for name, (device, host) in pages.items():
-            page_bytes = self.group.backup_pages(name, device, host)
-            num_pages += len(device)
-            num_bytes += len(device) * page_bytes
-        self.stats.count_transfer(
-            Direction.D2H,
-            num_pages=num_pages,
-            num_bytes=num_bytes,
-            seconds=time.perf_counter() - start,
-        )
+            self.group.backup_pages(name, device, host)
+        self._count(Direction.D2H, self.group.page_volume(pages), start)
 
     def _write(self, moves: dict[str, PageMove], trusted: bool) -> None:
         start = time.perf_counter()
@@ -224,33 +256,43 @@ class TransferRunner:
                 self.group.backup(name, move.device, move.host, trusted=True)
             else:
                 self.group.backup(name, move.device, move.host)
-        self._count(Direction.D2H, moves, start)
+        self._count(Direction.D2H, self.group.volume(moves), start)
 
-    def _load(self, moves: dict[str, PageMove], tasks: list[LoadTask], first: int) -> None:
-        """Load the layers from position `first` on (`moves` is the merge of the tasks'),
-        telling the tasks' handles as each layer arrives; raises _LoadStopped(position) from
-        the error of the layer that failed.
+    def _load(
+        self,
+        moves: Mapping[str, PageMove],
+        pages: Mapping[str, PagePairs] | None,
+        tasks: list[LoadTask],
+        first: int,
+    ) -> None:
+        """Load the layers from position `first` on (`moves` is the merge of the tasks', or
+        `pages` when they were submitted as page ids), telling the tasks' handles as each
+        layer arrives; raises _LoadStopped(position) from the error of the layer that failed.
 
         Consecutive layers of one member go to the host pool as one `load_layers` call, which
         checks the indices once instead of per layer (a full-only model: one call)."""
         layer_ids = self.group.layer_ids
         start = time.perf_counter()
         last: dict[str, LayerLoad] = {}
-        for member, positions in self._runs(moves, first):
-            move = moves[member]
+        trusted = all(t.trusted for t in tasks)
+        for member, positions in self._runs(moves if pages is None else pages, first):
             fan_out = _LayerFanOut(
                 {
                     self.group.layer_route(layer_ids[p]).local_layer_id: layer_ids[p]
                     for p in positions
                 },
-                [t.handle for t in tasks if member in t.moves],
+                [t.handle for t in tasks if member in t.members],
             )
             try:
-                if all(t.trusted for t in tasks):
+                if pages is not None:  # page ids (trusted)
+                    loads = self.group.load_pages(member, *pages[member], fan_out)
+                elif trusted:
+                    move = moves[member]
                     loads = self.group.load_layers(
                         member, move.host, move.device, fan_out, trusted=True
                     )
                 else:
+                    move = moves[member]
                     loads = self.group.load_layers(member, move.host, move.device, fan_out)
             except Exception as exc:
                 raise _LoadStopped(positions[fan_out.num_marked]) from exc
@@ -260,10 +302,12 @@ class TransferRunner:
         # copy (copies of one stream complete in order). A no-op on CPU.
         for done in last.values():
             done.wait()
-        self._count(Direction.H2D, moves, start)
+        volume = self.group.volume(moves) if pages is None else self.group.page_volume(pages)
+        self._count(Direction.H2D, volume, start)
 
-    def _count(self, direction: Direction, moves: dict[str, PageMove], start: float) -> None:
-        num_pages, num_bytes = self.group.volume(moves)
+    def _count(self, direction: Direction, volume: tuple[int, int], start: float) -> None:
+        """Count one transfer of `volume` (pages, bytes) that began at `start`."""
+        num_pages, num_bytes = volume
         self.stats.count_transfer(
             direction,
             num_pages=num_pages,
@@ -271,7 +315,7 @@ class TransferRunner:
             seconds=time.perf_counter() - start,
         )
 
-    def _runs(self, moves: dict[str, PageMove], first: int) -> list[tuple[str, list[int]]]:
+    def _runs(self, moves: Mapping[str, object], first: int) -> list[tuple[str, list[int]]]:
         """Layer positions from `first` on, of members in `moves`, cut into runs of one member.
         Layers of members not moved were marked at submit and do not cut a run."""
         runs: list[tuple[str, list[int]]] = []

@@ -38,7 +38,7 @@ import torch
 from kvstrata.core.histogram import LatencyHistogram
 from kvstrata.pool import KVPool
 from kvstrata.pool_host.completion import Direction, LayerCompletion, LayerLoad, Transfer
-from kvstrata.pool_host.copy_pages import RowCopy, row_copy
+from kvstrata.pool_host.copy_pages import row_copy
 from kvstrata.pool_host.errors import (
     BufferSizeMismatch,
     HostPoolTooSmall,
@@ -96,6 +96,10 @@ def _check_pending(completion: LayerCompletion | None, layer_ids: Sequence[int])
         completion.check_pending(layer_ids)
 
 
+#: Per layer loaded: (layer id, its buffer positions, the device pool's rows of those).
+_Resolved = list[tuple[int, tuple[int, ...], list[torch.Tensor]]]
+
+
 class _Executed(NamedTuple):
     num_copies: int
     event: torch.cuda.Event | None
@@ -144,11 +148,11 @@ class HostPool(ABC, Generic[PoolT]):
         # The same rows seen by NumPy: a page view is then one NumPy index (no torch call).
         self._pages_np = None if self._pages is None else self._pages.numpy()
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # The compiled CPU gather-scatter of a backup's page rows (copy_pages.c), over every
-        # buffer in one call; None: the NumPy / torch copy (transfer.py), same bytes.
-        self._d2h_rows: RowCopy | None = (
-            row_copy(self._device_page_rows, self._host_rows) if self._copy_stream is None else None
-        )
+        # The compiled CPU copies of page rows (copy_pages.c), every buffer of a backup or of a
+        # load's layers in one call; None: the NumPy / torch copy (transfer.py), same bytes.
+        cpu = self._copy_stream is None
+        self._d2h_rows = row_copy(self._device_page_rows, self._host_rows) if cpu else None
+        self._h2d_rows = row_copy(self._host_rows, self._device_page_rows) if cpu else None
         self._stats_lock = threading.Lock()
         self._calls: dict[Direction, int] = {"d2h": 0, "h2d": 0}
         self._pages_moved: dict[Direction, int] = {"d2h": 0, "h2d": 0}
@@ -323,10 +327,8 @@ class HostPool(ABC, Generic[PoolT]):
         _check_pending(completion, order)
         return self._load_resolved(resolved, plan, completion)
 
-    def _resolve_layers(
-        self, device_pool: PoolT, order: list[int]
-    ) -> list[tuple[int, tuple[int, ...], list[torch.Tensor]]]:
-        resolved: list[tuple[int, tuple[int, ...], list[torch.Tensor]]] = []
+    def _resolve_layers(self, device_pool: PoolT, order: list[int]) -> _Resolved:
+        resolved: _Resolved = []
         for layer in order:
             buffer_ids = self.layer_buffer_ids(layer)
             resolved.append((layer, buffer_ids, self._device_rows(device_pool, buffer_ids)))
@@ -334,21 +336,38 @@ class HostPool(ABC, Generic[PoolT]):
 
     def _load_resolved(
         self,
-        resolved: list[tuple[int, tuple[int, ...], list[torch.Tensor]]],
+        resolved: _Resolved,
         plan: PagePlan,
         completion: LayerCompletion | None,
     ) -> list[LayerLoad]:
+        copied = self._copy_compiled(resolved, plan)
         loads: list[LayerLoad] = []
         for layer_id, buffer_ids, device_rows in resolved:
             try:
                 loads.append(
-                    self._load_planned(device_rows, buffer_ids, plan, layer_id, completion)
+                    self._load_planned(device_rows, buffer_ids, plan, layer_id, completion, copied)
                 )
             except BaseException as exc:
                 if completion is not None:
                     completion.fail(exc)
                 raise
         return loads
+
+    def _copy_compiled(self, resolved: _Resolved, plan: PagePlan) -> float | None:
+        """Every layer's rows in one copy_pages.c call when each is a gather on CPU (the widest
+        decides); the seconds per layer. None, nothing copied: otherwise, or refused (a page id
+        out of range: the per-layer NumPy path then raises)."""
+        rows = self._h2d_rows
+        if rows is None or not resolved:
+            return None
+        geometry = self.geometry
+        widest = max(sum(geometry[i].page_bytes for i in ids) // len(ids) for _, ids, _ in resolved)
+        if choose_strategy(plan, widest, cuda=False) is not CopyStrategy.gather:
+            return None
+        start = time.perf_counter()
+        if not rows(plan.src_pages, plan.dst_pages, [i for _, ids, _ in resolved for i in ids]):
+            return None
+        return (time.perf_counter() - start) / len(resolved)
 
     # --- page I/O (L3 side) ----------------------------------------------------------------------
 
@@ -495,27 +514,24 @@ class HostPool(ABC, Generic[PoolT]):
         """The validated page plan of `backup(device_pool, device_indices, host_indices)`:
         NonIntegerIndex, IndexLengthMismatch, MisalignedIndex, IndexOutOfRange, ReservedIndex
         (device page 0) or DuplicateIndex (a host page twice) otherwise."""
-        src = indices_to_pages(device_indices, self.page_size, side="device")
-        dst = indices_to_pages(host_indices, self.page_size, side="host")
-        plan = make_plan(src, dst)
-        check_page_range(
-            src, num_pages=self._device_num_pages(), reserve_page_zero=True, side="device"
-        )
-        check_page_range(dst, num_pages=self.num_pages, reserve_page_zero=False, side="host")
-        check_unique(dst, side="host")
-        return plan
+        return self._checked_plan(("device", device_indices), ("host", host_indices))
 
     def plan_h2d(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> PagePlan:
         """The validated page plan of `load(device_pool, host_indices, device_indices, ...)`:
         raises as `plan_d2h` (a device page twice is the DuplicateIndex)."""
-        src = indices_to_pages(host_indices, self.page_size, side="host")
-        dst = indices_to_pages(device_indices, self.page_size, side="device")
-        plan = make_plan(src, dst)
-        check_page_range(src, num_pages=self.num_pages, reserve_page_zero=False, side="host")
-        check_page_range(
-            dst, num_pages=self._device_num_pages(), reserve_page_zero=True, side="device"
-        )
-        check_unique(dst, side="device")
+        return self._checked_plan(("host", host_indices), ("device", device_indices))
+
+    def _checked_plan(
+        self, src: tuple[str, torch.Tensor], dst: tuple[str, torch.Tensor]
+    ) -> PagePlan:
+        """Pages of (side, token indices), range-checked, the destination's for repeats."""
+        pages = [indices_to_pages(t, self.page_size, side=side) for side, t in (src, dst)]
+        plan = make_plan(*pages)
+        for (side, _), ids in zip((src, dst), pages, strict=True):
+            device = side == "device"
+            num = self._device_num_pages() if device else self.num_pages
+            check_page_range(ids, num_pages=num, reserve_page_zero=device, side=side)
+        check_unique(pages[1], side=dst[0])
         return plan
 
     def _load_planned(
@@ -525,19 +541,25 @@ class HostPool(ABC, Generic[PoolT]):
         plan: PagePlan,
         layer_id: int,
         completion: LayerCompletion | None,
+        copied: float | None = None,
     ) -> LayerLoad:
+        """One layer, then marked; `copied`: the seconds `_copy_compiled` copied it in."""
         layer_page_bytes = sum(self.geometry[i].page_bytes for i in buffer_ids)
-        strategy = choose_strategy(plan, layer_page_bytes // len(buffer_ids), cuda=self._cuda)
-
-        def body() -> int:
-            cache: dict[str, torch.Tensor] = {}
-            return sum(
-                copy_rows(self._host_rows[i], dst, plan, strategy, index_cache=cache)
-                for i, dst in zip(buffer_ids, device_rows, strict=True)
-            )
-
         num_bytes = plan.num_pages * layer_page_bytes
-        done = self._execute("h2d", plan.num_pages, num_bytes, body)
+        if copied is not None:
+            strategy, done = CopyStrategy.gather, _Executed(1, None)
+            self._count("h2d", plan.num_pages, num_bytes, copied)
+        else:
+            strategy = choose_strategy(plan, layer_page_bytes // len(buffer_ids), cuda=self._cuda)
+
+            def body() -> int:
+                cache: dict[str, torch.Tensor] = {}
+                return sum(
+                    copy_rows(self._host_rows[i], dst, plan, strategy, index_cache=cache)
+                    for i, dst in zip(buffer_ids, device_rows, strict=True)
+                )
+
+            done = self._execute("h2d", plan.num_pages, num_bytes, body)
         if completion is not None:
             completion.mark_loaded(layer_id, done.event)
         return LayerLoad(
@@ -594,26 +616,33 @@ class HostPool(ABC, Generic[PoolT]):
         if self._copy_stream is None:
             start = time.perf_counter()
             copies = body()
-            self._latency[direction].observe(time.perf_counter() - start)
-            event = None
-        else:
-            stream = self._copy_stream
-            # Copies must see everything the compute stream queued before (the KV a backup
-            # reads, the last readers of the slots a load overwrites).
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                begin = torch.cuda.Event(enable_timing=True)
-                event = torch.cuda.Event(enable_timing=True)
-                begin.record(stream)
-                copies = body()
-                event.record(stream)
-            with self._stats_lock:
-                self._pending.append((direction, begin, event))
+            self._count(direction, num_pages, num_bytes, time.perf_counter() - start)
+            return _Executed(copies, None)
+        stream = self._copy_stream
+        # Copies must see everything the compute stream queued before (the KV a backup
+        # reads, the last readers of the slots a load overwrites).
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            begin = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True)
+            begin.record(stream)
+            copies = body()
+            event.record(stream)
+        with self._stats_lock:
+            self._pending.append((direction, begin, event))
+        self._count(direction, num_pages, num_bytes, None)
+        return _Executed(copies, event)
+
+    def _count(
+        self, direction: Direction, num_pages: int, num_bytes: int, seconds: float | None
+    ) -> None:
+        """Count one copy call of `seconds` (None: a CUDA copy, timed once its event fired)."""
+        if seconds is not None:
+            self._latency[direction].observe(seconds)
         with self._stats_lock:
             self._calls[direction] += 1
             self._pages_moved[direction] += num_pages
             self._bytes[direction] += num_bytes
-        return _Executed(copies, event)
 
     def _harvest_timings(self) -> None:
         # CUDA latencies are known only once the end event has fired; collect those that have.

@@ -74,7 +74,10 @@ class LayerCompletion:
     """
 
     def __init__(self, layer_ids: Iterable[int]) -> None:
-        self._arrived = {layer_id: threading.Event() for layer_id in layer_ids}
+        # Per layer, the Event its first waiter made (under the lock); None until then: most
+        # layers are marked before anyone waits (a CPU load runs before its handle is read),
+        # and an Event costs a Condition and a lock.
+        self._arrived: dict[int, threading.Event | None] = dict.fromkeys(layer_ids)
         self._cuda_events: dict[int, torch.cuda.Event] = {}
         self._loaded: set[int] = set()
         self._error: BaseException | None = None
@@ -91,7 +94,7 @@ class LayerCompletion:
 
     def is_loaded(self, layer_id: int) -> bool:
         """Whether layer_id was marked loaded (on CUDA: enqueued; its event may still run)."""
-        self._event_of(layer_id)
+        self._check_layer(layer_id)
         with self._lock:
             return layer_id in self._loaded
 
@@ -100,7 +103,7 @@ class LayerCompletion:
         load, LayerAlreadyLoaded if one is marked already or listed twice. Mutates nothing.
         HostPool.load / load_layers call it, so a refused load has copied nothing."""
         for layer_id in layer_ids:
-            self._event_of(layer_id)
+            self._check_layer(layer_id)
         if len(set(layer_ids)) != len(layer_ids):
             raise LayerAlreadyLoaded(f"layers {list(layer_ids)} list a layer twice")
         with self._lock:
@@ -111,19 +114,22 @@ class LayerCompletion:
     def mark_loaded(self, layer_id: int, event: torch.cuda.Event | None = None) -> None:
         """Producer side: layer_id has landed (CPU) or its copies are enqueued before `event`.
         Each layer exactly once (an assertion: `check_pending` refuses a repeat up front)."""
-        arrived = self._event_of(layer_id)
+        self._check_layer(layer_id)
         with self._lock:
             assert layer_id not in self._loaded, f"layer {layer_id} was marked loaded twice"
             self._loaded.add(layer_id)
             if event is not None:
                 self._cuda_events[layer_id] = event
-        arrived.set()
+            arrived = self._arrived[layer_id]
+        if arrived is not None:
+            arrived.set()
 
     def fail(self, error: BaseException) -> None:
         """Producer side: the load stopped; waiters of the missing layers get LayerLoadFailed."""
         with self._lock:
             self._error = error
-        for arrived in self._arrived.values():
+            waited = [arrived for arrived in self._arrived.values() if arrived is not None]
+        for arrived in waited:
             arrived.set()
 
     def wait(self, layer_id: int, timeout: float | None = None) -> None:
@@ -134,8 +140,14 @@ class LayerCompletion:
         LayerWaitTimeout after `timeout` seconds, LayerLoadFailed if the producer failed before
         this layer landed.
         """
-        arrived = self._event_of(layer_id)
-        if not arrived.wait(timeout):
+        self._check_layer(layer_id)
+        with self._lock:
+            arrived = None
+            if layer_id not in self._loaded and self._error is None:
+                arrived = self._arrived[layer_id]
+                if arrived is None:
+                    arrived = self._arrived[layer_id] = threading.Event()
+        if arrived is not None and not arrived.wait(timeout):
             raise LayerWaitTimeout(f"layer {layer_id} did not arrive within {timeout} s")
         with self._lock:
             loaded = layer_id in self._loaded
@@ -146,10 +158,8 @@ class LayerCompletion:
         if cuda_event is not None:
             cuda_event.wait()
 
-    def _event_of(self, layer_id: int) -> threading.Event:
-        arrived = self._arrived.get(layer_id)
-        if arrived is None:
+    def _check_layer(self, layer_id: int) -> None:
+        if layer_id not in self._arrived:
             raise LayerIdOutOfRange(
                 f"layer {layer_id} is not part of this load (layers {self.layer_ids})"
             )
-        return arrived

@@ -2,9 +2,10 @@
 the rows a page plan names in every buffer of a pool, instead of a NumPy gather and scatter
 per buffer.
 
-`HostPool` builds one `RowCopy` for its backups over its own CPU buffers (the device pool's
-byte rows and the host mirror's, fixed for the pools' lives) and keeps the NumPy / torch copy
-(transfer.py, the same bytes) when it has none: no compiler, `KVSTRATA_NATIVE=0`, built inside
+`HostPool` builds two `RowCopy`s over its own CPU buffers (the device pool's byte rows and the
+host mirror's, fixed for the pools' lives): one for backups (device -> host, every buffer) and
+one for loads (host -> device, the buffers of the layers loaded), and keeps the NumPy / torch
+copy (transfer.py, the same bytes) when it has none: no compiler, `KVSTRATA_NATIVE=0`, built inside
 `native.disabled()`, or buffers the C code cannot take (not CPU memory, not packed byte rows).
 """
 
@@ -75,17 +76,25 @@ class RowCopy:
                 for s, d in zip(src, dst, strict=True)
             ],
             dtype=np.int64,
-        ).reshape(-1)
+        )
+        self._all = self._table.reshape(-1)
         self._src_rows = min((r.shape[0] for r in src), default=0)
         self._dst_rows = min((r.shape[0] for r in dst), default=0)
 
-    def __call__(self, src_pages: npt.NDArray[np.int64], dst_pages: npt.NDArray[np.int64]) -> bool:
-        """Copy the rows; False, having copied nothing, when a page id is out of range on its
-        side or the arrays are not integer arrays of one shape (the caller's NumPy path then
-        answers: it raises, or indexes as NumPy does). Integer arrays are made contiguous
-        int64 when they are not."""
+    def __call__(
+        self,
+        src_pages: npt.NDArray[np.int64],
+        dst_pages: npt.NDArray[np.int64],
+        buffers: Sequence[int] | None = None,
+    ) -> bool:
+        """Copy the rows of every buffer, or of the buffers at positions `buffers` (in that
+        order; positions the caller took from its own buffer lists); False, having copied
+        nothing, when a page id is out of range on its side or the arrays are not integer
+        arrays of one shape (the caller's NumPy path then answers: it raises, or indexes as
+        NumPy does). Integer arrays are made contiguous int64 when they are not."""
+        table = self._all if buffers is None else self._table[list(buffers)].reshape(-1)
         try:
-            got = self._copy(self._table, self._src_rows, self._dst_rows, src_pages, dst_pages)
+            got = self._copy(table, self._src_rows, self._dst_rows, src_pages, dst_pages)
         except (TypeError, ValueError, BufferError):  # a strided or non-int64 plan: convert
             if not (
                 _integers(src_pages) and _integers(dst_pages) and src_pages.shape == dst_pages.shape
@@ -93,7 +102,7 @@ class RowCopy:
                 return False  # float ids are never truncated, a bool array is a mask
             src = np.ascontiguousarray(src_pages, dtype=np.int64)
             dst = np.ascontiguousarray(dst_pages, dtype=np.int64)
-            got = self._copy(self._table, self._src_rows, self._dst_rows, src, dst)
+            got = self._copy(table, self._src_rows, self._dst_rows, src, dst)
         return got >= 0
 
 

@@ -12,12 +12,8 @@ import time
 
 import torch
 
-from kvstrata.hybrid_cache import (
-    Ack,
-    LoadOp,
-    PageMove,
-    QueueFull,
-)
+from kvstrata.hybrid_cache import Ack, PagePairs, QueueFull
+from kvstrata.pool_host import vouched_pages
 from kvstrata.unified_radix_cache.components.base import ComponentInsert
 from kvstrata.unified_radix_cache.components.transfer import TransferLeg
 from kvstrata.unified_radix_cache.node import TreeNode
@@ -97,21 +93,21 @@ class TierLoader:
             raise
         handle = None
         if slots is not None and not refused:
-            moves: dict[str, PageMove] = {}
+            # Page ids, made once here from the tree's own slots (no index tensor on the way).
+            pages: dict[str, PagePairs] = {}
             if end > start:
-                host_slots = torch.from_numpy(run_above(node, end - start, host=True))
-                moves[FULL] = PageMove(device=slots, host=host_slots)
+                page = core.full_page
+                host_slots = run_above(node, end - start, host=True)
+                pages[FULL] = (vouched_pages(slots, page), host_slots[::page] // page)
             for leg in legs:
                 move = core.transfers[leg.name].load_move(core, leg, node, slots, start)
                 if move is not None:
-                    moves[leg.name] = PageMove(device=move[0], host=move[1])
+                    pages[leg.name] = core.move_pages(leg.name, move[0], move[1])
                     leg.moved = len(move[1])
             self._writer.flush()  # the worker wakes for the load: the queued writes ride along
             try:
-                # Trusted: allocator slots over the group's pools (see TierWriter.flush).
-                handle = core.controller.submit_load(
-                    LoadOp(moves=moves), inline=wait_now, trusted=True
-                )
+                # Trusted page ids: allocator slots over the group's pools (as TierWriter.flush).
+                handle = core.controller.submit_load_pages(pages, inline=wait_now)
             except QueueFull:
                 handle = None
         if slots is None or handle is None:
