@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from kvstrata.pool.native import disabled
-from kvstrata.testkit.trees import make_tree
 from kvstrata.unified_radix_cache import EvictRequest, RadixKey, UnifiedRadixCache
 from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.native_core import native_core
