@@ -157,7 +157,10 @@ class EvictResult:
     def __init__(self, *, evicted: Mapping[str, int], nodes_removed: int, seconds: float) -> None:
         # The fields written straight into the instance dict (the generated frozen __init__
         # goes through object.__setattr__ per field, at twice the cost).
-        self.__dict__.update(evicted=evicted, nodes_removed=nodes_removed, seconds=seconds)
+        d = self.__dict__
+        d["evicted"] = evicted
+        d["nodes_removed"] = nodes_removed
+        d["seconds"] = seconds
 
     @classmethod
     def of(cls, evicted: Mapping[str, int], nodes_removed: int, seconds: float) -> EvictResult:
