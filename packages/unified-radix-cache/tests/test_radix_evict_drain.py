@@ -1,5 +1,5 @@
 """The unchecked evict of a Full-only device tree runs its loop and its flush in one compiled
-call (`RadixCore.evict` with `held`, `native_core.evict_leaves(..., flush=True)`): the same
+call (`RadixCore.evict` given `held`, `native_core.evict_leaves(..., flush=True)`): the same
 leaves, frees, held flags and errors as the loop then `FullComponent.flush`."""
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def test_the_unchecked_evict_frees_the_same_slots_in_one_call_on_both_paths(
 
 @needs_core
 def test_the_compiled_eviction_with_held_returns_what_drain_would() -> None:
-    """`evict(..., progress, held)` = `evict(..., progress)` then `drain(pending, held)`."""
+    """`evict(..., progress, held)` = `evict(..., progress, False)` then `drain(pending, held)`;
+    a call of another arity is refused."""
     assert CORE is not None
     outs = []
     for with_held in (False, True):
@@ -103,7 +104,8 @@ def test_the_compiled_eviction_with_held_returns_what_drain_would() -> None:
         if with_held:
             freed, gone, joined = CORE.evict(*args, held)
         else:
-            freed, gone = CORE.evict(*args)
+            freed, gone, nothing = CORE.evict(*args, False)
+            assert nothing is None
             joined = CORE.drain(full._pending, held)
         assert joined is not None
         outs.append((freed, gone, bytes(joined), full._pending, np.flatnonzero(held).tolist()))
@@ -115,6 +117,8 @@ def test_the_compiled_eviction_with_held_returns_what_drain_would() -> None:
     args = (tree._heap, 0, 2, 16, tree.root, (), [], None, None, bytearray(16))
     assert CORE.evict(*args, tree._full.held) == (0, 0, None)
     assert CORE.evict(*args, None) == (0, 0, None)
+    with pytest.raises(TypeError, match="held"):
+        CORE.evict(*args)  # pyright: ignore[reportCallIssue]
 
 
 @needs_core

@@ -21,7 +21,7 @@ answers; tests/test_radix_native.py compares both paths on random operations):
   leading path nodes with device slots are the device hit (their slots joined, None when
   none), the keys of the rest (off the device, on the host) the host hit's bytes.
 - `evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut,
-  progress[, held])`: the loop of `FullComponent._evict` with `tree.remove_leaf` / `truncate_leaf`
+  progress, held)`: the loop of `FullComponent._evict` with `tree.remove_leaf` / `truncate_leaf`
   inlined, for a Full-only device tree without events (no hook, journal or event to run):
   leaves in heap order, the last one cut page-granular, slots queued on `pending`, undo
   records on `removed` / `cut`. Returns (tokens freed, nodes removed); `evict_leaves` applies
@@ -29,9 +29,10 @@ answers; tests/test_radix_native.py compares both paths on random operations):
   one; when something raises midway (a priority whose comparison raises in the parent's
   `heap.push`, MemoryError, KeyboardInterrupt from Python code it calls) the counts so far
   are in `progress` (a 16-byte bytearray, two int64) and `evict_leaves` still applies them.
-  Targets of 2**63 and more are clamped (they free everything, as in Python). With `held`,
-  `pending` is then drained as `drain(pending, held)` does, in the same call, and the joined
-  slots come third (the unchecked evict's flush: `evict_leaves(..., flush=True)`).
+  Targets of 2**63 and more are clamped (they free everything, as in Python). Unless `held`
+  is False, `pending` is then drained as `drain(pending, held)` does, in the same call, and
+  the joined slots come third (else None): the unchecked evict's flush
+  (`evict_leaves(..., flush=True)`).
 - `drain(pending, held)`: `FullComponent.flush`'s array work: the queued slot arrays joined
   into one bytearray (None when there are none; the list emptied) and, with `held`, each slot
   inside the table cleared there (the table covers every slot the tree marked).
@@ -46,7 +47,7 @@ import struct
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, cast, overload
+from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -81,42 +82,6 @@ def source() -> Path:
 MODULE_NAME = "_kvstrata_radix_core"
 
 
-class EvictLoop(Protocol):
-    """`RadixCore.evict`: the eviction loop, and with `held` the drain after it."""
-
-    @overload
-    def __call__(
-        self,
-        heap: LeafHeap,
-        amount: int,
-        page: int,
-        page_bytes: int,
-        root: TreeNode,
-        no_children: object,
-        pending: list[Slots],
-        removed: Removed | None,
-        cut: Cut | None,
-        progress: bytearray,
-        /,
-    ) -> tuple[int, int]: ...
-    @overload
-    def __call__(
-        self,
-        heap: LeafHeap,
-        amount: int,
-        page: int,
-        page_bytes: int,
-        root: TreeNode,
-        no_children: object,
-        pending: list[Slots],
-        removed: Removed | None,
-        cut: Cut | None,
-        progress: bytearray,
-        held: npt.NDArray[np.int32] | None,
-        /,
-    ) -> tuple[int, int, bytearray | None]: ...
-
-
 class RadixCore(Protocol):
     """The functions of the compiled module (see the module docstring), positional only."""
 
@@ -136,10 +101,24 @@ class RadixCore(Protocol):
         [TreeNode, int, Namespace | None, bytes, int, SplitFn, int],
         tuple[list[TreeNode], int, int, bytearray | None],
     ]
-    #: (heap, amount, page, page_bytes, root, no_children, pending, removed, cut, progress)
-    #: -> (tokens freed, nodes removed); with `held` after them, then `drain(pending, held)`:
-    #: -> (tokens freed, nodes removed, joined slots)
-    evict: EvictLoop
+    #: (heap, amount, page, page_bytes, root, no_children, pending, removed, cut, progress,
+    #: held) -> (tokens freed, nodes removed, `drain(pending, held)` or None for held False)
+    evict: Callable[
+        [
+            LeafHeap,
+            int,
+            int,
+            int,
+            TreeNode,
+            object,
+            list[Slots],
+            Removed | None,
+            Cut | None,
+            bytearray,
+            npt.NDArray[np.int32] | Literal[False] | None,
+        ],
+        tuple[int, int, bytearray | None],
+    ]
     #: (anchor, root, leaf heap members) -> tokens locked, or None for a foreign anchor
     lock_path: Callable[[TreeNode, TreeNode, dict[int, TreeNode]], int | None]
     #: (anchor, leaf heap) -> tokens unlocked
@@ -185,24 +164,20 @@ def evict_leaves(
     the leaves already taken are counted here before the exception goes on). `flush`: then
     `FullComponent.flush` too, its `drain` inside the same compiled call."""
     full = tree._full
-    args = (
-        tree._heap,
-        amount,
-        tree.page_size,
-        tree._page_bytes,
-        tree._root,
-        NO_CHILDREN,
-        full._pending,
-        removed,
-        cut,
-        progress,
-    )
     try:
-        if flush:
-            freed, gone, joined = core.evict(*args, full.held)
-        else:
-            freed, gone = core.evict(*args)
-            joined = None
+        freed, gone, joined = core.evict(
+            tree._heap,
+            amount,
+            tree.page_size,
+            tree._page_bytes,
+            tree._root,
+            NO_CHILDREN,
+            full._pending,
+            removed,
+            cut,
+            progress,
+            full.held if flush else False,
+        )
     except BaseException:
         freed, gone = _PROGRESS.unpack(progress)
         _count(tree, freed, gone)

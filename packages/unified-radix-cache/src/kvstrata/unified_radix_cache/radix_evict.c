@@ -397,16 +397,16 @@ static void report(PyObject *progress, Py_ssize_t freed, Py_ssize_t gone)
     memcpy(PyByteArray_AS_STRING(progress), both, sizeof both);
 }
 
-/* evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut, progress
-   [, held]) -> (freed, gone): FullComponent._evict's loop (see native_core.py). With `held`
-   (the held flags or None), `pending` is then drained as `drain(pending, held)` does and the
-   joined slots come back third: (freed, gone, joined or None); a drain that raises leaves
-   `pending` as it was, the counts in `progress`. */
+/* evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut, progress,
+   held) -> (freed, gone, joined): FullComponent._evict's loop (see native_core.py). Unless
+   `held` is False, `pending` is then drained as `drain(pending, held)` does (`held`: the held
+   flags or None) and `joined` is what that returns; None otherwise. A drain that raises
+   leaves `pending` as it was, the counts in `progress`. */
 static PyObject *evict(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 10 && nargs != 11) {
+    if (nargs != 11) {
         PyErr_SetString(PyExc_TypeError, "evict(heap, amount, page, page_bytes, root, "
-                                         "no_children, pending, removed, cut, progress[, held])");
+                                         "no_children, pending, removed, cut, progress, held)");
         return NULL;
     }
     PyObject *heap = args[0], *root = args[4], *no_children = args[5], *pending = args[6];
@@ -474,8 +474,8 @@ static PyObject *evict(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (keep > 0)
             break;
     }
-    if (nargs == 10)
-        return Py_BuildValue("(nn)", freed, gone);
+    if (args[10] == Py_False)
+        return Py_BuildValue("(nnO)", freed, gone, Py_None);
     PyObject *joined = drain_pending(pending, args[10]);
     if (joined == NULL)
         return NULL;
