@@ -75,15 +75,7 @@ def unlock(tree: TreeInternals, receipt: LockReceipt) -> None:
     del tree._receipts[receipt.receipt_id]
     anchor = stored.anchor
     if not tree._extras:
-        full = tree._full
-        if full.path_unlock is not None:  # compiled (Full-only device tree), as in `lock`
-            heap = full.heap
-            assert heap is not None
-            moved = full.path_unlock(anchor, heap)
-            full.evictable_size += moved
-            full.protected_size -= moved
-            return
-        full.unlock(anchor, None)
+        tree._full.unlock(anchor, None)
         return
     for component, boundary in zip(
         reversed(tree._components), reversed(stored.boundaries), strict=True

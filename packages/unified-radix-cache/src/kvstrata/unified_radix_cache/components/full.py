@@ -88,8 +88,7 @@ class FullComponent(TreeComponent):
         #: The compiled `_evict` loop (`native_core.evict_leaves`), set by a Full-only device
         #: tree without events that has the compiled core; None runs the loop below.
         self.leaf_evictor: LeafEvictor | None = None
-        #: The compiled lock / unlock walks (`native_core.install`), which `locks.lock` /
-        #: `locks.unlock` call in place of `lock` / `unlock` (None: they call the loops below):
+        #: The compiled lock / unlock walks (`native_core.install`; None: the loops below):
         #: (anchor, root, heap members) -> tokens locked or None for a foreign anchor, and
         #: (anchor, heap) -> tokens unlocked.
         self.path_lock: Callable[[TreeNode, TreeNode, dict[int, TreeNode]], int | None] | None
@@ -311,6 +310,11 @@ class FullComponent(TreeComponent):
     def unlock(self, anchor: TreeNode, boundary: int | None) -> None:
         heap = self.heap
         assert heap is not None
+        if self.path_unlock is not None:
+            moved = self.path_unlock(anchor, heap)
+            self.evictable_size += moved
+            self.protected_size -= moved
+            return
         moved = 0
         node = anchor
         parent = node.parent
