@@ -261,9 +261,9 @@ def test_the_compiled_functions_refuse_bad_input_with_an_exception() -> None:
         CORE.match(root, 16, None, data, 32, None, 5)  # pyright: ignore[reportArgumentType]
     leaf.value = good_value
     with pytest.raises(AttributeError):
-        CORE.evict(object(), 4, 2, 16, root, {}, [], None, None, bytearray(16))  # pyright: ignore[reportArgumentType]
+        CORE.evict(object(), 4, 2, 16, root, {}, [], None, None, bytearray(16), False)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="page"):
-        CORE.evict(kit.tree._heap, 4, 2, 8, root, {}, [], None, None, bytearray(16))
+        CORE.evict(kit.tree._heap, 4, 2, 8, root, {}, [], None, None, bytearray(16), False)
     kit.check()
 
 

@@ -124,11 +124,11 @@ def test_the_compiled_eviction_clamps_its_target() -> None:
     kit.put(list(range(8)))
     tree = kit.tree
     progress = bytearray(16)
-    args = (4, 32, tree.root, (), [], None, None, progress)
-    assert CORE.evict(tree._heap, -(2**70), *args) == (0, 0)
-    assert CORE.evict(tree._heap, -1, *args) == (0, 0)
+    args = (4, 32, tree.root, (), [], None, None, progress, False)
+    assert CORE.evict(tree._heap, -(2**70), *args) == (0, 0, None)
+    assert CORE.evict(tree._heap, -1, *args) == (0, 0, None)
     with pytest.raises(TypeError, match="progress"):
-        CORE.evict(tree._heap, 4, 4, 32, tree.root, (), [], None, None, bytearray(8))
+        CORE.evict(tree._heap, 4, 4, 32, tree.root, (), [], None, None, bytearray(8), False)
     kit.check()
 
 

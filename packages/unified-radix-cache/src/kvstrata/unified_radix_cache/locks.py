@@ -13,7 +13,7 @@ from kvstrata.unified_radix_cache.errors import (
     ReceiptMismatch,
     UnknownReceipt,
 )
-from kvstrata.unified_radix_cache.results import LockReceipt
+from kvstrata.unified_radix_cache.results import LockReceipt, new_result
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.node import TreeNode
@@ -35,8 +35,9 @@ def lock(tree: TreeInternals, node: TreeNode) -> LockReceipt:
             raise ForeignNode(f"node {node.id} is not in this tree")
         full.evictable_size -= moved
         full.protected_size += moved
-        receipt = LockReceipt(next(tree._receipt_ids), node, (None,), (), tree._uid)
-        tree._receipts[receipt.receipt_id] = receipt
+        receipt_id = next(tree._receipt_ids)
+        receipt = new_result(LockReceipt, (receipt_id, node, (None,), (), tree._uid))
+        tree._receipts[receipt_id] = receipt
         return receipt
     probe = node
     while probe.parent is not None:

@@ -21,7 +21,7 @@ answers; tests/test_radix_native.py compares both paths on random operations):
   leading path nodes with device slots are the device hit (their slots joined, None when
   none), the keys of the rest (off the device, on the host) the host hit's bytes.
 - `evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut,
-  progress)`: the loop of `FullComponent._evict` with `tree.remove_leaf` / `truncate_leaf`
+  progress, held)`: the loop of `FullComponent._evict` with `tree.remove_leaf` / `truncate_leaf`
   inlined, for a Full-only device tree without events (no hook, journal or event to run):
   leaves in heap order, the last one cut page-granular, slots queued on `pending`, undo
   records on `removed` / `cut`. Returns (tokens freed, nodes removed); `evict_leaves` applies
@@ -29,7 +29,10 @@ answers; tests/test_radix_native.py compares both paths on random operations):
   one; when something raises midway (a priority whose comparison raises in the parent's
   `heap.push`, MemoryError, KeyboardInterrupt from Python code it calls) the counts so far
   are in `progress` (a 16-byte bytearray, two int64) and `evict_leaves` still applies them.
-  Targets of 2**63 and more are clamped (they free everything, as in Python).
+  Targets of 2**63 and more are clamped (they free everything, as in Python). Unless `held`
+  is False, `pending` is then drained as `drain(pending, held)` does, in the same call, and
+  the joined slots come third (else None): the unchecked evict's flush
+  (`evict_leaves(..., flush=True)`).
 - `drain(pending, held)`: `FullComponent.flush`'s array work: the queued slot arrays joined
   into one bytearray (None when there are none; the list emptied) and, with `held`, each slot
   inside the table cleared there (the table covers every slot the tree marked).
@@ -44,7 +47,7 @@ import struct
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -98,8 +101,8 @@ class RadixCore(Protocol):
         [TreeNode, int, Namespace | None, bytes, int, SplitFn, int],
         tuple[list[TreeNode], int, int, bytearray | None],
     ]
-    #: (heap, amount, page, page_bytes, root, no_children, pending, removed, cut, progress)
-    #: -> (tokens freed, nodes removed)
+    #: (heap, amount, page, page_bytes, root, no_children, pending, removed, cut, progress,
+    #: held) -> (tokens freed, nodes removed, `drain(pending, held)` or None for held False)
     evict: Callable[
         [
             LeafHeap,
@@ -112,8 +115,9 @@ class RadixCore(Protocol):
             Removed | None,
             Cut | None,
             bytearray,
+            npt.NDArray[np.int32] | Literal[False] | None,
         ],
-        tuple[int, int],
+        tuple[int, int, bytearray | None],
     ]
     #: (anchor, root, leaf heap members) -> tokens locked, or None for a foreign anchor
     lock_path: Callable[[TreeNode, TreeNode, dict[int, TreeNode]], int | None]
@@ -152,14 +156,16 @@ def evict_leaves(
     amount: int,
     removed: Removed | None,
     cut: Cut | None,
+    flush: bool,
 ) -> int:
     """`FullComponent._evict` of a Full-only device tree without events, compiled: the same
     leaves go, in the same order, with the same undo records. Returns the tokens freed.
     `progress`: the tree's 16-byte scratch for the counts when the loop raises midway (then
-    the leaves already taken are counted here before the exception goes on)."""
+    the leaves already taken are counted here before the exception goes on). `flush`: then
+    `FullComponent.flush` too, its `drain` inside the same compiled call."""
     full = tree._full
     try:
-        freed, gone = core.evict(
+        freed, gone, joined = core.evict(
             tree._heap,
             amount,
             tree.page_size,
@@ -170,6 +176,7 @@ def evict_leaves(
             removed,
             cut,
             progress,
+            full.held if flush else False,
         )
     except BaseException:
         freed, gone = _PROGRESS.unpack(progress)
@@ -181,6 +188,8 @@ def evict_leaves(
     tree.num_nodes -= gone
     if freed:
         tree._forget_walk()
+    if joined is not None:
+        full.free_joined(joined)
     return freed
 
 

@@ -21,8 +21,9 @@ ValueError: no input makes this code read or write outside a buffer.
                                                device slots (joined into `slots`, None when
                                                0), the rest's keys are `host_bytes` long;
                                                then every path node is touched as by match
-    evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut, progress)
-        -> (freed, nodes removed)              FullComponent._evict on a Full-only device
+    evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut, progress,
+          held) -> (freed, nodes removed, joined)
+                                               FullComponent._evict on a Full-only device
                                                tree without events: leaves in heap order,
                                                the last one cut page-granular; slots go to
                                                `pending`, undo records to `removed` / `cut`
@@ -30,7 +31,9 @@ ValueError: no input makes this code read or write outside a buffer.
                                                `progress` (bytearray(16)) gets the same two
                                                counts (int64) on every return, an exception
                                                included: each leaf is either untouched or
-                                               counted; amount is clamped to [0, 2**63 - 1]
+                                               counted; amount is clamped to [0, 2**63 - 1];
+                                               then, unless held is False, drain(pending,
+                                               held), its result as joined (else None)
     lock_path(anchor, root, members) -> tokens locked, or None for an anchor outside root's tree
     unlock_path(anchor, heap) -> tokens unlocked (every count checked above zero first)
     drain(pending, held) -> bytearray | None

@@ -297,13 +297,8 @@ done:
    list emptied; with `held` (a writable 1-D int32 buffer, or None) each slot inside its range
    is cleared there. Every buffer is checked before anything changes: a bad one raises with
    `pending` and `held` as they were. */
-static PyObject *drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *drain_pending(PyObject *pending, PyObject *held_obj)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "drain(pending, held)");
-        return NULL;
-    }
-    PyObject *pending = args[0], *held_obj = args[1];
     if (!PyList_CheckExact(pending)) {
         PyErr_SetString(PyExc_TypeError, "drain: pending must be a list");
         return NULL;
@@ -371,6 +366,15 @@ done:
     return out;
 }
 
+static PyObject *drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "drain(pending, held)");
+        return NULL;
+    }
+    return drain_pending(args[0], args[1]);
+}
+
 /* The eviction target as a Py_ssize_t: a larger one frees everything anyway, so it is
    clamped (no OverflowError), a negative one frees nothing. */
 static int clamp_amount(PyObject *obj, Py_ssize_t *out)
@@ -393,11 +397,16 @@ static void report(PyObject *progress, Py_ssize_t freed, Py_ssize_t gone)
     memcpy(PyByteArray_AS_STRING(progress), both, sizeof both);
 }
 
+/* evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut, progress,
+   held) -> (freed, gone, joined): FullComponent._evict's loop (see native_core.py). Unless
+   `held` is False, `pending` is then drained as `drain(pending, held)` does (`held`: the held
+   flags or None) and `joined` is what that returns; None otherwise. A drain that raises
+   leaves `pending` as it was, the counts in `progress`. */
 static PyObject *evict(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 10) {
+    if (nargs != 11) {
         PyErr_SetString(PyExc_TypeError, "evict(heap, amount, page, page_bytes, root, "
-                                         "no_children, pending, removed, cut, progress)");
+                                         "no_children, pending, removed, cut, progress, held)");
         return NULL;
     }
     PyObject *heap = args[0], *root = args[4], *no_children = args[5], *pending = args[6];
@@ -465,5 +474,10 @@ static PyObject *evict(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (keep > 0)
             break;
     }
-    return Py_BuildValue("(nn)", freed, gone);
+    if (args[10] == Py_False)
+        return Py_BuildValue("(nnO)", freed, gone, Py_None);
+    PyObject *joined = drain_pending(pending, args[10]);
+    if (joined == NULL)
+        return NULL;
+    return Py_BuildValue("(nnN)", freed, gone, joined);
 }

@@ -203,7 +203,7 @@ static PyMethodDef methods[] = {
      "check_slots(slots, lo, hi, held, keep) -> bool"},
     {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL,
      "evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut, "
-     "progress) -> (freed, nodes removed)"},
+     "progress, held) -> (freed, nodes removed, joined slots or None)"},
     {"drain", (PyCFunction)(void (*)(void))drain, METH_FASTCALL,
      "drain(pending, held) -> the pending slots joined (bytearray) or None"},
     {"lock_path", (PyCFunction)(void (*)(void))lock_path, METH_FASTCALL,

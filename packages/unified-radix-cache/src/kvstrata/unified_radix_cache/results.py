@@ -23,6 +23,12 @@ if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.key import RadixKey
 
 _NO_STATES: Mapping[str, torch.Tensor] = MappingProxyType({})
+#: The default of `MatchResult.states`, for the hot paths that give every field.
+NO_STATES = _NO_STATES
+#: `tuple.__new__`: the tree's per-request paths build a result with every field given,
+#: `new_result(MatchResult, (prefix_len, indices, node, 0, None, NO_STATES))`, without the
+#: generated `__new__`'s Python frame (half the cost of `MatchResult(...)`).
+new_result = tuple.__new__
 
 
 class MatchResult(NamedTuple):
@@ -149,12 +155,23 @@ class EvictResult:
     seconds: float
 
     def __init__(self, *, evicted: Mapping[str, int], nodes_removed: int, seconds: float) -> None:
-        # Once per evict: the fields written straight into the instance dict (the generated
-        # frozen __init__ goes through object.__setattr__ per field, at twice the cost).
+        # The fields written straight into the instance dict (the generated frozen __init__
+        # goes through object.__setattr__ per field, at twice the cost).
         d = self.__dict__
         d["evicted"] = evicted
         d["nodes_removed"] = nodes_removed
         d["seconds"] = seconds
+
+    @classmethod
+    def of(cls, evicted: Mapping[str, int], nodes_removed: int, seconds: float) -> EvictResult:
+        """The same result from positional fields (what `evict` builds once per call: a
+        keyword call into `__init__` costs twice as much)."""
+        result = object.__new__(cls)
+        d = result.__dict__
+        d["evicted"] = evicted
+        d["nodes_removed"] = nodes_removed
+        d["seconds"] = seconds
+        return result
 
     def num_evicted(self, component: str = "full") -> int:
         return self.evicted.get(component, 0)

@@ -14,8 +14,8 @@ Positions inside the walk are byte offsets into the key's int64 token bytes:
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterator, Mapping, Sequence
+from time import perf_counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,12 +44,14 @@ from kvstrata.unified_radix_cache.policies import EvictionPolicy, make_policy
 from kvstrata.unified_radix_cache.render import render_tree
 from kvstrata.unified_radix_cache.request import CacheRequest
 from kvstrata.unified_radix_cache.results import (
+    NO_STATES,
     EvictRequest,
     EvictResult,
     InsertCall,
     InsertResult,
     LockReceipt,
     MatchResult,
+    new_result,
 )
 from kvstrata.unified_radix_cache.slot_checks import SlotChecker
 from kvstrata.unified_radix_cache.walk import descend
@@ -315,7 +317,7 @@ class UnifiedRadixCache:
         self.hit_tokens += prefix_len
         if found is None:
             return MatchResult(0, self._full.to_device(_EMPTY_SLOTS), root)
-        return MatchResult(prefix_len, found, node)
+        return new_result(MatchResult, (prefix_len, found, node, 0, None, NO_STATES))
 
     # ------------------------------------------------------------------------------------------
     # Insert
@@ -405,10 +407,10 @@ class UnifiedRadixCache:
             leaf = structure.add_leaf(
                 self, node, data, pos, end, slots, namespace, tick, priority, mark=False
             )
-            return InsertResult(prefix_len, len(leaf.value), leaf, (), (), cached_len)
+            return new_result(InsertResult, (prefix_len, len(leaf.value), leaf, (), (), cached_len))
         if node.heap_entry is not None:
             self._heap.push(node)  # re-key the leaf for its new access time
-        return InsertResult(prefix_len, 0, node, (), (), cached_len)
+        return new_result(InsertResult, (prefix_len, 0, node, (), (), cached_len))
 
     # ------------------------------------------------------------------------------------------
     # Structure (component API: components call these from their hooks)
@@ -528,9 +530,10 @@ class UnifiedRadixCache:
         HeldSlotsRepeated) changed nothing: tree, host tier and allocators are as they were.
         Cost: O(k log n) for k nodes evicted. `evict` with all targets 0 is a no-op."""
         targets = request.targets
-        start = time.perf_counter()
+        start = perf_counter()
         nodes_before = self.num_nodes
-        if not self._slow and targets.keys() <= {"full"}:
+        full_only = not targets or (len(targets) == 1 and "full" in targets)
+        if not self._slow and full_only:
             # Full-only device tree: checked (a free behind the tree's back raises with
             # nothing changed).
             full = self._full
@@ -540,7 +543,7 @@ class UnifiedRadixCache:
                 queue = self._events.queue if self._events is not None else None
                 full.evict_checked(amount, queue, repeats=not self.check_slots)
             evicted = {"full": full.evicted_total - before}
-        elif not self._extras and targets.keys() <= {"full"}:
+        elif not self._extras and full_only:
             # Full-only tree with a host tier: one pass (evict_undo.evict_full_tiered).
             full = self._full
             before = full.evicted_total
@@ -552,12 +555,10 @@ class UnifiedRadixCache:
             evicted = {"full": full.evicted_total - before}
         else:
             evicted = evict_targets(self, targets)
-        seconds = time.perf_counter() - start
+        seconds = perf_counter() - start
         self.evict_calls += 1
         self.evict_seconds += seconds
-        return EvictResult(
-            evicted=evicted, nodes_removed=nodes_before - self.num_nodes, seconds=seconds
-        )
+        return EvictResult.of(evicted, nodes_before - self.num_nodes, seconds)
 
     # ------------------------------------------------------------------------------------------
     # Locks

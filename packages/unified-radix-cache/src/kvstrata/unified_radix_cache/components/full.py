@@ -34,12 +34,14 @@ if TYPE_CHECKING:
 
 
 #: Evicts `amount` Full tokens, recording removed nodes and cut leaves for an undo when given
-#: lists; returns the tokens freed (`FullComponent._evict`'s contract).
+#: lists; returns the tokens freed (`FullComponent._evict`'s contract). The last argument:
+#: `flush()` too, in the same call.
 LeafEvictor = Callable[
     [
         int,
         "list[tuple[TreeNode, TreeNode]] | None",
         "list[tuple[TreeNode, npt.NDArray[np.int64], bytes, list[bytes] | None]] | None",
+        bool,
     ],
     int,
 ]
@@ -144,7 +146,7 @@ class FullComponent(TreeComponent):
         cut: list[tuple[TreeNode, npt.NDArray[np.int64], bytes, list[bytes] | None]] | None,
     ) -> int:
         if self.leaf_evictor is not None:
-            return self.leaf_evictor(amount, removed, cut)
+            return self.leaf_evictor(amount, removed, cut, False)
         tree = self.tree
         heap = self.heap
         assert heap is not None
@@ -176,12 +178,12 @@ class FullComponent(TreeComponent):
         slots."""
         check = self._check_allocated
         if check is None and not repeats:
-            evictor = self.leaf_evictor  # the compiled loop, called without `_evict`'s frame
+            evictor = self.leaf_evictor  # the compiled loop and the flush, in one call
             if evictor is not None:
-                evictor(amount, None, None)
+                evictor(amount, None, None, True)
             else:
                 self._evict(amount, None, None)
-            self.flush()
+                self.flush()
             return
         removed: list[tuple[TreeNode, TreeNode]] = []
         cut: list[tuple[TreeNode, npt.NDArray[np.int64], bytes, list[bytes] | None]] = []
@@ -255,11 +257,7 @@ class FullComponent(TreeComponent):
                 return
             joined = drain(self._pending, self.held)
             if joined is not None:
-                self.allocator.free(
-                    torch.frombuffer(joined, dtype=torch.int64)
-                    if self._on_cpu
-                    else self.to_device(np.frombuffer(joined, dtype=np.int64))
-                )
+                self.free_joined(joined)
             return
         slots = self.take_pending()
         if slots is not None and len(slots):
@@ -272,6 +270,14 @@ class FullComponent(TreeComponent):
                 except IndexError:  # slots past its end were never marked
                     held[slots[slots < len(held)]] = 0
             self.allocator.free(self.to_device(slots))
+
+    def free_joined(self, joined: bytearray) -> None:
+        """Free the slots `drain` joined (native int64 bytes) in one allocator call."""
+        self.allocator.free(
+            torch.frombuffer(joined, dtype=torch.int64)
+            if self._on_cpu
+            else self.to_device(np.frombuffer(joined, dtype=np.int64))
+        )
 
     def give_back(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
