@@ -54,7 +54,7 @@ class LoadHandle:
         self._completion = completion
         self._layers = frozenset(completion.layer_ids)
         self._last = max(self._layers, default=None)
-        self.stats = stats
+        self._stats = stats
         self._error: BaseException | None = None
 
     def wait_layer(self, layer_id: int, timeout_s: float | None = None) -> bool:
@@ -74,7 +74,7 @@ class LoadHandle:
                 f"load op {self.op_id} failed before layer {layer_id} arrived"
             ) from (self._error or exc)
         finally:
-            self.stats.count_wait(time.perf_counter() - start)
+            self._stats.count_wait(time.perf_counter() - start)
         return True
 
     def wait_all(self, timeout_s: float | None = None) -> bool:

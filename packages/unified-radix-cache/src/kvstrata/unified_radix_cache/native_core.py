@@ -24,11 +24,12 @@ answers; tests/test_radix_native.py compares both paths on random operations):
   progress, held)`: the loop of `FullComponent._evict` with `tree.remove_leaf` / `truncate_leaf`
   inlined, for a Full-only device tree without events (no hook, journal or event to run):
   leaves in heap order, the last one cut page-granular, slots queued on `pending`, undo
-  records on `removed` / `cut`. Returns (tokens freed, nodes removed); `evict_leaves` applies
-  the size counters. Each leaf is either left as it was or taken whole (cut) before the next
-  one; when something raises midway (a priority whose comparison raises in the parent's
-  `heap.push`, MemoryError, KeyboardInterrupt from Python code it calls) the counts so far
-  are in `progress` (a 16-byte bytearray, two int64) and `evict_leaves` still applies them.
+  records on `removed` / `cut`. Returns (tokens freed, nodes removed, joined slots or None:
+  see `held` below); `evict_leaves` applies the size counters. Each leaf is either left as
+  it was or taken whole (cut) before the next one; when something raises midway (a priority
+  whose comparison raises in the parent's `heap.push`, MemoryError, KeyboardInterrupt from
+  Python code it calls) the counts so far are in `progress` (a 16-byte bytearray, two int64)
+  and `evict_leaves` still applies them.
   Targets of 2**63 and more are clamped (they free everything, as in Python). Unless `held`
   is False, `pending` is then drained as `drain(pending, held)` does, in the same call, and
   the joined slots come third (else None): the unchecked evict's flush
