@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,10 +16,13 @@ from kvstrata.build import MemoryPlan, ModelMemorySpec, SizingParams, plan_memor
 from kvstrata.cli.main import main
 from kvstrata.cli.replay_command import JSON_KEYS, TIER_JSON_KEYS
 from kvstrata.cli.replay_model import REFERENCE_JSON_KEYS
+from kvstrata.hybrid_cache import PrefetchPolicy
 from kvstrata.replay import WorkloadSpec, generate_workload
+from kvstrata.replay import model as model_module
 from kvstrata.replay.reference_engine import MAX_REFERENCE_PARAMETERS, reference_parameters
 from kvstrata.testkit.hf_configs import LLAMA_3_1_8B
 from kvstrata.testkit.tiny_models import TINY_MODELS
+from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 
 @pytest.fixture(autouse=True)
@@ -196,11 +200,20 @@ def test_bad_model_options_exit_2_with_one_line(
 
 
 def test_the_reference_engine_takes_the_tier_policy_flags(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The reference engine's host tier gets --write-policy / --prefetch-policy /
     --prefetch-threshold like the stand-in's (they were dropped for the defaults): a value the
-    tier refuses is refused, and a policy it takes runs with the cache-off check."""
+    tier refuses is refused, and a policy it takes reaches `build_tiers` and runs with the
+    cache-off check."""
+    built: list[TierParams] = []
+    real_build_tiers = model_module.build_tiers
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        built.append(kwargs["params"])
+        return real_build_tiers(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, "build_tiers", spy)
     base = ["replay", "--no-progress", "--model", str(_config(tmp_path, TINY_MODELS["mha"]))]
     base += [
         "--device-memory",
@@ -215,6 +228,12 @@ def test_the_reference_engine_takes_the_tier_policy_flags(
     assert main([*base, "--prefetch-threshold", "0"]) == 2
     assert "prefetch_threshold must be >= 1" in capsys.readouterr().err
     out = tmp_path / "reference.json"
-    argv = [*base, "--write-policy", "write_back", "--verify", "--json", str(out)]
+    argv = [*base, "--write-policy", "write_back", "--prefetch-policy", "timeout", "--verify"]
+    argv += ["--prefetch-threshold", "7", "--json", str(out)]
     assert main(argv) == 0
     assert json.loads(out.read_text(encoding="utf-8"))["engine"] == "reference"
+    assert built, "the tiered run did not build a host tier"
+    for params in built:
+        assert params.write_policy is WritePolicy.WRITE_BACK
+        assert params.prefetch_policy is PrefetchPolicy.TIMEOUT
+        assert params.prefetch_threshold == 7
