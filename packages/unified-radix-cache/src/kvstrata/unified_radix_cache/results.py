@@ -22,9 +22,8 @@ if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.components.transfer import ComponentInsert
     from kvstrata.unified_radix_cache.key import RadixKey
 
-_NO_STATES: Mapping[str, torch.Tensor] = MappingProxyType({})
-#: The default of `MatchResult.states`, for the hot paths that give every field.
-NO_STATES = _NO_STATES
+#: The default of `MatchResult.states` (also given by the hot paths that give every field).
+NO_STATES: Mapping[str, torch.Tensor] = MappingProxyType({})
 #: `tuple.__new__`: the tree's per-request paths build a result with every field given,
 #: `new_result(MatchResult, (prefix_len, indices, node, 0, None, NO_STATES))`, without the
 #: generated `__new__`'s Python frame (half the cost of `MatchResult(...)`).
@@ -47,7 +46,7 @@ class MatchResult(NamedTuple):
     last_node: TreeNode
     host_hit_len: int = 0
     last_host_node: TreeNode | None = None
-    states: Mapping[str, torch.Tensor] = _NO_STATES
+    states: Mapping[str, torch.Tensor] = NO_STATES
 
 
 class InsertResult(NamedTuple):
