@@ -38,7 +38,7 @@ def outcome(a: HostSlotAllocator, op: Callable[[HostSlotAllocator], object]) -> 
         got = op(a)
     except Exception as exc:  # noqa: BLE001 - compared by the caller
         return type(exc).__name__, str(exc)
-    return "ok", got.tolist() if isinstance(got, torch.Tensor) else got
+    return "ok", got.tolist() if isinstance(got, (torch.Tensor, np.ndarray)) else got
 
 
 def both(
@@ -64,9 +64,36 @@ def test_random_allocs_and_frees_match_the_numpy_path(page_size: int) -> None:
             both(fast, slow, lambda a, s=slots: a.free(s))
         else:
             n = int(rng.integers(0, 9)) * page_size
-            got = both(fast, slow, lambda a, n=n: a.alloc(n))
+            if rng.random() < 0.5:
+                got = both(fast, slow, lambda a, n=n: a.alloc(n))
+            else:  # the NumPy-array form: the same slots, no tensor
+                got = both(fast, slow, lambda a, n=n: a.alloc_array(n))
             if isinstance(got, list):
                 held.append(got)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_alloc_array_is_alloc_without_the_tensor(page_size: int, compiled: bool) -> None:
+    """Two allocators of one path, one answering `alloc` and the other `alloc_array`: the same
+    slots (as an int64 array), the same refusals, the same free lists."""
+    pair = twins(16, page_size)[0 if compiled else 1], twins(16, page_size)[0 if compiled else 1]
+    tensor, array = pair
+    assert (tensor._native is not None) is compiled
+    for n in (3, 0, 5, 9, 1):
+        want = tensor.alloc(n * page_size)
+        got = array.alloc_array(n * page_size)
+        if want is None:
+            assert got is None
+            continue
+        assert isinstance(got, np.ndarray) and got.dtype == np.int64
+        assert got.tolist() == want.tolist()
+        assert state(tensor) == state(array)
+    for a in pair:
+        with pytest.raises(Exception, match="not a whole number of pages") as caught:
+            a.alloc_array(-page_size)
+        assert type(caught.value).__name__ == "SizeNotPageAligned"
+        a.check_integrity()
 
 
 def test_frees_the_c_code_refuses_raise_what_the_numpy_path_raises() -> None:

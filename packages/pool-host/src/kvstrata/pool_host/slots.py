@@ -112,6 +112,12 @@ class HostSlotAllocator:
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """Allocate `need_size` token slots (a multiple of page_size): token indices of whole
         pages, or None when not enough pages are free (nothing changes then)."""
+        slots = self.alloc_array(need_size)
+        return None if slots is None else torch.from_numpy(slots)
+
+    def alloc_array(self, need_size: int) -> PageArray | None:
+        """`alloc` as a NumPy int64 array (the caller's; no tensor made): for callers that read
+        the slots as NumPy (the host tier keeps its node values as arrays)."""
         if need_size < 0 or need_size % self.page_size:
             raise SizeNotPageAligned(
                 f"need_size {need_size} is not a whole number of pages of {self.page_size}"
@@ -123,7 +129,7 @@ class HostSlotAllocator:
                 front = self._pages.fresh_front(num_pages)
                 if front is None:
                     return None
-                out = torch.empty(need_size, dtype=torch.int64)
+                out = np.empty(need_size, dtype=np.int64)
                 if num_pages == 0 or (
                     native.take(
                         front.ctypes.data,
@@ -132,7 +138,7 @@ class HostSlotAllocator:
                         0,
                         self._free_address,
                         self.num_pages,
-                        out.data_ptr(),
+                        out.ctypes.data,
                     )
                     == num_pages
                 ):
@@ -141,7 +147,7 @@ class HostSlotAllocator:
             pages = self._pages.take(num_pages)  # raises what the C code refused
         if pages is None:
             return None
-        return torch.from_numpy(pages_to_token_array(pages, self.page_size))
+        return pages_to_token_array(pages, self.page_size)
 
     # --- release ---------------------------------------------------------------------------------
 

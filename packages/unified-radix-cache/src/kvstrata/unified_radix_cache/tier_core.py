@@ -62,6 +62,8 @@ from kvstrata.unified_radix_cache.tree import UnifiedRadixCache
 
 FULL = "full"
 NO_SLOTS = torch.empty(0, dtype=torch.int64)
+#: No host slots (a write that moves only other components' parts); never written to.
+NO_HOST_SLOTS: npt.NDArray[np.int64] = NO_SLOTS.numpy()
 # Bound on the finished-but-not-taken prefetch records (an engine that drops a prefetch id
 # without finish_prefetch must not grow them forever).
 UNTAKEN_PREFETCHES = 1024
@@ -407,14 +409,20 @@ class TierCore:
         return freed
 
     def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
-        """`num_tokens` host slots, host-evicting the shortfall first when the allocator has
-        fewer free (it refuses exactly then, changing nothing: asking first saves the refused
-        call). None when even the eviction leaves too few."""
+        """`alloc_host_array` as a tensor."""
+        slots = self.alloc_host_array(num_tokens)
+        return None if slots is None else torch.from_numpy(slots)
+
+    def alloc_host_array(self, num_tokens: int) -> npt.NDArray[np.int64] | None:
+        """`num_tokens` host slots as a NumPy array (what a write keeps and the tree's host
+        values are: no tensor round trip), host-evicting the shortfall first when the
+        allocator has fewer free (it refuses exactly then, changing nothing: asking first
+        saves the refused call). None when even the eviction leaves too few."""
         allocator = self.host_allocator
         short = num_tokens - allocator.available_size()
         if short > 0:
             self.evict_host(short)
-        return allocator.alloc(num_tokens)
+        return allocator.alloc_array(num_tokens)
 
     def alloc_component_host(self, name: str, num: int) -> torch.Tensor | None:
         """`num` host slots of component `name`; when its pool is short, host-evicts (in the

@@ -28,7 +28,7 @@ from kvstrata.unified_radix_cache.key import RadixKey
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.tier_core import (
     FULL,
-    NO_SLOTS,
+    NO_HOST_SLOTS,
     PendingBackup,
     PendingWrite,
     TierCore,
@@ -78,6 +78,30 @@ class TierWriter:
         (None when nothing was queued: already there, host full, queue full); otherwise the
         id is a temporary negative one."""
         core = self._core
+        if core.transfers:
+            return self._write_parts(key, node, now)
+        # Full only (no component plans a part): the pages the host lacks, nothing else.
+        anchor = node  # `tier.host_prefix(node)`, inlined
+        while anchor.parent is not None and anchor.host_value is None:
+            anchor = anchor.parent
+        start, end = prefix_len(anchor), len(key)
+        if start >= end:
+            return None
+        num = end - start
+        locks = core.lock_write(node, anchor)
+        host_slots = core.alloc_host_array(num)
+        if host_slots is None:
+            core.unlock_move(locks)
+            return None
+        # Page ids, made once here from the tree's own slots (no index tensor on the way).
+        page = core.full_page
+        pages = {FULL: (run_above(node, num)[::page] // page, host_slots[::page] // page)}
+        pending = PendingWrite(key=key, start=start, locks=locks, host_slots=host_slots)
+        return self._queue(pending, pages, now)
+
+    def _write_parts(self, key: RadixKey, node: TreeNode, now: bool) -> int | None:
+        """`write` of a tree with other components: each one's `plan_write` part too."""
+        core = self._core
         anchor = core.tier.host_prefix(node)
         start, end = prefix_len(anchor), len(key)
         plans = [
@@ -89,8 +113,8 @@ class TierWriter:
             return None
         locks = core.lock_write(node, anchor)
         num = end - start if end > start else 0
-        slots = core.alloc_host(num) if num else NO_SLOTS
-        if slots is None:
+        host_slots = core.alloc_host_array(num) if num else NO_HOST_SLOTS
+        if host_slots is None:
             core.unlock_move(locks)
             return None
         # A component whose host slots cannot be had is left out: the pages still go (the
@@ -105,7 +129,6 @@ class TierWriter:
             return None
         # Page ids, made once here from the tree's own slots (no index tensor on the way).
         pages: dict[str, PagePairs] = {}
-        host_slots = slots.numpy()
         if num:
             page = core.full_page
             pages[FULL] = (run_above(node, num)[::page] // page, host_slots[::page] // page)
@@ -116,16 +139,22 @@ class TierWriter:
         pending = PendingWrite(
             key=key, start=start, locks=locks, legs=tuple(legs), host_slots=host_slots
         )
-        # Queued, not yet submitted: a temporary negative id until `_flush_writes` hands the
-        # batch to the controller (one wake-up of its worker for the whole batch).
+        return self._queue(pending, pages, now)
+
+    def _queue(self, pending: PendingWrite, pages: dict[str, PagePairs], now: bool) -> int | None:
+        """Queue `pending` (its op: `pages`) under a temporary negative id until `flush` hands
+        the batch to the controller (one wake-up of its worker for the whole batch); send the
+        batch when it is full or with `now`. Returns as `write`."""
         self._unsent_ids -= 1
         temp_id = self._unsent_ids
-        if not self._unsent:
+        unsent = self._unsent
+        if not unsent:
             self._unsent_since = self._num_requests
-        self._core.pending[temp_id] = pending
-        self._core.num_unsent += 1
-        self._unsent.append((temp_id, pages))
-        if now or len(self._unsent) >= self._core.params.write_batch:
+        core = self._core
+        core.pending[temp_id] = pending
+        core.num_unsent += 1
+        unsent.append((temp_id, pages))
+        if now or len(unsent) >= core.params.write_batch:
             return self.flush().get(temp_id)
         return temp_id
 
