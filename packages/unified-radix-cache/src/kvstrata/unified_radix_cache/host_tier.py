@@ -344,21 +344,22 @@ class HostTier(HostWalks):
         False (nothing follows that needs the key's host copy locked, e.g. no backup) the
         receipt is released and no new lock taken: returns None. `new_slots` may be the
         NumPy array of the slots (what the writer keeps: no tensor round trip). O(depth)."""
-        end = len(key)
+        end = len(key) * TOKEN_BYTES  # in key bytes, as the nodes' keys are counted
+        # Prefix-closed: the nodes without a host value are `node` and the ones right above;
+        # the walk goes on to the root for the prefix's length (and that it is this tree's).
         missing: list[TreeNode] = []
+        missing_len = 0
         probe = node
-        depth = 0
-        missing_len = 0  # tokens of the nodes without a host value
-        closed = False  # a node below had a host value: every one above must too
+        while probe.parent is not None and probe.host_value is None:
+            missing.append(probe)
+            missing_len += len(probe.key)
+            probe = probe.parent
+        depth = missing_len
         while probe.parent is not None:
-            n = len(probe.key) // TOKEN_BYTES
-            if probe.host_value is None:
-                assert not closed, f"host values not prefix-closed above node {probe.id}"
-                missing.append(probe)
-                missing_len += n
-            else:
-                closed = True
-            depth += n
+            assert probe.host_value is not None, (
+                f"host values not prefix-closed above node {probe.id}"
+            )
+            depth += len(probe.key)
             probe = probe.parent
         if depth != end or probe is not self.tree.root:
             if isinstance(new_slots, np.ndarray):
@@ -369,17 +370,17 @@ class HostTier(HostWalks):
             self.unlock(moved)
             return None
         new = new_slots if isinstance(new_slots, np.ndarray) else new_slots.numpy()
-        base = end - len(new)
-        # Prefix-closed: the nodes without a host value are `node` and the ones right above.
-        pos = end - missing_len
-        lo = pos - base
+        # Token positions: the missing nodes hold key[pos:], the new slots key[base:].
+        pos = (end - missing_len) // TOKEN_BYTES
+        lo = pos - (end // TOKEN_BYTES - len(new))
         assert lo >= 0, f"host commit: node {node.id} lacks a host copy inside the prefix"
+        unneeded = lo  # slots for pages that got a host copy meanwhile
         for item in reversed(missing):  # root side first, as `commit` (events in path order)
             n = len(item.key) // TOKEN_BYTES
             self._set_host(item, new[lo : lo + n].copy())
             lo += n
-        if pos > base:  # slots for pages that got a host copy meanwhile: not needed
-            self.host.free(torch.from_numpy(new[: pos - base].copy()))
+        if unneeded:
+            self.host.free(torch.from_numpy(new[:unneeded].copy()))
         if not keep_lock:
             self.unlock(receipt)
             return None

@@ -226,22 +226,24 @@ class TierWriter:
         if not ack.ok:
             self._roll_back_write(pending)
             return
-        core.device_tree.unlock(pending.device_receipt)
-        num = len(pending.host_slots)
+        locks = pending.locks
+        core.device_tree.unlock(locks.device)
+        host_slots = pending.host_slots
+        num = len(host_slots)
         # The new host copy stays locked only for what follows that reads it: the components'
         # commits and a backup.
-        locked = bool(pending.legs) or core.backups
         receipt = core.tier.commit_path(
-            pending.host_receipt,
-            pending.device_receipt.anchor,
+            locks.host,
+            locks.device.anchor,
             pending.key,
-            pending.host_slots,
-            keep_lock=locked,
+            host_slots,
+            keep_lock=bool(pending.legs) or core.backups,
         )
         moved = num // core.page_size * core.page_bytes
-        core.counters.written_tokens += num
+        counters = core.counters
+        counters.written_tokens += num
         if receipt is None:
-            core.counters.bytes_d2h += moved
+            counters.bytes_d2h += moved
             return
         # Each component's data moved with the pages even when a node meanwhile got its own.
         for leg in pending.legs:
