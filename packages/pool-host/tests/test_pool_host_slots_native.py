@@ -13,7 +13,7 @@ import torch
 
 from kvstrata.pool import native
 from kvstrata.pool_host import HostSlotAllocator
-from kvstrata.pool_host.slots import FALLBACK, native_slots
+from kvstrata.pool_host.slots import FALLBACK, _address, native_slots
 from kvstrata.testkit.spies import ResultSpy
 
 pytestmark = pytest.mark.skipif(native_slots() is None, reason="no compiled host slots")
@@ -146,3 +146,14 @@ def test_whole_page_allocs_and_frees_are_the_c_code_s(page_size: int) -> None:
         both(fast, slow, lambda a, s=slots: a.free(torch.tensor(s, dtype=torch.int64)))
     both(fast, slow, lambda a: a.alloc(8 * page_size))  # takes the merged, given-back pages
     assert len(spy.results) == 6 and FALLBACK not in spy.results
+
+
+def test_the_array_address_is_numpy_s_for_every_kind_of_array() -> None:
+    """`_address` (the buffer-protocol address the compiled alloc / free pass) is
+    `ctypes.data` for writable views and arrays, and falls back to it for arrays without a
+    writable contiguous buffer (read-only, empty)."""
+    base = np.arange(40, dtype=np.int64)
+    readonly = np.frombuffer(base.tobytes(), dtype=np.int64)
+    assert not readonly.flags.writeable
+    for array in (base, base[7:], base[7:9], np.empty(0, dtype=np.int64), readonly):
+        assert _address(array) == array.ctypes.data
