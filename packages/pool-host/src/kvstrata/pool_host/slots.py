@@ -105,8 +105,9 @@ class HostSlotAllocator:
             return self._pages.num_free
 
     def available_size(self) -> int:
-        """Free capacity in tokens."""
-        return self.num_free_pages() * self.page_size
+        """Free capacity in tokens (asked before every host write: one call, one lock)."""
+        with self._lock:
+            return self._pages.num_free * self.page_size
 
     def can_alloc_pages(self, num_pages: int) -> bool:
         return num_pages <= self.num_free_pages()
