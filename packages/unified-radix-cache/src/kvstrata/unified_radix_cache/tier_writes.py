@@ -78,37 +78,10 @@ class TierWriter:
         (None when nothing was queued: already there, host full, queue full); otherwise the
         id is a temporary negative one."""
         core = self._core
-        if core.transfers:
-            return self._write_parts(key, node, now)
-        # Full only (no component plans a part): the pages the host lacks, nothing else.
-        anchor = node  # `tier.host_prefix(node)`, inlined
-        while anchor.parent is not None and anchor.host_value is None:
-            anchor = anchor.parent
-        start, end = prefix_len(anchor), len(key)
-        if start >= end:
-            return None
-        num = end - start
-        locks = core.lock_write(node, anchor)
-        host_slots = core.alloc_host_array(num)
-        if host_slots is None:
-            core.unlock_move(locks)
-            return None
-        # Page ids, made once here from the tree's own slots (no index tensor on the way).
-        page = core.full_page
-        pages = {FULL: (run_above(node, num)[::page] // page, host_slots[::page] // page)}
-        pending = PendingWrite(key=key, start=start, locks=locks, host_slots=host_slots)
-        return self._queue(pending, pages, now)
-
-    def _write_parts(self, key: RadixKey, node: TreeNode, now: bool) -> int | None:
-        """`write` of a tree with other components: each one's `plan_write` part too."""
-        core = self._core
         anchor = core.tier.host_prefix(node)
         start, end = prefix_len(anchor), len(key)
-        plans = [
-            leg
-            for transfer in core.transfers.values()
-            if (leg := transfer.plan_write(core, node, end)) is not None
-        ]
+        # A Full-only tree (no component to plan a part) skips the components' steps.
+        plans = self._plan_parts(node, end) if core.transfers else None
         if start >= end and not plans:
             return None
         locks = core.lock_write(node, anchor)
@@ -117,13 +90,7 @@ class TierWriter:
         if host_slots is None:
             core.unlock_move(locks)
             return None
-        # A component whose host slots cannot be had is left out: the pages still go (the
-        # host hit then ends earlier, e.g. where a state or window is not restorable).
-        legs: list[TransferLeg] = []
-        for leg in plans:
-            leg.host = core.alloc_component_host(leg.name, leg.size)
-            if leg.host is not None:
-                legs.append(leg)
+        legs = self._host_legs(plans) if plans else ()
         if not num and not legs:
             core.unlock_move(locks)
             return None
@@ -136,27 +103,40 @@ class TierWriter:
             assert leg.host is not None
             device = core.transfers[leg.name].write_source(core, node, leg)
             pages[leg.name] = core.move_pages(leg.name, device, leg.host)
-        pending = PendingWrite(
-            key=key, start=start, locks=locks, legs=tuple(legs), host_slots=host_slots
-        )
-        return self._queue(pending, pages, now)
-
-    def _queue(self, pending: PendingWrite, pages: dict[str, PagePairs], now: bool) -> int | None:
-        """Queue `pending` (its op: `pages`) under a temporary negative id until `flush` hands
-        the batch to the controller (one wake-up of its worker for the whole batch); send the
-        batch when it is full or with `now`. Returns as `write`."""
+        pending = PendingWrite(key=key, start=start, locks=locks, legs=legs, host_slots=host_slots)
+        # Queued, not yet submitted: a temporary negative id until `flush` hands the batch to
+        # the controller (one wake-up of its worker for the whole batch).
         self._unsent_ids -= 1
         temp_id = self._unsent_ids
         unsent = self._unsent
         if not unsent:
             self._unsent_since = self._num_requests
-        core = self._core
         core.pending[temp_id] = pending
         core.num_unsent += 1
         unsent.append((temp_id, pages))
         if now or len(unsent) >= core.params.write_batch:
             return self.flush().get(temp_id)
         return temp_id
+
+    def _plan_parts(self, node: TreeNode, end: int) -> list[TransferLeg]:
+        """What each other component asks a write of the prefix ending at `node` to carry."""
+        core = self._core
+        return [
+            leg
+            for transfer in core.transfers.values()
+            if (leg := transfer.plan_write(core, node, end)) is not None
+        ]
+
+    def _host_legs(self, plans: list[TransferLeg]) -> tuple[TransferLeg, ...]:
+        """The planned parts that got their component's host slots. A component whose host
+        slots cannot be had is left out: the pages still go (the host hit then ends earlier,
+        e.g. where a state or window is not restorable)."""
+        legs: list[TransferLeg] = []
+        for leg in plans:
+            leg.host = self._core.alloc_component_host(leg.name, leg.size)
+            if leg.host is not None:
+                legs.append(leg)
+        return tuple(legs)
 
     def flush(self) -> dict[int, int]:
         """Submit every queued write, oldest first, in one burst (the controller's worker wakes
