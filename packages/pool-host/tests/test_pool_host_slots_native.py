@@ -151,9 +151,9 @@ def test_whole_page_allocs_and_frees_are_the_c_code_s(page_size: int) -> None:
 def test_the_array_address_is_numpy_s_for_every_kind_of_array() -> None:
     """`_address` (the buffer-protocol address the compiled alloc / free pass) is
     `ctypes.data` for writable views and arrays, and falls back to it for arrays without a
-    writable contiguous buffer (read-only, empty)."""
+    writable contiguous buffer (read-only, strided, empty)."""
     base = np.arange(40, dtype=np.int64)
     readonly = np.frombuffer(base.tobytes(), dtype=np.int64)
     assert not readonly.flags.writeable
-    for array in (base, base[7:], base[7:9], np.empty(0, dtype=np.int64), readonly):
+    for array in (base, base[7:], base[7:9], base[::2], np.empty(0, dtype=np.int64), readonly):
         assert _address(array) == array.ctypes.data
