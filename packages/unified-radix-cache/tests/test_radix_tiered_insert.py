@@ -391,3 +391,42 @@ def test_the_compiled_insert_refuses_bad_input_with_an_exception(
     assert tree.num_nodes == 0
     h.allocator.free(torch.from_numpy(slots))
     h.cache.check_integrity()
+
+
+@needs_core
+@pytest.mark.parametrize("events", [False, True])
+def test_the_compiled_split_is_the_trees(closing: list[Hierarchy], events: bool) -> None:
+    """`split_tiered` against `tree.split_node` on twins: a node with host slots (and, with
+    events, page keys) split after one and after two pages; then its refusals."""
+    assert CORE is not None
+    made = [_twin("lru", True, events)]
+    with native.disabled():
+        made.append(_twin("lru", True, events))
+    closing.extend(made)
+    tokens = [1] * P + [2] * P + [3] * P
+    for h in made:
+        h.cache.insert(RadixKey(tokens), _fresh(h, tokens))
+        h.cache.drain()
+        assert h.tree.match_prefix(RadixKey(tokens)).prefix_len == 3 * P  # a hit counted
+        (node,) = h.tree.iter_nodes()
+        assert node.host_value is not None and (node.page_keys is not None) is events
+        if h.tree._native is None:
+            upper = h.tree.split_node(node, P)
+        else:
+            upper = CORE.split_tiered(h.tree, node, P)
+        assert upper.num_tokens == P and node.parent is upper
+        h.tree.split_node(node, P)
+        h.cache.check_integrity()
+    assert tiers_picture(made[0]) == tiers_picture(made[1])
+    tree = made[0].tree
+    leaf = max(tree.iter_nodes(), key=lambda n: n.id if not n.children else -1)
+    for bad in (0, 3, P, -P):  # not inside it, not a page boundary
+        with pytest.raises(AssertionError, match="not a page boundary"):
+            CORE.split_tiered(tree, leaf, bad)
+    detached = TreeNode(99, leaf.key * 2, leaf.value, None, None, 0, 1)  # no parent
+    with pytest.raises(AssertionError, match="root"):
+        CORE.split_tiered(tree, detached, P)
+    core: Any = CORE
+    with pytest.raises(TypeError):
+        core.split_tiered(tree, leaf)
+    made[0].cache.check_integrity()
