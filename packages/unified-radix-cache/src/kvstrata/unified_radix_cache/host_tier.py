@@ -37,7 +37,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -132,8 +131,6 @@ class HostTier(HostWalks):
         super().__init__(tree, LeafHeap(make_policy(eviction_policy)))
         # A subclass keeps the per-node helpers the one-frame loops inline.
         self._one_frame = type(self) is HostTier and serves(tree)
-        if self._one_frame and tree._native is not None:  # the compiled match's split
-            self._split = partial(tree._native.split_tiered, tree)
         self.host = host
         self.keyer = keyer
         self._log = EventLog(keyer)

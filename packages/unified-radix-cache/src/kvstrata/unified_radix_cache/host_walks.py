@@ -28,7 +28,7 @@ from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
 from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
 from kvstrata.unified_radix_cache.policies import LeafHeap
 from kvstrata.unified_radix_cache.results import InsertCall, InsertResult, MatchResult, new_result
-from kvstrata.unified_radix_cache.walk import SplitFn, descend
+from kvstrata.unified_radix_cache.walk import descend
 
 if TYPE_CHECKING:
     import torch
@@ -65,9 +65,6 @@ class HostWalks:
         #: exact classes (`HostTier` sets it, `host_evict.serves`), since both inline
         #: overridable steps (`tree.walk`, `_touch`, `_result`, `tree.insert`, `insert_full`).
         self._one_frame = False
-        #: The split the compiled match passes on (`HostTier` of the exact classes: the
-        #: compiled `split_tiered`, the same steps as `tree.split_node`).
-        self._split: SplitFn = tree.split_node
 
     def _add_candidate(self, node: TreeNode) -> None:
         """`node` joins the host heap (a re-push only re-keys it; the counts move once)."""
@@ -116,7 +113,7 @@ class HostWalks:
             # subclass keeps its `walk` / `_touch` / `_result` overrides there).
             tick = tree.next_tick()
             path, on_device, host_bytes, joined = native.match_tiered(
-                tree.root, self._page_bytes, key.namespace, data, end, self._split, tick
+                tree.root, self._page_bytes, key.namespace, data, end, tree.split_node, tick
             )
             last = path[on_device - 1] if on_device else tree.root
             last_host = path[-1] if len(path) > on_device else None

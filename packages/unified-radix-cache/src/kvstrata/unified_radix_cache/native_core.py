@@ -28,10 +28,6 @@ answers; tests/test_radix_native.py compares both paths on random operations):
   returns the six fields of its `InsertResult`, or None, changing nothing, for the cases the
   Python walk words (events on, a revive inside the cached prefix, a cached_len past the held
   prefix).
-- `split_tiered(tree, node, num_tokens)` (radix_insert.c): `tree.split_node` of the same tree
-  with its hooks inlined (`new_node`, `HostTier.on_split`, `FullComponent.on_split`): the
-  split `insert_tiered` makes and the one `HostTier` of the exact classes gives
-  `match_tiered`.
 - `evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut,
   progress, held)`: the loop of `FullComponent._evict` with `tree.remove_leaf` / `truncate_leaf`
   inlined, for a Full-only device tree without events (no hook, journal or event to run):
@@ -159,8 +155,6 @@ class RadixCore(Protocol):
         ],
         tuple[int, int, TreeNode, tuple[tuple[int, int], ...], tuple[str, ...], int] | None,
     ]
-    #: (tree, node, num_tokens) -> the new upper node (`tree.split_node`, hooks inlined)
-    split_tiered: Callable[[TreeInternals, TreeNode, int], TreeNode]
     #: (anchor, root, leaf heap members) -> tokens locked, or None for a foreign anchor
     lock_path: Callable[[TreeNode, TreeNode, dict[int, TreeNode]], int | None]
     #: (anchor, leaf heap) -> tokens unlocked

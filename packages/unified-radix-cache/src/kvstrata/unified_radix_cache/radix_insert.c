@@ -9,7 +9,7 @@
                                                the exact classes without events: the walk
                                                without its split, the slot check
                                                (checker.check, before any change), the split
-                                               (split_tiered), one tick (tree._tick), per
+                                               (tree.split_node), one tick (tree._tick), per
                                                path node the access time and priority, an
                                                off-device one revived (revive(node, slots
                                                copy), checker.hold), then a new leaf
@@ -23,18 +23,12 @@
                                                the rare cases whose errors or marks the
                                                Python path words).
 
-    split_tiered(tree, node, num_tokens) -> the new upper node
-                                               tree.split_node of the same tree with its
-                                               hooks inlined (the host slots split too)
-
    Every step is the Python one, in the same order (the same callbacks at the same points), so
    an exception midway leaves what the Python path would leave. */
 
 static PyObject *s_tick, *s_ids, *s_num_nodes, *s_inserted_tokens, *s_full, *s_evictable_size;
-static PyObject *s_priority, *s_events, *s_last_walk, *s_num_components;
+static PyObject *s_priority, *s_events, *s_last_walk, *s_split_node, *s_num_components;
 static PyObject *s_root, *s_page_bytes_attr, *s_check, *s_hold, *s_table, *s_copy, *s_discard;
-static PyObject *s_journal, *s_node, *s_created, *s_in_storage, *s_host_value, *s_host_lock_ref;
-static PyObject *s_page_size;
 
 static int insert_init(void)
 {
@@ -45,13 +39,10 @@ static int insert_init(void)
         {&s_tick, "_tick"}, {&s_ids, "_ids"}, {&s_num_nodes, "num_nodes"},
         {&s_inserted_tokens, "inserted_tokens"}, {&s_full, "_full"},
         {&s_evictable_size, "evictable_size"}, {&s_priority, "priority"},
-        {&s_events, "_events"}, {&s_last_walk, "_last_walk"},
+        {&s_events, "_events"}, {&s_last_walk, "_last_walk"}, {&s_split_node, "split_node"},
         {&s_num_components, "_num_components"}, {&s_root, "_root"},
         {&s_page_bytes_attr, "_page_bytes"}, {&s_check, "check"}, {&s_hold, "hold"},
         {&s_table, "table"}, {&s_copy, "copy"}, {&s_discard, "discard"},
-        {&s_journal, "_journal"}, {&s_node, "node"}, {&s_created, "created"},
-        {&s_in_storage, "in_storage"}, {&s_host_value, "host_value"},
-        {&s_host_lock_ref, "host_lock_ref"}, {&s_page_size, "page_size"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         *names[i].at = PyUnicode_InternFromString(names[i].name);
@@ -304,8 +295,6 @@ static int rekey(PyObject *heap, PyObject *node)
     return r == NULL ? -1 : 0;
 }
 
-static PyObject *split_tiered(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-
 enum { I_TREE, I_HEAP, I_CHECKER, I_REVIVE, I_TYPE, I_NO_CHILDREN, I_NS, I_DATA, I_END,
        I_SLOTS, I_CACHED, I_PRIORITY, I_COUNT };
 
@@ -390,10 +379,12 @@ static PyObject *insert_tiered(PyObject *self, PyObject *const *args, Py_ssize_t
             goto done;
         Py_DECREF(r);
     }
-    if (child != NULL) {  /* tree.split_node of the exact classes: split_tiered */
-        PyObject *tokens = PyLong_FromSsize_t(partial / 8);
-        PyObject *split_args[3] = {tree, child, tokens};
-        PyObject *upper = tokens == NULL ? NULL : split_tiered(NULL, split_args, 3);
+    if (child != NULL) {
+        PyObject *split = PyObject_GetAttr(tree, s_split_node);
+        PyObject *tokens = split == NULL ? NULL : PyLong_FromSsize_t(partial / 8);
+        PyObject *upper =
+            tokens == NULL ? NULL : PyObject_CallFunctionObjArgs(split, child, tokens, NULL);
+        Py_XDECREF(split);
         Py_XDECREF(tokens);
         int rc = upper == NULL ? -1 : PyList_Append(path, upper);
         Py_XDECREF(upper);
@@ -437,179 +428,8 @@ done:
     return result;
 }
 
-/* obj.name = src.name; -1 with an error set. */
-static int copy_attr(PyObject *obj, PyObject *src, PyObject *name)
-{
-    PyObject *v = PyObject_GetAttr(src, name);
-    if (v == NULL)
-        return -1;
-    int rc = PyObject_SetAttr(obj, name, v);
-    Py_DECREF(v);
-    return rc;
-}
-
-/* target.name = obj.name[lo:hi] (hi < 0: to the end); -1 with an error set. */
-static int slice_attr(PyObject *obj, PyObject *name, Py_ssize_t lo, Py_ssize_t hi,
-                      PyObject *target)
-{
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL)
-        return -1;
-    PyObject *part = slice_of(v, lo, hi);
-    Py_DECREF(v);
-    if (part == NULL)
-        return -1;
-    int rc = PyObject_SetAttr(target, name, part);
-    Py_DECREF(part);
-    return rc;
-}
-
-/* split_tiered(tree, node, num_tokens) -> the new upper node: `tree.split_node` of a Full-only
-   tree of the exact classes with a host tier (HostTier), its hooks inlined: the journal's
-   record (when an evict runs), structure.split_node with new_node, HostTier.on_split (the
-   host slots split with the node) and FullComponent.on_split (the upper node takes the lock
-   count). The same steps in the same order; the checks first. */
-static PyObject *split_tiered(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "split_tiered(tree, node, num_tokens)");
-        return NULL;
-    }
-    PyObject *tree = args[0], *node = args[1];
-    Py_ssize_t tokens = PyLong_AsSsize_t(args[2]), pb, page;
-    if ((tokens == -1 && PyErr_Occurred()) || ssize_attr(tree, s_page_bytes_attr, &pb) < 0 ||
-        ssize_attr(tree, s_page_size, &page) < 0)
-        return NULL;
-    PyObject *key = PyObject_GetAttr(node, s_key);
-    if (key == NULL)
-        return NULL;
-    PyObject *parent = NULL, *root = NULL, *upper = NULL, *link = NULL, *below = NULL;
-    PyObject *result = NULL;
-    Py_ssize_t cut = tokens * 8, size = PyBytes_Check(key) ? PyBytes_GET_SIZE(key) : -1;
-    if (size < 0 || pb <= 0 || page <= 0 || tokens <= 0 || tokens > PY_SSIZE_T_MAX / 8 ||
-        cut >= size || cut % pb) {
-        PyObject *id = PyObject_GetAttr(node, s_id);
-        if (id != NULL)
-            PyErr_Format(PyExc_AssertionError, "split of node %S at %zd tokens: not a page "
-                         "boundary inside it", id, tokens);
-        Py_XDECREF(id);
-        goto done;
-    }
-    parent = PyObject_GetAttr(node, s_parent);
-    if (parent == NULL)
-        goto done;
-    if (parent == Py_None) {
-        PyErr_SetString(PyExc_AssertionError, "the root never splits");
-        goto done;
-    }
-    PyObject *journal = PyObject_GetAttr(tree, s_journal);
-    if (journal == NULL)
-        goto done;
-    PyObject *noted = journal == Py_None ? Py_NewRef(Py_None)
-                                         : PyObject_CallMethodOneArg(journal, s_node, node);
-    Py_DECREF(journal);
-    if (noted == NULL)
-        goto done;
-    Py_DECREF(noted);
-    if (PyObject_SetAttr(tree, s_last_walk, Py_None) < 0 || add_attr(tree, s_num_nodes, 1) < 0)
-        goto done;
-    /* new_node: TreeNode(next(ids), key[:cut], value[:tokens], parent, namespace, tick, n) */
-    PyObject *ids = PyObject_GetAttr(tree, s_ids);
-    PyObject *id = ids == NULL ? NULL : PyIter_Next(ids);
-    Py_XDECREF(ids);
-    if (id == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetNone(PyExc_StopIteration);
-        goto done;
-    }
-    const char *k = PyBytes_AS_STRING(key);
-    PyObject *head = PyBytes_FromStringAndSize(k, cut);
-    PyObject *value = head == NULL ? NULL : PyObject_GetAttr(node, s_value);
-    PyObject *value_head = value == NULL ? NULL : slice_of(value, 0, tokens);
-    PyObject *ns = value_head == NULL ? NULL : PyObject_GetAttr(node, s_namespace);
-    PyObject *tick = ns == NULL ? NULL : PyObject_GetAttr(node, s_last_access);
-    PyObject *count = tick == NULL ? NULL : PyObject_GetAttr(tree, s_num_components);
-    if (count != NULL)
-        upper = PyObject_CallFunctionObjArgs((PyObject *)Py_TYPE(node), id, head, value_head,
-                                             parent, ns, tick, count, NULL);
-    Py_DECREF(id);
-    Py_XDECREF(head);
-    Py_XDECREF(value_head);
-    Py_XDECREF(tick);
-    Py_XDECREF(count);
-    if (upper == NULL) {
-        Py_XDECREF(value);
-        Py_XDECREF(ns);
-        goto done;
-    }
-    int rc = copy_attr(upper, node, s_created) < 0 || copy_attr(upper, node, s_hit_count) < 0 ||
-             copy_attr(upper, node, s_priority) < 0 || copy_attr(upper, node, s_in_storage) < 0;
-    /* HostTier.on_split (Full only): the host slots split with the node. */
-    PyObject *host = rc ? NULL : PyObject_GetAttr(node, s_host_value);
-    if (host == NULL)
-        rc = 1;
-    else if (host != Py_None)
-        rc = slice_attr(node, s_host_value, 0, tokens, upper) < 0 ||
-             slice_attr(node, s_host_value, tokens, -1, node) < 0 ||
-             copy_attr(upper, node, s_host_lock_ref) < 0;
-    Py_XDECREF(host);
-    root = rc ? NULL : PyObject_GetAttr(tree, s_root);
-    PyObject *first = root == NULL ? NULL : PyBytes_FromStringAndSize(k, pb);
-    link = first == NULL || parent != root ? first : PyTuple_Pack(2, ns, first);
-    if (link != first)
-        Py_XDECREF(first);
-    Py_XDECREF(ns);
-    PyObject *children = link == NULL ? NULL : PyObject_GetAttr(parent, s_children);
-    rc = children == NULL ? -1 : PyObject_SetItem(children, link, upper);
-    Py_XDECREF(children);
-    if (rc < 0) {
-        Py_XDECREF(value);
-        goto done;
-    }
-    /* node keeps the tail, its children and its identity */
-    PyObject *tail = PyBytes_FromStringAndSize(k + cut, size - cut);
-    rc = tail == NULL ? -1 : PyObject_SetAttr(node, s_key, tail);
-    Py_XDECREF(tail);
-    PyObject *value_tail = rc < 0 ? NULL : slice_of(value, tokens, -1);
-    Py_XDECREF(value);
-    rc = value_tail == NULL ? -1 : PyObject_SetAttr(node, s_value, value_tail);
-    Py_XDECREF(value_tail);
-    if (rc < 0 || PyObject_SetAttr(node, s_parent, upper) < 0)
-        goto done;
-    below = PyBytes_FromStringAndSize(k + cut, pb);
-    PyObject *kids = below == NULL ? NULL : PyDict_New();
-    rc = kids == NULL || PyDict_SetItem(kids, below, node) < 0 ||
-         PyObject_SetAttr(upper, s_children, kids) < 0;
-    Py_XDECREF(kids);
-    if (rc)
-        goto done;
-    PyObject *pages = PyObject_GetAttr(node, s_page_keys);
-    if (pages == NULL)
-        goto done;
-    rc = 0;
-    if (pages != Py_None) {
-        Py_ssize_t n = tokens / page;
-        rc = slice_attr(node, s_page_keys, 0, n, upper) < 0 ||
-             slice_attr(node, s_page_keys, n, -1, node) < 0;
-    }
-    Py_DECREF(pages);
-    if (rc || copy_attr(upper, node, s_lock_ref) < 0)  /* FullComponent.on_split */
-        goto done;
-    result = Py_NewRef(upper);
-done:
-    Py_XDECREF(below);
-    Py_XDECREF(link);
-    Py_XDECREF(root);
-    Py_XDECREF(upper);
-    Py_XDECREF(parent);
-    Py_DECREF(key);
-    return result;
-}
-
-/* The method table entries of this part (radix_locks.c lists them). */
+/* The method table entry of this part (radix_locks.c lists it). */
 #define INSERT_METHODS                                                                        \
     {"insert_tiered", (PyCFunction)(void (*)(void))insert_tiered, METH_FASTCALL,              \
      "insert_tiered(tree, heap, checker, revive, node_type, no_children, namespace, data, "   \
-     "end, slots, cached_len, priority) -> InsertResult fields, or None"},                    \
-    {"split_tiered", (PyCFunction)(void (*)(void))split_tiered, METH_FASTCALL,                \
-     "split_tiered(tree, node, num_tokens) -> the new upper node"},
+     "end, slots, cached_len, priority) -> InsertResult fields, or None"},
