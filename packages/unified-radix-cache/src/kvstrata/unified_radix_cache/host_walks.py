@@ -25,9 +25,9 @@ from kvstrata.unified_radix_cache.components.full import FullComponent
 from kvstrata.unified_radix_cache.errors import InvalidInsert
 from kvstrata.unified_radix_cache.hybrid import insert_walk
 from kvstrata.unified_radix_cache.key import TOKEN_BYTES, RadixKey
-from kvstrata.unified_radix_cache.node import TreeNode
+from kvstrata.unified_radix_cache.node import NO_CHILDREN, TreeNode
 from kvstrata.unified_radix_cache.policies import LeafHeap
-from kvstrata.unified_radix_cache.results import InsertCall, InsertResult, MatchResult
+from kvstrata.unified_radix_cache.results import InsertCall, InsertResult, MatchResult, new_result
 from kvstrata.unified_radix_cache.walk import descend
 
 if TYPE_CHECKING:
@@ -228,8 +228,32 @@ class HostWalks:
         changes: over the slots past the held prefix (the new leaf's: the device-only tree's
         check) when nothing is revived, else over every slot past `cached_len` as `insert`
         checks them; what the tree adopts is marked held. Same result, events and heaps as
-        `insert`. Cost: the walk plus O(depth) attribute writes."""
+        `insert`. Cost: the walk plus O(depth) attribute writes.
+
+        The tier of the exact classes without events takes the compiled walk
+        (`insert_tiered`, radix_insert.c): the same steps in one call, calling the same
+        hooks (`split_node`, `_revive`, the checker, the heap); it leaves the rare cases
+        (a revive inside the cached prefix, a cached_len past the held prefix) to the Python
+        below, changing nothing first."""
         tree = self.tree
+        native = tree._native
+        if native is not None and self._one_frame:
+            out = native.insert_tiered(
+                tree,
+                self._device_heap,
+                checker,
+                self._revive,
+                TreeNode,
+                NO_CHILDREN,
+                call.key.namespace,
+                call.data,
+                call.end,
+                call.slots,
+                call.cached_len,
+                call.priority,
+            )
+            if out is not None:
+                return new_result(InsertResult, out)
         root = tree.root
         page_bytes = self._page_bytes
         key, data, end, slots, cached_len, priority = (
@@ -241,7 +265,7 @@ class HostWalks:
             call.priority,
         )
         namespace = key.namespace
-        native = tree._native  # the compiled walk when built (reads keys and children only)
+        # The compiled walk when built (reads keys and children only).
         walk = native.walk if native is not None else descend
         path, pos, partial = walk(root, page_bytes, namespace, data, end, None)
         child = None

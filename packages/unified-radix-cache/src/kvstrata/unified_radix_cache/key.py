@@ -57,6 +57,9 @@ class RadixKey:
         )
 
     def __len__(self) -> int:
+        data = self.cached_bytes
+        if data is not None:  # the engine's key: its bytes are known (a few calls per request)
+            return len(data) >> 3
         ids = self.token_ids
         if isinstance(ids, torch.Tensor):
             return int(ids.numel())

@@ -1,6 +1,7 @@
-"""The compiled hot paths of the radix tree (`radix_core.c`, `radix_evict.c`, `radix_locks.c`,
-compiled as one file): the walk for every tree, match, slot check, eviction loop and lock walks
-for a Full-only device tree; and their contract.
+"""The compiled hot paths of the radix tree (`radix_core.c`, `radix_evict.c`, `radix_insert.c`,
+`radix_locks.c`, compiled as one file): the walk for every tree, match, slot check, eviction
+loop and lock walks for a Full-only device tree, the match and insert of a Full-only tree with
+a host tier; and their contract.
 
 `native_core()` returns the extension module built from the three parts joined
 (`kvstrata.pool.native.joined_source`) by `kvstrata.pool.native.native_extension` (system C
@@ -20,6 +21,13 @@ answers; tests/test_radix_native.py compares both paths on random operations):
   tree with a host tier (`HostWalks.match`): the same walk, split and touch as `match`; the
   leading path nodes with device slots are the device hit (their slots joined, None when
   none), the keys of the rest (off the device, on the host) the host hit's bytes.
+- `insert_tiered(tree, heap, checker, revive, node_type, no_children, namespace, data, end,
+  slots, cached_len, priority)` (radix_insert.c): `HostWalks.insert_full` of a Full-only tree
+  of the exact classes without events in one call (the walk, the slot check, the split, the
+  revives, the new leaf or the end node's re-key; the same hooks called in the same order);
+  returns the six fields of its `InsertResult`, or None, changing nothing, for the cases the
+  Python walk words (events on, a revive inside the cached prefix, a cached_len past the held
+  prefix).
 - `evict(heap, amount, page, page_bytes, root, no_children, pending, removed, cut,
   progress, held)`: the loop of `FullComponent._evict` with `tree.remove_leaf` / `truncate_leaf`
   inlined, for a Full-only device tree without events (no hook, journal or event to run):
@@ -61,6 +69,7 @@ from kvstrata.unified_radix_cache.policies import LeafHeap
 from kvstrata.unified_radix_cache.walk import SplitFn
 
 if TYPE_CHECKING:
+    from kvstrata.unified_radix_cache.slot_checks import SlotChecker
     from kvstrata.unified_radix_cache.tree_internals import TreeInternals
 
 Slots = npt.NDArray[np.int64]
@@ -71,7 +80,14 @@ Cut = list[tuple[TreeNode, Slots, bytes, list[bytes] | None]]
 
 #: The C parts, joined in this order into one file (each under the 700-line limit).
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("radix_core.c", "radix_evict.c", "radix_locks.c")
+    Path(__file__).with_name(name)
+    for name in (
+        "radix_core.c",
+        "radix_evict.c",
+        # radix_insert.c: the tiered insert (before radix_locks.c, which lists its method)
+        "radix_insert.c",
+        "radix_locks.c",
+    )
 )
 
 
@@ -119,6 +135,25 @@ class RadixCore(Protocol):
             npt.NDArray[np.int32] | Literal[False] | None,
         ],
         tuple[int, int, bytearray | None],
+    ]
+    #: (tree, device heap, checker, revive, node type, NO_CHILDREN, namespace, data, end, slots,
+    #: cached_len, priority) -> InsertResult's fields, or None for the Python walk
+    insert_tiered: Callable[
+        [
+            TreeInternals,
+            LeafHeap,
+            SlotChecker | None,
+            Callable[[TreeNode, Slots], None],
+            type[TreeNode],
+            object,
+            Namespace | None,
+            bytes,
+            int,
+            Slots,
+            int,
+            int,
+        ],
+        tuple[int, int, TreeNode, tuple[tuple[int, int], ...], tuple[str, ...], int] | None,
     ]
     #: (anchor, root, leaf heap members) -> tokens locked, or None for a foreign anchor
     lock_path: Callable[[TreeNode, TreeNode, dict[int, TreeNode]], int | None]

@@ -1,8 +1,8 @@
 /* Compiled hot paths of the Full-only device tree (kvstrata.unified_radix_cache.native_core).
 
-Part 1 of 3: native_core.py joins radix_core.c (names, walks, slot check), radix_evict.c (the
-leaf heap and the eviction loop) and radix_locks.c (lock walks, method table, module init)
-into one file. Built at first use by kvstrata.pool.native.native_extension as the extension
+Part 1 of 4: native_core.py joins radix_core.c (names, walks, slot check), radix_evict.c (the
+leaf heap and the eviction loop), radix_insert.c (the tiered insert) and radix_locks.c (lock
+walks, method table, module init) into one file. Built at first use by kvstrata.pool.native.native_extension as the extension
 module `_kvstrata_radix_core`; without it the tree runs the Python code these functions mirror
 (walk.descend, SlotChecker.check), giving the same answers. They read the TreeNode objects
 through their attributes (slots), so a wrong object raises AttributeError / TypeError /

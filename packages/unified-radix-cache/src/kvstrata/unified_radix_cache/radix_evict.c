@@ -1,5 +1,5 @@
-/* Part 2 of the compiled radix core (native_core.py joins radix_core.c, radix_evict.c and
-   radix_locks.c, in that order, into one C file): the leaf heap and Full's eviction loop. */
+/* Part 2 of the compiled radix core (native_core.py joins radix_core.c, radix_evict.c,
+   radix_insert.c and radix_locks.c, in that order, into one C file): the leaf heap and Full's eviction loop. */
 
 /* The top live entry's node of LeafHeap `heap` (new reference), popping stale entries as
    LeafHeap.peek does; NULL without an error when the heap is empty. *entry_out: its entry. */

@@ -1,5 +1,5 @@
-/* Part 3 of the compiled radix core (after radix_core.c and radix_evict.c): the lock and
-   unlock walks, the method table and the module init. */
+/* Part 4 of the compiled radix core (after radix_core.c, radix_evict.c and radix_insert.c):
+   the lock and unlock walks, the method table and the module init. */
 
 /* The lock count of `node` (a non-negative int attribute) into *out; -1 with an error set
    when it is not one. */
@@ -210,6 +210,8 @@ static PyMethodDef methods[] = {
      "lock_path(anchor, root, members) -> tokens moved to protected, or None"},
     {"unlock_path", (PyCFunction)(void (*)(void))unlock_path, METH_FASTCALL,
      "unlock_path(anchor, heap) -> tokens moved back to evictable"},
+    /* radix_insert.c */
+    INSERT_METHODS
     {NULL, NULL, 0, NULL},
 };
 
@@ -241,6 +243,8 @@ PyMODINIT_FUNC PyInit__kvstrata_radix_core(void)
     heappop = PyObject_GetAttrString(heapq, "heappop");
     Py_DECREF(heapq);
     if (heappop == NULL)
+        return NULL;
+    if (insert_init() < 0)  /* radix_insert.c */
         return NULL;
     return PyModule_Create(&module);
 }

@@ -358,7 +358,10 @@ class UnifiedRadixCache:
             return InsertResult(0, 0, root, cached_len=cached_len)
         checker = self._slot_checker
         if self._slow:  # hybrid.py: components or a host tier
-            call = InsertCall(key, data, end, slots, cached_len, priority, comp_inputs)
+            # Every field given: built without the generated `__new__`'s frame (per insert).
+            call = new_result(
+                InsertCall, (key, data, end, slots, cached_len, priority, comp_inputs)
+            )
             return insert_slow(self, call, checker)
         # Full-only fast path: the one walk, then two attribute writes per node (no hook call).
         namespace = key.namespace
