@@ -34,6 +34,7 @@ from kvstrata.testkit.trees import make_tree
 from kvstrata.unified_radix_cache import BlockStored, RadixKey
 from kvstrata.unified_radix_cache.errors import ForeignNode, InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache, HostSlots, _TreeHostSlots
+from kvstrata.unified_radix_cache.key_chain import Chain
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 P = 4
@@ -250,21 +251,25 @@ def test_prefetch_probes_one_page_before_hashing_the_rest(
     keyer = h.cache.keyer
     hashed: list[int] = []
     real = keyer.page_keys
-    real_chain = keyer.chain
 
     def counting(tokens: object, **kw: object) -> list[bytes]:
         got = real(tokens, **kw)  # type: ignore[arg-type]
         hashed.append(len(got))
         return got
 
-    def counting_chain(tokens: npt.NDArray[np.int64], parent: bytes) -> list[bytes]:
-        got = real_chain(tokens, parent)
-        hashed.append(len(got))
-        return got
+    def counting_chain(chain: Chain) -> Chain:
+        def count(tokens: npt.NDArray[np.int64] | bytes, parent: bytes) -> list[bytes]:
+            got = chain(tokens, parent)
+            hashed.append(len(got))
+            return got
 
-    # The tiers hash through the unchecked `chain`; either way every page hashed is counted.
+        return count
+
+    # The tiers hash through the unchecked chain (`key_chain.chain_of(keyer)`, held by the
+    # prefetcher and the host tier's key log); either way every page hashed is counted.
     monkeypatch.setattr(keyer, "page_keys", counting)
-    monkeypatch.setattr(keyer, "chain", counting_chain)
+    for holder in (h.cache.prefetcher, h.cache.tier._log):
+        monkeypatch.setattr(holder, "_chain", counting_chain(holder._chain))
     other = RadixKey([1000 + t for t in range(8 * P)])  # never stored
     m = h.cache.match_prefix(other)
     assert m.prefetch_id is None and hashed == [1]
