@@ -43,6 +43,7 @@ from typing import TypeAlias, cast
 from kvstrata.hybrid_cache.group import PoolGroup
 from kvstrata.hybrid_cache.metrics import ControllerStats, Direction, FaultReason
 from kvstrata.hybrid_cache.ops import AckStatus, OpKind, PrefetchPolicy
+from kvstrata.hybrid_cache.page_sums import PageSums, page_sums_module
 from kvstrata.hybrid_cache.restore import RestoreKind, restorable_pages
 from kvstrata.storage import Storage
 
@@ -120,10 +121,13 @@ class StorageRunner:
     call_timeout_s: float | None
     verify_checksums: bool
     _page_bytes: dict[str, int] = field(init=False)
+    #: The compiled checksums of a batch (page_sums.py), or None: the Python ones.
+    _sums: PageSums | None = field(init=False)
 
     def __post_init__(self) -> None:
         group = self.group
         self._page_bytes = {name: group.page_bytes(name) for name in group.member_names}
+        self._sums = page_sums_module() if self.verify_checksums else None
 
     # --- prefetch --------------------------------------------------------------------------------
 
@@ -293,7 +297,10 @@ class StorageRunner:
             # Every page's CRC is compared by C-level maps (a missing page's too: its flag is
             # False either way).
             ok = list(map(operator.and_, ok, found[num:]))
-            agree = map(operator.eq, page_checksums(target.buffers), map(bytes, sums))
+            if self._sums is not None:
+                agree = self._sums.crc32_agree(target.buffers, sums, False)
+            else:
+                agree = list(map(operator.eq, page_checksums(target.buffers), map(bytes, sums)))
             intact = list(map(operator.and_, ok, agree))
             corrupt = ok.count(True) - intact.count(True)
             if corrupt:
@@ -454,7 +461,10 @@ class StorageRunner:
             # Pages first, then their checksums: a reader trusts a page only with its checksum,
             # and a page whose checksum write failed is reported not stored.
             keys = keys + checksum_keys(keys)
-            buffers = views + list(map(memoryview, page_checksums(views)))
+            if self._sums is not None:
+                buffers = views + self._sums.crc32_views(views, False)
+            else:
+                buffers = views + list(map(memoryview, page_checksums(views)))
         start = time.perf_counter()
         try:
             # Trusted: the tier's own page keys (bytes), flat byte views of host pages and of
