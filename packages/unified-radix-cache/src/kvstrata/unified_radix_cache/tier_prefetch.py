@@ -162,15 +162,15 @@ class TierPrefetcher:
             core.tier.unlock(receipt)
             core.counters.prefetches_skipped += 1
             return None
-        host_pages: dict[str, list[int | None]] = {
-            FULL: list[int | None]((slots.numpy()[::page] // page).tolist())
-        }
+        # `tolist` makes new lists of ints: typed by annotation, not copied by a
+        # `list[int | None](...)` call (which alone costs several times the list's).
+        full: list[int | None] = (slots.numpy()[::page] // page).tolist()
+        host_pages: dict[str, list[int | None]] = {FULL: full}
         for leg in legs:
             if leg.host is not None:
                 unit = core.comp_page_tokens[leg.name]
-                host_pages[leg.name] = [None] * leg.first + list[int | None](
-                    (leg.host[::unit] // unit).tolist()
-                )
+                part: list[int | None] = (leg.host[::unit] // unit).tolist()
+                host_pages[leg.name] = [None] * leg.first + part
         op = PrefetchOp(
             keys=keys,
             host_pages=host_pages,
