@@ -9,8 +9,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-import numpy as np
-import numpy.typing as npt
 import pytest
 import torch
 
@@ -34,7 +32,6 @@ from kvstrata.testkit.trees import make_tree
 from kvstrata.unified_radix_cache import BlockStored, RadixKey
 from kvstrata.unified_radix_cache.errors import ForeignNode, InvalidConfig
 from kvstrata.unified_radix_cache.hierarchy import HierarchicalCache, HostSlots, _TreeHostSlots
-from kvstrata.unified_radix_cache.key_chain import Chain
 from kvstrata.unified_radix_cache.tiers import TierParams, WritePolicy
 
 P = 4
@@ -252,24 +249,22 @@ def test_prefetch_probes_one_page_before_hashing_the_rest(
     hashed: list[int] = []
     real = keyer.page_keys
 
-    def counting(tokens: object, **kw: object) -> list[bytes]:
-        got = real(tokens, **kw)  # type: ignore[arg-type]
-        hashed.append(len(got))
-        return got
-
-    def counting_chain(chain: Chain) -> Chain:
-        def count(tokens: npt.NDArray[np.int64] | bytes, parent: bytes) -> list[bytes]:
-            got = chain(tokens, parent)
+    def counted(hash_pages: Callable[..., list[bytes]]) -> Callable[..., list[bytes]]:
+        def count(*args: object, **kw: object) -> list[bytes]:
+            got = hash_pages(*args, **kw)
             hashed.append(len(got))
             return got
 
         return count
 
-    # The tiers hash through the unchecked chain (`key_chain.chain_of(keyer)`, held by the
-    # prefetcher and the host tier's key log); either way every page hashed is counted.
-    monkeypatch.setattr(keyer, "page_keys", counting)
-    for holder in (h.cache.prefetcher, h.cache.tier._log):
-        monkeypatch.setattr(holder, "_chain", counting_chain(holder._chain))
+    # Every page hashed is counted: by the keyer's `page_keys` and by the unchecked chains the
+    # tiers hash through (`key_chain.chain_of(keyer)`: the prefetcher's, the host tier's log's).
+    for holder, name in (
+        (keyer, "page_keys"),
+        (h.cache.prefetcher, "_chain"),
+        (h.cache.tier._log, "_chain"),
+    ):
+        monkeypatch.setattr(holder, name, counted(getattr(holder, name)))
     other = RadixKey([1000 + t for t in range(8 * P)])  # never stored
     m = h.cache.match_prefix(other)
     assert m.prefetch_id is None and hashed == [1]
