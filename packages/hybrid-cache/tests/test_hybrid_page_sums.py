@@ -6,7 +6,6 @@ made inside `native.disabled()` does. Bad input is refused with an exception."""
 
 from __future__ import annotations
 
-import time
 import zlib
 
 import pytest
@@ -14,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstrata.hybrid_cache import AckStatus, PrefetchPolicy
-from kvstrata.hybrid_cache.metrics import ControllerStats
 from kvstrata.hybrid_cache.page_sums import page_sums_module
 from kvstrata.hybrid_cache.storage_io import (
     BackupTask,
@@ -26,7 +24,7 @@ from kvstrata.hybrid_cache.storage_io import (
 from kvstrata.pool import native
 from kvstrata.pool_host import HostLayout
 from kvstrata.storage import MemoryStorage, PageKeyer
-from kvstrata.testkit.tiers import SHAPES, Shape, Tiers, make_tiers
+from kvstrata.testkit.tiers import SHAPES, Shape, Tiers, make_tiers, storage_runner
 
 MODULE = page_sums_module()
 needs_module = pytest.mark.skipif(MODULE is None, reason="no compiled page sums (no compiler?)")
@@ -82,15 +80,8 @@ def test_bad_input_is_refused_with_an_exception() -> None:
 def _runner(
     tiers: Tiers, storage: MemoryStorage, acks: list[tuple[int, AckStatus, int]]
 ) -> StorageRunner:
-    return StorageRunner(
-        group=tiers.group,
-        storage=storage,
-        stats=ControllerStats(),
-        finish=lambda op, status, done, _error: acks.append((op, status, done)),
-        clock=time.monotonic,
-        batch_pages=3,
-        call_timeout_s=None,
-        verify_checksums=True,
+    return storage_runner(
+        tiers, storage, lambda op, status, done, _: acks.append((op, status, done)), batch_pages=3
     )
 
 
