@@ -54,6 +54,7 @@ from kvstrata.testkit.tiers import (
     make_tiers,
     page_indices,
     snapshot,
+    storage_runner,
 )
 
 TIMEOUT_S = 10.0
@@ -713,15 +714,11 @@ def _runner(
     *,
     batch_pages: int,
 ) -> StorageRunner:
-    return StorageRunner(
-        group=tiers.group,
-        storage=storage,
-        stats=ControllerStats(),
-        finish=lambda op, status, done, error: acks.__setitem__(op, (status, done, error)),
-        clock=time.monotonic,
+    return storage_runner(
+        tiers,
+        storage,
+        lambda op, status, done, error: acks.__setitem__(op, (status, done, error)),
         batch_pages=batch_pages,
-        call_timeout_s=None,
-        verify_checksums=True,
     )
 
 

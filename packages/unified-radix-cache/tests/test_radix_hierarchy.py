@@ -9,8 +9,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-import numpy as np
-import numpy.typing as npt
 import pytest
 import torch
 
@@ -250,21 +248,23 @@ def test_prefetch_probes_one_page_before_hashing_the_rest(
     keyer = h.cache.keyer
     hashed: list[int] = []
     real = keyer.page_keys
-    real_chain = keyer.chain
 
-    def counting(tokens: object, **kw: object) -> list[bytes]:
-        got = real(tokens, **kw)  # type: ignore[arg-type]
-        hashed.append(len(got))
-        return got
+    def counted(hash_pages: Callable[..., list[bytes]]) -> Callable[..., list[bytes]]:
+        def count(*args: object, **kw: object) -> list[bytes]:
+            got = hash_pages(*args, **kw)
+            hashed.append(len(got))
+            return got
 
-    def counting_chain(tokens: npt.NDArray[np.int64], parent: bytes) -> list[bytes]:
-        got = real_chain(tokens, parent)
-        hashed.append(len(got))
-        return got
+        return count
 
-    # The tiers hash through the unchecked `chain`; either way every page hashed is counted.
-    monkeypatch.setattr(keyer, "page_keys", counting)
-    monkeypatch.setattr(keyer, "chain", counting_chain)
+    # Every page hashed is counted: by the keyer's `page_keys` and by the unchecked chains the
+    # tiers hash through (`key_chain.chain_of(keyer)`: the prefetcher's, the host tier's log's).
+    for holder, name in (
+        (keyer, "page_keys"),
+        (h.cache.prefetcher, "_chain"),
+        (h.cache.tier._log, "_chain"),
+    ):
+        monkeypatch.setattr(holder, name, counted(getattr(holder, name)))
     other = RadixKey([1000 + t for t in range(8 * P)])  # never stored
     m = h.cache.match_prefix(other)
     assert m.prefetch_id is None and hashed == [1]

@@ -43,6 +43,7 @@ from typing import TypeAlias, cast
 from kvstrata.hybrid_cache.group import PoolGroup
 from kvstrata.hybrid_cache.metrics import ControllerStats, Direction, FaultReason
 from kvstrata.hybrid_cache.ops import AckStatus, OpKind, PrefetchPolicy
+from kvstrata.hybrid_cache.page_sums import PageSums, page_sums_module
 from kvstrata.hybrid_cache.restore import RestoreKind, restorable_pages
 from kvstrata.storage import Storage
 
@@ -120,10 +121,13 @@ class StorageRunner:
     call_timeout_s: float | None
     verify_checksums: bool
     _page_bytes: dict[str, int] = field(init=False)
+    #: The compiled checksums of a batch (page_sums.py), or None: the Python ones.
+    _sums: PageSums | None = field(init=False)
 
     def __post_init__(self) -> None:
         group = self.group
         self._page_bytes = {name: group.page_bytes(name) for name in group.member_names}
+        self._sums = page_sums_module() if self.verify_checksums else None
 
     # --- prefetch --------------------------------------------------------------------------------
 
@@ -245,15 +249,16 @@ class StorageRunner:
             self.stats.count_fault(FaultReason.ERROR)
             return 0, exc
 
-    def _exists_keys(self, page_keys: list[bytes]) -> int:
+    def _exists_keys(self, page_keys: list[bytes], sum_keys: list[bytes] | None = None) -> int:
         """How many of `page_keys` (non-empty), from the first, are stored (with their
-        checksums). Trusted storage call: the keys are the tier's own page keys (bytes)."""
+        checksums, whose keys `sum_keys` are when the caller made them already). Trusted
+        storage call: the keys are the tier's own page keys (bytes)."""
         if not self.verify_checksums:
             return self.storage.batch_exists(page_keys, trusted=True)
         # Each page key followed by its checksum's, interleaved by two slice assignments in C.
         keys = page_keys * 2
         keys[::2] = page_keys
-        keys[1::2] = checksum_keys(page_keys)
+        keys[1::2] = checksum_keys(page_keys) if sum_keys is None else sum_keys
         return self.storage.batch_exists(keys, trusted=True) // 2
 
     def _get(self, name: str, batch: list[_Slot]) -> tuple[list[bool], BaseException | None]:
@@ -293,7 +298,10 @@ class StorageRunner:
             # Every page's CRC is compared by C-level maps (a missing page's too: its flag is
             # False either way).
             ok = list(map(operator.and_, ok, found[num:]))
-            agree = map(operator.eq, page_checksums(target.buffers), map(bytes, sums))
+            if self._sums is not None:
+                agree = self._sums.crc32_agree(target.buffers, sums, False)
+            else:
+                agree = list(map(operator.eq, page_checksums(target.buffers), map(bytes, sums)))
             intact = list(map(operator.and_, ok, agree))
             corrupt = ok.count(True) - intact.count(True)
             if corrupt:
@@ -383,10 +391,15 @@ class StorageRunner:
         errors: dict[int, BaseException] = {}
         keys: list[bytes] = []
         pages: list[int] = []
+        # The checksum keys of `keys` (with checksums on), made once per task for its
+        # batch_exists and kept for the batch_set of its pages not stored yet.
+        sum_keys: list[bytes] = []
+        checked = self.verify_checksums
         for task in tasks:
             task_keys = self.group.storage_keys(name, task.keys)
+            task_sums = checksum_keys(task_keys) if checked else None
             try:
-                found = self._exists_keys(task_keys) if task_keys else 0
+                found = self._exists_keys(task_keys, task_sums) if task_keys else 0
             except Exception as exc:  # this op fails alone; the batch goes on
                 logger.warning("backup: batch_exists raised", exc_info=True)
                 self.stats.count_fault(FaultReason.ERROR)
@@ -396,13 +409,18 @@ class StorageRunner:
             self.stats.count_backup_skipped(found)
             lo = len(keys)
             keys += task_keys[found:]
+            if task_sums is not None:
+                sum_keys += task_sums[found:]
             pages += cast("tuple[int, ...]", task.pages[name])[found:]
             spans.append((found, lo, len(keys)))
         stored: list[bool] = []
         chunk_errors: list[tuple[int, int, BaseException]] = []
         step = self.batch_pages
         for lo in range(0, len(keys), step):
-            ok, error = self._set_pages(name, keys[lo : lo + step], pages[lo : lo + step])
+            chunk_sums = sum_keys[lo : lo + step] if checked else None
+            ok, error = self._set_pages(
+                name, keys[lo : lo + step], pages[lo : lo + step], chunk_sums
+            )
             stored += ok
             if error is not None:
                 chunk_errors.append((lo, lo + step, error))
@@ -435,26 +453,32 @@ class StorageRunner:
         return ok, error
 
     def _set_pages(
-        self, name: str, keys: list[bytes], pages: list[int]
+        self, name: str, keys: list[bytes], pages: list[int], sum_keys: list[bytes] | None
     ) -> tuple[list[bool], BaseException | None]:
-        """`_set` of pages of one member: `keys[k]` is stored from host page `pages[k]`."""
-        ok, error, num_ok, seconds = self._store(keys, self.group.set_sources(name, pages))
+        """`_set` of pages of one member: `keys[k]` is stored from host page `pages[k]`
+        (`sum_keys`: their checksum keys, when made already)."""
+        views = self.group.set_sources(name, pages)
+        ok, error, num_ok, seconds = self._store(keys, views, sum_keys)
         if error is None:
             self._count_set(num_ok, num_ok * self._page_bytes[name], seconds)
         return ok, error
 
     def _store(
-        self, keys: list[bytes], views: list[memoryview]
+        self, keys: list[bytes], views: list[memoryview], sum_keys: list[bytes] | None = None
     ) -> tuple[list[bool], BaseException | None, int, float]:
-        """One batch_set of `views` under `keys` (and their checksums): per page whether it is
-        stored, the call's error, the pages stored and the call's seconds."""
+        """One batch_set of `views` under `keys` (and their checksums, under `sum_keys` when
+        the caller made them already): per page whether it is stored, the call's error, the
+        pages stored and the call's seconds."""
         num = len(keys)
         buffers = views
         if self.verify_checksums:
             # Pages first, then their checksums: a reader trusts a page only with its checksum,
             # and a page whose checksum write failed is reported not stored.
-            keys = keys + checksum_keys(keys)
-            buffers = views + list(map(memoryview, page_checksums(views)))
+            keys = keys + (checksum_keys(keys) if sum_keys is None else sum_keys)
+            if self._sums is not None:
+                buffers = views + self._sums.crc32_views(views, False)
+            else:
+                buffers = views + list(map(memoryview, page_checksums(views)))
         start = time.perf_counter()
         try:
             # Trusted: the tier's own page keys (bytes), flat byte views of host pages and of

@@ -14,6 +14,7 @@ checks every hit against the stand-in forward (`write_prefix_kv`, `write_prefix_
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal, TypeVar, get_args
@@ -34,6 +35,8 @@ from kvstrata.build import (
 )
 from kvstrata.hybrid_cache import ControllerParams, HybridPool, PoolGroup
 from kvstrata.hybrid_cache.group import AnyHostPool
+from kvstrata.hybrid_cache.metrics import ControllerStats
+from kvstrata.hybrid_cache.storage_io import Finish, StorageRunner
 from kvstrata.pool import MambaPool, MHAKVPool
 from kvstrata.pool_host import HostLayout
 from kvstrata.storage import PageKeyer, Storage
@@ -157,6 +160,24 @@ def _seed_pools(hosts: Mapping[str, AnyHostPool], seed: int) -> None:
     """Seeded noise in every byte of every member's device pool (member i: seed * 10 + i)."""
     for i, host in enumerate(hosts.values()):
         fill_random_bytes(host.device_pool, seed=seed * 10 + i)
+
+
+def storage_runner(
+    tiers: Tiers, storage: Storage, finish: Finish, *, batch_pages: int
+) -> StorageRunner:
+    """A `StorageRunner` over `tiers`' group and `storage` (checksums on, no call timeout, its
+    own stats) that hands each op's ack to `finish(op_id, status, pages done, error)`: a test
+    runs prefetch and backup tasks through it on its own thread."""
+    return StorageRunner(
+        group=tiers.group,
+        storage=storage,
+        stats=ControllerStats(),
+        finish=finish,
+        clock=time.monotonic,
+        batch_pages=batch_pages,
+        call_timeout_s=None,
+        verify_checksums=True,
+    )
 
 
 def page_indices(pages: list[int], page_size: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import msgpack
 from kvstrata.storage.keys import PageKeyer
 from kvstrata.unified_radix_cache.errors import EventDecodeError
 from kvstrata.unified_radix_cache.key import Namespace
+from kvstrata.unified_radix_cache.key_chain import chain_of
 
 if TYPE_CHECKING:
     from kvstrata.unified_radix_cache.node import TreeNode
@@ -129,6 +130,9 @@ class EventLog:
 
     def __init__(self, keyer: PageKeyer) -> None:
         self.keyer = keyer
+        # `keyer.chain`, compiled where it can be (key_chain.py): every backup hashes its
+        # new pages here.
+        self._chain = chain_of(keyer)
         self._queue: list[KVEvent] = []
 
     def page_keys(self, tree: PagedTree, node: TreeNode) -> list[bytes]:
@@ -153,9 +157,9 @@ class EventLog:
                     extra_key=None if ns is None else ns.extra_key,
                     cache_salt=None if ns is None else ns.cache_salt,
                 )
-            # Unchecked hashing (`PageKeyer.chain`): a node's tokens are the int64 ids of a
-            # key validated when it entered the tree, and the parent key is this keyer's.
-            item.page_keys = keyer.chain(item.tokens(), parent_key)
+            # Unchecked hashing (`PageKeyer.chain`): a node's key is the native int64 bytes of
+            # ids validated when they entered the tree, and the parent key is this keyer's.
+            item.page_keys = self._chain(item.key, parent_key)
         assert node.page_keys is not None
         return node.page_keys
 

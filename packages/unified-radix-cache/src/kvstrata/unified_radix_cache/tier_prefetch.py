@@ -29,6 +29,7 @@ from kvstrata.hybrid_cache import (
 from kvstrata.unified_radix_cache.components.transfer import TransferLeg
 from kvstrata.unified_radix_cache.errors import ForeignNode
 from kvstrata.unified_radix_cache.key import RadixKey
+from kvstrata.unified_radix_cache.key_chain import chain_of
 from kvstrata.unified_radix_cache.node import TreeNode
 from kvstrata.unified_radix_cache.tier_core import (
     FULL,
@@ -47,6 +48,8 @@ class TierPrefetcher:
     def __init__(self, core: TierCore, writer: TierWriter) -> None:
         self._core = core
         self._writer = writer
+        # The keyer's chain (`PageKeyer.chain`), compiled where it can be (key_chain.py).
+        self._chain = chain_of(core.keyer)
         # Prefetches a poll committed before their `finish`: op id -> tokens committed,
         # oldest first, at most UNTAKEN_PREFETCHES (dropped when `finish` takes them).
         self._untaken_prefetches: OrderedDict[int, int] = OrderedDict()
@@ -109,8 +112,9 @@ class TierPrefetcher:
             return None
         keyer = self._core.keyer
         # The chain goes on from the host prefix's last page key (the seed of the key's
-        # namespace at the root). Unchecked hashing (`PageKeyer.chain`): the key's tokens were
-        # validated when it entered the cache, and the parent key is this keyer's.
+        # namespace at the root). Unchecked hashing (`PageKeyer.chain`, `self._chain`): the
+        # key's tokens were validated when it entered the cache, and the parent key is this
+        # keyer's.
         parent = (
             self._core.tier.last_page_key(anchor)
             if start
@@ -122,9 +126,9 @@ class TierPrefetcher:
             self._core.counters.prefetches_skipped += 1
             return None
         if first is None:
-            keys = keyer.chain(tokens, parent)
+            keys = self._chain(tokens, parent)
         else:  # the probe hashed the first page: the chain goes on from its key
-            keys = [first, *keyer.chain(tokens[page:], first)]
+            keys = [first, *self._chain(tokens[page:], first)]
         core = self._core
         for transfer in core.transfers.values():
             num_pages = transfer.prefetch_pages(core, anchor, start, keys[:num_pages])
@@ -158,15 +162,15 @@ class TierPrefetcher:
             core.tier.unlock(receipt)
             core.counters.prefetches_skipped += 1
             return None
-        host_pages: dict[str, list[int | None]] = {
-            FULL: list[int | None]((slots.numpy()[::page] // page).tolist())
-        }
+        # `tolist` makes new lists of ints: typed by annotation, not copied by a
+        # `list[int | None](...)` call (which alone costs several times the list's).
+        full: list[int | None] = (slots.numpy()[::page] // page).tolist()
+        host_pages: dict[str, list[int | None]] = {FULL: full}
         for leg in legs:
             if leg.host is not None:
                 unit = core.comp_page_tokens[leg.name]
-                host_pages[leg.name] = [None] * leg.first + list[int | None](
-                    (leg.host[::unit] // unit).tolist()
-                )
+                part: list[int | None] = (leg.host[::unit] // unit).tolist()
+                host_pages[leg.name] = [None] * leg.first + part
         op = PrefetchOp(
             keys=keys,
             host_pages=host_pages,
@@ -215,7 +219,7 @@ class TierPrefetcher:
             or core.transfers  # components with their own parts: they bound the prefetch first
         ):
             return None
-        first = core.keyer.chain(first_page, parent)[0]
+        first = self._chain(first_page, parent)[0]
         # Trusted: a key of the tier's own keyer (bytes).
         if (
             storage.batch_exists([core.controller.group.storage_key(FULL, first)], trusted=True)

@@ -266,7 +266,10 @@ class TierWriter:
         parent = tail[0] if first else None
         # NumPy on the host slots of the pages from `start` on (the nodes they span only).
         pages = run_above(node, num_keys * page - start, host=True)[::page] // page
-        host_pages: dict[str, list[int | None]] = {FULL: list[int | None](pages.tolist())}
+        # `tolist` makes a new list of ints: no copy into a `list[int | None](...)` (whose call
+        # alone costs several times the list's).
+        full: list[int | None] = pages.tolist()
+        host_pages: dict[str, list[int | None]] = {FULL: full}
         comp_pages: list[tuple[str, tuple[int, ...]]] = []
         for name, transfer in self._core.transfers.items():
             part = transfer.backup_pages(self._core, node, first, num_keys)
