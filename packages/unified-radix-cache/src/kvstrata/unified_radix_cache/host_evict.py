@@ -7,6 +7,17 @@ does the general path's steps in the same order (journal records, heap pops and 
 events, sizes, frees), with the per-node helper calls inlined: same victims, same order, same
 errors and the same roll-back (the tree's `EvictJournal` sees the same records). They serve
 only a tree of the exact classes (`serves`).
+
+Why `evict_host_full` stays Python (measured 2026-12-03, issue 11): its loop compiled beside
+radix_evict.c (the same steps through the C API's attribute calls, the heap pushes still
+method calls) cost the same per call as this loop in the `bench tiers` host run (6,160 calls,
+26,139 nodes: 49-57 us per call compiled, 46-56 us here, paired rounds, thread CPU, load
+6-9 on 2 cores) and moved neither loop's process CPU (host 3.94 s vs 3.86 s, storage 10.0 s
+vs 9.7 s, medians of 4 and 3 rounds). A node's cost is cold memory the C code touches too
+(the host heap's `heappop` over tuples of ints, about 2 us a pop, the node, its parent's
+children), and `PyObject_GetAttr` is likely no faster than Python 3.11's specialised slot
+reads (not timed apart). The host free after the loop (about 30-45 us a call there) costs
+more than the loop's own code.
 """
 
 from __future__ import annotations
